@@ -1,0 +1,5 @@
+"""`python -m normexp` is the `normexp` command."""
+
+from normexp.cli import main
+
+main()

@@ -1,0 +1,192 @@
+"""The `normexp` command line: parse, load the config, call one core function, print with Rich.
+
+Exit codes: 0 every run finished; 1 some run failed; 2 bad usage, bad config or an output folder in
+use; 130 interrupted (finished runs kept: rerunning the same command resumes).
+torch and pandas are imported inside the commands that need them, so `normexp --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Sweep, load_sweep
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_show_locals=False,
+    help="Where and which normalization makes a deep residual network trainable without warmup.",
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class Exit:
+    OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
+
+
+def fail(message: str, code: int = Exit.USAGE) -> typer.Exit:
+    """Print `message` to stderr (no traceback) and return the Exit to raise."""
+    err.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _load(config: Path, overrides: list[str], max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:
+    try:
+        return load_sweep(config, overrides, max_runs)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+
+
+@app.command()
+def sweep(
+    config: Annotated[Path, typer.Argument(help="Sweep YAML file (see configs/).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded grid; run nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Redo runs that are already finished.")] = False,
+    engine: Annotated[str, typer.Option(help="auto | reference | batched.")] = "auto",
+    device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+    fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed run.")] = False,
+    max_runs: Annotated[int, typer.Option(help="Refuse grids larger than this.")] = DEFAULT_MAX_RUNS,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+) -> None:
+    """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
+    spec = _load(config, set_ or [], max_runs)
+    _check_choice("--engine", engine, ("auto", "reference", "batched"))
+    _check_choice("--device", device, ("cpu", "cuda"))
+    target = out_dir or Path("runs") / spec.name
+    if dry_run:
+        _print_grid(spec)
+        return
+    if device == "cuda":
+        _require_cuda()
+    outcome = _run(spec, target, engine, device, force, fail_fast, quiet)
+    if not quiet:
+        _print_report(target)
+        out.print(f"{outcome.count('completed', 'diverged')} ran, {outcome.count('skipped')} already done, "
+                  f"{outcome.failed} failed · results in {target}")
+    if outcome.failed:
+        raise typer.Exit(Exit.FAILED)
+
+
+def _run(spec: Sweep, target: Path, engine: str, device: str, force: bool, fail_fast: bool, quiet: bool):
+    from normexp.store import StoreError
+    from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+
+    options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast)
+    try:
+        with _progress(len(spec.runs), quiet) as on_event:
+            return run_sweep(spec, target, options, on_event)
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    except SweepInterrupted as exc:
+        signal.signal(signal.SIGINT, lambda *_: os._exit(Exit.INTERRUPTED))  # a second Ctrl-C: out now
+        done = exc.outcome.count("completed", "diverged", "skipped")
+        resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
+        err.print(f"interrupted: {done} of {exc.outcome.total} runs finished and kept in {target}.\n"
+                  f"Resume with: {resume}")
+        raise typer.Exit(Exit.INTERRUPTED) from None
+
+
+def _progress(total: int, quiet: bool):
+    from normexp.progress import sweep_progress
+
+    return sweep_progress(out, total, quiet)
+
+
+def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise fail(f"{option}: must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise fail("--device cuda: no CUDA device is available to this torch build")
+
+
+def _print_grid(spec: Sweep) -> None:
+    from rich.table import Table
+
+    from normexp.store import run_id
+
+    keys = spec.varying_keys
+    table = Table(title=f"{spec.name}: {len(spec.runs)} runs")
+    table.add_column("run_id")
+    for key in keys:
+        table.add_column(key)
+    for cfg in spec.runs:
+        flat = cfg.model_dump(mode="json")
+        table.add_row(run_id(cfg), *(str(_dotted(flat, k)) for k in keys))
+    out.print(table)
+
+
+def _dotted(data: dict, key: str) -> object:
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+def _print_report(run_dir: Path) -> None:
+    from normexp.report import build_report, to_rich
+    from normexp.results import ResultsError
+
+    try:
+        out.print(to_rich(build_report(run_dir)))
+    except ResultsError as exc:
+        err.print(str(exc))
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A sweep's output folder.")],
+    steps: Annotated[str | None, typer.Option(help="Comma-separated steps [default: the sweep's].")] = None,
+    metric: Annotated[str, typer.Option(help="loss | acc | grad_norm | lr.")] = "loss",
+    by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
+) -> None:
+    """Print the article-style table of a finished (or partly finished) sweep, from disk."""
+    from normexp.report import build_report, to_csv, to_markdown, to_rich
+    from normexp.results import ResultsError
+
+    _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
+    _check_choice("--format", fmt, ("table", "markdown", "csv"))
+    try:
+        step_list = [int(s) for s in steps.split(",")] if steps else None
+    except ValueError:
+        raise fail(f"--steps: expected comma-separated integers, got {steps!r}") from None
+    keys = [k.strip() for k in by.split(",")] if by else None
+    try:
+        table = build_report(run_dir, step_list, metric, keys)
+    except (ResultsError, KeyError) as exc:
+        raise fail(str(exc).strip("'")) from None
+    if fmt == "table":
+        out.print(to_rich(table))
+    else:
+        sys.stdout.write(to_markdown(table) if fmt == "markdown" else to_csv(table))
+
+
+@app.command()
+def validate(
+    config: Annotated[Path, typer.Argument(help="Sweep YAML file.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
+) -> None:
+    """Check a sweep file (and --set values) without running anything."""
+    spec = _load(config, set_ or [])
+    out.print(f"{config}: ok · sweep '{spec.name}' · {len(spec.runs)} runs")
+
+
+def main() -> None:
+    """Entry point of the `normexp` script and `python -m normexp`."""
+    app()

@@ -1,0 +1,114 @@
+"""The normalization layers, and `make_norm()`: the only place a norm kind's name maps to a class.
+
+All normalize over the last dimension. Formulas follow SPEC §3 and shared/seeds/001:
+
+- `layernorm`      torch.nn.LayerNorm(d, eps): centre, divide by std, gain and bias (Ba et al. 2016).
+- `rmsnorm`        weight * x / sqrt(mean(x^2) + eps), the article's own code, op for op, so that
+                   normexp reproduces the article's losses bit for bit (Zhang & Sennrich 2019).
+- `rmsnorm_torch`  torch.nn.RMSNorm(d, eps) (PyTorch >= 2.4).
+- `rmsnorm_llama`  float32 x * rsqrt(mean(x^2) + eps), cast back to the input dtype, then * weight
+                   (HF LlamaRMSNorm: the upcast keeps fp16 from overflowing at |x| > 256).
+- `rmsnorm_gemma`  weight initialised to 0; float32 x * rsqrt(mean(x^2) + eps) * (1 + weight), then
+                   cast back (HF GemmaRMSNorm: the weight multiplies before the cast).
+- `prmsnorm`       partial RMSNorm: RMS from the first k = max(1, int(d * p)) features, eps added
+                   outside the square root (Zhang & Sennrich 2019, section 4).
+- `scalenorm`      g * x / max(||x||, eps), one scalar g = sqrt(d) at init (Nguyen & Salazar 2019).
+
+None of them draws random numbers at init, so the choice of norm never shifts the model's random
+initialisation (SPEC §1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from normexp.config import NormConfig
+
+
+class RMSNorm(nn.Module):
+    """The article's RMSNorm: weight * x / sqrt(mean(x^2) + eps)."""
+
+    def __init__(self, d: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x / x.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
+
+
+class LlamaRMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back to the input dtype before the weight (LLaMA / HF)."""
+
+    def __init__(self, d: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.type_as(x)
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm with a zero-initialised weight applied as (1 + weight), in float32 (Gemma / HF)."""
+
+    def __init__(self, d: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class PartialRMSNorm(nn.Module):
+    """pRMSNorm: the RMS is estimated from the first k features; eps is added to the RMS itself."""
+
+    def __init__(self, d: int, eps: float = 1e-5, fraction: float = 0.0625) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+        self.k = max(1, int(d * fraction))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rms = x[..., : self.k].pow(2).mean(-1, keepdim=True).sqrt()
+        return self.weight * x / (rms + self.eps)
+
+
+class ScaleNorm(nn.Module):
+    """ScaleNorm: one learned scalar g (sqrt(d) at init) times x / max(||x||_2, eps)."""
+
+    def __init__(self, d: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(math.sqrt(d)))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g * x / x.norm(dim=-1, keepdim=True).clamp(min=self.eps)
+
+
+def make_norm(d: int, cfg: NormConfig) -> nn.Module:
+    """Build the norm `cfg.kind` over `d` features with `cfg.eps`."""
+    kind = cfg.kind
+    if kind == "layernorm":
+        return nn.LayerNorm(d, eps=cfg.eps)
+    if kind == "rmsnorm":
+        return RMSNorm(d, cfg.eps)
+    if kind == "rmsnorm_torch":
+        return nn.RMSNorm(d, eps=cfg.eps)
+    if kind == "rmsnorm_llama":
+        return LlamaRMSNorm(d, cfg.eps)
+    if kind == "rmsnorm_gemma":
+        return GemmaRMSNorm(d, cfg.eps)
+    if kind == "prmsnorm":
+        return PartialRMSNorm(d, cfg.eps, cfg.prms_fraction)
+    if kind == "scalenorm":
+        return ScaleNorm(d, cfg.eps)
+    raise ValueError(f"unknown norm kind {kind!r}")

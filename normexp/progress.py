@@ -1,0 +1,41 @@
+"""Turn a sweep's events into what the user sees: a Rich progress bar on a terminal, one plain line
+per run otherwise (logs, CI), nothing with --quiet. The core never imports this module."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from normexp.sweep import EventCallback, SweepEvent
+
+
+def _line(event: SweepEvent) -> str:
+    loss = f" final loss {event.final_loss:.4f}" if event.final_loss is not None else ""
+    detail = f": {event.error}" if event.error else ""
+    return f"[{event.done}/{event.total}] {event.run_id} {event.status or event.kind}{loss}{detail}"
+
+
+@contextlib.contextmanager
+def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventCallback]:
+    if quiet:
+        yield lambda event: None
+        return
+    if not console.is_terminal:
+        def plain(event: SweepEvent) -> None:
+            if event.kind != "skipped":
+                console.print(_line(event), markup=False)
+        yield plain
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("runs", total=total)
+
+        def bar(event: SweepEvent) -> None:
+            progress.update(task, completed=event.done)
+            if event.kind == "failed":
+                progress.console.print(_line(event), markup=False)
+        yield bar

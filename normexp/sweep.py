@@ -1,0 +1,173 @@
+"""Run a sweep: lock the output folder, skip finished runs, dispatch the rest to an engine, record.
+
+The sweep process is the only writer of its output folder. It
+
+1. takes the folder's lock (a second sweep into the same folder fails at once),
+2. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
+3. hands those to the engine, writing each run's folder as its result arrives,
+4. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
+
+Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
+A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
+sweep retries it) and the sweep goes on, unless `fail_fast`. On KeyboardInterrupt the finished runs
+stay finished, the summary is written, and `SweepInterrupted` carries the outcome to the caller.
+"""
+
+from __future__ import annotations
+
+import errno
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from normexp.config import RunConfig, Sweep
+from normexp.store import (
+    SWEEP_FILE,
+    FinishedRun,
+    StoreError,
+    SweepLock,
+    atomic_write,
+    is_done,
+    run_id,
+    write_failed,
+    write_run,
+    write_summary,
+)
+
+T = TypeVar("T")
+EngineName = Literal["auto", "reference", "batched"]
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    engine: EngineName = "auto"
+    device: str = "cpu"
+    force: bool = False
+    fail_fast: bool = False
+
+
+@dataclass(frozen=True)
+class SweepEvent:
+    """One thing that happened to one run: skipped (already done), finished, or failed."""
+
+    kind: Literal["skipped", "finished", "failed"]
+    run_id: str
+    done: int  # runs accounted for so far, this one included
+    total: int
+    status: str = ""
+    final_loss: float | None = None
+    error: str = ""
+
+
+@dataclass
+class SweepOutcome:
+    out_dir: Path
+    total: int
+    statuses: dict[str, str] = field(default_factory=dict)  # run_id -> completed|diverged|failed|skipped|...
+    interrupted: bool = False
+
+    def count(self, *statuses: str) -> int:
+        return sum(1 for s in self.statuses.values() if s in statuses)
+
+    @property
+    def failed(self) -> int:
+        return self.count("failed", "crashed")
+
+
+class SweepInterrupted(Exception):
+    """Ctrl-C during a sweep: finished runs are kept, the summary is written."""
+
+    def __init__(self, outcome: SweepOutcome) -> None:
+        super().__init__("sweep interrupted")
+        self.outcome = outcome
+
+
+EventCallback = Callable[[SweepEvent], None]
+RunOutcome = tuple[RunConfig, "FinishedRun | BaseException"]
+
+
+def reference_engine(runs: Sequence[RunConfig], device: str) -> Iterator[RunOutcome]:
+    """Train runs one at a time with the reference loop; a run that raises yields its exception."""
+    from normexp.train import train_run
+
+    for cfg in runs:
+        try:
+            result = train_run(cfg, device=device)
+        except Exception as exc:  # noqa: BLE001 - one bad run must not stop the sweep
+            yield cfg, exc
+            continue
+        yield cfg, FinishedRun(result.metrics, result.status, result.wall_s, result.threads,
+                               result.engine, device)
+
+
+def pick_engine(name: EngineName) -> Callable[[Sequence[RunConfig], str], Iterator[RunOutcome]]:
+    if name in ("auto", "reference"):
+        return reference_engine
+    raise StoreError(f"--engine {name}: not available in this version")
+
+
+def _describe_error(exc: BaseException) -> str:
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
+              on_event: EventCallback | None = None) -> SweepOutcome:
+    """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
+    out_dir = Path(out_dir)
+    outcome = SweepOutcome(out_dir, len(sweep.runs))
+    emit = on_event or (lambda event: None)
+    with SweepLock(out_dir):
+        _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
+        pending = []
+        for cfg in sweep.runs:
+            if not options.force and is_done(out_dir / run_id(cfg), cfg):
+                outcome.statuses[run_id(cfg)] = "skipped"
+                emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
+            else:
+                pending.append(cfg)
+        try:
+            _execute(pending, out_dir, options, outcome, emit)
+        except KeyboardInterrupt:
+            outcome.interrupted = True
+            for cfg in pending:
+                outcome.statuses.setdefault(run_id(cfg), "interrupted")
+            _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+            raise SweepInterrupted(outcome) from None
+        _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+    return outcome
+
+
+def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, outcome: SweepOutcome,
+             emit: EventCallback) -> None:
+    engine = pick_engine(options.engine)
+    for cfg, result in engine(pending, options.device):
+        rid = run_id(cfg)
+        if isinstance(result, BaseException):
+            error = _describe_error(result)
+            _write_or_explain(write_failed, out_dir / rid, cfg, "failed", error)
+            outcome.statuses[rid] = "failed"
+            emit(SweepEvent("failed", rid, len(outcome.statuses), outcome.total, "failed", error=error))
+            if options.fail_fast:
+                return
+            continue
+        done = _write_or_explain(write_run, out_dir / rid, cfg, result)
+        outcome.statuses[rid] = done["status"]
+        emit(SweepEvent("finished", rid, len(outcome.statuses), outcome.total, done["status"],
+                        done["final_loss"]))
+
+
+def _write_or_explain(write: Callable[..., T], *args: object) -> T:
+    """Call `write(*args)`; turn a full disk or a read-only folder into a StoreError saying what to do."""
+    try:
+        return write(*args)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise StoreError(f"disk full while writing {exc.filename or 'results'}: free some space and "
+                             "rerun the same command; finished runs are kept") from None
+        if exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise StoreError(f"cannot write {exc.filename}: {exc.strerror}") from None
+        raise

@@ -1,0 +1,111 @@
+"""The reference engine: one run, the plain training loop, the definition of correct.
+
+    torch.manual_seed(seed); model = Net(...); X, y = task    # the article's order of random draws
+    for step in 0..S:
+        loss = cross_entropy(model(X), y)                       # recorded: step, loss, acc, lr, grad_norm
+        backward; set lr = optim.lr * lr_multiplier(step + 1); optimizer.step()   (not after step S)
+
+The loop reports each recorded step through an optional callback and returns a `RunResult`; it prints
+nothing. A non-finite loss is recorded as it is and marks the run diverged; with
+`train.stop_on_nonfinite` (the default) the run stops there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from normexp.config import RunConfig
+from normexp.data import make_task
+from normexp.model import Net
+from normexp.optim import build_optimizer, lr_multiplier
+
+METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")
+
+
+@dataclass
+class RunResult:
+    """What one run produced: its metric columns (one entry per recorded step) and how it ended."""
+
+    metrics: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in METRIC_COLUMNS})
+    diverged: bool = False
+    wall_s: float = 0.0
+    threads: int = 1
+    engine: str = "reference"
+
+    @property
+    def losses(self) -> list[float]:
+        return self.metrics["loss"]
+
+    @property
+    def status(self) -> str:
+        return "diverged" if self.diverged else "completed"
+
+    def record(self, step: int, loss: float, acc: float, lr: float, grad_norm: float) -> None:
+        for column, value in zip(METRIC_COLUMNS, (step, loss, acc, lr, grad_norm)):
+            self.metrics[column].append(value)
+
+
+StepCallback = Callable[[int, float], None]
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[int]:
+    """Run with `threads` intra-op threads (None: leave torch's setting); yields the count in force."""
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def grad_norm(params: list[torch.nn.Parameter]) -> float:
+    """The global L2 norm of all gradients (what clip_grad_norm_ would see)."""
+    norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+
+
+def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None = None) -> RunResult:
+    """Train one run of `cfg` on `device` and return every recorded step's metrics."""
+    start = time.perf_counter()
+    with torch_threads(cfg.train.threads) as threads:
+        result = RunResult(threads=threads)
+        torch.manual_seed(cfg.seed)
+        model = Net(cfg.model, cfg.norm)  # built on the CPU: the same weights on every device
+        task = make_task(cfg.data, cfg.model)
+        model.to(device)
+        x, y = task.x.to(device), task.y.to(device)
+        params = list(model.parameters())
+        optimizer = build_optimizer(params, cfg.optim)
+        steps = cfg.train.steps
+        for step in range(steps + 1):
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            loss_value = loss.item()
+            acc = (logits.argmax(-1) == y).float().mean().item()
+            lr = cfg.optim.lr * lr_multiplier(step + 1, cfg.schedule, steps)
+            finite = math.isfinite(loss_value)
+            result.diverged |= not finite
+            if not finite and cfg.train.stop_on_nonfinite:
+                result.record(step, loss_value, acc, lr, math.nan)
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            result.record(step, loss_value, acc, lr, grad_norm(params))
+            if on_step is not None:
+                on_step(step, loss_value)
+            if step < steps:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+    result.wall_s = time.perf_counter() - start
+    return result

@@ -1,0 +1,38 @@
+"""Shared fixtures: small configs that train in milliseconds, and the article transcription."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/article_toy.py
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def write_yaml(tmp_path: Path):
+    """Write a YAML string to a file under tmp_path and return its path."""
+
+    def write(text: str, name: str = "sweep.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    return write
+
+
+SMALL_SWEEP = """\
+name: small
+base:
+  model: {depth: 4, width: 8}
+  optim: {name: adam, lr: 0.01}
+  train: {steps: 5}
+grid:
+  norm.placement: [post, pre]
+  norm.kind: [layernorm, rmsnorm]
+seeds: [0, 1]
+report: {steps: [0, 1, 5]}
+"""

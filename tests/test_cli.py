@@ -1,0 +1,141 @@
+"""End to end through the command line: Typer's CliRunner, and real processes where it matters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+from article_toy import train_losses
+from conftest import REPO, SMALL_SWEEP
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.results import load_metrics, load_summary
+
+runner = CliRunner()
+
+
+def normexp(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_sweep_writes_the_run_directory_contract(write_yaml, tmp_path):
+    out = tmp_path / "out"
+    result = normexp("sweep", write_yaml(SMALL_SWEEP), "--out", out)
+    assert result.exit_code == 0, result.output
+    assert (out / "sweep.yaml").is_file() and (out / "summary.csv").is_file()
+    summary = load_summary(out)
+    assert len(summary) == 8 and set(summary["status"]) == {"completed"}
+    for rid in summary["run_id"]:
+        assert {p.name for p in (out / rid).iterdir()} == {"config.yaml", "metrics.csv", "done.json"}
+        assert json.loads((out / rid / "done.json").read_text())["threads"] >= 1
+    metrics = pd.read_csv(out / summary["run_id"][0] / "metrics.csv")
+    assert list(metrics.columns) == ["step", "loss", "acc", "lr", "grad_norm"]
+    assert list(metrics["step"]) == [0, 1, 2, 3, 4, 5]
+    assert "Post-LN" in result.output and "Pre-RMS" in result.output and "±" in result.output
+
+
+def test_metrics_read_back_bit_exact(write_yaml, tmp_path):
+    out = tmp_path / "out"
+    assert normexp("sweep", write_yaml(SMALL_SWEEP), "--out", out, "-q").exit_code == 0
+    tidy = load_metrics(out)
+    run = tidy[(tidy["norm.placement"] == "pre") & (tidy["norm.kind"] == "layernorm") & (tidy["seed"] == 1)]
+    assert list(run["loss"]) == train_losses("Pre", "LN", 4, 8, 5, 0.01, seed=1)
+
+
+def test_hidden_style_check_other_configs_through_sweep(write_yaml, tmp_path):
+    """Other depths, widths, lrs, steps and seeds through `normexp sweep`: identical to the article's code."""
+    path = write_yaml("name: other\nbase: {model: {depth: 6, width: 16}, train: {steps: 7}}\n"
+                      "grid: {norm.placement: [post, pre], norm.kind: [layernorm, rmsnorm], optim.lr: [0.02, 0.003]}\n"
+                      "seeds: [3, 11]\n")
+    out = tmp_path / "out"
+    assert normexp("sweep", path, "--out", out, "-q").exit_code == 0
+    tidy = load_metrics(out)
+    for (placement, kind, lr, seed), run in tidy.groupby(["norm.placement", "norm.kind", "optim.lr", "seed"]):
+        expected = train_losses(placement.capitalize(), "LN" if kind == "layernorm" else "RMS", 6, 16, 7, lr,
+                                seed=seed)
+        assert list(run.sort_values("step")["loss"]) == expected
+
+
+def test_rerun_skips_finished_runs_and_force_redoes(write_yaml, tmp_path):
+    path, out = write_yaml(SMALL_SWEEP), tmp_path / "out"
+    normexp("sweep", path, "--out", out, "-q")
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/done.json")}
+    result = normexp("sweep", path, "--out", out)
+    assert result.exit_code == 0 and "0 ran, 8 already done" in result.output
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/done.json")} == stamps
+    result = normexp("sweep", path, "--out", out, "--force")
+    assert "8 ran, 0 already done" in result.output
+
+
+def test_changed_config_never_reuses_results(write_yaml, tmp_path):
+    path, out = write_yaml(SMALL_SWEEP), tmp_path / "out"
+    normexp("sweep", path, "--out", out, "-q")
+    result = normexp("sweep", path, "--out", out, "--set", "optim.lr=0.02")
+    assert "8 ran, 0 already done" in result.output
+    assert set(load_summary(out)["optim.lr"]) == {0.02}
+
+
+def test_dry_run_prints_the_grid_and_writes_nothing(write_yaml, tmp_path):
+    out = tmp_path / "out"
+    result = normexp("sweep", write_yaml(SMALL_SWEEP), "--out", out, "--dry-run", "--set", "optim.lr=0.1,0.2")
+    assert result.exit_code == 0
+    assert "16 runs" in result.output and "optim.lr" in result.output and "norm.kind" in result.output
+    assert not out.exists()
+
+
+def test_report_from_disk_in_three_formats(write_yaml, tmp_path):
+    out = tmp_path / "out"
+    normexp("sweep", write_yaml(SMALL_SWEEP), "--out", out, "-q")
+    table = normexp("report", out)
+    assert table.exit_code == 0 and "Post-LN" in table.output
+    markdown = normexp("report", out, "--format", "markdown", "--steps", "0,5")
+    lines = markdown.output.splitlines()
+    assert "| step | Post-LN | Post-RMS | Pre-LN | Pre-RMS |" in lines
+    assert sum(line.startswith("| 0 |") or line.startswith("| 5 |") for line in lines) == 2
+    csv_out = normexp("report", out, "--format", "csv")
+    assert csv_out.output.splitlines()[0] == "variant,step,loss_mean,loss_std,n,verdict"
+
+
+def test_validate(write_yaml):
+    assert "ok" in normexp("validate", write_yaml(SMALL_SWEEP)).output
+    result = normexp("validate", write_yaml("name: t\nbase: {optim: {lr: -1}}\n"))
+    assert result.exit_code == 2 and "base.optim.lr: must be > 0" in result.output
+
+
+def test_bad_config_exit_2_no_traceback_nothing_written(write_yaml, tmp_path):
+    out = tmp_path / "out"
+    result = normexp("sweep", write_yaml("name: t\nbase: {optim: {lrr: 0.1}}\n"), "--out", out)
+    assert result.exit_code == 2
+    assert "base.optim.lrr: unknown key (did you mean 'lr'?)" in result.output
+    assert "Traceback" not in result.output and not out.exists()
+
+
+def test_bad_options_exit_2(write_yaml, tmp_path):
+    path = write_yaml(SMALL_SWEEP)
+    assert normexp("sweep", path, "--engine", "fast").exit_code == 2
+    assert normexp("sweep", path, "--set", "optim.lr").exit_code == 2
+    assert normexp("report", tmp_path).exit_code == 2
+    assert normexp("sweep", tmp_path / "missing.yaml").exit_code == 2
+
+
+def test_python_dash_m_and_help_are_instant():
+    """`python -m normexp --help` works and never imports torch or pandas."""
+    code = ("import sys, runpy; sys.argv = ['normexp', '--help']\n"
+            "try:\n    runpy.run_module('normexp', run_name='__main__')\nexcept SystemExit: pass\n"
+            "assert 'torch' not in sys.modules and 'pandas' not in sys.modules, 'heavy import'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "sweep" in result.stdout and "report" in result.stdout
+
+
+def test_python_dash_m_runs_the_sweep(write_yaml, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "normexp", "sweep", str(write_yaml(SMALL_SWEEP)),
+                             "--out", str(out), "--set", "norm.kind=rmsnorm"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "[1/4]" in result.stdout  # plain progress lines when not a terminal
+    assert len(list(Path(out).glob("*/done.json"))) == 4

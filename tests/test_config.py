@@ -1,0 +1,155 @@
+"""Config loading: defaults, grid expansion, --set, and a clear error naming the key for bad input."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO, SMALL_SWEEP
+
+from normexp.config import ConfigError, RunConfig, build_sweep, load_sweep, parse_set, parse_yaml, run_keys
+
+
+def test_article_sweep_expands_to_the_four_runs():
+    sweep = load_sweep(REPO / "configs" / "warmup.yaml")
+    assert sweep.name == "warmup"
+    assert [(r.norm.placement, r.norm.kind) for r in sweep.runs] == [
+        ("post", "layernorm"), ("post", "rmsnorm"), ("pre", "layernorm"), ("pre", "rmsnorm")]
+    run = sweep.runs[0]
+    assert (run.model.depth, run.model.width, run.optim.name, run.optim.lr, run.train.steps, run.seed) == (
+        32, 32, "adam", 0.01, 30, 0)
+    assert run.schedule.kind == "constant" and run.schedule.warmup_steps == 0
+    assert sweep.report.steps == [0, 1, 2, 3, 5, 10, 20, 30]
+
+
+def test_every_field_has_a_default():
+    cfg = RunConfig()
+    assert cfg.model.depth == 32 and cfg.norm.eps == 1e-5 and cfg.data.n_samples == 64
+
+
+def test_run_keys_are_dotted_paths():
+    keys = run_keys()
+    assert {"norm.placement", "optim.lr", "schedule.warmup_steps", "train.threads", "seed"} <= set(keys)
+
+
+def test_grid_product_then_seeds(write_yaml):
+    sweep = load_sweep(write_yaml(SMALL_SWEEP))
+    assert len(sweep.runs) == 8
+    assert [(r.norm.placement, r.norm.kind, r.seed) for r in sweep.runs[:3]] == [
+        ("post", "layernorm", 0), ("post", "layernorm", 1), ("post", "rmsnorm", 0)]
+    assert sweep.varying_keys == ["norm.placement", "norm.kind", "seed"]
+
+
+def test_set_adds_and_replaces_axes(write_yaml):
+    path = write_yaml(SMALL_SWEEP)
+    sweep = load_sweep(path, ["optim.lr=0.1,1e-3", "norm.kind=rmsnorm", "seeds=5"])
+    assert [r.optim.lr for r in sweep.runs] == [0.1, 0.001, 0.1, 0.001]
+    assert {r.norm.kind for r in sweep.runs} == {"rmsnorm"}
+    assert {r.seed for r in sweep.runs} == {5}
+
+
+def test_set_keeps_list_values_together():
+    assert parse_set("optim.betas=[0.9,0.99],[0.8,0.9]") == ("optim.betas", [[0.9, 0.99], [0.8, 0.9]])
+
+
+def test_yaml12_floats():
+    assert parse_yaml("lr: 1e-3") == {"lr": 0.001}
+
+
+def test_resolved_sweep_round_trips(write_yaml):
+    sweep = load_sweep(write_yaml(SMALL_SWEEP), ["optim.lr=0.1,0.2"])
+    again = build_sweep(parse_yaml(sweep.to_yaml()))
+    assert again.runs == sweep.runs
+
+
+def test_duplicate_runs_are_kept_once(write_yaml):
+    sweep = load_sweep(write_yaml(SMALL_SWEEP), ["optim.lr=0.1,0.1"])
+    assert len(sweep.runs) == 8
+
+
+def test_base_seed_is_used_without_seeds(write_yaml):
+    sweep = load_sweep(write_yaml("name: x\nbase: {seed: 7, train: {steps: 1}}\n"))
+    assert [r.seed for r in sweep.runs] == [7]
+
+
+GOOD = "name: t\nbase:\n  optim: {lr: 0.01}\n"
+
+BAD_FILES = {
+    "unknown top-level key": ("name: t\nbse: {}\n", "bse: unknown key (did you mean 'base'?)"),
+    "unknown section key": ("name: t\nbase: {optim: {lrr: 0.1}}\n", "base.optim.lrr: unknown key (did you mean 'lr'?)"),
+    "unknown section": ("name: t\nbase: {optimizer: {}}\n", "base.optimizer: unknown key (did you mean 'optim'?)"),
+    "wrong type": ("name: t\nbase: {model: {depth: deep}}\n", "base.model.depth: must be an integer"),
+    "string number": ("name: t\nbase: {model: {depth: '32'}}\n", "base.model.depth: must be an integer"),
+    "bool as int": ("name: t\nbase: {model: {depth: true}}\n", "base.model.depth: must be an integer"),
+    "lr zero": ("name: t\nbase: {optim: {lr: 0}}\n", "base.optim.lr: must be > 0"),
+    "lr negative": ("name: t\nbase: {optim: {lr: -0.1}}\n", "base.optim.lr: must be > 0"),
+    "lr inf": ("name: t\nbase: {optim: {lr: .inf}}\n", "base.optim.lr: must be a finite number"),
+    "lr nan": ("name: t\nbase: {optim: {lr: .nan}}\n", "base.optim.lr: must be a finite number"),
+    "depth zero": ("name: t\nbase: {model: {depth: 0}}\n", "base.model.depth: must be >= 1"),
+    "width zero": ("name: t\nbase: {model: {width: 0}}\n", "base.model.width: must be >= 1"),
+    "steps negative": ("name: t\nbase: {train: {steps: -1}}\n", "base.train.steps: must be >= 0"),
+    "warmup negative": ("name: t\nbase: {schedule: {kind: cosine, warmup_steps: -5}}\n",
+                        "base.schedule.warmup_steps: must be >= 0"),
+    "unknown placement": ("name: t\nbase: {norm: {placement: psot}}\n",
+                          "base.norm.placement: must be one of"),
+    "unknown kind": ("name: t\nbase: {norm: {kind: rmsnrom}}\n", "(did you mean 'rmsnorm'?)"),
+    "unknown optimizer": ("name: t\nbase: {optim: {name: adamx}}\n", "base.optim.name: must be one of"),
+    "unknown schedule": ("name: t\nbase: {schedule: {kind: step}}\n", "base.schedule.kind: must be one of"),
+    "warmup with constant": ("name: t\nbase: {schedule: {warmup_steps: 10}}\n",
+                             "base.schedule: warmup_steps has no effect with kind 'constant'"),
+    "grid value out of range": ("name: t\ngrid: {optim.lr: [0.1, -1]}\n", "grid.optim.lr: must be > 0"),
+    "grid unknown key": ("name: t\ngrid: {optim.lrr: [0.1]}\n",
+                         "grid.optim.lrr: unknown key (did you mean 'optim.lr'?)"),
+    "grid not a list": ("name: t\ngrid: {optim.lr: 0.1}\n", "grid.optim.lr: must be a list"),
+    "grid empty list": ("name: t\ngrid: {optim.lr: []}\n", "grid.optim.lr: the list is empty"),
+    "seeds empty": ("name: t\nseeds: []\n", "seeds: the list is empty"),
+    "seed negative": ("name: t\nseeds: [-1]\n", "seeds.0: must be >= 0"),
+    "duplicate key": ("name: t\nbase: {}\nbase: {}\n", "base: duplicate key (line 3)"),
+    "nested duplicate key": ("name: t\nbase:\n  optim: {lr: 0.1, lr: 0.2}\n", "lr: duplicate key"),
+    "malformed": ("name: t\nbase: {optim: [}\n", "malformed YAML"),
+    "unsafe tag": ("name: !!python/object/apply:os.system ['true']\n", "unsafe YAML"),
+    "empty file": ("", "the file is empty"),
+    "comments only": ("# nothing\n", "the file is empty"),
+    "not a mapping": ("- a\n- b\n", "must be a mapping"),
+    "scalar document": ("42\n", "must be a mapping"),
+    "missing name": ("base: {}\n", "name: required key is missing"),
+    "name escapes folder": ("name: ../../etc\n", "name: must be letters, digits"),
+    "name absolute": ("name: /tmp/x\n", "name: must be letters, digits"),
+    "base not a mapping": ("name: t\nbase: [1, 2]\n", "base: must be a mapping"),
+    "betas wrong length": ("name: t\nbase: {optim: {betas: [0.9]}}\n", "base.optim.betas"),
+    "betas out of range": ("name: t\nbase: {optim: {betas: [0.9, 1.5]}}\n", "base.optim.betas.1: must be <= 1"),
+    "report column unknown": ("name: t\nreport: {columns: [norm.plcement]}\n", "report.columns: unknown key"),
+    "seed as grid key": ("name: t\ngrid: {seed: [1, 2]}\n", "grid.seed: seeds are set with the 'seeds' list"),
+    "grid key lookalike": ("name: t\ngrid: {seed_list: [1]}\n", "grid.seed_list: unknown key"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_file_names_the_key(write_yaml, case):
+    text, expected = BAD_FILES[case]
+    with pytest.raises(ConfigError) as info:
+        load_sweep(write_yaml(text))
+    assert expected in str(info.value)
+
+
+BAD_SETS = {
+    "no equals": ("optim.lr", "--set optim.lr: expected KEY=VALUE"),
+    "no values": ("optim.lr=", "--set optim.lr: no values given"),
+    "unknown key": ("optim.lrr=0.1", "--set optim.lrr: unknown key (did you mean 'optim.lr'?)"),
+    "bad value": ("optim.lr=0,0.1", "grid.optim.lr: must be > 0"),
+    "bad type": ("model.depth=two", "grid.model.depth: must be an integer"),
+    "bad placement": ("norm.placement=middle", "grid.norm.placement: must be one of"),
+    "malformed list": ("optim.betas=[0.9", "--set optim.betas: malformed YAML"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETS))
+def test_bad_set_names_the_key(write_yaml, case):
+    option, expected = BAD_SETS[case]
+    with pytest.raises(ConfigError) as info:
+        load_sweep(write_yaml(GOOD), [option])
+    assert expected in str(info.value)
+
+
+def test_max_runs_guards_absurd_grids(write_yaml):
+    with pytest.raises(ConfigError, match="expands to 1000000 runs, more than --max-runs"):
+        load_sweep(write_yaml(GOOD), ["seeds=" + ",".join(map(str, range(1000))),
+                                      "optim.lr=" + ",".join(str(0.001 * (i + 1)) for i in range(1000))])
