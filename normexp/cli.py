@@ -49,7 +49,7 @@ def _load(config: Path, overrides: list[str], max_runs: int = DEFAULT_MAX_RUNS) 
 
 @app.command()
 def sweep(
-    config: Annotated[Path, typer.Argument(help="Sweep YAML file (see configs/).")],
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file (see configs/).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded grid; run nothing.")] = False,
@@ -84,18 +84,32 @@ def _run(spec: Sweep, target: Path, engine: str, device: str, force: bool, fail_
     from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
 
     options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast)
+    previous = signal.signal(signal.SIGINT, _interrupt_once)
     try:
         with _progress(len(spec.runs), quiet) as on_event:
             return run_sweep(spec, target, options, on_event)
     except StoreError as exc:
         raise fail(str(exc)) from None
     except SweepInterrupted as exc:
-        signal.signal(signal.SIGINT, lambda *_: os._exit(Exit.INTERRUPTED))  # a second Ctrl-C: out now
         done = exc.outcome.count("completed", "diverged", "skipped")
         resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
         err.print(f"interrupted: {done} of {exc.outcome.total} runs finished and kept in {target}.\n"
                   f"Resume with: {resume}")
         raise typer.Exit(Exit.INTERRUPTED) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+_interrupted = False
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """First Ctrl-C: stop the sweep cleanly (KeyboardInterrupt). Second: exit at once."""
+    global _interrupted
+    if _interrupted:
+        os._exit(Exit.INTERRUPTED)
+    _interrupted = True
+    raise KeyboardInterrupt
 
 
 def _progress(total: int, quiet: bool):
@@ -150,7 +164,7 @@ def _print_report(run_dir: Path) -> None:
 
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="A sweep's output folder.")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.")],
     steps: Annotated[str | None, typer.Option(help="Comma-separated steps [default: the sweep's].")] = None,
     metric: Annotated[str, typer.Option(help="loss | acc | grad_norm | lr.")] = "loss",
     by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
@@ -179,7 +193,7 @@ def report(
 
 @app.command()
 def validate(
-    config: Annotated[Path, typer.Argument(help="Sweep YAML file.")],
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
 ) -> None:
     """Check a sweep file (and --set values) without running anything."""

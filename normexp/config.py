@@ -209,6 +209,8 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         mark = exc.problem_mark
         where = f" (line {mark.line + 1})" if mark else ""
         raise ConfigError(f"{source}: unsupported or unsafe YAML: {exc.problem}{where}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: malformed YAML: nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

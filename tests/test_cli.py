@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 from article_toy import train_losses
 from conftest import REPO, SMALL_SWEEP
+from test_config import BAD_FILES, BAD_SETS, GOOD
 from typer.testing import CliRunner
 
 from normexp.cli import app
@@ -139,3 +140,32 @@ def test_python_dash_m_runs_the_sweep(write_yaml, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "[1/4]" in result.stdout  # plain progress lines when not a terminal
     assert len(list(Path(out).glob("*/done.json"))) == 4
+
+
+def test_every_bad_file_exits_2_naming_the_key_and_writes_nothing(tmp_path):
+    for case, (text, expected) in BAD_FILES.items():
+        config, out = tmp_path / f"{len(case)}.yaml", tmp_path / "out"
+        config.write_text(text)
+        result = normexp("sweep", config, "--out", out)
+        assert result.exit_code == 2, case
+        assert expected in result.output and "Traceback" not in result.output, case
+        assert not out.exists(), case
+
+
+def test_every_bad_set_exits_2_naming_the_key_and_writes_nothing(write_yaml, tmp_path):
+    config, out = write_yaml(GOOD), tmp_path / "out"
+    for case, (option, expected) in BAD_SETS.items():
+        result = normexp("sweep", config, "--out", out, "--set", option)
+        assert result.exit_code == 2 and expected in result.output and not out.exists(), case
+
+
+def test_max_runs_option(write_yaml, tmp_path):
+    result = normexp("sweep", write_yaml(SMALL_SWEEP), "--out", tmp_path / "o", "--max-runs", "4")
+    assert result.exit_code == 2 and "expands to 8 runs, more than --max-runs 4" in result.output
+
+
+def test_out_that_is_a_file(write_yaml, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = normexp("sweep", write_yaml(SMALL_SWEEP), "--out", blocker / "sub")
+    assert result.exit_code == 2 and "cannot use as the output folder" in result.output

@@ -1,0 +1,205 @@
+"""Sweeps never lose work: SIGKILL and resume, Ctrl-C, two sweeps into one folder, divergence,
+failing runs, a full disk. Real processes where signals matter."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp import store, train
+from normexp.cli import app
+from normexp.results import load_metrics, load_summary
+
+SLOW_SWEEP = """\
+name: slow
+base:
+  model: {depth: 16, width: 32}
+  train: {steps: 30}
+grid:
+  norm.placement: [post, pre]
+  optim.lr: [0.01, 0.003]
+seeds: [0, 1, 2, 3]
+"""
+
+runner = CliRunner()
+
+
+def start_sweep(config: Path, out: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "normexp", "sweep", str(config), "--out", str(out), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_done(out: Path, count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("*/done.json"))) < count:
+        assert time.monotonic() < deadline, "the sweep made no progress"
+        time.sleep(0.02)
+
+
+def losses_by_run(out: Path) -> dict[str, list[float]]:
+    tidy = load_metrics(out)
+    return {rid: list(run.sort_values("step")["loss"]) for rid, run in tidy.groupby("run_id")}
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> tuple[Path, Path]:
+    """The same sweep, run once without interruption."""
+    folder = tmp_path_factory.mktemp("clean")
+    config = folder / "slow.yaml"
+    config.write_text(SLOW_SWEEP)
+    proc = start_sweep(config, folder / "out", "-q")
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    return config, folder / "out"
+
+
+def test_sigkill_then_resume_equals_a_clean_run(clean_run, tmp_path):
+    config, clean_out = clean_run
+    out = tmp_path / "out"
+    proc = start_sweep(config, out, "-q")
+    wait_for_done(out, 5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("*/done.json")}
+    assert 5 <= len(finished) < 16
+    resumed = start_sweep(config, out)  # the dead sweep's lock is taken over
+    stdout, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stderr
+    assert f"{16 - len(finished)} ran, {len(finished)} already done" in stdout
+    assert {rid: (out / rid / "done.json").stat().st_mtime_ns for rid in finished} == finished  # not redone
+    assert losses_by_run(out) == losses_by_run(clean_run[1])
+    assert set(load_summary(out)["status"]) == {"completed"}
+    assert not list(out.glob("**/.*.tmp-*"))  # no temporary file left behind
+
+
+def test_sigint_keeps_finished_runs_and_says_how_to_resume(clean_run, tmp_path):
+    config, clean_out = clean_run
+    out = tmp_path / "out"
+    proc = start_sweep(config, out, "-q")
+    wait_for_done(out, 3)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Resume with: normexp sweep" in stderr and "Traceback" not in stderr
+    summary = load_summary(out)
+    finished = int((summary["status"] == "completed").sum())
+    assert finished >= 3 and set(summary["status"]) <= {"completed", "interrupted"}
+    assert (summary["status"] == "interrupted").sum() == 16 - finished
+    resumed = start_sweep(config, out, "-q")
+    assert resumed.wait(timeout=120) == 0
+    assert losses_by_run(out) == losses_by_run(clean_out)
+
+
+def test_second_sweep_into_a_busy_folder_fails_at_once(clean_run, tmp_path):
+    config, clean_out = clean_run
+    out = tmp_path / "out"
+    first = start_sweep(config, out, "-q")
+    wait_for_done(out, 1)
+    started = time.monotonic()
+    second = start_sweep(config, out)
+    _, stderr = second.communicate(timeout=30)
+    assert second.returncode == 2 and time.monotonic() - started < 20
+    assert "another sweep is writing here" in stderr and f"pid={first.pid}" in stderr
+    assert first.wait(timeout=120) == 0  # the first sweep is untouched
+    assert losses_by_run(out) == losses_by_run(clean_out)
+
+
+def test_divergence_is_recorded_and_the_sweep_goes_on(write_yaml, tmp_path):
+    config = write_yaml("name: d\nbase: {model: {depth: 4, width: 8}, norm: {placement: none}, "
+                        "optim: {name: sgd}, train: {steps: 10}}\ngrid: {optim.lr: [10000.0, 0.01]}\n")
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    summary = load_summary(tmp_path / "out").set_index("optim.lr")
+    assert summary.loc[10000.0, "status"] == "diverged" and bool(summary.loc[10000.0, "diverged"])
+    assert summary.loc[10000.0, "steps_done"] == 1  # stopped at the first non-finite loss
+    assert summary.loc[0.01, "status"] == "completed"
+    metrics = (tmp_path / "out" / summary.loc[10000.0, "run_id"] / "metrics.csv").read_text().splitlines()
+    assert metrics[-1].startswith("1,nan,")
+
+
+def test_divergence_without_stopping(write_yaml, tmp_path):
+    config = write_yaml("name: d\nbase: {model: {depth: 4, width: 8}, norm: {placement: none}, "
+                        "optim: {name: sgd, lr: 10000.0}, train: {steps: 6, stop_on_nonfinite: false}}\n")
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "-q"]).exit_code == 0
+    tidy = load_metrics(tmp_path / "out")
+    assert len(tidy) == 7 and tidy["status"].iloc[0] == "diverged"
+
+
+def failing_for_seed_1(real):
+    def train_run(cfg, **kwargs):
+        if cfg.seed == 1:
+            raise RuntimeError("boom")
+        return real(cfg, **kwargs)
+    return train_run
+
+
+def test_a_failing_run_is_recorded_and_the_sweep_goes_on(write_yaml, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "train_run", failing_for_seed_1(train.train_run))
+    config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert result.exit_code == 1
+    summary = load_summary(out)
+    assert list(summary["status"]) == ["completed", "failed", "completed"]
+    assert "RuntimeError: boom" in summary["error"][1]
+    failed = json.loads((out / summary["run_id"][1] / "failed.json").read_text())
+    assert failed["status"] == "failed" and "boom" in failed["error"]
+    monkeypatch.undo()  # the next sweep retries the failed run only
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert result.exit_code == 0 and "1 ran, 2 already done" in result.output
+
+
+def test_fail_fast_stops_at_the_first_failure(write_yaml, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "train_run", failing_for_seed_1(train.train_run))
+    config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--fail-fast"])
+    assert result.exit_code == 1
+    assert list(load_summary(tmp_path / "out")["status"]) == ["completed", "failed", "pending"]
+
+
+def test_full_disk_is_explained_and_resumable(write_yaml, tmp_path, monkeypatch):
+    config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
+    out = tmp_path / "out"
+    real_write, calls = store.atomic_write, []
+
+    def fill_up(path, text):
+        calls.append(path)
+        if path.name == "metrics.csv" and len([c for c in calls if c.name == "metrics.csv"]) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, text)
+
+    monkeypatch.setattr(store, "atomic_write", fill_up)
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert result.exit_code == 2 and "disk full" in result.output and "Traceback" not in result.output
+    assert len(list(out.glob("*/done.json"))) == 1
+    monkeypatch.undo()
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert result.exit_code == 0 and "2 ran, 1 already done" in result.output
+
+
+def test_truncated_done_marker_does_not_count(write_yaml, tmp_path):
+    config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1]\n")
+    out = tmp_path / "out"
+    runner.invoke(app, ["sweep", str(config), "--out", str(out), "-q"])
+    victim = next(out.glob("*/done.json"))
+    victim.write_text(victim.read_text()[:20])  # what a torn write would leave, were writes not atomic
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert "1 ran, 1 already done" in result.output
+
+
+def test_lock_holds_pid_and_host_and_is_released(tmp_path):
+    with store.SweepLock(tmp_path) as lock:
+        assert f"pid={os.getpid()}" in lock.owner()
+        with pytest.raises(store.StoreError, match="another sweep is writing here"):
+            store.SweepLock(tmp_path).__enter__()
+    with store.SweepLock(tmp_path):  # released: can be taken again
+        pass
