@@ -52,13 +52,13 @@ class SweepOptions:
 class SweepEvent:
     """One thing that happened to one run: skipped (already done), finished, or failed."""
 
-    kind: Literal["skipped", "finished", "failed"]
+    kind: Literal["skipped", "finished", "failed", "note"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
     status: str = ""
     final_loss: float | None = None
-    error: str = ""
+    error: str = ""  # for "failed": the error; for "note": the message
 
 
 @dataclass
@@ -103,9 +103,12 @@ def reference_engine(runs: Sequence[RunConfig], device: str) -> Iterator[RunOutc
 
 
 def pick_engine(name: EngineName) -> Callable[[Sequence[RunConfig], str], Iterator[RunOutcome]]:
-    if name in ("auto", "reference"):
+    """`reference` runs one at a time; `batched` (and `auto`) stacks runs of one shape."""
+    if name == "reference":
         return reference_engine
-    raise StoreError(f"--engine {name}: not available in this version")
+    from normexp.batched import batched_engine
+
+    return batched_engine
 
 
 def _describe_error(exc: BaseException) -> str:
@@ -144,6 +147,11 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, outcome: SweepOutcome,
              emit: EventCallback) -> None:
     engine = pick_engine(options.engine)
+    if options.engine != "reference":
+        from normexp.batched import fallback_notes
+
+        for note in fallback_notes(pending):
+            emit(SweepEvent("note", "", len(outcome.statuses), outcome.total, error=note))
     for cfg, result in engine(pending, options.device):
         rid = run_id(cfg)
         if isinstance(result, BaseException):

@@ -146,7 +146,7 @@ def test_a_failing_run_is_recorded_and_the_sweep_goes_on(write_yaml, tmp_path, m
     monkeypatch.setattr(train, "train_run", failing_for_seed_1(train.train_run))
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
     out = tmp_path / "out"
-    result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
     assert result.exit_code == 1
     summary = load_summary(out)
     assert list(summary["status"]) == ["completed", "failed", "completed"]
@@ -158,10 +158,31 @@ def test_a_failing_run_is_recorded_and_the_sweep_goes_on(write_yaml, tmp_path, m
     assert result.exit_code == 0 and "1 ran, 2 already done" in result.output
 
 
+def test_a_failing_batch_fails_its_runs_only(write_yaml, tmp_path, monkeypatch):
+    from normexp import batched
+
+    real = batched.train_batch
+
+    def train_batch(runs, device="cpu"):
+        if runs[0].norm.kind == "rmsnorm":
+            raise RuntimeError("batch boom")
+        return real(runs, device)
+
+    monkeypatch.setattr(batched, "train_batch", train_batch)
+    config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\n"
+                        "grid: {norm.kind: [layernorm, rmsnorm]}\nseeds: [0, 1]\n")
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    summary = load_summary(tmp_path / "out")
+    assert list(summary["status"]) == ["completed", "completed", "failed", "failed"]
+    assert set(summary["engine"][:2]) == {"batched"}
+
+
 def test_fail_fast_stops_at_the_first_failure(write_yaml, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "train_run", failing_for_seed_1(train.train_run))
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
-    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--fail-fast"])
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--fail-fast",
+                                 "--engine", "reference"])
     assert result.exit_code == 1
     assert list(load_summary(tmp_path / "out")["status"]) == ["completed", "failed", "pending"]
 

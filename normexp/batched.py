@@ -1,0 +1,337 @@
+"""The batched engine: many runs of one shape trained together as one stacked computation.
+
+A sweep is many small runs, and one run of the toy model spends most of its time in per-op overhead.
+Runs that share everything but their seed, learning rate, optimizer hyper-parameters and schedule
+(see `batch_key`) are stacked along a leading run axis R and trained with the same number of ops:
+
+- Each run's model is built exactly as the reference builds it (`Net` under its own seed), then its
+  parameters are stacked: a Linear's weight becomes (R, out, in) and runs as `torch.baddbmm`; a norm's
+  weight becomes (R, 1, d) and broadcasts through the norm's own forward(). `Block.forward` and
+  `Net.forward` are reused unchanged, so a placement is defined in one place only.
+- The optimizer replays torch's single-tensor Adam / AdamW / SGD op by op, with each run's
+  hyper-parameters as (R, 1, ...) float32 tensors. Where torch fuses a scalar into a multiply-add
+  (`add(alpha=)`, `addcmul(value=)`), the batched step uses `addcmul` with a tensor factor, which is the
+  same fused multiply-add, so every update is bit-identical to the reference's.
+- Three things are computed run by run, because their CPU kernels do not give the same bits on a
+  stacked tensor: LayerNorm (its fused affine forward and its backward reductions), and each run's
+  loss (cross-entropy's mean). Everything else is stacked.
+
+On the CPU this makes every recorded loss equal, bit for bit, to the reference engine's (tests check
+this for every placement, norm kind and optimizer family), and a run's numbers do not depend on which
+runs share its batch or how a grid is chunked. RAdam is not batched: its runs fall back to the
+reference engine, and the sweep says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normexp.config import RunConfig
+from normexp.data import make_task
+from normexp.model import Net
+from normexp.optim import lr_multiplier
+from normexp.store import FinishedRun
+from normexp.train import RunResult, torch_threads
+
+BATCHED_OPTIMIZERS = ("adam", "adamw", "sgd")
+CHUNK_BYTES = 2**30  # memory budget of one chunk of runs: parameters, optimizer state, activations
+MAX_CHUNK = 64  # larger batches gain little here and hold more activations
+
+
+def batch_key(cfg: RunConfig) -> tuple:
+    """Runs with equal keys train in one batch: same model, norm, data, steps and optimizer family."""
+    return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
+
+
+def unsupported_reason(cfg: RunConfig) -> str | None:
+    """Why `cfg` cannot run batched (None if it can)."""
+    if cfg.optim.name not in BATCHED_OPTIMIZERS:
+        return f"optimizer {cfg.optim.name!r} has no batched implementation"
+    return None
+
+
+def bytes_per_run(cfg: RunConfig) -> int:
+    """A generous estimate of one run's memory in a batch (float32)."""
+    d, h, depth = cfg.model.width, cfg.model.width * cfg.model.hidden_mult, cfg.model.depth
+    params = depth * (2 * d * h + h + 3 * d) + d * cfg.model.n_classes
+    activations = cfg.data.n_samples * depth * (2 * h + 6 * d)
+    return 4 * (5 * params + 2 * activations)
+
+
+def chunk_size(cfg: RunConfig) -> int:
+    return max(1, min(MAX_CHUNK, CHUNK_BYTES // bytes_per_run(cfg)))
+
+
+# ----------------------------------------------------------------------------- the stacked model
+
+
+class StackedLinear(nn.Module):
+    """R Linear layers as one: x (R, n, in) -> baddbmm(bias, x, W^T), F.linear's kernel run by run.
+
+    The weights are stored transposed, (R, in, out), so that neither pass copies a transposed view."""
+
+    def __init__(self, layers: Sequence[nn.Linear]) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.stack([layer.weight.detach().t() for layer in layers]).contiguous())
+        self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight_t)
+
+
+class StackedLayerNorm(nn.Module):
+    """R LayerNorms: the native kernel run by run (its affine forward and backward do not stack exactly)."""
+
+    def __init__(self, layers: Sequence[nn.LayerNorm]) -> None:
+        super().__init__()
+        self.shape, self.eps = layers[0].normalized_shape, layers[0].eps
+        self.weight = nn.Parameter(torch.stack([layer.weight.detach() for layer in layers]))
+        self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([F.layer_norm(x[r], self.shape, self.weight[r], self.bias[r], self.eps)
+                            for r in range(x.shape[0])])
+
+
+class StackedTorchRMSNorm(nn.Module):
+    """R torch.nn.RMSNorm: F.rms_norm without weight, then each run's weight (bit-equal to the fused op)."""
+
+    def __init__(self, layers: Sequence[nn.RMSNorm]) -> None:
+        super().__init__()
+        self.shape, self.eps = layers[0].normalized_shape, layers[0].eps
+        self.weight = nn.Parameter(torch.stack([layer.weight.detach() for layer in layers]).unsqueeze(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape, None, self.eps) * self.weight
+
+
+def stack_broadcasting(layers: Sequence[nn.Module]) -> nn.Module:
+    """A norm whose forward() broadcasts its parameters (normexp's own RMSNorm family, ScaleNorm):
+    the same module with each parameter stacked to (R, 1, ...), so one forward() serves R runs."""
+    stacked = copy.deepcopy(layers[0])
+    for name, param in layers[0].named_parameters():
+        values = torch.stack([dict(layer.named_parameters())[name].detach() for layer in layers])
+        # (d,) -> (R, 1, d) and () -> (R, 1, 1): broadcasts against activations (R, n, d)
+        setattr(stacked, name, nn.Parameter(values.view(len(layers), *([1] * (2 - param.dim())), *param.shape)))
+    return stacked
+
+
+def stack_module(layers: Sequence[nn.Module]) -> nn.Module:
+    """Stack R copies of one layer (same class, same shape) into a module that takes (R, n, ...)."""
+    first = layers[0]
+    if isinstance(first, nn.Linear):
+        return StackedLinear(layers)
+    if isinstance(first, nn.LayerNorm):
+        return StackedLayerNorm(layers)
+    if isinstance(first, nn.RMSNorm):
+        return StackedTorchRMSNorm(layers)
+    return stack_broadcasting(layers)
+
+
+def stack_nets(nets: Sequence[Net]) -> Net:
+    """One Net whose leaf layers hold the parameters of all `nets`, stacked along a run axis."""
+    stacked = copy.deepcopy(nets[0])
+    for name, module in nets[0].named_modules():
+        if name and not list(module.children()) and list(module.parameters()):
+            parent, _, leaf = name.rpartition(".")
+            owner = stacked.get_submodule(parent) if parent else stacked
+            setattr(owner, leaf, stack_module([net.get_submodule(name) for net in nets]))
+    return stacked
+
+
+# ----------------------------------------------------------------------------- the stacked optimizer
+
+
+class RunScalars:
+    """One step's per-run hyper-parameters as float32 (R,) tensors, viewed as (R, 1, ...) on demand."""
+
+    def __init__(self, **values: Sequence[float]) -> None:
+        self._values = {name: torch.tensor(v, dtype=torch.float32) for name, v in values.items()}
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __call__(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.dim())
+        if key not in self._views:
+            self._views[key] = self._values[name].to(like.device).view(-1, *([1] * (like.dim() - 1)))
+        return self._views[key]
+
+
+class StackedOptimizer:
+    """torch's single-tensor Adam, AdamW and SGD, op for op, with per-run hyper-parameters.
+
+    Scalars that torch casts to float32 become (R, 1, ...) float32 tensors; scalars that torch fuses
+    into a multiply-add (`add(alpha=)`, `addcmul(value=)`) become `addcmul` with a tensor factor, the
+    same fused multiply-add. Parameters are processed one stacked tensor at a time, which keeps each
+    tensor's chain of element-wise ops in cache."""
+
+    def __init__(self, params: list[torch.Tensor], runs: Sequence[RunConfig]) -> None:
+        self.params, self.name, self.steps = params, runs[0].optim.name, 0
+        self.optim = [cfg.optim for cfg in runs]
+        self.decay = any(o.weight_decay != 0 for o in self.optim)  # torch skips weight decay at 0
+        self.state: list[dict[str, torch.Tensor]] = [{} for _ in params]
+
+    def step(self, lrs: Sequence[float]) -> None:
+        self.steps += 1
+        scalars = self._scalars(lrs)
+        with torch.no_grad():
+            for param, state in zip(self.params, self.state):
+                if self.name == "sgd":
+                    self._sgd(param, state, scalars)
+                else:
+                    self._adam(param, state, scalars)
+
+    def _scalars(self, lrs: Sequence[float]) -> RunScalars:
+        optim, step = self.optim, self.steps
+        if self.name == "sgd":
+            return RunScalars(neg_lr=[-lr for lr in lrs], decay=[o.weight_decay for o in optim],
+                              momentum=[o.momentum for o in optim])
+        return RunScalars(
+            decay=[o.weight_decay for o in optim],
+            decoupled=[1 - lr * o.weight_decay for lr, o in zip(lrs, optim)],
+            one_minus_beta1=[1 - o.betas[0] for o in optim],
+            beta2=[o.betas[1] for o in optim],
+            one_minus_beta2=[1 - o.betas[1] for o in optim],
+            bias_correction2_sqrt=[(1 - o.betas[1] ** step) ** 0.5 for o in optim],
+            eps=[o.eps for o in optim],
+            neg_step_size=[-lr / (1 - o.betas[0] ** step) for lr, o in zip(lrs, optim)],
+        )
+
+    def _adam(self, param: torch.Tensor, state: dict[str, torch.Tensor], s: RunScalars) -> None:
+        if not state:
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        grad = param.grad
+        if self.decay and self.name == "adamw":
+            param.mul_(s("decoupled", param))  # param.mul_(1 - lr * weight_decay)
+        elif self.decay:
+            grad = grad.addcmul(param, s("decay", param))  # grad.add(param, alpha=weight_decay)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, s("one_minus_beta1", param).expand_as(param))
+        exp_avg_sq.mul_(s("beta2", param)).addcmul_(s("one_minus_beta2", param) * grad, grad)
+        denom = (exp_avg_sq.sqrt() / s("bias_correction2_sqrt", param)).add_(s("eps", param))
+        param.add_(s("neg_step_size", param) * exp_avg / denom)  # addcdiv_: (value * exp_avg) / denom
+
+    def _sgd(self, param: torch.Tensor, state: dict[str, torch.Tensor], s: RunScalars) -> None:
+        grad = param.grad
+        if self.decay:
+            grad = grad.addcmul(param, s("decay", param))
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = grad.detach().clone()
+        else:
+            state["momentum_buffer"].mul_(s("momentum", param)).add_(grad)
+        param.addcmul_(state["momentum_buffer"], s("neg_lr", param))  # param.add_(buf, alpha=-lr)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResult]:
+    """Train `runs` (equal `batch_key`) together; one RunResult per run, as `train_run` would return."""
+    start = time.perf_counter()
+    first = runs[0]
+    with torch_threads(first.train.threads) as threads:
+        nets, xs, ys = [], [], []
+        for cfg in runs:  # each run's draws exactly as the reference makes them
+            torch.manual_seed(cfg.seed)
+            nets.append(Net(cfg.model, cfg.norm))
+            task = make_task(cfg.data, cfg.model)
+            xs.append(task.x)
+            ys.append(task.y)
+        model = stack_nets(nets).to(device)
+        x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+        params = list(model.parameters())
+        optimizer = StackedOptimizer(params, runs)
+        results = [RunResult(threads=threads, engine="batched") for _ in runs]
+        active = list(range(len(runs)))  # runs still recording
+        steps = first.train.steps
+        for step in range(steps + 1):
+            logits = model(x)
+            losses = torch.stack([F.cross_entropy(logits[r], y[r]) for r in range(len(runs))])
+            loss_values = losses.tolist()
+            accs = (logits.argmax(-1) == y).float().mean(-1).tolist()
+            lrs = [cfg.optim.lr * lr_multiplier(step + 1, cfg.schedule, steps) for cfg in runs]
+            for param in params:
+                param.grad = None
+            losses.sum().backward()
+            norms = _grad_norms(model)
+            for r in list(active):
+                finite = math.isfinite(loss_values[r])
+                results[r].diverged |= not finite
+                stop = not finite and runs[r].train.stop_on_nonfinite
+                results[r].record(step, loss_values[r], accs[r], lrs[r], math.nan if stop else norms[r])
+                if stop:
+                    active.remove(r)
+            if not active:
+                break
+            if step < steps:
+                optimizer.step(lrs)
+    wall = (time.perf_counter() - start) / len(runs)
+    for result in results:
+        result.wall_s = wall
+    return results
+
+
+def _grad_norms(model: nn.Module) -> list[float]:
+    """Each run's global gradient L2 norm, as the reference computes it: per tensor (in the
+    reference's memory order, hence the transpose back), then over the tensors."""
+    per_tensor = []
+    for name, param in model.named_parameters():
+        grad = param.grad.transpose(1, 2) if name.endswith("weight_t") else param.grad
+        per_tensor.append(torch.linalg.vector_norm(grad.flatten(1), dim=1))
+    return torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1).tolist()
+
+
+def plan_batches(runs: Sequence[RunConfig]) -> tuple[list[list[RunConfig]], list[RunConfig]]:
+    """Group runs into batches, chunked to bound memory, and list the runs left to the reference
+    engine: those `unsupported_reason` names, and groups of one (a batch of one gains nothing)."""
+    groups: dict[tuple, list[RunConfig]] = {}
+    alone: list[RunConfig] = []
+    for cfg in runs:
+        if unsupported_reason(cfg):
+            alone.append(cfg)
+        else:
+            groups.setdefault(batch_key(cfg), []).append(cfg)
+    batches = []
+    for group in groups.values():
+        if len(group) == 1:
+            alone += group
+            continue
+        size = chunk_size(group[0])
+        batches += [group[i:i + size] for i in range(0, len(group), size)]
+    return batches, alone
+
+
+def fallback_notes(runs: Sequence[RunConfig]) -> list[str]:
+    """One line per reason that sends runs to the reference engine instead."""
+    reasons: dict[str, int] = {}
+    for cfg in runs:
+        reason = unsupported_reason(cfg)
+        if reason:
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return [f"{count} run{'s' if count > 1 else ''} use the reference engine: {reason}"
+            for reason, count in reasons.items()]
+
+
+def batched_engine(runs: Sequence[RunConfig], device: str) -> Iterator[tuple[RunConfig, FinishedRun | BaseException]]:
+    """Yield each run's outcome, batch by batch; the runs `plan_batches` leaves alone go through
+    the reference engine."""
+    from normexp.sweep import reference_engine
+
+    batches, alone = plan_batches(runs)
+    for batch in batches:
+        try:
+            results = train_batch(batch, device)
+        except Exception as exc:  # noqa: BLE001 - a failing batch fails its runs, not the sweep
+            for cfg in batch:
+                yield cfg, exc
+            continue
+        for cfg, result in zip(batch, results):
+            yield cfg, FinishedRun(result.metrics, result.status, result.wall_s, result.threads, "batched", device)
+    yield from reference_engine(alone, device)

@@ -1,0 +1,143 @@
+"""The batched engine gives the reference engine's numbers bit for bit, whatever the batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp import batched
+from normexp.batched import fallback_notes, plan_batches, train_batch
+from normexp.cli import app
+from normexp.config import RunConfig
+from normexp.results import load_metrics, load_summary
+from normexp.train import train_run
+
+ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
+ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]
+
+
+def runs(placement="pre", kind="layernorm", optim="adam", n=3, steps=8, depth=3, width=8, **train):
+    """n runs of one shape that differ in seed, lr, betas, weight decay, momentum and schedule."""
+    schedules = [("constant", 0), ("linear_warmup", 3), ("cosine", 2), ("inverse_sqrt", 2)]
+    out = []
+    for i in range(n):
+        kind_s, warmup = schedules[i % 4]
+        out.append(RunConfig.model_validate({
+            "model": {"depth": depth, "width": width},
+            "norm": {"placement": placement, "kind": kind},
+            "optim": {"name": optim, "lr": [0.01, 0.003, 0.03, 0.02][i % 4], "weight_decay": [0.0, 0.01, 0.1, 0][i % 4],
+                      "betas": [[0.9, 0.999], [0.8, 0.99], [0.95, 0.9], [0.9, 0.98]][i % 4],
+                      "momentum": [0.9, 0.5, 0.0, 0.99][i % 4]},
+            "schedule": {"kind": kind_s, "warmup_steps": warmup},
+            "train": {"steps": steps, **train},
+            "seed": 11 + i,
+        }))
+    return out
+
+
+def exact(metrics: dict[str, list[float]]) -> dict[str, list[str]]:
+    """Metrics as repr() strings: equal iff bit-equal (nan included)."""
+    return {k: [repr(v) for v in values] for k, values in metrics.items()}
+
+
+def assert_same_as_reference(configs):
+    for cfg, result in zip(configs, train_batch(configs)):
+        expected = train_run(cfg)
+        assert exact(result.metrics) == exact(expected.metrics), (cfg.norm.placement, cfg.norm.kind, cfg.optim.name)
+        assert result.status == expected.status
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_every_placement_and_kind_bit_for_bit(placement, kind):
+    """Losses, accuracies, learning rates and gradient norms: all equal, bit for bit."""
+    assert_same_as_reference(runs(placement, kind))
+
+
+@pytest.mark.parametrize("optim", ["adam", "adamw", "sgd"])
+def test_every_batched_optimizer_bit_for_bit(optim):
+    assert_same_as_reference(runs("post", "rmsnorm", optim, n=4))
+
+
+def test_final_norm_off_and_torch_init():
+    model = {"final_norm": False, "init": "torch_default"}
+    configs = [c.model_copy(update={"model": c.model.model_copy(update=model)}) for c in runs("post", "layernorm")]
+    assert_same_as_reference(configs)
+
+
+def test_article_runs_bit_for_bit():
+    """The article's model (depth 32, width 32, Adam 0.01, 30 steps): 4 seeds per variant."""
+    for placement in ("post", "pre"):
+        for kind in ("layernorm", "rmsnorm"):
+            configs = [RunConfig.model_validate({"norm": {"placement": placement, "kind": kind}, "seed": s})
+                       for s in range(4)]
+            assert [r.losses for r in train_batch(configs)] == [train_run(c).losses for c in configs]
+
+
+def test_results_do_not_depend_on_batch_composition(monkeypatch):
+    configs = runs("sandwich", "rmsnorm_llama", n=6)
+    together = [exact(r.metrics) for r in train_batch(configs)]
+    in_pairs = [exact(r.metrics) for i in range(0, 6, 2) for r in train_batch(configs[i:i + 2])]
+    reversed_ = [exact(r.metrics) for r in train_batch(configs[::-1])][::-1]
+    assert together == in_pairs == reversed_
+    monkeypatch.setattr(batched, "MAX_CHUNK", 4)
+    batches, alone = plan_batches(configs)
+    assert [len(b) for b in batches] == [4, 2] and not alone
+
+
+def test_a_diverging_run_does_not_disturb_its_batch():
+    configs = runs("none", "layernorm", "sgd", n=3)
+    configs[1] = configs[1].model_copy(update={"optim": configs[1].optim.model_copy(update={"lr": 1e4})})
+    results = train_batch(configs)
+    assert results[1].status == "diverged" and math.isnan(results[1].losses[-1])
+    assert len(results[1].losses) < len(results[0].losses)  # it stopped at the first non-finite loss
+    for i in (0, 2):
+        assert exact(results[i].metrics) == exact(train_run(configs[i]).metrics)
+
+
+def test_divergence_without_stopping_matches_reference():
+    configs = runs("none", "layernorm", "sgd", n=2, stop_on_nonfinite=False)
+    configs[0] = configs[0].model_copy(update={"optim": configs[0].optim.model_copy(update={"lr": 1e4})})
+    batch = train_batch(configs)
+    for cfg, result in zip(configs, batch):
+        reference = train_run(cfg)
+        assert exact(result.metrics) == exact(reference.metrics)
+
+
+def test_plan_groups_by_shape_and_leaves_radam_and_singletons_alone():
+    configs = runs("pre", "layernorm", n=3) + runs("post", "layernorm", n=2) + runs("pre", "rmsnorm", n=1)
+    configs += runs("pre", "layernorm", "radam", n=2)
+    batches, alone = plan_batches(configs)
+    assert sorted(len(b) for b in batches) == [2, 3]
+    assert len(alone) == 3  # two radam runs, one singleton
+    assert fallback_notes(configs) == [
+        "2 runs use the reference engine: optimizer 'radam' has no batched implementation"]
+
+
+def test_chunks_bound_memory():
+    medium = RunConfig.model_validate({"model": {"depth": 48, "width": 96}})
+    assert 1 < batched.chunk_size(medium) < batched.MAX_CHUNK
+    assert batched.bytes_per_run(medium) * batched.chunk_size(medium) <= batched.CHUNK_BYTES
+    huge = RunConfig.model_validate({"model": {"depth": 64, "width": 256}})
+    assert batched.chunk_size(huge) == 1
+    assert batched.chunk_size(RunConfig()) == batched.MAX_CHUNK
+
+
+def test_sweep_engines_agree_through_the_cli(write_yaml, tmp_path):
+    config = write_yaml("name: e\nbase: {model: {depth: 5, width: 16}, train: {steps: 10}}\n"
+                        "grid: {norm.placement: [post, pre, deepnorm], optim.name: [adam, radam], "
+                        "optim.lr: [0.01, 0.002]}\n"
+                        "seeds: [0, 1, 2]\n")
+    runner = CliRunner()
+    outs = {}
+    for engine in ("reference", "batched"):
+        outs[engine] = tmp_path / engine
+        result = runner.invoke(app, ["sweep", str(config), "--out", str(outs[engine]), "--engine", engine])
+        assert result.exit_code == 0, result.output
+    assert "18 runs use the reference engine: optimizer 'radam'" in result.output
+    summary = load_summary(outs["batched"])
+    assert set(summary[summary["optim.name"] == "adam"]["engine"]) == {"batched"}
+    ref, bat = load_metrics(outs["reference"]), load_metrics(outs["batched"])
+    assert ref.drop(columns="status").equals(bat.drop(columns="status"))
