@@ -166,16 +166,21 @@ def _print_report(run_dir: Path) -> None:
 def report(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.")],
     steps: Annotated[str | None, typer.Option(help="Comma-separated steps [default: the sweep's].")] = None,
-    metric: Annotated[str, typer.Option(help="loss | acc | grad_norm | lr.")] = "loss",
+    metric: Annotated[str | None, typer.Option(help="loss | acc | grad_norm | lr [default: the sweep's].")] = None,
     by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
+    pivot: Annotated[str | None, typer.Option(help="ROW_KEY,COL_KEY: a final-loss pivot instead.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
 ) -> None:
-    """Print the article-style table of a finished (or partly finished) sweep, from disk."""
+    """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot."""
     from normexp.report import build_report, to_csv, to_markdown, to_rich
     from normexp.results import ResultsError
 
-    _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
+    if metric is not None:
+        _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
     _check_choice("--format", fmt, ("table", "markdown", "csv"))
+    if pivot is not None:
+        _print_pivot(run_dir, pivot, fmt)
+        return
     try:
         step_list = [int(s) for s in steps.split(",")] if steps else None
     except ValueError:
@@ -183,12 +188,52 @@ def report(
     keys = [k.strip() for k in by.split(",")] if by else None
     try:
         table = build_report(run_dir, step_list, metric, keys)
-    except (ResultsError, KeyError) as exc:
-        raise fail(str(exc).strip("'")) from None
+    except ResultsError as exc:
+        raise fail(str(exc)) from None
     if fmt == "table":
         out.print(to_rich(table))
     else:
         sys.stdout.write(to_markdown(table) if fmt == "markdown" else to_csv(table))
+
+
+def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
+    from normexp.report import build_pivot, pivot_to_csv, pivot_to_markdown, pivot_to_rich
+    from normexp.results import ResultsError
+
+    keys = [k.strip() for k in option.split(",")]
+    if len(keys) != 2 or not all(keys):
+        raise fail(f"--pivot: expected ROW_KEY,COL_KEY, e.g. optim.lr,schedule.warmup_steps; got {option!r}")
+    try:
+        table = build_pivot(run_dir, *keys)
+    except ResultsError as exc:
+        raise fail(str(exc)) from None
+    if fmt == "table":
+        out.print(pivot_to_rich(table))
+    else:
+        sys.stdout.write(pivot_to_markdown(table) if fmt == "markdown" else pivot_to_csv(table))
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="PNG [default: RUN_DIR/<metric>.png].")] = None,
+    metric: Annotated[str, typer.Option(help="loss | acc | grad_norm | lr.")] = "loss",
+) -> None:
+    """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary."""
+    from normexp.plot import save_plots
+    from normexp.results import ResultsError
+
+    _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
+    if output is not None and output.suffix.lower() != ".png":
+        raise fail(f"-o {output}: the file name must end in .png")
+    try:
+        paths = save_plots(run_dir, output, metric)
+    except ResultsError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"cannot write {exc.filename}: {exc.strerror}") from None
+    for path in paths:
+        out.print(f"wrote {path}")
 
 
 @app.command()

@@ -21,8 +21,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from normexp.config import DEFAULT_REPORT_STEPS
-from normexp.results import ResultsError, load_metrics, load_summary, varying_keys
+from normexp.config import ReportConfig
+from normexp.results import ResultsError, config_columns, load_metrics, load_summary, varying_keys
 from normexp.store import SWEEP_FILE
 
 PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
@@ -88,32 +88,39 @@ class Report:
         return "  ".join(parts)
 
 
-def sweep_report_steps(run_dir: Path) -> list[int]:
-    """The `report.steps` of the sweep that wrote `run_dir` (the defaults if it is unreadable)."""
+def sweep_report_section(run_dir: Path) -> ReportConfig:
+    """The `report:` section of the sweep that wrote `run_dir` (the defaults if it is unreadable)."""
     try:
         data = yaml.safe_load((run_dir / SWEEP_FILE).read_text())
-        return [int(s) for s in data["report"]["steps"]]
+        return ReportConfig.model_validate(data["report"])
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
-        return list(DEFAULT_REPORT_STEPS)
+        return ReportConfig()
 
 
-def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric: str = "loss",
+def _check_keys(keys: Sequence[str], summary: pd.DataFrame, option: str) -> None:
+    unknown = [k for k in keys if k not in config_columns(summary)]
+    if unknown:
+        raise ResultsError(f"{option} {','.join(unknown)}: not a config key of this sweep")
+
+
+def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric: str | None = None,
                  by: Sequence[str] | None = None) -> Report:
-    """Group a sweep's finished runs into the table's columns and compute each cell."""
+    """Group a sweep's finished runs into the table's columns and compute each cell. Unset
+    arguments come from the sweep's `report:` section, then from the defaults."""
     run_dir = Path(run_dir)
+    section = sweep_report_section(run_dir)
     summary = load_summary(run_dir)
     tidy = load_metrics(run_dir, all_config=True)
-    keys = list(by) if by else [k for k in varying_keys(summary) if k != "seed"]
-    unknown = [k for k in keys if k not in summary.columns or k in ("run_id", "status")]
-    if unknown:
-        raise ResultsError(f"--by {','.join(unknown)}: not a config key of this sweep")
-    steps = list(steps) if steps else sweep_report_steps(run_dir)
+    keys = list(by or section.columns or [k for k in varying_keys(summary) if k != "seed"])
+    _check_keys(keys, summary, "--by")
+    metric = metric or section.metric
+    steps = list(steps or section.steps)
     steps = [s for s in steps if s in set(tidy["step"])]
     n_classes = int(tidy["model.n_classes"].iloc[0])
     threshold = math.log(n_classes) * TRAINED_FRACTION
     columns = [_column(group, keys, steps, metric, threshold)
                for _, group in _groups(tidy, keys)]
-    return Report(_title(summary, keys, metric), metric, steps, columns, threshold, n_classes)
+    return Report(_title(summary, metric), metric, steps, columns, threshold, n_classes)
 
 
 def _groups(tidy: pd.DataFrame, keys: list[str]) -> list[tuple[object, pd.DataFrame]]:
@@ -135,11 +142,12 @@ def _column(group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
     return Column(variant_label(values), values, cells, trained, len(finals), unit)
 
 
-def _title(summary: pd.DataFrame, keys: list[str], metric: str) -> str:
+def _title(summary: pd.DataFrame, metric: str) -> str:
     first = summary.iloc[0]
     fixed = {"depth": "model.depth", "width": "model.width", "optim": "optim.name", "lr": "optim.lr",
              "schedule": "schedule.kind", "warmup": "schedule.warmup_steps", "steps": "train.steps"}
-    parts = [f"{name}={first[key]}" for name, key in fixed.items() if key not in keys and key in first]
+    varying = set(varying_keys(summary))
+    parts = [f"{name}={first[key]}" for name, key in fixed.items() if key not in varying and key in first]
     seeds = summary["seed"].nunique()
     return f"{metric} per step · {' '.join(parts)} · {seeds} seed{'s' if seeds > 1 else ''}"
 
@@ -182,4 +190,87 @@ def to_csv(report: Report) -> str:
             if step in column.cells:
                 mean, std, n = column.cells[step]
                 writer.writerow([column.label, step, repr(mean), repr(std), n, report.verdict(column)])
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------- final-loss pivot
+
+
+@dataclass(frozen=True)
+class Pivot:
+    """Final loss (mean ± std over seeds) with `rows` down and `cols` across, one panel per
+    combination of the other varying keys."""
+
+    rows: str
+    cols: str
+    panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # (title, mean, std, n)
+
+    def cell(self, mean: float, std: float, n: int) -> str:
+        if pd.isna(n) or n == 0:
+            return "—"
+        return f"{mean:.4f}" if n == 1 else f"{mean:.4f} ± {std:.4f}"
+
+
+def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
+    summary = load_summary(run_dir)
+    _check_keys([rows, cols], summary, "--pivot")
+    finished = summary[summary["status"].isin(("completed", "diverged"))]
+    if finished.empty:
+        raise ResultsError(f"{run_dir}: no finished runs yet")
+    others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
+    panels = []
+    for values, group in _groups(finished, others):
+        values = values if isinstance(values, tuple) else (values,)
+        title = variant_label(dict(zip(others, values))) if others else "all runs"
+        stats = group.groupby([rows, cols])["final_loss"].agg(["mean", "std", "count"])
+        mean, std, n = (stats[c].unstack(cols) for c in ("mean", "std", "count"))
+        panels.append((title, mean, std.fillna(0.0), n))
+    return Pivot(rows, cols, panels)
+
+
+def _short(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts = []
+    for title, mean, std, n in pivot.panels:
+        table = Table(title=f"final loss · {title}", title_justify="left")
+        table.add_column(f"{_short(pivot.rows)} \\ {_short(pivot.cols)}")
+        for col in mean.columns:
+            table.add_column(str(col), justify="right")
+        for row in mean.index:
+            table.add_row(str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c]) for c in mean.columns))
+        parts.append(table)
+    parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
+    return Group(*parts)
+
+
+def pivot_to_markdown(pivot: Pivot) -> str:
+    lines = []
+    for title, mean, std, n in pivot.panels:
+        lines += [f"**final loss · {title}**", "",
+                  f"| {pivot.rows} \\ {pivot.cols} | " + " | ".join(str(c) for c in mean.columns) + " |",
+                  "|---|" + "---:|" * len(mean.columns)]
+        for row in mean.index:
+            cells = (pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c]) for c in mean.columns)
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def pivot_to_csv(pivot: Pivot) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["panel", pivot.rows, pivot.cols, "final_loss_mean", "final_loss_std", "n"])
+    for title, mean, std, n in pivot.panels:
+        for row in mean.index:
+            for col in mean.columns:
+                if not pd.isna(n.at[row, col]) and n.at[row, col] > 0:
+                    writer.writerow([title, row, col, repr(float(mean.at[row, col])), repr(float(std.at[row, col])),
+                                     int(n.at[row, col])])
     return buffer.getvalue()

@@ -1,0 +1,143 @@
+"""Figures from a sweep's output folder (matplotlib, Agg backend: no display needed).
+
+- `curves_figure`: one line per variant (the mean over seeds), a shaded min–max band over seeds,
+  log y for the loss, chance level ln(n_classes) as a dotted line.
+- `phase_figure`: for two numeric grid axes (e.g. optim.lr x schedule.warmup_steps), a heatmap of
+  the final loss per placement (one panel each, one shared log colour scale): where does each
+  placement train?
+
+Both take the tidy frames of `normexp.results` and return a Figure; `save_plots` writes the PNGs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from normexp.report import variant_label  # noqa: E402
+from normexp.results import load_metrics, load_summary, varying_keys  # noqa: E402
+
+METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
+                 "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
+
+
+def _variants(tidy: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
+    if not keys:
+        return [("all runs", tidy)]
+    groups = tidy.groupby(keys, sort=False, dropna=False)
+    return [(variant_label(dict(zip(keys, v if isinstance(v, tuple) else (v,)))), g) for v, g in groups]
+
+
+def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", title: str = "") -> Figure:
+    """Mean curve per variant with a min–max band over seeds. More than 8 variants are split into
+    one panel per value of the first key, so that each panel stays readable."""
+    n_variants = len(_variants(tidy, keys))
+    facet = keys[:1] if n_variants > 8 and len(keys) > 1 else []
+    panels = _variants(tidy, facet) if facet else [("", tidy)]
+    cols = min(len(panels), 2)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 4.8 * rows), squeeze=False, sharey=True,
+                             layout="constrained")
+    for ax, (panel, group) in zip(axes.flat, panels):
+        _draw_curves(ax, group, [k for k in keys if k not in facet], metric)
+        ax.set_title(panel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title or f"{metric} per step (line: mean over seeds, band: min–max)")
+    return fig
+
+
+def _draw_curves(ax, tidy: pd.DataFrame, keys: list[str], metric: str) -> None:
+    variants = _variants(tidy, keys)
+    colours = plt.get_cmap("tab10" if len(variants) <= 10 else "viridis")
+    for i, (label, group) in enumerate(variants):
+        colour = colours(i if len(variants) <= 10 else i / max(1, len(variants) - 1))
+        stats = group.groupby("step")[metric].agg(["mean", "min", "max", "count"])
+        seeds = int(stats["count"].max())
+        ax.plot(stats.index, stats["mean"], color=colour, label=f"{label} (n={seeds})" if seeds > 1 else label)
+        if seeds > 1:
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=colour, alpha=0.15, linewidth=0)
+    if metric in ("loss", "grad_norm"):
+        ax.set_yscale("log")
+    if metric == "loss" and "model.n_classes" in tidy:
+        n_classes = int(tidy["model.n_classes"].iloc[0])
+        ax.axhline(math.log(n_classes), color="grey", linestyle=":", linewidth=1, label=f"chance, ln {n_classes}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(METRIC_LABELS.get(metric, metric))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small" if len(variants) > 8 else "small")
+
+
+def numeric_axes(summary: pd.DataFrame) -> list[str]:
+    """Varying config keys (not the seed) whose values are numbers: candidates for a phase diagram."""
+    out = []
+    for key in varying_keys(summary):
+        column = summary[key]
+        if key != "seed" and pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column):
+            out.append(key)
+    return out
+
+
+def phase_figure(summary: pd.DataFrame, x_key: str, y_key: str) -> Figure:
+    """Final loss (mean over seeds) on the x_key x y_key grid, one panel per other variant."""
+    finished = summary[summary["status"].isin(("completed", "diverged"))].copy()
+    finished["final_loss"] = finished["final_loss"].astype(float).where(np.isfinite(finished["final_loss"]))
+    others = [k for k in varying_keys(summary) if k not in ("seed", x_key, y_key)]
+    panels = _variants(finished, others)
+    values = finished["final_loss"].dropna()
+    vmin, vmax = max(values.min(), 1e-4) if len(values) else 1e-4, max(values.max(), 1e-3) if len(values) else 10
+    cols = min(len(panels), 3)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False, layout="constrained")
+    image = None
+    for ax, (label, group) in zip(axes.flat, panels):
+        grid = group.groupby([y_key, x_key])["final_loss"].mean().unstack(x_key)
+        image = ax.imshow(grid.to_numpy(dtype=float), norm=LogNorm(vmin=vmin, vmax=vmax), cmap="viridis_r",
+                          aspect="auto", origin="lower")
+        ax.set_xticks(range(len(grid.columns)), [f"{v:g}" for v in grid.columns], rotation=45)
+        ax.set_yticks(range(len(grid.index)), [f"{v:g}" for v in grid.index])
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(y_key)
+        ax.set_title(label)
+        for (i, j), value in np.ndenumerate(grid.to_numpy(dtype=float)):
+            text = "div" if math.isnan(value) else f"{value:.2g}"
+            ax.text(j, i, text, ha="center", va="center", fontsize="x-small",
+                    color="white" if not math.isnan(value) and value > math.sqrt(vmin * vmax) else "black")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    if image is not None:
+        fig.colorbar(image, ax=axes, label="final loss (mean over seeds, log scale)")
+    fig.suptitle(f"phase diagram: final loss over {y_key} x {x_key} (div: diverged)")
+    return fig
+
+
+def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: str = "loss") -> list[Path]:
+    """Write the curves figure (and the phase diagram when two numeric axes vary); return the paths."""
+    run_dir = Path(run_dir)
+    output = Path(output) if output else run_dir / f"{metric}.png"
+    summary = load_summary(run_dir)
+    tidy = load_metrics(run_dir, all_config=True)
+    keys = [k for k in varying_keys(summary) if k != "seed"]
+    paths = []
+    fig = curves_figure(tidy, keys, metric)
+    fig.savefig(output, dpi=120)
+    plt.close(fig)
+    paths.append(output)
+    axes = numeric_axes(summary)
+    if len(axes) >= 2:
+        fig = phase_figure(summary, axes[0], axes[1])
+        phase = output.with_name(f"{output.stem}-phase{output.suffix}")
+        fig.savefig(phase, dpi=120)
+        plt.close(fig)
+        paths.append(phase)
+    return paths
