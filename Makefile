@@ -33,6 +33,7 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/bench_engines.py
+	$(PY) benchmarks/bench_workers.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,7 @@ from normexp.config import RunConfig
 from normexp.data import make_task
 from normexp.model import Net
 from normexp.optim import lr_multiplier
-from normexp.store import FinishedRun
-from normexp.train import RunResult, torch_threads
+from normexp.train import INIT_LOCK, RunResult, torch_threads
 
 BATCHED_OPTIMIZERS = ("adam", "adamw", "sgd")
 CHUNK_BYTES = 2**30  # memory budget of one chunk of runs: parameters, optimizer state, activations
@@ -239,9 +238,10 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
     with torch_threads(first.train.threads) as threads:
         nets, xs, ys = [], [], []
         for cfg in runs:  # each run's draws exactly as the reference makes them
-            torch.manual_seed(cfg.seed)
-            nets.append(Net(cfg.model, cfg.norm))
-            task = make_task(cfg.data, cfg.model)
+            with INIT_LOCK:
+                torch.manual_seed(cfg.seed)
+                nets.append(Net(cfg.model, cfg.norm))
+                task = make_task(cfg.data, cfg.model)
             xs.append(task.x)
             ys.append(task.y)
         model = stack_nets(nets).to(device)
@@ -317,21 +317,3 @@ def fallback_notes(runs: Sequence[RunConfig]) -> list[str]:
             reasons[reason] = reasons.get(reason, 0) + 1
     return [f"{count} run{'s' if count > 1 else ''} use the reference engine: {reason}"
             for reason, count in reasons.items()]
-
-
-def batched_engine(runs: Sequence[RunConfig], device: str) -> Iterator[tuple[RunConfig, FinishedRun | BaseException]]:
-    """Yield each run's outcome, batch by batch; the runs `plan_batches` leaves alone go through
-    the reference engine."""
-    from normexp.sweep import reference_engine
-
-    batches, alone = plan_batches(runs)
-    for batch in batches:
-        try:
-            results = train_batch(batch, device)
-        except Exception as exc:  # noqa: BLE001 - a failing batch fails its runs, not the sweep
-            for cfg in batch:
-                yield cfg, exc
-            continue
-        for cfg, result in zip(batch, results):
-            yield cfg, FinishedRun(result.metrics, result.status, result.wall_s, result.threads, "batched", device)
-    yield from reference_engine(alone, device)

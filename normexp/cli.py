@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Sweep, load_sweep
+from normexp.sweep import SweepOptions, SweepOutcome
 
 app = typer.Typer(
     add_completion=False,
@@ -57,6 +58,8 @@ def sweep(
     engine: Annotated[str, typer.Option(help="auto | reference | batched.")] = "auto",
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed run.")] = False,
+    workers: Annotated[int, typer.Option(help="Local worker processes (1: in this process).", min=1)] = 1,
+    cluster: Annotated[str | None, typer.Option(help="Dask: local[:N] or tcp://HOST:PORT of a scheduler.")] = None,
     max_runs: Annotated[int, typer.Option(help="Refuse grids larger than this.")] = DEFAULT_MAX_RUNS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
@@ -70,7 +73,9 @@ def sweep(
         return
     if device == "cuda":
         _require_cuda()
-    outcome = _run(spec, target, engine, device, force, fail_fast, quiet)
+    options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast,
+                           workers=workers, cluster=cluster)
+    outcome = _run(spec, target, options, quiet)
     if not quiet:
         _print_report(target)
         out.print(f"{outcome.count('completed', 'diverged')} ran, {outcome.count('skipped')} already done, "
@@ -79,16 +84,16 @@ def sweep(
         raise typer.Exit(Exit.FAILED)
 
 
-def _run(spec: Sweep, target: Path, engine: str, device: str, force: bool, fail_fast: bool, quiet: bool):
+def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> SweepOutcome:
+    from normexp.executors import ExecutorError
     from normexp.store import StoreError
-    from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+    from normexp.sweep import SweepInterrupted, run_sweep
 
-    options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast)
     previous = signal.signal(signal.SIGINT, _interrupt_once)
     try:
         with _progress(len(spec.runs), quiet) as on_event:
             return run_sweep(spec, target, options, on_event)
-    except StoreError as exc:
+    except (StoreError, ExecutorError) as exc:
         raise fail(str(exc)) from None
     except SweepInterrupted as exc:
         done = exc.outcome.count("completed", "diverged", "skipped")

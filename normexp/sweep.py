@@ -16,8 +16,7 @@ stay finished, the summary is written, and `SweepInterrupted` carries the outcom
 from __future__ import annotations
 
 import errno
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -46,6 +45,8 @@ class SweepOptions:
     device: str = "cpu"
     force: bool = False
     fail_fast: bool = False
+    workers: int | None = None  # a local process pool of this many workers
+    cluster: str | None = None  # a Dask scheduler address, or local[:N]
 
 
 @dataclass(frozen=True)
@@ -85,36 +86,6 @@ class SweepInterrupted(Exception):
 
 
 EventCallback = Callable[[SweepEvent], None]
-RunOutcome = tuple[RunConfig, "FinishedRun | BaseException"]
-
-
-def reference_engine(runs: Sequence[RunConfig], device: str) -> Iterator[RunOutcome]:
-    """Train runs one at a time with the reference loop; a run that raises yields its exception."""
-    from normexp.train import train_run
-
-    for cfg in runs:
-        try:
-            result = train_run(cfg, device=device)
-        except Exception as exc:  # noqa: BLE001 - one bad run must not stop the sweep
-            yield cfg, exc
-            continue
-        yield cfg, FinishedRun(result.metrics, result.status, result.wall_s, result.threads,
-                               result.engine, device)
-
-
-def pick_engine(name: EngineName) -> Callable[[Sequence[RunConfig], str], Iterator[RunOutcome]]:
-    """`reference` runs one at a time; `batched` (and `auto`) stacks runs of one shape."""
-    if name == "reference":
-        return reference_engine
-    from normexp.batched import batched_engine
-
-    return batched_engine
-
-
-def _describe_error(exc: BaseException) -> str:
-    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
@@ -146,26 +117,38 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, outcome: SweepOutcome,
              emit: EventCallback) -> None:
-    engine = pick_engine(options.engine)
+    from normexp.executors import default_threads, make_executor, plan_units
+
     if options.engine != "reference":
         from normexp.batched import fallback_notes
 
         for note in fallback_notes(pending):
             emit(SweepEvent("note", "", len(outcome.statuses), outcome.total, error=note))
-    for cfg, result in engine(pending, options.device):
-        rid = run_id(cfg)
-        if isinstance(result, BaseException):
-            error = _describe_error(result)
-            _write_or_explain(write_failed, out_dir / rid, cfg, "failed", error)
-            outcome.statuses[rid] = "failed"
-            emit(SweepEvent("failed", rid, len(outcome.statuses), outcome.total, "failed", error=error))
-            if options.fail_fast:
+    engine = "reference" if options.engine == "reference" else "batched"
+    units = plan_units(pending, engine, options.device, default_threads())
+    executor = make_executor(options.workers, options.cluster)
+    try:
+        for result in executor.run(units):
+            for cfg, run in zip(result.unit.runs, result.outcomes):
+                _record(cfg, run, result.status, out_dir, outcome, emit)
+            if options.fail_fast and outcome.failed:
                 return
-            continue
-        done = _write_or_explain(write_run, out_dir / rid, cfg, result)
-        outcome.statuses[rid] = done["status"]
-        emit(SweepEvent("finished", rid, len(outcome.statuses), outcome.total, done["status"],
-                        done["final_loss"]))
+    finally:
+        executor.close()
+
+
+def _record(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
+            emit: EventCallback) -> None:
+    """Write one run's result (or its error) into its folder and report it."""
+    rid = run_id(cfg)
+    if isinstance(run, str):
+        _write_or_explain(write_failed, out_dir / rid, cfg, error_status, run)
+        outcome.statuses[rid] = error_status
+        emit(SweepEvent("failed", rid, len(outcome.statuses), outcome.total, error_status, error=run))
+        return
+    done = _write_or_explain(write_run, out_dir / rid, cfg, run)
+    outcome.statuses[rid] = done["status"]
+    emit(SweepEvent("finished", rid, len(outcome.statuses), outcome.total, done["status"], done["final_loss"]))
 
 
 def _write_or_explain(write: Callable[..., T], *args: object) -> T:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ class RunResult:
 
 StepCallback = Callable[[int, float], None]
 
+# Seeding and drawing use torch's global generator: runs started from several threads of one process
+# (a Dask worker with several threads) take turns, so each run sees exactly its own draws.
+INIT_LOCK = threading.Lock()
+
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[int]:
@@ -79,9 +84,10 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
     start = time.perf_counter()
     with torch_threads(cfg.train.threads) as threads:
         result = RunResult(threads=threads)
-        torch.manual_seed(cfg.seed)
-        model = Net(cfg.model, cfg.norm)  # built on the CPU: the same weights on every device
-        task = make_task(cfg.data, cfg.model)
+        with INIT_LOCK:
+            torch.manual_seed(cfg.seed)
+            model = Net(cfg.model, cfg.norm)  # built on the CPU: the same weights on every device
+            task = make_task(cfg.data, cfg.model)
         model.to(device)
         x, y = task.x.to(device), task.y.to(device)
         params = list(model.parameters())

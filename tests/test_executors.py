@@ -1,0 +1,111 @@
+"""Executors: a local process pool and Dask give the single-process numbers, bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.config import RunConfig
+from normexp.executors import DaskExecutor, PoolExecutor, WorkUnit, crashed, plan_units, run_unit
+from normexp.results import load_metrics, load_summary
+
+GRID = """\
+name: ex
+base: {model: {depth: 4, width: 16}, train: {steps: 6, threads: THREADS}}
+grid: {norm.placement: [post, pre], norm.kind: [layernorm, rmsnorm], optim.name: [adam, radam]}
+seeds: [0, 1, 2]
+"""
+runner = CliRunner()
+
+
+def sweep(config, out, *extra) -> None:
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out), "-q", *extra])
+    assert result.exit_code == 0, result.output
+
+
+def losses(out) -> dict:
+    tidy = load_metrics(out)
+    return {rid: [repr(v) for v in run.sort_values("step")["loss"]] for rid, run in tidy.groupby("run_id")}
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    config = folder / "grid.yaml"
+    config.write_text(GRID.replace("THREADS", "1"))
+    sweep(config, folder / "out")
+    return config, folder / "out"
+
+
+def test_plan_units_batches_and_singles():
+    runs = [RunConfig.model_validate({"seed": s, "optim": {"name": name}})
+            for s in range(3) for name in ("adam", "radam")]
+    units = plan_units(runs, "batched", "cpu", threads=1)
+    assert sorted((u.batched, len(u.configs)) for u in units) == [(False, 1)] * 3 + [(True, 3)]
+    assert all(not u.batched for u in plan_units(runs, "reference", "cpu", threads=1))
+
+
+def test_run_unit_reports_errors_per_run():
+    bad = WorkUnit((RunConfig().model_dump(mode="json"),), batched=False, device="nope", threads=1)
+    result = run_unit(bad)
+    assert isinstance(result.outcomes[0], str) and "device" in result.outcomes[0].lower()
+    assert crashed(bad, "gone").status == "crashed"
+
+
+def test_workers_2_equal_single_process(single_process, tmp_path):
+    config, reference = single_process
+    sweep(config, tmp_path / "out", "--workers", "2")
+    assert losses(tmp_path / "out") == losses(reference)
+    assert set(load_summary(tmp_path / "out")["threads"]) == {1}
+
+
+def die(unit: WorkUnit) -> None:
+    """Stands in for run_unit in a worker: the process dies at once."""
+    os._exit(3)
+
+
+def test_pool_retries_a_dead_worker_once_then_marks_crashed(monkeypatch):
+    unit = WorkUnit((RunConfig(model={"depth": 1, "width": 4}, train={"steps": 1}).model_dump(mode="json"),),
+                    batched=False, device="cpu", threads=1)
+    monkeypatch.setattr("normexp.executors.run_unit", die)  # the worker dies at once, every time
+    results = list(PoolExecutor(1).run([unit]))
+    assert len(results) == 1 and results[0].status == "crashed"
+
+
+@pytest.mark.slow
+def test_local_dask_cluster_equals_single_process(single_process, tmp_path):
+    pytest.importorskip("distributed")
+    config, reference = single_process
+    sweep(config, tmp_path / "out", "--cluster", "local:2")
+    assert losses(tmp_path / "out") == losses(reference)
+
+
+def test_unreachable_scheduler_is_a_clear_error(write_yaml, tmp_path):
+    pytest.importorskip("distributed")
+    result = runner.invoke(app, ["sweep", str(write_yaml(GRID.replace("THREADS", "1"))), "--out", str(tmp_path / "o"),
+                                 "--cluster", "tcp://127.0.0.1:9"])
+    assert result.exit_code == 2 and "cannot reach the scheduler" in result.output
+
+
+def test_dask_executor_class_is_importable():
+    assert DaskExecutor.__doc__
+
+
+def test_slurm_example_renders_a_job_script_without_slurm():
+    pytest.importorskip("dask_jobqueue")
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "slurm.py"), "--dry-run", "--partition", "cpu",
+                             "--cores", "8", "--host", "127.0.0.1", "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    for line in ("#SBATCH -p cpu", "#SBATCH --cpus-per-task=8", "#SBATCH --exclusive", "source .venv/bin/activate"):
+        assert line in script
+    assert "dask_worker tcp://127.0.0.1:" in script and "--nworkers 8" in script and "--nthreads 1" in script
