@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 NORMEXP := $(VENV)/bin/normexp
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all reproduce lint bench clean
+.PHONY: install test test-all reproduce lint bench studies clean
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ test-all: install
 
 reproduce: install
 	$(NORMEXP) sweep configs/warmup.yaml --force
+
+# every study in configs/studies (batched engine), then runs/REPORT.md with computed verdicts
+studies: install
+	$(PY) -m normexp.studies --out runs
 
 lint: install
 	$(VENV)/bin/ruff check normexp tests benchmarks

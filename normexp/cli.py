@@ -242,6 +242,77 @@ def plot(
 
 
 @app.command()
+def gradnorm(
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML: grid over placement and depth.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Output folder [default: runs/<name>].")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table | markdown.")] = "table",
+) -> None:
+    """Per-block gradient norms and hidden-state norms at initialisation (Xiong et al. 2020, Fig. 3)."""
+    import csv
+
+    from normexp.diagnostics import gradnorm_at_init, summarise_gradnorm
+    from normexp.plot import gradnorm_figure
+    from normexp.report import gradnorm_to_markdown, gradnorm_to_rich
+
+    _check_choice("--format", fmt, ("table", "markdown"))
+    spec = _load(config, set_ or [])
+    rows = [row for cfg in spec.runs for row in gradnorm_at_init(cfg)]
+    target = out_dir or Path("runs") / spec.name
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / "gradnorm.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = summarise_gradnorm(rows, spec.base.model)
+    gradnorm_figure(summary).savefig(target / "gradnorm.png", dpi=120)
+    if fmt == "table":
+        out.print(gradnorm_to_rich(summary))
+    else:
+        sys.stdout.write(gradnorm_to_markdown(summary))
+    out.print(f"wrote {target / 'gradnorm.csv'} and {target / 'gradnorm.png'}")
+
+
+norms_app = typer.Typer(no_args_is_help=True, help="Seed 001's numerical facts and speed table, measured here.")
+app.add_typer(norms_app, name="norms")
+
+
+@norms_app.command("props")
+def norms_props(
+    fmt: Annotated[str, typer.Option("--format", help="table | markdown.")] = "table",
+) -> None:
+    """RMSNorm's invariances, parameter counts, fp16 overflow, eps defaults, Gemma weights: each checked."""
+    from normexp.diagnostics import norm_properties
+    from normexp.report import properties_to_markdown, properties_to_rich
+
+    _check_choice("--format", fmt, ("table", "markdown"))
+    props = norm_properties()
+    if fmt == "table":
+        out.print(properties_to_rich(props))
+    else:
+        sys.stdout.write(properties_to_markdown(props))
+    if not all(p.passed for p in props):
+        raise typer.Exit(Exit.FAILED)
+
+
+@norms_app.command("bench")
+def norms_bench(
+    repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (median).", min=1)] = 5,
+    big: Annotated[bool, typer.Option(help="Include the article's (64, 512, 4096) shape (0.5 GB a tensor).")] = True,
+    compile_: Annotated[bool, typer.Option("--compile/--no-compile", help="Also time a compiled RMSNorm.")] = True,
+    fmt: Annotated[str, typer.Option("--format", help="table | markdown.")] = "table",
+) -> None:
+    """Forward and forward+backward time of LayerNorm and each RMSNorm kind (median of repeats)."""
+    from normexp.diagnostics import norm_speed
+    from normexp.report import speed_to_markdown, speed_to_rich
+
+    _check_choice("--format", fmt, ("table", "markdown"))
+    shapes = [(64, 32)] + ([(64, 512, 4096)] if big else [])
+    timings = norm_speed(shapes, repeats, compile_)
+    out.print(speed_to_rich(timings)) if fmt == "table" else sys.stdout.write(speed_to_markdown(timings))
+
+
+@app.command()
 def validate(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,

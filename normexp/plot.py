@@ -141,3 +141,62 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
         plt.close(fig)
         paths.append(phase)
     return paths
+
+
+def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.GradnormSummary
+    """Left: the last block's gradient against depth (log-log) with the fitted slope per placement.
+    Right: ||x_l||^2/d along the deepest model's stream, with Xiong et al.'s Lemma 2 predictions."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained")
+    depths = np.array(summary.depths, dtype=float)
+    for placement, stats in summary.last_grad.items():
+        means = np.array([m for m, _ in stats])
+        stds = np.array([s for _, s in stats])
+        line = left.errorbar(depths, means, yerr=stds, marker="o", capsize=3,
+                             label=f"{placement} (slope {summary.slopes[placement]:+.2f})")[0]
+        fit = np.polyfit(np.log(depths), np.log(means), 1)
+        left.plot(depths, np.exp(np.polyval(fit, np.log(depths))), color=line.get_color(), linestyle="--", alpha=0.6)
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("depth L (blocks)")
+    left.set_ylabel("||dLoss / dW_fc2|| of block L, at init")
+    left.set_title("last-block gradient vs depth (Xiong: Post flat, Pre ~ L^-1/2)")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend()
+    for placement, stream in summary.stream_sq.items():
+        blocks = np.arange(1, len(stream) + 1)
+        right.plot(blocks, stream, marker=".", label=f"{placement}: ||x_l||^2/d (stream)")
+        norm_in = np.array(summary.norm_in_sq[placement])
+        if placement == "post" and not np.all(np.isnan(norm_in)):
+            right.plot(blocks, norm_in, marker=".", label="post: ||x + F(x)||^2/d (norm input)")
+    blocks = np.arange(1, summary.depths[-1] + 1)
+    right.plot(blocks, 1 + (blocks - 1) / 2, color="grey", linestyle=":", label="Lemma 2, Pre-LN: 1 + l/2")
+    right.axhline(1.5, color="black", linestyle=":", label="Lemma 2, Post-LN: 3/2")
+    right.set_xlabel("block l")
+    right.set_ylabel("||x||^2 / d, mean over samples and seeds")
+    right.set_title(f"hidden-state norms at init, L = {summary.depths[-1]}")
+    right.grid(True, alpha=0.3)
+    right.legend(fontsize="small")
+    return fig
+
+
+def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
+    """Final loss against a numeric key (e.g. model.depth), one line per other variant: the mean over
+    seeds, with the min–max band."""
+    finished = summary[summary["status"].isin(("completed", "diverged"))]
+    others = [k for k in varying_keys(summary) if k not in ("seed", x_key)]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
+    for label, group in _variants(finished, others):
+        stats = group.groupby(x_key)["final_loss"].agg(["mean", "min", "max"])
+        line, = ax.plot(stats.index, stats["mean"], marker="o", label=label)
+        ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.15, linewidth=0)
+    n_classes = int(finished["model.n_classes"].iloc[0])
+    ax.axhline(math.log(n_classes), color="grey", linestyle=":", label=f"chance, ln {n_classes}")
+    ax.axhline(math.log(n_classes) / 10, color="grey", linestyle="--", linewidth=0.8, label="trained below")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("final training loss")
+    ax.set_title(f"final loss vs {x_key} (line: mean over seeds, band: min–max)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig

@@ -38,7 +38,7 @@ def variant_label(values: dict[str, object]) -> str:
     placement, kind = values.get("norm.placement"), values.get("norm.kind")
     if placement is not None or kind is not None:
         head = PLACEMENT_LABELS.get(str(placement), "") if placement is not None else ""
-        if placement != "none" and kind is not None:
+        if kind is not None:
             head = f"{head}-{KIND_LABELS.get(str(kind), kind)}" if head else str(KIND_LABELS.get(str(kind), kind))
         parts.append(head)
     parts += [f"{key.rsplit('.', 1)[-1]}={value}" for key, value in values.items()
@@ -274,3 +274,111 @@ def pivot_to_csv(pivot: Pivot) -> str:
                     writer.writerow([title, row, col, repr(float(mean.at[row, col])), repr(float(std.at[row, col])),
                                      int(n.at[row, col])])
     return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------- the gradnorm study
+
+
+def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  # summary: GradnormSummary
+    """Header, rows and closing lines of the gradnorm table (shared by Rich and markdown)."""
+    placements = list(summary.last_grad)
+    header = ["depth L", *(f"{PLACEMENT_LABELS.get(p, p)}: ||grad W2_L||" for p in placements)]
+    rows = [[str(depth), *(f"{summary.last_grad[p][i][0]:.4f} ± {summary.last_grad[p][i][1]:.4f}" for p in placements)]
+            for i, depth in enumerate(summary.depths)]
+    deepest = summary.depths[-1]
+    lines = ["fitted slope of log ||grad W2_L|| against log L: " + ", ".join(
+        f"{PLACEMENT_LABELS.get(p, p)} {summary.slopes[p]:+.2f}" for p in placements)
+        + " (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
+    for p in placements:
+        stream, norm_in = summary.stream_sq[p], summary.norm_in_sq[p]
+        lines.append(f"{PLACEMENT_LABELS.get(p, p)}, L={deepest}: ||x_l||^2/d entering blocks 1, L/2, L = "
+                     f"{stream[0]:.2f}, {stream[len(stream) // 2]:.2f}, {stream[-1]:.2f}; "
+                     f"||u||^2/d entering the norms, mean over blocks = {_nanmean(norm_in):.2f}")
+    lines.append("Xiong et al. Lemma 2 (xavier_normal init): ||u||^2/d ~ 1.5 entering each Post-LN norm; "
+                 "||x_l||^2/d ~ 1 + l/2 along the Pre-LN stream")
+    gains = ", ".join(f"{PLACEMENT_LABELS.get(p, p)} {summary.measured_gain(p):.3f}" for p in placements)
+    expected = f"{summary.branch_gain:.3f}" if summary.branch_gain is not None else "unknown for this init"
+    lines.append(f"branch energy c = E||F(x)||^2/d per block, measured: {gains}; from the init, 2m/(1+m)^2 = "
+                 f"{expected} (Xiong's N(0, 1/d) weights: 0.5). Lemma 2 with c: Post 1 + c, Pre 1 + c*l")
+    return header, rows, lines
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def gradnorm_to_rich(summary):  # -> rich.console.Group
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    header, rows, lines = gradnorm_tables(summary)
+    table = Table(title="gradient of the last block's fc2 weight at initialisation (mean ± std over seeds)",
+                  title_justify="left")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="right" if i else "left")
+    for row in rows:
+        table.add_row(*row)
+    return Group(table, *(Text(line) for line in lines))
+
+
+def gradnorm_to_markdown(summary) -> str:
+    header, rows, lines = gradnorm_tables(summary)
+    out = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(out + [""] + [f"- {line}" for line in lines]) + "\n"
+
+
+# ----------------------------------------------------------------------------- norm facts and speed
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def properties_to_rich(props):  # props: list[normexp.diagnostics.Property]
+    from rich.table import Table
+
+    table = Table(title="RMSNorm facts (shared/seeds/001), measured here", title_justify="left")
+    for name in ("check", "measured", "expected", "article", "result"):
+        table.add_column(name)
+    for p in props:
+        table.add_row(p.name, _fmt(p.measured), p.expectation, p.article, "pass" if p.passed else "FAIL")
+    return table
+
+
+def properties_to_markdown(props) -> str:
+    lines = ["| check | measured | expected | article | result |", "|---|---:|---|---:|---|"]
+    lines += [f"| {p.name} | {_fmt(p.measured)} | {p.expectation} | {p.article} | {'pass' if p.passed else 'FAIL'} |"
+              for p in props]
+    return "\n".join(lines) + "\n"
+
+
+def _speed_rows(timings) -> list[list[str]]:
+    rows = []
+    for t in timings:
+        ln = next(x for x in timings if x.kind == "layernorm" and x.shape == t.shape)
+        rows.append([str(t.shape), t.kind, f"{t.forward_ms:.3f}", f"{t.forward_ms / ln.forward_ms:.2f}x",
+                     f"{t.backward_ms:.3f}", f"{t.backward_ms / ln.backward_ms:.2f}x"])
+    return rows
+
+
+SPEED_HEADER = ["shape", "norm", "forward ms", "vs LayerNorm", "fwd+bwd ms", "vs LayerNorm"]
+
+
+def speed_to_rich(timings):
+    from rich.table import Table
+
+    table = Table(title="norm speed on this machine (median of repeats, float32, CPU)", title_justify="left")
+    for i, name in enumerate(SPEED_HEADER):
+        table.add_column(name, justify="right" if i > 1 else "left")
+    for row in _speed_rows(timings):
+        table.add_row(*row)
+    return table
+
+
+def speed_to_markdown(timings) -> str:
+    lines = ["| " + " | ".join(SPEED_HEADER) + " |", "|---|---|" + "---:|" * 4]
+    lines += ["| " + " | ".join(row) + " |" for row in _speed_rows(timings)]
+    return "\n".join(lines) + "\n"

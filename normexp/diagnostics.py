@@ -1,0 +1,285 @@
+"""Measurements that are not training runs: gradients at initialisation, norm properties, norm speed.
+
+- `gradnorm_at_init(cfg)`: Xiong et al. 2020 (Theorem 1, Fig. 3, Lemma 2) on the toy model. At
+  initialisation, one full-batch forward and backward of the cross-entropy, recording per block the
+  Frobenius norm of the fc1/fc2 weight gradients, ||x_l||^2 / d of the residual stream entering the
+  block, and ||u_l||^2 / d of the input to the block's norm (Post-LN: u = x + F(x)). Theory:
+  Post-LN's last-block gradient does not depend on the depth L, Pre-LN's shrinks like 1/sqrt(L);
+  ||u||^2/d ~ 3/2 entering each Post-LN norm, ||x_l||^2/d ~ 1 + l/2 along the Pre-LN stream.
+- `norm_properties()`: the numerical facts of shared/seeds/001 measured live, each with its
+  expectation and a pass/fail.
+- `norm_speed()`: forward and forward+backward time of LayerNorm and each RMSNorm kind.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig
+from normexp.data import make_task
+from normexp.model import Net
+from normexp.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
+from normexp.train import INIT_LOCK, torch_threads
+
+# ----------------------------------------------------------------------------- gradients at init
+
+
+def gradnorm_at_init(cfg: RunConfig) -> list[dict[str, float | int | str]]:
+    """One row per block: gradient norms of its fc1/fc2 weights and the hidden-state norms at init."""
+    with torch_threads(cfg.train.threads), INIT_LOCK:
+        torch.manual_seed(cfg.seed)
+        model = Net(cfg.model, cfg.norm)
+        task = make_task(cfg.data, cfg.model)
+    d = cfg.model.width
+    stream, norm_in = {}, {}
+    hooks = []
+    for i, block in enumerate(model.blocks):
+        hooks.append(block.register_forward_pre_hook(lambda m, args, i=i: stream.__setitem__(i, args[0].detach())))
+        if block.norm is not None:
+            hooks.append(block.norm.register_forward_pre_hook(
+                lambda m, args, i=i: norm_in.__setitem__(i, args[0].detach())))
+    loss = F.cross_entropy(model(task.x), task.y)
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    rows = []
+    for i, block in enumerate(model.blocks):
+        rows.append({
+            "placement": cfg.norm.placement, "kind": cfg.norm.kind, "depth": cfg.model.depth, "seed": cfg.seed,
+            "block": i + 1, "block_placement": block.placement,
+            "fc1_grad": block.ffn.fc1.weight.grad.norm().item(),
+            "fc2_grad": block.ffn.fc2.weight.grad.norm().item(),
+            "stream_sq": _mean_sq(stream[i], d),
+            "norm_in_sq": _mean_sq(norm_in[i], d) if i in norm_in else math.nan,
+            "loss": loss.item(),
+        })
+    return rows
+
+
+def _mean_sq(x: torch.Tensor, d: int) -> float:
+    """E ||x||^2 / d over the batch."""
+    return (x.pow(2).sum(-1) / d).mean().item()
+
+
+def fit_slope(depths: list[float], values: list[float]) -> float:
+    """Least-squares slope of log(value) against log(depth)."""
+    xs, ys = [math.log(v) for v in depths], [math.log(v) for v in values]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else math.nan
+
+
+# ----------------------------------------------------------------------------- norm properties
+
+
+@dataclass(frozen=True)
+class Property:
+    name: str
+    measured: float | str
+    expectation: str
+    passed: bool
+    article: str  # what shared/seeds/001 reports (PyTorch 2.2.2 / 2.14.1 on its machine)
+
+
+def norm_properties(d: int = 4096, seed: int = 0) -> list[Property]:
+    """The measurements of shared/seeds/001, made live on this machine."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, d, generator=gen)
+    llama = LlamaRMSNorm(d, eps=1e-6)
+    bias_free_ln = nn.LayerNorm(d, eps=1e-6, bias=False)
+    out = []
+
+    def add(name: str, measured: float | str, expectation: str, passed: bool, article: str = "") -> None:
+        out.append(Property(name, measured, expectation, bool(passed), article))
+
+    with torch.no_grad():
+        scaled = (llama(5 * x) - llama(x)).abs().max().item()
+        add("RMSNorm(5x) vs RMSNorm(x): max |diff|", scaled, "< 1e-5 (scale invariant)", scaled < 1e-5, "2.4e-06")
+        shifted = (llama(x + 3) - llama(x)).abs().max().item()
+        add("RMSNorm(x + 3) vs RMSNorm(x): max |diff|", shifted, "> 1 (not shift invariant)", shifted > 1, "3.89")
+        centred = x - x.mean(-1, keepdim=True)
+        zero_mean = (llama(centred) - bias_free_ln(centred)).abs().max().item()
+        add("mean-0 input: RMSNorm vs bias-free LayerNorm", zero_mean, "< 1e-5 (equal)", zero_mean < 1e-5, "4.8e-07")
+        mean3 = (llama(centred + 3) - bias_free_ln(centred + 3)).abs().max().item()
+        add("mean-3 input: RMSNorm vs bias-free LayerNorm", mean3, "> 1 (different)", mean3 > 1, "3.87")
+        ln_params = sum(p.numel() for p in nn.LayerNorm(d).parameters())
+        rms_params = sum(p.numel() for p in nn.RMSNorm(d).parameters())
+        add(f"parameters at d={d}: LayerNorm", ln_params, f"{2 * d} (weight + bias)", ln_params == 2 * d, "8192")
+        add(f"parameters at d={d}: RMSNorm", rms_params, f"{d} (weight only)", rms_params == d, "4096")
+        big = torch.full((1, d), 300.0, dtype=torch.float16)
+        naive = RMSNormNoUpcast(d).half()(big)
+        add("fp16 input of 300s, no float32 upcast: output", naive.float().abs().max().item(),
+            "0.0 (300^2 overflows fp16)", torch.all(naive == 0).item(), "0.0")
+        upcast = llama.half()(big)
+        add("fp16 input of 300s, float32 upcast (LLaMA): output", upcast.float().min().item(), "1.0",
+            torch.all(upcast == 1).item(), "1.0")
+        default_eps = nn.RMSNorm(d).eps
+        effective = _effective_eps(d)
+        add("nn.RMSNorm(d).eps (default)", str(default_eps), "None", default_eps is None, "None")
+        add("nn.RMSNorm default eps in effect (float32 input)", effective,
+            f"torch.finfo(float32).eps = {torch.finfo(torch.float32).eps:.3g}",
+            effective == torch.finfo(torch.float32).eps, "1.19e-07")
+        small = 0.001 * torch.randn(8, d, generator=gen)
+        eps_gap = (F.rms_norm(small, (d,)) - F.rms_norm(small, (d,), eps=1e-5)).abs().max().item()
+        add("inputs ~0.001: eps=None vs eps=1e-5, max |diff|", eps_gap, "> 1 (eps matters)", eps_gap > 1, "2.51")
+        weight = 0.1 * torch.randn(d, generator=gen)
+        gemma, as_llama = GemmaRMSNorm(d, eps=1e-6), LlamaRMSNorm(d, eps=1e-6)
+        gemma.weight.copy_(weight)
+        as_llama.weight.copy_(weight)
+        misread = (gemma(x) - as_llama(x)).abs().max().item()
+        add("Gemma weights (std 0.1) read as LLaMA weights: max |diff|", misread, "> 1 (1 + weight differs)",
+            misread > 1, "4.32")
+        as_llama.weight.copy_(1 + weight)
+        fixed = (gemma(x) - as_llama(x)).abs().max().item()
+        add("... with 1 added to the stored weights: max |diff|", fixed, "< 1e-5 (equal)", fixed < 1e-5)
+    return out
+
+
+class RMSNormNoUpcast(nn.Module):
+    """RMSNorm computed in the input dtype (what the LLaMA upcast avoids)."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _effective_eps(d: int) -> float:
+    """Find the eps nn.RMSNorm uses by default: the candidate that reproduces its output exactly."""
+    x = 1e-4 * torch.randn(4, d, generator=torch.Generator().manual_seed(1))  # small, so eps shows
+    reference = nn.RMSNorm(d)(x)
+    for candidate in (torch.finfo(torch.float32).eps, torch.finfo(torch.float16).eps, 1e-5, 1e-6, 1e-8):
+        if torch.equal(F.rms_norm(x, (d,), reference.new_ones(d), eps=candidate), reference):
+            return candidate
+    return math.nan
+
+
+# ----------------------------------------------------------------------------- norm speed
+
+
+@dataclass(frozen=True)
+class Timing:
+    kind: str
+    shape: tuple[int, ...]
+    forward_ms: float
+    backward_ms: float  # forward + backward
+
+
+SPEED_KINDS: tuple[NormKind, ...] = ("layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma",
+                                     "prmsnorm", "scalenorm")
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def time_norm(module: nn.Module, shape: tuple[int, ...], repeats: int) -> tuple[float, float]:
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        forward = _median_ms(lambda: module(x), repeats)
+    xg = x.clone().requires_grad_()
+    grad = torch.randn(*shape)
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        xg.grad = None
+        module(xg).backward(grad)
+
+    return forward, _median_ms(step, repeats)
+
+
+def norm_speed(shapes: list[tuple[int, ...]], repeats: int = 5, compile_rmsnorm: bool = True) -> list[Timing]:
+    """Median forward and forward+backward times of each norm kind at each shape."""
+    out = []
+    for shape in shapes:
+        d = shape[-1]
+        for kind in SPEED_KINDS:
+            module = make_norm(d, NormConfig(kind=kind, eps=1e-6))
+            out.append(Timing(kind, shape, *time_norm(module, shape, repeats)))
+        if compile_rmsnorm:
+            compiled = _compiled_rmsnorm(d)
+            if compiled is not None:
+                out.append(Timing("rmsnorm_llama (torch.compile)", shape, *time_norm(compiled, shape, repeats)))
+    return out
+
+
+def _compiled_rmsnorm(d: int) -> nn.Module | None:
+    """torch.compile'd LLaMA RMSNorm, or None where compile does not work here (no compiler...)."""
+    try:
+        module = torch.compile(LlamaRMSNorm(d, eps=1e-6))
+        module(torch.randn(2, d, requires_grad=True)).sum().backward()
+        return module
+    except Exception:  # noqa: BLE001 - compile needs a C++ toolchain; report its absence instead
+        return None
+
+
+# ----------------------------------------------------------------------------- the gradnorm study
+
+
+@dataclass(frozen=True)
+class GradnormSummary:
+    """Per placement: the last block's fc2 gradient at each depth (mean, std over seeds), the
+    fitted log-log slope, and the hidden-state norms at the largest depth."""
+
+    depths: list[int]
+    last_grad: dict[str, list[tuple[float, float]]]  # placement -> [(mean, std)] per depth
+    slopes: dict[str, float]
+    stream_sq: dict[str, list[float]]  # placement -> ||x_l||^2/d per block, deepest model, mean over seeds
+    norm_in_sq: dict[str, list[float]]  # placement -> ||u_l||^2/d entering each block's norm
+    branch_gain: float | None  # c = E||F(x)||^2/d for unit-variance input, from the init; None if unknown
+
+    def measured_gain(self, placement: str) -> float:
+        """c as the data show it: Post-LN, mean ||u||^2/d - 1; otherwise the per-block growth of ||x_l||^2/d."""
+        if placement == "post":
+            return statistics.fmean(v for v in self.norm_in_sq[placement] if not math.isnan(v)) - 1
+        stream = self.stream_sq[placement]
+        blocks = list(range(1, len(stream) + 1))
+        mx, my = statistics.fmean(blocks), statistics.fmean(stream)
+        return sum((b - mx) * (v - my) for b, v in zip(blocks, stream)) / sum((b - mx) ** 2 for b in blocks)
+
+
+def branch_gain(model: ModelConfig) -> float | None:
+    """E||F(x)||^2 / d of one FFN branch at init for E x_i^2 = 1: xavier weights (variance 2/(fan_in +
+    fan_out)), zero biases, ReLU halving the second moment, hidden = m d: 2m / (1 + m)^2. Xiong et
+    al.'s setting (weights N(0, 1/d), equal widths) gives 1/2, hence their 3/2 and 1 + l/2."""
+    if model.init not in ("xavier_uniform", "xavier_normal"):
+        return None
+    m = model.hidden_mult
+    return 2 * m / (1 + m) ** 2
+
+
+def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> GradnormSummary:
+    placements = list(dict.fromkeys(r["placement"] for r in rows))
+    depths = sorted({int(r["depth"]) for r in rows})
+    last_grad, slopes, stream, norm_in = {}, {}, {}, {}
+    for placement in placements:
+        mine = [r for r in rows if r["placement"] == placement]
+        stats = []
+        for depth in depths:
+            values = [r["fc2_grad"] for r in mine if r["depth"] == depth and r["block"] == depth]
+            stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
+        last_grad[placement] = stats
+        slopes[placement] = fit_slope([float(d) for d in depths], [m for m, _ in stats])
+        deepest = [r for r in mine if r["depth"] == depths[-1]]
+        blocks = sorted({r["block"] for r in deepest})
+        stream[placement] = [statistics.fmean(r["stream_sq"] for r in deepest if r["block"] == b) for b in blocks]
+        norm_in[placement] = [statistics.fmean(r["norm_in_sq"] for r in deepest if r["block"] == b) for b in blocks]
+    return GradnormSummary(depths, last_grad, slopes, stream, norm_in, branch_gain(model) if model else None)
