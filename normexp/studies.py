@@ -125,11 +125,11 @@ def depth_verdict(run_dir: Path) -> str:
         if placement not in by.index.get_level_values(0):
             continue
         mine = by.loc[placement]
-        all_ok = [int(d) for d in depths if mine.loc[d, "trained"] == 1.0]
-        none_ok = [int(d) for d in depths if mine.loc[d, "trained"] == 0.0]
-        parts.append(f"{PLACEMENT_LABELS[placement]}-LN/RMS train in every seed at depth "
-                     f"{', '.join(map(str, all_ok)) or 'none'}; "
-                     f"in no seed at depth {', '.join(map(str, none_ok)) or 'none'}")
+        groups = {"in every seed": [d for d in depths if mine.loc[d, "trained"] == 1.0],
+                  "in some seeds": [d for d in depths if 0.0 < mine.loc[d, "trained"] < 1.0],
+                  "in no seed": [d for d in depths if mine.loc[d, "trained"] == 0.0]}
+        said = [f"{how} at depth {', '.join(str(int(d)) for d in ds)}" for how, ds in groups.items() if ds]
+        parts.append(f"{PLACEMENT_LABELS[placement]}-LN/RMS train " + "; ".join(said))
     gap = [by.loc[("post", d), "loss"] - by.loc[("pre", d), "loss"] for d in depths]
     trend = "grows" if gap[-1] > gap[0] + 0.1 else "does not grow"
     return (". ".join(parts) + f". The mean final-loss gap Post minus Pre {trend} with depth: "
@@ -141,18 +141,20 @@ def placements_verdict(run_dir: Path) -> str:
     summary["trained"] = _trained(summary)
     frac = summary.groupby(["norm.placement", "norm.kind"], sort=False)["trained"].mean().unstack("norm.kind")
     loss = summary.groupby(["norm.placement", "norm.kind"], sort=False)["final_loss"].mean().unstack("norm.kind")
+    runs = summary.groupby("norm.placement", sort=False)["trained"].agg(["sum", "count"])
     lines = []
     for placement in frac.index:
         row = frac.loc[placement]
         good = [k for k in row.index if row[k] == 1.0]
         bad = [variant_label({"norm.kind": k}) for k in row.index if row[k] < 1.0]
         label = PLACEMENT_LABELS.get(placement, placement)
+        share = f"{int(runs.loc[placement, 'sum'])} of {int(runs.loc[placement, 'count'])} runs train"
         if len(good) == len(row):
-            lines.append(f"{label}: every kind trains in every seed")
+            lines.append(f"{label}: {share}, every kind in every seed")
         elif not good:
-            lines.append(f"{label}: no kind trains in every seed")
+            lines.append(f"{label}: {share}, no kind in every seed")
         else:
-            lines.append(f"{label}: {len(good)} of {len(row)} kinds train in every seed (not {', '.join(bad)})")
+            lines.append(f"{label}: {share}; {len(good)} of {len(row)} kinds in every seed (not {', '.join(bad)})")
     medians = loss.median(axis=1)
     typical = loss.sub(medians, axis=0).abs()
     trainable = [p for p in frac.index if (frac.loc[p] == 1.0).mean() >= 0.5]
