@@ -11,6 +11,7 @@ import os
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -123,6 +124,15 @@ def _progress(total: int, quiet: bool):
     return sweep_progress(out, total, quiet)
 
 
+def _emit(fmt: str, table: Callable[[], object], markdown: Callable[[], str],
+          csv: Callable[[], str] | None = None) -> None:
+    """Print one result in the chosen --format: a Rich renderable, or markdown / CSV text."""
+    if fmt == "table":
+        out.print(table())
+    else:
+        sys.stdout.write(markdown() if fmt == "markdown" or csv is None else csv())
+
+
 def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise fail(f"{option}: must be one of {', '.join(choices)}, got {value!r}")
@@ -195,10 +205,7 @@ def report(
         table = build_report(run_dir, step_list, metric, keys)
     except ResultsError as exc:
         raise fail(str(exc)) from None
-    if fmt == "table":
-        out.print(to_rich(table))
-    else:
-        sys.stdout.write(to_markdown(table) if fmt == "markdown" else to_csv(table))
+    _emit(fmt, lambda: to_rich(table), lambda: to_markdown(table), lambda: to_csv(table))
 
 
 def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
@@ -212,10 +219,7 @@ def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
         table = build_pivot(run_dir, *keys)
     except ResultsError as exc:
         raise fail(str(exc)) from None
-    if fmt == "table":
-        out.print(pivot_to_rich(table))
-    else:
-        sys.stdout.write(pivot_to_markdown(table) if fmt == "markdown" else pivot_to_csv(table))
+    _emit(fmt, lambda: pivot_to_rich(table), lambda: pivot_to_markdown(table), lambda: pivot_to_csv(table))
 
 
 @app.command()
@@ -266,10 +270,7 @@ def gradnorm(
         writer.writerows(rows)
     summary = summarise_gradnorm(rows, spec.base.model)
     gradnorm_figure(summary).savefig(target / "gradnorm.png", dpi=120)
-    if fmt == "table":
-        out.print(gradnorm_to_rich(summary))
-    else:
-        sys.stdout.write(gradnorm_to_markdown(summary))
+    _emit(fmt, lambda: gradnorm_to_rich(summary), lambda: gradnorm_to_markdown(summary))
     out.print(f"wrote {target / 'gradnorm.csv'} and {target / 'gradnorm.png'}")
 
 
@@ -287,10 +288,7 @@ def norms_props(
 
     _check_choice("--format", fmt, ("table", "markdown"))
     props = norm_properties()
-    if fmt == "table":
-        out.print(properties_to_rich(props))
-    else:
-        sys.stdout.write(properties_to_markdown(props))
+    _emit(fmt, lambda: properties_to_rich(props), lambda: properties_to_markdown(props))
     if not all(p.passed for p in props):
         raise typer.Exit(Exit.FAILED)
 
@@ -309,7 +307,7 @@ def norms_bench(
     _check_choice("--format", fmt, ("table", "markdown"))
     shapes = [(64, 32)] + ([(64, 512, 4096)] if big else [])
     timings = norm_speed(shapes, repeats, compile_)
-    out.print(speed_to_rich(timings)) if fmt == "table" else sys.stdout.write(speed_to_markdown(timings))
+    _emit(fmt, lambda: speed_to_rich(timings), lambda: speed_to_markdown(timings))
 
 
 @app.command()
