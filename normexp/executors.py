@@ -223,7 +223,10 @@ class ExecutorError(RuntimeError):
     """The executor cannot start (Dask missing, scheduler unreachable). The CLI exits 2 on it."""
 
 
-def make_executor(workers: int | None, cluster: str | None):
+Executor = InProcessExecutor | PoolExecutor | DaskExecutor
+
+
+def make_executor(workers: int | None, cluster: str | None) -> Executor:
     if cluster:
         return DaskExecutor(cluster)
     if workers and workers > 1:

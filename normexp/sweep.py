@@ -1,11 +1,13 @@
-"""Run a sweep: lock the output folder, skip finished runs, dispatch the rest to an engine, record.
+"""Run a sweep: lock the output folder, skip finished runs, dispatch the rest, record each result.
 
-The sweep process is the only writer of its output folder. It
+The sweep process is the coordinator and the only writer of its output folder. It
 
-1. takes the folder's lock (a second sweep into the same folder fails at once),
-2. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
-3. hands those to the engine, writing each run's folder as its result arrives,
-4. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
+1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
+2. takes the folder's lock (a second sweep into the same folder fails at once),
+3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
+4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
+   result arrives,
+5. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
 
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
@@ -19,7 +21,7 @@ import errno
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
 from normexp.store import (
@@ -34,6 +36,9 @@ from normexp.store import (
     write_run,
     write_summary,
 )
+
+if TYPE_CHECKING:
+    from normexp.executors import Executor
 
 T = TypeVar("T")
 EngineName = Literal["auto", "reference", "batched"]
@@ -91,33 +96,45 @@ EventCallback = Callable[[SweepEvent], None]
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
               on_event: EventCallback | None = None) -> SweepOutcome:
     """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
+    from normexp.executors import make_executor
+
     out_dir = Path(out_dir)
     outcome = SweepOutcome(out_dir, len(sweep.runs))
     emit = on_event or (lambda event: None)
-    with SweepLock(out_dir):
-        _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
-        pending = []
-        for cfg in sweep.runs:
-            if not options.force and is_done(out_dir / run_id(cfg), cfg):
-                outcome.statuses[run_id(cfg)] = "skipped"
-                emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
-            else:
-                pending.append(cfg)
-        try:
-            _execute(pending, out_dir, options, outcome, emit)
-        except KeyboardInterrupt:
-            outcome.interrupted = True
-            for cfg in pending:
-                outcome.statuses.setdefault(run_id(cfg), "interrupted")
-            _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
-            raise SweepInterrupted(outcome) from None
-        _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+    executor = make_executor(options.workers, options.cluster)  # fails before anything is written
+    try:
+        with SweepLock(out_dir):
+            _run_locked(sweep, out_dir, options, executor, outcome, emit)
+    finally:
+        executor.close()
     return outcome
 
 
-def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, outcome: SweepOutcome,
-             emit: EventCallback) -> None:
-    from normexp.executors import default_threads, make_executor, plan_units
+def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
+                emit: EventCallback) -> None:
+    """Steps 3-5 of the module docstring, under the folder's lock."""
+    _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
+    pending = []
+    for cfg in sweep.runs:
+        if not options.force and is_done(out_dir / run_id(cfg), cfg):
+            outcome.statuses[run_id(cfg)] = "skipped"
+            emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
+        else:
+            pending.append(cfg)
+    try:
+        _execute(pending, out_dir, options, executor, outcome, emit)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+        for cfg in pending:
+            outcome.statuses.setdefault(run_id(cfg), "interrupted")
+        _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+        raise SweepInterrupted(outcome) from None
+    _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+
+
+def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
+             outcome: SweepOutcome, emit: EventCallback) -> None:
+    from normexp.executors import default_threads, plan_units
 
     if options.engine != "reference":
         from normexp.batched import fallback_notes
@@ -126,15 +143,11 @@ def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, out
             emit(SweepEvent("note", "", len(outcome.statuses), outcome.total, error=note))
     engine = "reference" if options.engine == "reference" else "batched"
     units = plan_units(pending, engine, options.device, default_threads())
-    executor = make_executor(options.workers, options.cluster)
-    try:
-        for result in executor.run(units):
-            for cfg, run in zip(result.unit.runs, result.outcomes):
-                _record(cfg, run, result.status, out_dir, outcome, emit)
-            if options.fail_fast and outcome.failed:
-                return
-    finally:
-        executor.close()
+    for result in executor.run(units):
+        for cfg, run in zip(result.unit.runs, result.outcomes):
+            _record(cfg, run, result.status, out_dir, outcome, emit)
+        if options.fail_fast and outcome.failed:
+            return
 
 
 def _record(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
