@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from article_toy import train_losses
 from conftest import REPO, SMALL_SWEEP
 from test_config import BAD_FILES, BAD_SETS, GOOD
@@ -169,3 +170,41 @@ def test_out_that_is_a_file(write_yaml, tmp_path):
     blocker.write_text("x")
     result = normexp("sweep", write_yaml(SMALL_SWEEP), "--out", blocker / "sub")
     assert result.exit_code == 2 and "cannot use as the output folder" in result.output
+
+
+def test_progress_bar_on_a_terminal_and_plain_lines_elsewhere():
+    import io
+
+    from rich.console import Console
+
+    from normexp.progress import sweep_progress
+    from normexp.sweep import SweepEvent
+
+    events = [SweepEvent("skipped", "a", 1, 3), SweepEvent("finished", "b", 2, 3, "completed", 0.5),
+              SweepEvent("failed", "c", 3, 3, "failed", error="RuntimeError: boom")]
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=100)
+    with sweep_progress(terminal, 3, quiet=False) as on_event:
+        for event in events:
+            on_event(event)
+    shown = terminal.file.getvalue()
+    assert "runs" in shown and "3/3" in shown and "RuntimeError: boom" in shown
+    plain = Console(file=io.StringIO(), force_terminal=False, width=100)
+    with sweep_progress(plain, 3, quiet=False) as on_event:
+        for event in events:
+            on_event(event)
+    assert plain.file.getvalue().splitlines() == [
+        "[2/3] b completed final loss 0.5000", "[3/3] c failed: RuntimeError: boom"]
+    silent = Console(file=io.StringIO(), force_terminal=True)
+    with sweep_progress(silent, 3, quiet=True) as on_event:
+        for event in events:
+            on_event(event)
+    assert silent.file.getvalue() == ""
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the error path cannot be reached")
+    result = normexp("sweep", REPO / "configs" / "warmup.yaml", "--device", "cuda", "--out", tmp_path / "o")
+    assert result.exit_code == 2 and "no CUDA device" in result.output and not (tmp_path / "o").exists()
