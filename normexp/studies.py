@@ -48,11 +48,12 @@ def _trained(summary: pd.DataFrame) -> pd.Series:
 
 
 def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, float]:
+    """Run (or resume) one study's sweep; return its folder and its training time, the sum of the runs'
+    recorded wall times (the same whether this call trained them or an earlier one did)."""
     config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
     spec = load_sweep(config, ["seeds=0,1"] if quick and name != "warmup" else [])
-    start = time.perf_counter()
     run_sweep(spec, out / name, SweepOptions(engine="batched"))
-    return out / name, time.perf_counter() - start
+    return out / name, float(load_summary(out / name)["wall_s"].sum())
 
 
 def _figures(run_dir: Path, x_key: str | None = None) -> list[str]:
