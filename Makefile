@@ -33,7 +33,7 @@ studies: install
 	$(PY) -m normexp.studies --out runs
 
 lint: install
-	$(VENV)/bin/ruff check normexp tests benchmarks
+	$(VENV)/bin/ruff check normexp tests benchmarks examples
 
 bench: install
 	$(PY) benchmarks/bench_engines.py
