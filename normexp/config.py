@@ -292,6 +292,8 @@ def _describe(err: dict, model: type[BaseModel]) -> str:
         return f"must be {names[kind]}, got {value!r}"
     if kind == "string_pattern_mismatch":
         return f"must be letters, digits, '_', '.', '-' (start with a letter or digit), got {value!r}"
+    if kind == "invalid_key":
+        return "a key must be a string"
     if kind == "value_error":
         return str(ctx.get("error", err["msg"]))
     if kind in ("too_short", "too_long"):
