@@ -12,9 +12,9 @@ Runs that share everything but their seed, learning rate, optimizer hyper-parame
   hyper-parameters as (R, 1, ...) float32 tensors. Where torch fuses a scalar into a multiply-add
   (`add(alpha=)`, `addcmul(value=)`), the batched step uses `addcmul` with a tensor factor, which is the
   same fused multiply-add, so every update is bit-identical to the reference's.
-- Three things are computed run by run, because their CPU kernels do not give the same bits on a
-  stacked tensor: LayerNorm (its fused affine forward and its backward reductions), and each run's
-  loss (cross-entropy's mean). Everything else is stacked.
+- Two things are computed run by run, because their CPU kernels do not give the same bits on a
+  stacked tensor: LayerNorm's backward (its per-thread reductions) and each run's loss
+  (cross-entropy's mean). Everything else, LayerNorm's forward included, is stacked.
 
 On the CPU this makes every recorded loss equal, bit for bit, to the reference engine's (tests check
 this for every placement, norm kind and optimizer family), and a run's numbers do not depend on which
@@ -86,17 +86,42 @@ class StackedLinear(nn.Module):
 
 
 class StackedLayerNorm(nn.Module):
-    """R LayerNorms: the native kernel run by run (its affine forward and backward do not stack exactly)."""
+    """R LayerNorms over (R, n, d), bit-identical to R calls of F.layer_norm (see `_StackedLayerNormFn`)."""
 
     def __init__(self, layers: Sequence[nn.LayerNorm]) -> None:
         super().__init__()
-        self.shape, self.eps = layers[0].normalized_shape, layers[0].eps
+        self.eps = layers[0].eps
         self.weight = nn.Parameter(torch.stack([layer.weight.detach() for layer in layers]))
         self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([F.layer_norm(x[r], self.shape, self.weight[r], self.bias[r], self.eps)
-                            for r in range(x.shape[0])])
+        return _StackedLayerNormFn.apply(x, self.weight, self.bias, self.eps)
+
+
+class _StackedLayerNormFn(torch.autograd.Function):
+    """LayerNorm with per-run weight and bias, matching the native CPU kernel bit for bit.
+
+    Forward, stacked: the native kernel without affine gives y0 = fma(x, rstd, -rstd * mean) row by
+    row (rows are independent, so stacking changes nothing), and its affine step is one more fused
+    multiply-add, fma(y0, weight, bias): exactly `addcmul`. Backward, run by run: the native kernel
+    sums dweight and dbias in per-thread buffers over each run's rows, an order no stacked op repeats."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        y0, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return torch.addcmul(bias.unsqueeze(1), y0, weight.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x, grad_weight, grad_bias = torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)
+        for r in range(x.shape[0]):
+            torch.ops.aten.native_layer_norm_backward.out(
+                grad[r], x[r], [x.shape[-1]], mean[r], rstd[r], weight[r], bias[r], [True, True, True],
+                out0=grad_x[r], out1=grad_weight[r], out2=grad_bias[r])
+        return grad_x, grad_weight, grad_bias, None
 
 
 class StackedTorchRMSNorm(nn.Module):
