@@ -6,7 +6,8 @@ Runs that share everything but their seed, learning rate, optimizer hyper-parame
 
 - Each run's model is built exactly as the reference builds it (`Net` under its own seed), then its
   parameters are stacked: a Linear's weight becomes (R, in, out) (stored transposed) and runs as
-  `torch.baddbmm`; a norm's weight becomes (R, 1, d) and broadcasts through the norm's own forward(). `Block.forward` and
+  `torch.baddbmm`; a norm's weight becomes (R, 1, d) and broadcasts through the norm's own
+  forward(). `Block.forward` and
   `Net.forward` are reused unchanged, so a placement is defined in one place only.
 - The optimizer replays torch's single-tensor Adam / AdamW / SGD op by op, with each run's
   hyper-parameters as (R, 1, ...) float32 tensors. Where torch fuses a scalar into a multiply-add

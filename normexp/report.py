@@ -30,6 +30,7 @@ PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri"
 KIND_LABELS = {"layernorm": "LN", "rmsnorm": "RMS", "rmsnorm_torch": "RMSt", "rmsnorm_llama": "RMSl",
                "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale"}
 TRAINED_FRACTION = 0.1  # trained: final loss under a tenth of chance, ln(n_classes) / 10
+WIDE = 6  # more variants than this: the table is transposed (variants down, steps across)
 
 
 def variant_label(values: dict[str, object]) -> str:
@@ -152,18 +153,35 @@ def _title(summary: pd.DataFrame, metric: str) -> str:
     return f"{metric} per step · {' '.join(parts)} · {seeds} seed{'s' if seeds > 1 else ''}"
 
 
+def grid_cells(report: Report) -> tuple[list[str], list[list[str]]]:
+    """The table as a header and rows: the article's layout (steps down, variants across), or, past
+    `WIDE` variants, transposed (variants down, with their verdict; steps across) so it stays readable."""
+    if len(report.columns) <= WIDE:
+        header = ["step", *(c.label for c in report.columns)]
+        rows = [[str(step), *(report.cell(c, step) for c in report.columns)] for step in report.steps]
+        return header, rows
+    header = ["variant", *(f"step {step}" for step in report.steps)]
+    if report.metric == "loss":
+        header.append("trained")
+    rows = []
+    for column in report.columns:
+        verdict = [f"{column.trained}/{column.runs}"] if report.metric == "loss" else []
+        rows.append([column.label, *(report.cell(column, step) for step in report.steps), *verdict])
+    return header, rows
+
+
 def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
     """The title line, the table, and (for the loss) the verdict line."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
+    header, rows = grid_cells(report)
     table = Table()
-    table.add_column("step", justify="right")
-    for column in report.columns:
-        table.add_column(column.label, justify="right")
-    for step in report.steps:
-        table.add_row(str(step), *(report.cell(c, step) for c in report.columns))
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 and len(report.columns) > WIDE else "right", no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*row)
     parts = [Text(report.title, style="bold"), table]
     if report.metric == "loss":
         parts.append(Text(report.verdict_line()))
@@ -171,10 +189,10 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
 
 
 def to_markdown(report: Report) -> str:
-    lines = [f"**{report.title}**", "", "| step | " + " | ".join(c.label for c in report.columns) + " |",
-             "|---:|" + "---:|" * len(report.columns)]
-    for step in report.steps:
-        lines.append(f"| {step} | " + " | ".join(report.cell(c, step) for c in report.columns) + " |")
+    header, rows = grid_cells(report)
+    lines = [f"**{report.title}**", "", "| " + " | ".join(header) + " |",
+             "|" + ("---|" if len(report.columns) > WIDE else "---:|") + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     if report.metric == "loss":
         lines += ["", report.verdict_line()]
     return "\n".join(lines) + "\n"

@@ -170,3 +170,12 @@ def test_plot_command_writes_pngs(fake_sweep, tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert save_plots(fake_sweep, metric="acc")[0].name == "acc.png"
     assert matplotlib.get_backend().lower() == "agg"
+
+
+def test_wide_reports_are_transposed(fake_sweep):
+    """Past six variants, variants go down and steps across, with a trained k/n column."""
+    report = build_report(fake_sweep, by=["norm.placement", "optim.lr", "schedule.warmup_steps"])
+    assert len(report.columns) == 8
+    lines = to_markdown(report).splitlines()
+    assert lines[2] == "| variant | step 0 | step 2 | trained |"
+    assert "| Pre lr=0.1 warmup_steps=0 | 2.6000 ± 0.1414 | 1.2750 ± 1.7324 | 1/2 |" in lines
