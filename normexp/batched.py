@@ -35,10 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from normexp.config import RunConfig
-from normexp.data import make_task
 from normexp.model import Net
-from normexp.optim import lr_multiplier
-from normexp.train import INIT_LOCK, RunResult, torch_threads
+from normexp.train import RunResult, seeded_init, step_lr, torch_threads
 
 BATCHED_OPTIMIZERS = ("adam", "adamw", "sgd")
 CHUNK_BYTES = 2**30  # memory budget of one chunk of runs: parameters, optimizer state, activations
@@ -264,10 +262,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
     with torch_threads(first.train.threads) as threads:
         nets, xs, ys = [], [], []
         for cfg in runs:  # each run's draws exactly as the reference makes them
-            with INIT_LOCK:
-                torch.manual_seed(cfg.seed)
-                nets.append(Net(cfg.model, cfg.norm))
-                task = make_task(cfg.data, cfg.model)
+            net, task = seeded_init(cfg)
+            nets.append(net)
             xs.append(task.x)
             ys.append(task.y)
         model = stack_nets(nets).to(device)
@@ -282,15 +278,13 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
             losses = torch.stack([F.cross_entropy(logits[r], y[r]) for r in range(len(runs))])
             loss_values = losses.tolist()
             accs = (logits.argmax(-1) == y).float().mean(-1).tolist()
-            lrs = [cfg.optim.lr * lr_multiplier(step + 1, cfg.schedule, steps) for cfg in runs]
+            lrs = [step_lr(cfg, step) for cfg in runs]
             for param in params:
                 param.grad = None
             losses.sum().backward()
             norms = _grad_norms(model)
             for r in list(active):
-                finite = math.isfinite(loss_values[r])
-                results[r].diverged |= not finite
-                stop = not finite and runs[r].train.stop_on_nonfinite
+                stop = results[r].check_loss(loss_values[r], runs[r].train.stop_on_nonfinite)
                 results[r].record(step, loss_values[r], accs[r], lrs[r], math.nan if stop else norms[r])
                 if stop:
                     active.remove(r)

@@ -24,20 +24,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig
-from normexp.data import make_task
-from normexp.model import Net
 from normexp.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
-from normexp.train import INIT_LOCK, torch_threads
+from normexp.train import seeded_init, torch_threads
 
 # ----------------------------------------------------------------------------- gradients at init
 
 
 def gradnorm_at_init(cfg: RunConfig) -> list[dict[str, float | int | str]]:
     """One row per block: gradient norms of its fc1/fc2 weights and the hidden-state norms at init."""
-    with torch_threads(cfg.train.threads), INIT_LOCK:
-        torch.manual_seed(cfg.seed)
-        model = Net(cfg.model, cfg.norm)
-        task = make_task(cfg.data, cfg.model)
+    with torch_threads(cfg.train.threads):
+        model, task = seeded_init(cfg)
     d = cfg.model.width
     stream, norm_in = {}, {}
     hooks = []

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from normexp.config import RunConfig
-from normexp.data import make_task
+from normexp.data import Task, make_task
 from normexp.model import Net
 from normexp.optim import build_optimizer, lr_multiplier
 
@@ -47,6 +47,12 @@ class RunResult:
     @property
     def status(self) -> str:
         return "diverged" if self.diverged else "completed"
+
+    def check_loss(self, loss: float, stop_on_nonfinite: bool) -> bool:
+        """Note a non-finite loss (the run is then diverged); True if the run stops at this step."""
+        finite = math.isfinite(loss)
+        self.diverged |= not finite
+        return not finite and stop_on_nonfinite
 
     def record(self, step: int, loss: float, acc: float, lr: float, grad_norm: float) -> None:
         for column, value in zip(METRIC_COLUMNS, (step, loss, acc, lr, grad_norm)):
@@ -79,15 +85,27 @@ def grad_norm(params: list[torch.nn.Parameter]) -> float:
     return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
 
 
+def seeded_init(cfg: RunConfig) -> tuple[Net, Task]:
+    """The run's model and task, drawn in the article's order from `cfg.seed` (on the CPU, so every
+    device and engine starts from the same weights)."""
+    with INIT_LOCK:
+        torch.manual_seed(cfg.seed)
+        model = Net(cfg.model, cfg.norm)
+        task = make_task(cfg.data, cfg.model)
+    return model, task
+
+
+def step_lr(cfg: RunConfig, step: int) -> float:
+    """The learning rate of the update that follows recorded step `step` (update `step + 1`)."""
+    return cfg.optim.lr * lr_multiplier(step + 1, cfg.schedule, cfg.train.steps)
+
+
 def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None = None) -> RunResult:
     """Train one run of `cfg` on `device` and return every recorded step's metrics."""
     start = time.perf_counter()
     with torch_threads(cfg.train.threads) as threads:
         result = RunResult(threads=threads)
-        with INIT_LOCK:
-            torch.manual_seed(cfg.seed)
-            model = Net(cfg.model, cfg.norm)  # built on the CPU: the same weights on every device
-            task = make_task(cfg.data, cfg.model)
+        model, task = seeded_init(cfg)
         model.to(device)
         x, y = task.x.to(device), task.y.to(device)
         params = list(model.parameters())
@@ -98,10 +116,8 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
             loss = F.cross_entropy(logits, y)
             loss_value = loss.item()
             acc = (logits.argmax(-1) == y).float().mean().item()
-            lr = cfg.optim.lr * lr_multiplier(step + 1, cfg.schedule, steps)
-            finite = math.isfinite(loss_value)
-            result.diverged |= not finite
-            if not finite and cfg.train.stop_on_nonfinite:
+            lr = step_lr(cfg, step)
+            if result.check_loss(loss_value, cfg.train.stop_on_nonfinite):
                 result.record(step, loss_value, acc, lr, math.nan)
                 break
             optimizer.zero_grad()
