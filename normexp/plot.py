@@ -24,26 +24,19 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from normexp.report import variant_label  # noqa: E402
+from normexp.report import trained_threshold, variant_groups  # noqa: E402
 from normexp.results import load_metrics, load_summary, varying_keys  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
 
 
-def _variants(tidy: pd.DataFrame, keys: list[str]) -> list[tuple[str, pd.DataFrame]]:
-    if not keys:
-        return [("all runs", tidy)]
-    groups = tidy.groupby(keys, sort=False, dropna=False)
-    return [(variant_label(dict(zip(keys, v if isinstance(v, tuple) else (v,)))), g) for v, g in groups]
-
-
 def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", title: str = "") -> Figure:
     """Mean curve per variant with a min–max band over seeds. More than 8 variants are split into
     one panel per value of the first key, so that each panel stays readable."""
-    n_variants = len(_variants(tidy, keys))
+    n_variants = len(variant_groups(tidy, keys))
     facet = keys[:1] if n_variants > 8 and len(keys) > 1 else []
-    panels = _variants(tidy, facet) if facet else [("", tidy)]
+    panels = variant_groups(tidy, facet) if facet else [("", tidy)]
     cols = min(len(panels), 2)
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 4.8 * rows), squeeze=False, sharey=True,
@@ -58,7 +51,7 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
 
 
 def _draw_curves(ax, tidy: pd.DataFrame, keys: list[str], metric: str) -> None:
-    variants = _variants(tidy, keys)
+    variants = variant_groups(tidy, keys)
     colours = plt.get_cmap("tab10" if len(variants) <= 10 else "viridis")
     for i, (label, group) in enumerate(variants):
         colour = colours(i if len(variants) <= 10 else i / max(1, len(variants) - 1))
@@ -93,7 +86,7 @@ def phase_figure(summary: pd.DataFrame, x_key: str, y_key: str) -> Figure:
     finished = summary[summary["status"].isin(("completed", "diverged"))].copy()
     finished["final_loss"] = finished["final_loss"].astype(float).where(np.isfinite(finished["final_loss"]))
     others = [k for k in varying_keys(summary) if k not in ("seed", x_key, y_key)]
-    panels = _variants(finished, others)
+    panels = variant_groups(finished, others)
     values = finished["final_loss"].dropna()
     vmin, vmax = max(values.min(), 1e-4) if len(values) else 1e-4, max(values.max(), 1e-3) if len(values) else 10
     cols = min(len(panels), 3)
@@ -185,13 +178,13 @@ def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
     finished = summary[summary["status"].isin(("completed", "diverged"))]
     others = [k for k in varying_keys(summary) if k not in ("seed", x_key)]
     fig, ax = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
-    for label, group in _variants(finished, others):
+    for label, group in variant_groups(finished, others):
         stats = group.groupby(x_key)["final_loss"].agg(["mean", "min", "max"])
         line, = ax.plot(stats.index, stats["mean"], marker="o", label=label)
         ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.15, linewidth=0)
     n_classes = int(finished["model.n_classes"].iloc[0])
     ax.axhline(math.log(n_classes), color="grey", linestyle=":", label=f"chance, ln {n_classes}")
-    ax.axhline(math.log(n_classes) / 10, color="grey", linestyle="--", linewidth=0.8, label="trained below")
+    ax.axhline(trained_threshold(n_classes), color="grey", linestyle="--", linewidth=0.8, label="trained below")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(x_key)

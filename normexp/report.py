@@ -118,19 +118,34 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     steps = list(steps or section.steps)
     steps = [s for s in steps if s in set(tidy["step"])]
     n_classes = int(tidy["model.n_classes"].iloc[0])
-    threshold = math.log(n_classes) * TRAINED_FRACTION
-    columns = [_column(group, keys, steps, metric, threshold)
-               for _, group in _groups(tidy, keys)]
-    return Report(_title(summary, metric), metric, steps, columns, threshold, n_classes)
+    columns = [_column(label, group, keys, steps, metric, n_classes)
+               for label, group in variant_groups(tidy, keys, everything="run")]
+    return Report(_title(summary, metric), metric, steps, columns, trained_threshold(n_classes), n_classes)
 
 
-def _groups(tidy: pd.DataFrame, keys: list[str]) -> list[tuple[object, pd.DataFrame]]:
+def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
+                   ) -> list[tuple[str, pd.DataFrame]]:
+    """The rows of `frame` grouped by `keys` in order of appearance, each with its variant label."""
     if not keys:
-        return [((), tidy)]
-    return list(tidy.groupby(keys, sort=False, dropna=False))
+        return [(everything, frame)]
+    return [(variant_label(dict(zip(keys, values if isinstance(values, tuple) else (values,)))), group)
+            for values, group in frame.groupby(keys, sort=False, dropna=False)]
 
 
-def _column(group: pd.DataFrame, keys: list[str], steps: list[int], metric: str, threshold: float) -> Column:
+def trained_threshold(n_classes: int) -> float:
+    """A run trained if its final loss is under a tenth of chance, ln(n_classes) / 10."""
+    return math.log(n_classes) * TRAINED_FRACTION
+
+
+def is_trained(final_loss: pd.Series, status: pd.Series, n_classes: pd.Series | int) -> pd.Series:
+    """Per run: completed (not diverged) with a final loss under `trained_threshold`."""
+    threshold = (n_classes.astype(int).map(trained_threshold) if isinstance(n_classes, pd.Series)
+                 else trained_threshold(n_classes))
+    return (status == "completed") & (final_loss < threshold)
+
+
+def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
+            n_classes: int) -> Column:
     values = {k: group[k].iloc[0] for k in keys}
     cells = {}
     for step, at_step in group[group["step"].isin(steps)].groupby("step"):
@@ -138,9 +153,9 @@ def _column(group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
         std = float(series.std(ddof=1)) if len(series) > 1 else 0.0
         cells[int(step)] = (float(series.mean()), std, len(series))
     finals = group.sort_values("step").groupby("run_id").tail(1)
-    trained = int(((finals["loss"] < threshold) & (finals["status"] == "completed")).sum())
+    trained = int(is_trained(finals["loss"], finals["status"], n_classes).sum())
     unit = "seeds" if group["seed"].nunique() == len(finals) else "runs"
-    return Column(variant_label(values), values, cells, trained, len(finals), unit)
+    return Column(label, values, cells, trained, len(finals), unit)
 
 
 def _title(summary: pd.DataFrame, metric: str) -> str:
@@ -237,9 +252,7 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
         raise ResultsError(f"{run_dir}: no finished runs yet")
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
     panels = []
-    for values, group in _groups(finished, others):
-        values = values if isinstance(values, tuple) else (values,)
-        title = variant_label(dict(zip(others, values))) if others else "all runs"
+    for title, group in variant_groups(finished, others):
         stats = group.groupby([rows, cols])["final_loss"].agg(["mean", "std", "count"])
         mean, std, n = (stats[c].unstack(cols) for c in ("mean", "std", "count"))
         panels.append((title, mean, std.fillna(0.0), n))

@@ -30,6 +30,7 @@ from normexp.report import (
     PLACEMENT_LABELS,
     build_report,
     gradnorm_to_markdown,
+    is_trained,
     properties_to_markdown,
     speed_to_markdown,
     to_markdown,
@@ -43,8 +44,7 @@ CONFIGS = REPO / "configs"
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
-    n_classes = summary["model.n_classes"].astype(int)
-    return (summary["status"] == "completed") & (summary["final_loss"] < n_classes.map(math.log) / 10)
+    return is_trained(summary["final_loss"], summary["status"], summary["model.n_classes"])
 
 
 def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, float]:
