@@ -12,15 +12,17 @@ Runs that share everything but their seed, learning rate, optimizer hyper-parame
 - The optimizer replays torch's single-tensor Adam / AdamW / SGD op by op, with each run's
   hyper-parameters as (R, 1, ...) float32 tensors. Where torch fuses a scalar into a multiply-add
   (`add(alpha=)`, `addcmul(value=)`), the batched step uses `addcmul` with a tensor factor, which is the
-  same fused multiply-add, so every update is bit-identical to the reference's.
+  same fused multiply-add, so every update is bit-identical to the reference's. Other optimizers
+  (RAdam) batch only runs with equal optimizer and schedule settings, and step torch's own optimizer
+  on the stacked tensors: its update is element-wise, so stacking changes no bit either.
 - Two things are computed run by run, because their CPU kernels do not give the same bits on a
   stacked tensor: LayerNorm's backward (its per-thread reductions) and each run's loss
   (cross-entropy's mean). Everything else, LayerNorm's forward included, is stacked.
 
 On the CPU this makes every recorded loss equal, bit for bit, to the reference engine's (tests check
 this for every placement, norm kind and optimizer family), and a run's numbers do not depend on which
-runs share its batch or how a grid is chunked. RAdam is not batched: its runs fall back to the
-reference engine, and the sweep says so.
+runs share its batch or how a grid is chunked. A run that no other run can share a batch with
+trains on the reference engine (a batch of one gains nothing).
 """
 
 from __future__ import annotations
@@ -36,23 +38,20 @@ from torch import nn
 
 from normexp.config import RunConfig
 from normexp.model import Net
+from normexp.optim import build_optimizer
 from normexp.train import RunResult, seeded_init, step_lr, torch_threads
 
-BATCHED_OPTIMIZERS = ("adam", "adamw", "sgd")
+REPLAYED_OPTIMIZERS = ("adam", "adamw", "sgd")  # per-run hyper-parameters inside one batch
 CHUNK_BYTES = 2**30  # memory budget of one chunk of runs: parameters, optimizer state, activations
 MAX_CHUNK = 64  # larger batches gain little here and hold more activations
 
 
 def batch_key(cfg: RunConfig) -> tuple:
-    """Runs with equal keys train in one batch: same model, norm, data, steps and optimizer family."""
-    return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
-
-
-def unsupported_reason(cfg: RunConfig) -> str | None:
-    """Why `cfg` cannot run batched (None if it can)."""
-    if cfg.optim.name not in BATCHED_OPTIMIZERS:
-        return f"optimizer {cfg.optim.name!r} has no batched implementation"
-    return None
+    """Runs with equal keys train in one batch: same model, norm, data and steps, and the same
+    optimizer family (Adam, AdamW, SGD: `StackedOptimizer`) or else the same optimizer and schedule
+    settings (torch's own optimizer on the stacked tensors)."""
+    optim = cfg.optim.name if cfg.optim.name in REPLAYED_OPTIMIZERS else (cfg.optim, cfg.schedule)
+    return (cfg.model, cfg.norm, cfg.data, optim, cfg.train)
 
 
 def bytes_per_run(cfg: RunConfig) -> int:
@@ -186,6 +185,18 @@ class RunScalars:
         return self._views[key]
 
 
+class SharedOptimizer:
+    """torch's own optimizer stepping the stacked tensors of runs with equal settings (one lr per step)."""
+
+    def __init__(self, params: list[torch.Tensor], runs: Sequence[RunConfig]) -> None:
+        self.optimizer = build_optimizer(params, runs[0].optim)
+
+    def step(self, lrs: Sequence[float]) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lrs[0]
+        self.optimizer.step()
+
+
 class StackedOptimizer:
     """torch's single-tensor Adam, AdamW and SGD, op for op, with per-run hyper-parameters.
 
@@ -269,7 +280,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
         model = stack_nets(nets).to(device)
         x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
         params = list(model.parameters())
-        optimizer = StackedOptimizer(params, runs)
+        replayed = first.optim.name in REPLAYED_OPTIMIZERS
+        optimizer = StackedOptimizer(params, runs) if replayed else SharedOptimizer(params, runs)
         results = [RunResult(threads=threads, engine="batched") for _ in runs]
         active = list(range(len(runs)))  # runs still recording
         steps = first.train.steps
@@ -310,15 +322,11 @@ def _grad_norms(model: nn.Module) -> list[float]:
 
 def plan_batches(runs: Sequence[RunConfig]) -> tuple[list[list[RunConfig]], list[RunConfig]]:
     """Group runs into batches, chunked to bound memory, and list the runs left to the reference
-    engine: those `unsupported_reason` names, and groups of one (a batch of one gains nothing)."""
+    engine: groups of one (a batch of one gains nothing)."""
     groups: dict[tuple, list[RunConfig]] = {}
-    alone: list[RunConfig] = []
     for cfg in runs:
-        if unsupported_reason(cfg):
-            alone.append(cfg)
-        else:
-            groups.setdefault(batch_key(cfg), []).append(cfg)
-    batches = []
+        groups.setdefault(batch_key(cfg), []).append(cfg)
+    batches, alone = [], []
     for group in groups.values():
         if len(group) == 1:
             alone += group
@@ -326,14 +334,3 @@ def plan_batches(runs: Sequence[RunConfig]) -> tuple[list[list[RunConfig]], list
         size = chunk_size(group[0])
         batches += [group[i:i + size] for i in range(0, len(group), size)]
     return batches, alone
-
-
-def fallback_notes(runs: Sequence[RunConfig]) -> list[str]:
-    """One line per reason that sends runs to the reference engine instead."""
-    reasons: dict[str, int] = {}
-    for cfg in runs:
-        reason = unsupported_reason(cfg)
-        if reason:
-            reasons[reason] = reasons.get(reason, 0) + 1
-    return [f"{count} run{'s' if count > 1 else ''} use the reference engine: {reason}"
-            for reason, count in reasons.items()]

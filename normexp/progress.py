@@ -13,8 +13,6 @@ from normexp.sweep import EventCallback, SweepEvent
 
 
 def _line(event: SweepEvent) -> str:
-    if event.kind == "note":
-        return f"note: {event.error}"
     loss = f" final loss {event.final_loss:.4f}" if event.final_loss is not None else ""
     detail = f": {event.error}" if event.error else ""
     return f"[{event.done}/{event.total}] {event.run_id} {event.status or event.kind}{loss}{detail}"
@@ -38,6 +36,6 @@ def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventC
 
         def bar(event: SweepEvent) -> None:
             progress.update(task, completed=event.done)
-            if event.kind in ("failed", "note"):
+            if event.kind == "failed":
                 progress.console.print(_line(event), markup=False)
         yield bar

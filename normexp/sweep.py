@@ -58,13 +58,13 @@ class SweepOptions:
 class SweepEvent:
     """One thing that happened to one run: skipped (already done), finished, or failed."""
 
-    kind: Literal["skipped", "finished", "failed", "note"]
+    kind: Literal["skipped", "finished", "failed"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
     status: str = ""
     final_loss: float | None = None
-    error: str = ""  # for "failed": the error; for "note": the message
+    error: str = ""  # for "failed": the error
 
 
 @dataclass
@@ -136,11 +136,6 @@ def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, exe
              outcome: SweepOutcome, emit: EventCallback) -> None:
     from normexp.executors import default_threads, plan_units
 
-    if options.engine != "reference":
-        from normexp.batched import fallback_notes
-
-        for note in fallback_notes(pending):
-            emit(SweepEvent("note", "", len(outcome.statuses), outcome.total, error=note))
     engine = "reference" if options.engine == "reference" else "batched"
     units = plan_units(pending, engine, options.device, default_threads())
     for result in executor.run(units):
