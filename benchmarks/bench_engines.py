@@ -5,7 +5,10 @@
 
 Prints, for each engine: ms per model-step (one training step of one run), the ratio, the peak RSS
 while it ran; then the machine's own limit (measured matmul GFLOP/s against the model's FLOPs per
-step); then `normexp sweep` end to end with each engine; then the peak RSS of a 4096-run grid run
+step); then how far the losses move when only the rounding changes (torch's fused Adam kernel, one
+intra-op thread instead of two), which is why the batched engine keeps every kernel's bits; then
+`normexp sweep` end to end with each engine, its fixed part (the same sweep with 0 steps) and the
+end-to-end speed-up a batched engine could reach at best; then the peak RSS of a 4096-run grid run
 by the batched engine in chunks. Timings are medians of `--repeats` alternating measurements, so
 both engines see the same machine state; nothing here asserts a number.
 """
@@ -20,11 +23,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from normexp.batched import plan_batches, train_batch
-from normexp.config import RunConfig
+from normexp.config import OptimConfig, RunConfig
 from normexp.train import train_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +56,28 @@ def time_reference(runs: list[RunConfig]) -> float:
     for cfg in runs:
         train_run(cfg)
     return time.perf_counter() - start
+
+
+def fused_adam(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch's Adam with its fused kernel: the same update, one pass per tensor, rounded differently."""
+    return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            fused=True)
+
+
+def max_loss_change(runs: list[RunConfig], variant: str) -> float:
+    """The largest |loss difference| at any step between the reference engine and a run that differs
+    from it only in rounding: `fused-adam` (torch's fused Adam kernel) or `1-thread` (LayerNorm's
+    backward then sums its rows in one pass instead of two)."""
+    worst = 0.0
+    for cfg in runs:
+        base = train_run(cfg).losses
+        if variant == "fused-adam":
+            with mock.patch("normexp.train.build_optimizer", fused_adam):
+                other = train_run(cfg).losses
+        else:
+            other = train_run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": 1})})).losses
+        worst = max(worst, max(abs(a - b) for a, b in zip(base, other)))
+    return worst
 
 
 def time_batched(runs: list[RunConfig]) -> float:
@@ -82,11 +108,11 @@ def matmul_gflops(shape: tuple[int, ...], repeats: int = 20) -> float:
     return 2 * b * m * k * n * repeats / (time.perf_counter() - start) / 1e9
 
 
-def sweep_seconds(engine: str, seeds: int) -> float:
+def sweep_seconds(engine: str, seeds: int, steps: int = 30) -> float:
     """Wall time of `normexp sweep` of the grid with one engine, end to end (a fresh process)."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "grid.yaml"
-        config.write_text("name: bench\nbase: {train: {steps: 30}}\n"
+        config.write_text(f"name: bench\nbase: {{train: {{steps: {steps}}}}}\n"
                           "grid: {norm.placement: [post, pre], norm.kind: [layernorm, rmsnorm]}\n"
                           f"seeds: {list(range(seeds))}\n")
         start = time.perf_counter()
@@ -148,11 +174,21 @@ def main() -> None:
               f"floor at that rate {flops / big / 1e6:.3f} ms/model-step, at the toy-bmm rate {flops / toy / 1e6:.3f}")
     if args.quick:
         return
-    print("\nnormexp sweep end to end (fresh process, writes included):")
+    print("\nloss change from rounding alone (max |delta| over every run and step, vs the reference engine):")
+    for variant in ("fused-adam", "1-thread"):
+        print(f"  {variant:<11} {max_loss_change(runs, variant):.3g}")
+
+    print("\nnormexp sweep end to end (fresh process, writes included); fixed = the same sweep with 0 steps:")
     wall = {engine: sweep_seconds(engine, seeds) for engine in ("reference", "batched")}
+    fixed = {engine: sweep_seconds(engine, seeds, steps=0) for engine in ("reference", "batched")}
     for engine, seconds in wall.items():
-        print(f"  --engine {engine:<10} {seconds:7.2f} s")
+        print(f"  --engine {engine:<10} {seconds:7.2f} s   fixed {fixed[engine]:5.2f} s   "
+              f"training {(seconds - fixed[engine]) / model_steps * 1e3:6.3f} ms/model-step")
     print(f"  speed-up {wall['reference'] / wall['batched']:.2f}x")
+    floor_s = model_steps * flops / toy / 1e9
+    print(f"  best case, batched training at the toy-bmm floor ({floor_s:.2f} s): "
+          f"{wall['reference'] / (fixed['batched'] + floor_s):.2f}x; with free training: "
+          f"{wall['reference'] / fixed['batched']:.2f}x")
     mb, chunks = rss_of_big_grid(4096)
     print(f"\n4096-run grid, batched in {chunks} chunks: peak RSS {mb:.0f} MB")
 
