@@ -27,9 +27,9 @@ from unittest import mock
 
 import torch
 
-from normexp.batched import plan_batches, train_batch
+from normexp.batched import plan_batches, stack_nets, train_batch
 from normexp.config import OptimConfig, RunConfig
-from normexp.train import train_run
+from normexp.train import seeded_init, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,9 +111,6 @@ def matmul_gflops(shape: tuple[int, ...], repeats: int = 20) -> float:
 def adam_ms_per_model_step(cfg: RunConfig, runs: int = 16, steps: int = 10) -> float:
     """ms per model-step of torch's single-tensor Adam (the reference's update, whose bits an exact
     engine must reproduce) stepping the stacked parameters of `runs` runs shaped like `cfg`."""
-    from normexp.batched import stack_nets
-    from normexp.train import seeded_init
-
     params = list(stack_nets([seeded_init(cfg)[0] for _ in range(runs)]).parameters())
     for param in params:
         param.grad = torch.randn_like(param)
@@ -143,7 +140,7 @@ def rss_of_big_grid(n_runs: int) -> float:
     code = (
         "import resource\n"
         "from normexp.config import RunConfig\n"
-        "from normexp.batched import plan_batches, train_batch\n"
+        "from normexp.batched import plan_batches, stack_nets, train_batch\n"
         f"runs = [RunConfig.model_validate({{'train': {{'steps': 2}}, 'seed': s}}) for s in range({n_runs})]\n"
         "batches, alone = plan_batches(runs)\n"
         "assert not alone\n"
