@@ -111,7 +111,7 @@ def norm_properties(d: int = 4096, seed: int = 0) -> list[Property]:
         add(f"parameters at d={d}: LayerNorm", ln_params, f"{2 * d} (weight + bias)", ln_params == 2 * d, "8192")
         add(f"parameters at d={d}: RMSNorm", rms_params, f"{d} (weight only)", rms_params == d, "4096")
         big = torch.full((1, d), 300.0, dtype=torch.float16)
-        naive = RMSNormNoUpcast(d).half()(big)
+        naive = RMSNormNoUpcast(d, eps=1e-6).half()(big)
         add("fp16 input of 300s, no float32 upcast: output", naive.float().abs().max().item(),
             "0.0 (300^2 overflows fp16)", torch.all(naive == 0).item(), "0.0")
         upcast = llama.half()(big)
@@ -139,13 +139,8 @@ def norm_properties(d: int = 4096, seed: int = 0) -> list[Property]:
     return out
 
 
-class RMSNormNoUpcast(nn.Module):
-    """RMSNorm computed in the input dtype (what the LLaMA upcast avoids)."""
-
-    def __init__(self, d: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
+class RMSNormNoUpcast(LlamaRMSNorm):
+    """LlamaRMSNorm without its float32 upcast: computed in the input dtype (what the upcast avoids)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
