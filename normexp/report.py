@@ -33,6 +33,24 @@ TRAINED_FRACTION = 0.1  # trained: final loss under a tenth of chance, ln(n_clas
 WIDE = 6  # more variants than this: the table is transposed (variants down, steps across)
 
 
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
+    """A markdown table's lines; `align` has one letter per column, l(eft) or r(ight)."""
+    rule = "|" + "".join("---|" if a == "l" else "---:|" for a in align)
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _rich_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str, title: str | None = None):
+    """The same table as a rich.table.Table (rich is imported lazily), titled on the left."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for name, a in zip(header, align):
+        table.add_column(name, justify="left" if a == "l" else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def variant_label(values: dict[str, object]) -> str:
     """'Post-LN', 'Pre-RMS lr=0.001', ... from a column's key values."""
     parts = []
@@ -185,18 +203,19 @@ def grid_cells(report: Report) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _grid_align(report: Report, n_columns: int) -> str:
+    """Numbers right-aligned; the variant names of a transposed table left-aligned."""
+    return ("l" if len(report.columns) > WIDE else "r") + "r" * (n_columns - 1)
+
+
 def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
     """The title line, the table, and (for the loss) the verdict line."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     header, rows = grid_cells(report)
-    table = Table()
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 and len(report.columns) > WIDE else "right", no_wrap=i == 0)
-    for row in rows:
-        table.add_row(*row)
+    table = _rich_table(header, rows, _grid_align(report, len(header)))
+    table.columns[0].no_wrap = True
     parts = [Text(report.title, style="bold"), table]
     if report.metric == "loss":
         parts.append(Text(report.verdict_line()))
@@ -205,9 +224,7 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
 
 def to_markdown(report: Report) -> str:
     header, rows = grid_cells(report)
-    lines = [f"**{report.title}**", "", "| " + " | ".join(header) + " |",
-             "|" + ("---|" if len(report.columns) > WIDE else "---:|") + "---:|" * (len(header) - 1)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines = [f"**{report.title}**", "", *_markdown_table(header, rows, _grid_align(report, len(header)))]
     if report.metric == "loss":
         lines += ["", report.verdict_line()]
     return "\n".join(lines) + "\n"
@@ -263,20 +280,22 @@ def _short(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
+def _pivot_cells(pivot: Pivot, corner: str, mean: pd.DataFrame, std: pd.DataFrame,
+                 n: pd.DataFrame) -> tuple[list[str], list[list[str]], str]:
+    """One panel's header, rows and alignment; `corner` labels the row and column keys."""
+    header = [corner, *(str(c) for c in mean.columns)]
+    rows = [[str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c]) for c in mean.columns)]
+            for row in mean.index]
+    return header, rows, "l" + "r" * len(mean.columns)
+
+
 def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
-    parts = []
-    for title, mean, std, n in pivot.panels:
-        table = Table(title=f"final loss · {title}", title_justify="left")
-        table.add_column(f"{_short(pivot.rows)} \\ {_short(pivot.cols)}")
-        for col in mean.columns:
-            table.add_column(str(col), justify="right")
-        for row in mean.index:
-            table.add_row(str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c]) for c in mean.columns))
-        parts.append(table)
+    corner = f"{_short(pivot.rows)} \\ {_short(pivot.cols)}"
+    parts = [_rich_table(*_pivot_cells(pivot, corner, mean, std, n), title=f"final loss · {title}")
+             for title, mean, std, n in pivot.panels]
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
     return Group(*parts)
 
@@ -285,12 +304,7 @@ def pivot_to_markdown(pivot: Pivot) -> str:
     lines = []
     for title, mean, std, n in pivot.panels:
         lines += [f"**final loss · {title}**", "",
-                  f"| {pivot.rows} \\ {pivot.cols} | " + " | ".join(str(c) for c in mean.columns) + " |",
-                  "|---|" + "---:|" * len(mean.columns)]
-        for row in mean.index:
-            cells = (pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c]) for c in mean.columns)
-            lines.append(f"| {row} | " + " | ".join(cells) + " |")
-        lines.append("")
+                  *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", mean, std, n)), ""]
     return "\n".join(lines)
 
 
@@ -341,23 +355,17 @@ def _nanmean(values: list[float]) -> float:
 
 def gradnorm_to_rich(summary):  # -> rich.console.Group
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     header, rows, lines = gradnorm_tables(summary)
-    table = Table(title="gradient of the last block's fc2 weight at initialisation (mean ± std over seeds)",
-                  title_justify="left")
-    for i, name in enumerate(header):
-        table.add_column(name, justify="right" if i else "left")
-    for row in rows:
-        table.add_row(*row)
+    table = _rich_table(header, rows, "l" + "r" * (len(header) - 1),
+                        title="gradient of the last block's fc2 weight at initialisation (mean ± std over seeds)")
     return Group(table, *(Text(line) for line in lines))
 
 
 def gradnorm_to_markdown(summary) -> str:
     header, rows, lines = gradnorm_tables(summary)
-    out = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
-    out += ["| " + " | ".join(row) + " |" for row in rows]
+    out = _markdown_table(header, rows, "l" + "r" * (len(header) - 1))
     return "\n".join(out + [""] + [f"- {line}" for line in lines]) + "\n"
 
 
@@ -368,22 +376,20 @@ def _fmt(value: object) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def properties_to_rich(props):  # props: list[normexp.diagnostics.Property]
-    from rich.table import Table
+PROPERTY_HEADER = ["check", "measured", "expected", "article", "result"]
 
-    table = Table(title="RMSNorm facts (shared/seeds/001), measured here", title_justify="left")
-    for name in ("check", "measured", "expected", "article", "result"):
-        table.add_column(name)
-    for p in props:
-        table.add_row(p.name, _fmt(p.measured), p.expectation, p.article, "pass" if p.passed else "FAIL")
-    return table
+
+def _property_rows(props) -> list[list[str]]:  # props: list[normexp.diagnostics.Property]
+    return [[p.name, _fmt(p.measured), p.expectation, p.article, "pass" if p.passed else "FAIL"] for p in props]
+
+
+def properties_to_rich(props):
+    return _rich_table(PROPERTY_HEADER, _property_rows(props), "lllll",
+                       title="RMSNorm facts (shared/seeds/001), measured here")
 
 
 def properties_to_markdown(props) -> str:
-    lines = ["| check | measured | expected | article | result |", "|---|---:|---|---:|---|"]
-    lines += [f"| {p.name} | {_fmt(p.measured)} | {p.expectation} | {p.article} | {'pass' if p.passed else 'FAIL'} |"
-              for p in props]
-    return "\n".join(lines) + "\n"
+    return "\n".join(_markdown_table(PROPERTY_HEADER, _property_rows(props), "lrlrl")) + "\n"
 
 
 def _speed_rows(timings) -> list[list[str]]:
@@ -399,17 +405,9 @@ SPEED_HEADER = ["shape", "norm", "forward ms", "vs LayerNorm", "fwd+bwd ms", "vs
 
 
 def speed_to_rich(timings):
-    from rich.table import Table
-
-    table = Table(title="norm speed on this machine (median of repeats, float32, CPU)", title_justify="left")
-    for i, name in enumerate(SPEED_HEADER):
-        table.add_column(name, justify="right" if i > 1 else "left")
-    for row in _speed_rows(timings):
-        table.add_row(*row)
-    return table
+    return _rich_table(SPEED_HEADER, _speed_rows(timings), "llrrrr",
+                       title="norm speed on this machine (median of repeats, float32, CPU)")
 
 
 def speed_to_markdown(timings) -> str:
-    lines = ["| " + " | ".join(SPEED_HEADER) + " |", "|---|---|" + "---:|" * 4]
-    lines += ["| " + " | ".join(row) + " |" for row in _speed_rows(timings)]
-    return "\n".join(lines) + "\n"
+    return "\n".join(_markdown_table(SPEED_HEADER, _speed_rows(timings), "llrrrr")) + "\n"
