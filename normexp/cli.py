@@ -253,23 +253,13 @@ def gradnorm(
     fmt: Annotated[str, typer.Option("--format", help="table | markdown.")] = "table",
 ) -> None:
     """Per-block gradient norms and hidden-state norms at initialisation (Xiong et al. 2020, Fig. 3)."""
-    import csv
-
-    from normexp.diagnostics import gradnorm_at_init, summarise_gradnorm
-    from normexp.plot import gradnorm_figure
+    from normexp.diagnostics import gradnorm_study
     from normexp.report import gradnorm_to_markdown, gradnorm_to_rich
 
     _check_choice("--format", fmt, ("table", "markdown"))
     spec = _load(config, set_ or [])
-    rows = [row for cfg in spec.runs for row in gradnorm_at_init(cfg)]
     target = out_dir or Path("runs") / spec.name
-    target.mkdir(parents=True, exist_ok=True)
-    with open(target / "gradnorm.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    summary = summarise_gradnorm(rows, spec.base.model)
-    gradnorm_figure(summary).savefig(target / "gradnorm.png", dpi=120)
+    summary = gradnorm_study(spec, target)
     _emit(fmt, lambda: gradnorm_to_rich(summary), lambda: gradnorm_to_markdown(summary))
     out.print(f"wrote {target / 'gradnorm.csv'} and {target / 'gradnorm.png'}")
 

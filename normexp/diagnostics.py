@@ -13,17 +13,19 @@
 
 from __future__ import annotations
 
+import csv
 import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig
+from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep
 from normexp.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
 from normexp.train import seeded_init, torch_threads
 
@@ -274,3 +276,19 @@ def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> Gr
         stream[placement] = [statistics.fmean(r["stream_sq"] for r in deepest if r["block"] == b) for b in blocks]
         norm_in[placement] = [statistics.fmean(r["norm_in_sq"] for r in deepest if r["block"] == b) for b in blocks]
     return GradnormSummary(depths, last_grad, slopes, stream, norm_in, branch_gain(model) if model else None)
+
+
+def gradnorm_study(spec: Sweep, target: Path) -> GradnormSummary:
+    """Measure every run of `spec` at init; write target/gradnorm.csv (one row per block) and
+    target/gradnorm.png, and return the summary."""
+    from normexp.plot import gradnorm_figure
+
+    rows = [row for cfg in spec.runs for row in gradnorm_at_init(cfg)]
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / "gradnorm.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = summarise_gradnorm(rows, spec.base.model)
+    gradnorm_figure(summary).savefig(target / "gradnorm.png", dpi=120)
+    return summary

@@ -217,8 +217,7 @@ def speed_verdict(timings) -> str:
 
 def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print) -> Path:
     from normexp.config import RunConfig  # noqa: F401 - torch-backed modules below
-    from normexp.diagnostics import gradnorm_at_init, norm_properties, norm_speed, summarise_gradnorm
-    from normexp.plot import gradnorm_figure
+    from normexp.diagnostics import gradnorm_study, norm_properties, norm_speed
 
     out.mkdir(parents=True, exist_ok=True)
     sections, times = [], {}
@@ -245,11 +244,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     log("study gradnorm ...")
     start = time.perf_counter()
     spec = load_sweep(CONFIGS / "studies" / "gradnorm.yaml", ["seeds=0,1,2"] if quick else [])
-    rows = [row for cfg in spec.runs for row in gradnorm_at_init(cfg)]
-    summary = summarise_gradnorm(rows, spec.base.model)
-    (out / "gradnorm").mkdir(exist_ok=True)
-    pd.DataFrame(rows).to_csv(out / "gradnorm" / "gradnorm.csv", index=False)
-    gradnorm_figure(summary).savefig(out / "gradnorm" / "gradnorm.png", dpi=120)
+    summary = gradnorm_study(spec, out / "gradnorm")
     times["gradnorm"] = time.perf_counter() - start
     sections.append(_section("Xiong et al. at initialisation: how does the last block's gradient scale with "
                              "depth, and how do hidden-state norms grow?", "gradnorm", gradnorm_to_markdown(summary),
