@@ -186,6 +186,7 @@ class DaskExecutor:
         except ImportError:
             raise ExecutorError("--cluster needs Dask: pip install 'normexp[dask]'") from None
         self._cluster = None
+        self._futures: list = []  # submitted by run(): cancelled by close()
         dask.config.set({"distributed.scheduler.allowed-failures": 1})  # a dying worker: retried once
         if address == "local" or address.startswith("local:"):
             workers = int(address.partition(":")[2] or os.cpu_count() or 1)
@@ -211,9 +212,8 @@ class DaskExecutor:
                 yield crashed(unit, f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        futures = getattr(self, "_futures", [])
-        if futures:
-            self.client.cancel(futures)
+        if self._futures:
+            self.client.cancel(self._futures)
         self.client.close()
         if self._cluster is not None:
             self._cluster.close()
