@@ -25,7 +25,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from normexp.report import trained_threshold, variant_groups  # noqa: E402
-from normexp.results import load_metrics, load_summary, varying_keys  # noqa: E402
+from normexp.results import finished_runs, load_metrics, load_summary, varying_keys  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
@@ -83,7 +83,7 @@ def numeric_axes(summary: pd.DataFrame) -> list[str]:
 
 def phase_figure(summary: pd.DataFrame, x_key: str, y_key: str) -> Figure:
     """Final loss (mean over seeds) on the x_key x y_key grid, one panel per other variant."""
-    finished = summary[summary["status"].isin(("completed", "diverged"))].copy()
+    finished = finished_runs(summary).copy()
     finished["final_loss"] = finished["final_loss"].astype(float).where(np.isfinite(finished["final_loss"]))
     others = [k for k in varying_keys(summary) if k not in ("seed", x_key, y_key)]
     panels = variant_groups(finished, others)
@@ -175,7 +175,7 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
 def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
     """Final loss against a numeric key (e.g. model.depth), one line per other variant: the mean over
     seeds, with the min–max band."""
-    finished = summary[summary["status"].isin(("completed", "diverged"))]
+    finished = finished_runs(summary)
     others = [k for k in varying_keys(summary) if k not in ("seed", x_key)]
     fig, ax = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
     for label, group in variant_groups(finished, others):

@@ -22,7 +22,7 @@ import pandas as pd
 import yaml
 
 from normexp.config import ReportConfig
-from normexp.results import ResultsError, config_columns, load_metrics, load_summary, varying_keys
+from normexp.results import ResultsError, config_columns, finished_runs, load_metrics, load_summary, varying_keys
 from normexp.store import SWEEP_FILE
 
 PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
@@ -264,7 +264,7 @@ class Pivot:
 def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
     summary = load_summary(run_dir)
     _check_keys([rows, cols], summary, "--pivot")
-    finished = summary[summary["status"].isin(("completed", "diverged"))]
+    finished = finished_runs(summary)
     if finished.empty:
         raise ResultsError(f"{run_dir}: no finished runs yet")
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]

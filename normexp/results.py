@@ -34,6 +34,11 @@ def load_summary(run_dir: str | Path) -> pd.DataFrame:
     return pd.read_csv(path, keep_default_na=False, na_values=["nan", "NaN", ""], **_EXACT)
 
 
+def finished_runs(summary: pd.DataFrame) -> pd.DataFrame:
+    """The rows of runs that finished training (completed or diverged): those with metrics."""
+    return summary[summary["status"].isin(FINISHED)]
+
+
 def config_columns(summary: pd.DataFrame) -> list[str]:
     return [k for k in run_keys() if k in summary.columns]
 
@@ -47,7 +52,7 @@ def load_metrics(run_dir: str | Path, all_config: bool = False) -> pd.DataFrame:
     """Every finished run's metrics, tidy: one row per (run, step) with run_id, `seed`, the varying
     config keys (or every config key with `all_config=True`), status, step, loss, acc, lr, grad_norm."""
     summary = load_summary(run_dir)
-    finished = summary[summary["status"].isin(FINISHED)]
+    finished = finished_runs(summary)
     if finished.empty:
         raise ResultsError(f"{run_dir}: no finished runs yet")
     keys = config_columns(summary) if all_config else [k for k in varying_keys(summary) if k != "seed"]
