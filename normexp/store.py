@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from normexp.config import RunConfig, flatten
 
@@ -53,9 +55,44 @@ class StoreError(RuntimeError):
     """A problem with the output folder (in use, unwritable, disk full). The CLI exits 2 on it."""
 
 
+# The keys a run id covered when run ids were defined (release 0.1): they are always hashed, as then.
+# A key added since enters the hash only where a run sets it away from its declared default, so a release
+# that adds a defaulted key keeps the id, and the folder, of every finished run that leaves it there.
+# Never edit this set. A new key's declared default must be the value it means (not a None that a
+# validator resolves from other keys), or its runs could not be told apart from the old ones.
+HASHED_SINCE_0_1 = frozenset({
+    "model.depth", "model.width", "model.hidden_mult", "model.n_classes", "model.final_norm", "model.init",
+    "norm.placement", "norm.kind", "norm.eps", "norm.peri_input_norm", "norm.mixln_fraction",
+    "norm.deepnorm_alpha", "norm.deepnorm_beta", "norm.prms_fraction", "data.task", "data.n_samples",
+    "optim.name", "optim.lr", "optim.betas", "optim.eps", "optim.weight_decay", "optim.momentum",
+    "schedule.kind", "schedule.warmup_steps", "schedule.min_lr_ratio", "train.steps", "train.threads",
+    "train.stop_on_nonfinite", "seed",
+})
+
+
+def _declared_default(model: type[BaseModel], name: str) -> Any:
+    return to_jsonable_python(model.model_fields[name].get_default(call_default_factory=True))
+
+
+def hashed_config(cfg: RunConfig) -> dict[str, Any]:
+    """The part of a resolved config that its run id covers: every 0.1 key, and later keys off their default."""
+    view: dict[str, Any] = {}
+    for section, values in cfg.model_dump(mode="json").items():
+        if not isinstance(values, dict):
+            if section in HASHED_SINCE_0_1 or values != _declared_default(RunConfig, section):
+                view[section] = values
+            continue
+        model = type(getattr(cfg, section))
+        kept = {key: value for key, value in values.items()
+                if f"{section}.{key}" in HASHED_SINCE_0_1 or value != _declared_default(model, key)}
+        if kept or any(key.startswith(f"{section}.") for key in HASHED_SINCE_0_1):
+            view[section] = kept
+    return view
+
+
 def config_hash(cfg: RunConfig) -> str:
-    """A stable hash of the resolved config: equal configs, equal hashes, on any machine."""
-    canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """A stable hash of the resolved config (see `hashed_config`): equal configs, equal hashes, anywhere."""
+    canonical = json.dumps(hashed_config(cfg), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
