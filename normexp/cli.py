@@ -56,7 +56,10 @@ def sweep(
     out_dir: Annotated[Path | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded grid; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Redo runs that are already finished.")] = False,
-    engine: Annotated[str, typer.Option(help="auto | reference | batched.")] = "auto",
+    engine: Annotated[str, typer.Option(help="auto | reference | batched | fast.")] = "auto",
+    compile_: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile", help="--engine fast: compile its step [default: where the grid pays for it].",
+        show_default=False)] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed run.")] = False,
     workers: Annotated[int, typer.Option(help="Local worker processes (1: in this process).", min=1)] = 1,
@@ -66,7 +69,10 @@ def sweep(
 ) -> None:
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
     spec = _load(config, set_ or [], max_runs)
-    _check_choice("--engine", engine, ("auto", "reference", "batched"))
+    _check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
+    if compile_ is not None and engine != "fast":
+        flag = "--compile" if compile_ else "--no-compile"
+        raise fail(f"{flag}: only --engine fast compiles; --engine {engine} runs the reference's kernels")
     _check_choice("--device", device, ("cpu", "cuda"))
     target = out_dir or Path("runs") / spec.name
     if dry_run:
@@ -75,7 +81,7 @@ def sweep(
     if device == "cuda":
         _require_cuda()
     options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast,
-                           workers=workers, cluster=cluster)
+                           workers=workers, cluster=cluster, compile=compile_)
     outcome = _run(spec, target, options, quiet)
     if not quiet:
         _print_report(target)

@@ -34,12 +34,14 @@ CRASHED = "crashed"
 
 @dataclass(frozen=True)
 class WorkUnit:
-    """Runs that one worker trains together: one batch (batched engine) or one run (reference)."""
+    """Runs that one worker trains together: one batch (batched or fast engine) or one run (reference)."""
 
     configs: tuple[dict, ...]  # RunConfig.model_dump(mode="json"): plain, picklable, small
     batched: bool
     device: str
     threads: int
+    fast: bool = False  # trained by the fast engine
+    compile: bool = False  # fast engine: compile its step (decided when the sweep is planned)
 
     @property
     def runs(self) -> list[RunConfig]:
@@ -55,17 +57,34 @@ class UnitResult:
     status: str = "failed"  # the status of the runs that have an error message
 
 
-def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int) -> list[WorkUnit]:
-    """Split runs into work units: batches where the batched engine applies, single runs elsewhere."""
+def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int,
+               compile: bool | None = None) -> list[WorkUnit]:
+    """Split runs into work units: batches where the batched engine applies, single runs elsewhere;
+    with the fast engine, batches of every structure (`compile` None: decided per structure)."""
     def unit(configs: Sequence[RunConfig], batched: bool) -> WorkUnit:
         return WorkUnit(tuple(c.model_dump(mode="json") for c in configs), batched, device, threads)
 
     if engine == "reference":
         return [unit([cfg], False) for cfg in runs]
+    if engine == "fast":
+        return _plan_fast_units(runs, device, threads, compile)
     from normexp.batched import plan_batches
 
     batches, alone = plan_batches(runs)
     return [unit(batch, True) for batch in batches] + [unit([cfg], False) for cfg in alone]
+
+
+def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compile: bool | None) -> list[WorkUnit]:
+    """The fast engine's batches; each structure compiles when its planned model-steps pay for it."""
+    from normexp.engines.fast import fast_key, plan_fast, should_compile
+
+    batches = plan_fast(runs)
+    model_steps: dict[tuple, int] = {}
+    for cfg in runs:
+        model_steps[fast_key(cfg)] = model_steps.get(fast_key(cfg), 0) + cfg.train.steps + 1
+    return [WorkUnit(tuple(c.model_dump(mode="json") for c in batch), True, device, threads, fast=True,
+                     compile=should_compile(batch[0], model_steps[fast_key(batch[0])]) if compile is None else compile)
+            for batch in batches]
 
 
 def run_unit(unit: WorkUnit) -> UnitResult:
@@ -76,9 +95,10 @@ def run_unit(unit: WorkUnit) -> UnitResult:
     runs = unit.runs
     if unit.batched:
         from normexp.batched import train_batch
+        from normexp.engines.fast import train_fast
 
         try:
-            results = train_batch(runs, unit.device)
+            results = train_fast(runs, unit.device, unit.compile) if unit.fast else train_batch(runs, unit.device)
         except Exception as exc:  # noqa: BLE001 - reported per run
             return UnitResult(unit, tuple(_error(exc) for _ in runs))
         return UnitResult(unit, tuple(_finished(r, unit.device) for r in results))

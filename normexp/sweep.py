@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from normexp.executors import Executor
 
 T = TypeVar("T")
-EngineName = Literal["auto", "reference", "batched"]
+EngineName = Literal["auto", "reference", "batched", "fast"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class SweepOptions:
     fail_fast: bool = False
     workers: int | None = None  # a local process pool of this many workers
     cluster: str | None = None  # a Dask scheduler address, or local[:N]
+    compile: bool | None = None  # fast engine: compile its step (None: where the planned work pays for it)
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,8 @@ def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, exe
              outcome: SweepOutcome, emit: EventCallback) -> None:
     from normexp.executors import default_threads, plan_units
 
-    engine = "reference" if options.engine == "reference" else "batched"
-    units = plan_units(pending, engine, options.device, default_threads())
+    engine = options.engine if options.engine in ("reference", "fast") else "batched"
+    units = plan_units(pending, engine, options.device, default_threads(), options.compile)
     for result in executor.run(units):
         for cfg, run in zip(result.unit.runs, result.outcomes):
             _record(cfg, run, result.status, out_dir, outcome, emit)
