@@ -118,7 +118,7 @@ def test_bad_config_exit_2_no_traceback_nothing_written(write_yaml, tmp_path):
 
 def test_bad_options_exit_2(write_yaml, tmp_path):
     path = write_yaml(SMALL_SWEEP)
-    assert normexp("sweep", path, "--engine", "fast").exit_code == 2
+    assert normexp("sweep", path, "--engine", "turbo").exit_code == 2
     assert normexp("sweep", path, "--set", "optim.lr").exit_code == 2
     assert normexp("report", tmp_path).exit_code == 2
     assert normexp("sweep", tmp_path / "missing.yaml").exit_code == 2
