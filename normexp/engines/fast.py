@@ -242,7 +242,7 @@ def make_grad_step(base: torch.nn.Module) -> GradStep:
 
     def grad_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
         grads, (loss, acc) = grad_fn(params, x, y)
-        per_tensor = [torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()]
+        per_tensor = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads.values()]
         norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)  # clip_grad_norm_'s norm
         return grads, torch.stack([loss, acc, norms])
 
@@ -257,6 +257,8 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
         try:
             return _train(runs, device, compiled=True)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
+            for key in [k for k in _COMPILED if k[:3] == (runs[0].model, runs[0].norm, runs[0].data)]:
+                del _COMPILED[key]  # the next batch tries again
             first_line = (str(exc).strip().splitlines() or [""])[0][:200]
             warnings.warn(f"torch.compile failed ({type(exc).__name__}: {first_line}); training these runs "
                           "uncompiled", RuntimeWarning, stacklevel=2)
@@ -270,7 +272,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunRe
     stop_on_nonfinite = first.train.stop_on_nonfinite
     with torch_threads(first.train.threads) as threads:
         base, batch = stack_runs(runs, device)
-        grad_step = _compiled(make_grad_step(base), batch) if compiled else make_grad_step(base)
+        grad_step = _compiled(first, base, batch) if compiled else make_grad_step(base)
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
         results = [RunResult(threads=threads, engine="fast") for _ in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
@@ -293,10 +295,18 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunRe
     return results
 
 
-def _compiled(grad_step: GradStep, batch: Batch) -> GradStep:
-    """`grad_step` compiled by inductor, the run axis of its inputs dynamic (one compiled step for
-    every chunk size). Compile errors surface at the first call."""
-    compile_cache_dir()
+# One compiled step per structure and device, kept for the process's life: later batches (other chunk
+# sizes, other seeds or hyper-parameters) reuse it instead of compiling again.
+_COMPILED: dict[tuple, GradStep] = {}
+
+
+def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch) -> GradStep:
+    """The compiled gradient step of runs shaped like `cfg` on the batch's device, the run axis of its
+    inputs dynamic (one compiled step for every chunk size). Compile errors surface at the first call."""
+    key = (cfg.model, cfg.norm, cfg.data, str(batch.x.device))
     for tensor in [*batch.params.values(), batch.x, batch.y]:
         torch._dynamo.mark_dynamic(tensor, 0)
-    return torch.compile(grad_step)
+    if key not in _COMPILED:
+        compile_cache_dir()
+        _COMPILED[key] = torch.compile(make_grad_step(base))
+    return _COMPILED[key]
