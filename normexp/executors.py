@@ -1,7 +1,7 @@
 """Where work runs: in the sweep's own process, in a local process pool, or on a Dask cluster.
 
 The sweep process stays the coordinator: it plans work units (a batch of runs for the batched
-engine, one run for the reference engine), hands them to an executor, and writes every result itself.
+and fast engines, one run for the reference engine), hands them to an executor, and writes every result itself.
 Workers receive configs as plain data and return metrics as plain data: they need no shared file
 system, only normexp installed.
 
