@@ -14,11 +14,12 @@
 - A run whose loss turns non-finite is recorded at that step and then frozen: its gradients are
   masked out and its parameters no longer change (a `live` mask, so batch shapes stay fixed); its
   batch-mates go on. With `train.stop_on_nonfinite: false` it keeps training, as in the reference.
-- `torch.compile` of the whole step (gradients, grad norms and update) is optional. `compile=None`
-  decides from the batch's planned model-steps (a pure function of the sweep, so the same sweep makes
-  the same choice); the run axis is marked dynamic so one compiled step serves every chunk size. A
-  compile that fails falls back to the eager step (the batch restarts from its initial state) with one
-  warning. Inductor's cache lives in a stable folder (`compile_cache_dir()`), so later sweeps reuse it.
+- `torch.compile` of the gradient step (forward, backward, grad norms) is optional. `compile=None`
+  decides from the planned model-steps (a pure function of the sweep, so the same sweep makes the same
+  choice). vmap specialises the run axis, so compiled batches are padded to MAX_CHUNK runs: one
+  compiled step per structure serves every batch. A compile that fails falls back to the eager step
+  (the batch restarts from its initial state) with one warning. Inductor's cache lives in a stable
+  folder (`compile_cache_dir()`), so later sweeps reuse it.
 
 What can change a run's bits: the runs it is batched with (kernels may block differently for other
 batch sizes), compiling or not, the thread count, the device and torch build. What cannot: the sweep
@@ -255,7 +256,7 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
     use_compile = should_compile(runs[0], len(runs) * (runs[0].train.steps + 1)) if compile is None else compile
     if use_compile:
         try:
-            return _train(runs, device, compiled=True)
+            return _train_padded(runs, device)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
             for key in [k for k in _COMPILED if k[:3] == (runs[0].model, runs[0].norm, runs[0].data)]:
                 del _COMPILED[key]  # the next batch tries again
@@ -265,6 +266,16 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
     return _train(runs, device, compiled=False)
 
 
+def _train_padded(runs: Sequence[RunConfig], device: str) -> list[RunResult]:
+    """The compiled loop on a batch padded to MAX_CHUNK runs with copies of its first run (one compiled
+    shape for every batch); the copies' results are dropped."""
+    padded = list(runs) + [runs[0]] * (MAX_CHUNK - len(runs))
+    results = _train(padded, device, compiled=True)[:len(runs)]
+    for result in results:
+        result.wall_s *= len(padded) / len(runs)
+    return results
+
+
 def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunResult]:
     """The loop of `train_fast`: record each step's metrics per run, stop when no run is recording."""
     start = time.perf_counter()
@@ -272,7 +283,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunRe
     stop_on_nonfinite = first.train.stop_on_nonfinite
     with torch_threads(first.train.threads) as threads:
         base, batch = stack_runs(runs, device)
-        grad_step = _compiled(first, base, batch) if compiled else make_grad_step(base)
+        grad_step = _compiled(first, base, batch.x.device) if compiled else make_grad_step(base)
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
         results = [RunResult(threads=threads, engine="fast") for _ in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
@@ -295,18 +306,17 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunRe
     return results
 
 
-# One compiled step per structure and device, kept for the process's life: later batches (other chunk
-# sizes, other seeds or hyper-parameters) reuse it instead of compiling again.
+# One compiled step per structure and device, kept for the process's life: later batches (other seeds
+# or hyper-parameters) reuse it instead of compiling again.
 _COMPILED: dict[tuple, GradStep] = {}
 
 
-def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch) -> GradStep:
-    """The compiled gradient step of runs shaped like `cfg` on the batch's device, the run axis of its
-    inputs dynamic (one compiled step for every chunk size). Compile errors surface at the first call."""
-    key = (cfg.model, cfg.norm, cfg.data, str(batch.x.device))
-    for tensor in [*batch.params.values(), batch.x, batch.y]:
-        torch._dynamo.mark_dynamic(tensor, 0)
+def _compiled(cfg: RunConfig, base: torch.nn.Module, device: torch.device) -> GradStep:
+    """The compiled gradient step of runs shaped like `cfg` on `device`, for batches of MAX_CHUNK runs
+    (vmap specialises the run axis, so `train_fast` pads smaller batches). Compile errors surface at
+    the first call."""
+    key = (cfg.model, cfg.norm, cfg.data, str(device))
     if key not in _COMPILED:
         compile_cache_dir()
-        _COMPILED[key] = torch.compile(make_grad_step(base))
+        _COMPILED[key] = torch.compile(make_grad_step(base), dynamic=False)
     return _COMPILED[key]
