@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
 from normexp.store import (
+    DONE_FILE,
     SWEEP_FILE,
     FinishedRun,
     StoreError,
     SweepLock,
     atomic_write,
     is_done,
+    read_json,
     run_id,
     write_failed,
     write_run,
@@ -117,7 +119,7 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
     _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
     pending = []
     for cfg in sweep.runs:
-        if not options.force and is_done(out_dir / run_id(cfg), cfg):
+        if not options.force and _finished(out_dir / run_id(cfg), cfg, options.engine):
             outcome.statuses[run_id(cfg)] = "skipped"
             emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
         else:
@@ -131,6 +133,14 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
         raise SweepInterrupted(outcome) from None
     _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+
+
+def _finished(run_dir: Path, cfg: RunConfig, engine: str) -> bool:
+    """Done, by an engine this sweep accepts: an exact sweep redoes the runs the fast engine trained
+    (their numbers are close to the reference's, not equal), a fast sweep keeps exact ones."""
+    if not is_done(run_dir, cfg):
+        return False
+    return engine == "fast" or (read_json(run_dir / DONE_FILE) or {}).get("engine") != "fast"
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,

@@ -207,3 +207,13 @@ def test_compile_flag_with_an_exact_engine_is_exit_2_and_writes_nothing(write_ya
     assert result.exit_code == 2
     assert f"{flag}: only --engine fast compiles" in result.output and "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_an_exact_sweep_redoes_runs_the_fast_engine_trained_and_a_fast_sweep_keeps_exact_ones(write_yaml, tmp_path):
+    out, config = tmp_path / "out", str(write_yaml(SWEEP))
+    assert runner.invoke(app, ["sweep", config, "--out", str(out), "--engine", "fast", "-q"]).exit_code == 0
+    assert runner.invoke(app, ["sweep", config, "--out", str(out), "-q"]).exit_code == 0
+    assert set(load_summary(out)["engine"]) == {"batched"}  # none of the fast runs was kept
+    result = runner.invoke(app, ["sweep", config, "--out", str(out), "--engine", "fast"])
+    assert result.exit_code == 0 and "0 ran, 8 already done" in result.output
+    assert set(load_summary(out)["engine"]) == {"batched"}
