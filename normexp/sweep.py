@@ -31,6 +31,7 @@ from normexp.store import (
     SweepLock,
     atomic_write,
     is_done,
+    other_threads,
     run_id,
     write_failed,
     write_run,
@@ -56,9 +57,10 @@ class SweepOptions:
 
 @dataclass(frozen=True)
 class SweepEvent:
-    """One thing that happened to one run: skipped (already done), finished, or failed."""
+    """One thing that happened to one run: skipped (already done), redone (done, but not as this sweep
+    would train it: `error` says why), finished, or failed."""
 
-    kind: Literal["skipped", "finished", "failed"]
+    kind: Literal["skipped", "redone", "finished", "failed"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
@@ -96,33 +98,38 @@ EventCallback = Callable[[SweepEvent], None]
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
               on_event: EventCallback | None = None) -> SweepOutcome:
     """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
-    from normexp.executors import make_executor
+    from normexp.executors import default_threads, make_executor
 
     out_dir = Path(out_dir)
     outcome = SweepOutcome(out_dir, len(sweep.runs))
     emit = on_event or (lambda event: None)
+    threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
     executor = make_executor(options.workers, options.cluster)  # fails before anything is written
     try:
         with SweepLock(out_dir):
-            _run_locked(sweep, out_dir, options, executor, outcome, emit)
+            _run_locked(sweep, out_dir, options, executor, outcome, emit, threads)
     finally:
         executor.close()
     return outcome
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
-                emit: EventCallback) -> None:
+                emit: EventCallback, threads: int) -> None:
     """Steps 3-5 of the module docstring, under the folder's lock."""
     _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
     pending = []
     for cfg in sweep.runs:
-        if not options.force and is_done(out_dir / run_id(cfg), cfg):
-            outcome.statuses[run_id(cfg)] = "skipped"
-            emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
-        else:
-            pending.append(cfg)
+        rid = run_id(cfg)
+        if not options.force and is_done(out_dir / rid, cfg):
+            why = other_threads(out_dir / rid, cfg.train.threads or threads)
+            if why is None:
+                outcome.statuses[rid] = "skipped"
+                emit(SweepEvent("skipped", rid, len(outcome.statuses), outcome.total))
+                continue
+            emit(SweepEvent("redone", rid, len(outcome.statuses), outcome.total, error=why))
+        pending.append(cfg)
     try:
-        _execute(pending, out_dir, options, executor, outcome, emit)
+        _execute(pending, out_dir, options, executor, outcome, emit, threads)
     except KeyboardInterrupt:
         outcome.interrupted = True
         for cfg in pending:
@@ -133,11 +140,11 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
-             outcome: SweepOutcome, emit: EventCallback) -> None:
-    from normexp.executors import default_threads, plan_units
+             outcome: SweepOutcome, emit: EventCallback, threads: int) -> None:
+    from normexp.executors import plan_units
 
     engine = "reference" if options.engine == "reference" else "batched"
-    units = plan_units(pending, engine, options.device, default_threads())
+    units = plan_units(pending, engine, options.device, threads)
     for result in executor.run(units):
         for cfg, run in zip(result.unit.runs, result.outcomes):
             _record(cfg, run, result.status, out_dir, outcome, emit)
