@@ -185,3 +185,15 @@ def test_betas_must_be_below_one(betas: list[float]):
         build_sweep({**SWEEP, "grid": {"optim.betas": [[0.9, 0.999], betas]}})
     with pytest.raises(ConfigError, match=r"optim\.betas"):
         build_sweep(SWEEP, [f"optim.betas=[{betas[0]},{betas[1]}]"])
+
+
+def test_betas_of_one_in_the_grid_exit_2_and_write_nothing(write_yaml, tmp_path):
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    config = write_yaml("name: b\nbase: {model: {depth: 2, width: 4}, train: {steps: 2}}\n"
+                        "grid: {optim.betas: [[1, 0.999], [0.9, 0.999], [0.9, 1.0]]}\n")
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--engine", "batched"])
+    assert result.exit_code == 2 and "grid.optim.betas" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
