@@ -145,15 +145,20 @@ def test_a_failing_run_does_not_fail_its_batch_mates(monkeypatch):
 
 @pytest.mark.slow
 def test_local_dask_cluster_trains_with_the_sweeps_thread_count(tmp_path, write_yaml):
-    """With `train.threads` left open, runs train with this process's torch default on every executor."""
+    """With `train.threads` left open, `normexp sweep --cluster local:N` trains with the thread count
+    of an in-process sweep. Both run as fresh processes, as a user starts them: the cluster must not
+    change the count before torch loads (pytest's own process has loaded torch already)."""
     pytest.importorskip("distributed")
-    import torch
+    import subprocess
+    import sys
 
-    config = write_yaml(GRID.replace(", threads: THREADS", ""))
-    sweep(config, tmp_path / "single")
-    sweep(config, tmp_path / "cluster", "--cluster", "local:2")
-    assert set(load_summary(tmp_path / "single")["threads"]) == {torch.get_num_threads()}
-    assert set(load_summary(tmp_path / "cluster")["threads"]) == {torch.get_num_threads()}
+    config = write_yaml("name: c\nbase: {model: {depth: 4, width: 16}, train: {steps: 6}}\n"
+                        "grid: {norm.placement: [post, pre]}\nseeds: [0, 1]\n")
+    for out, extra in (("single", []), ("cluster", ["--cluster", "local:2"])):
+        subprocess.run([sys.executable, "-m", "normexp", "sweep", str(config), "--out", str(tmp_path / out), "-q",
+                        *extra], check=True, timeout=600)
+    threads = set(load_summary(tmp_path / "single")["threads"])
+    assert set(load_summary(tmp_path / "cluster")["threads"]) == threads
     assert losses(tmp_path / "cluster") == losses(tmp_path / "single")
 
 
