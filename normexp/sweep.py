@@ -4,7 +4,9 @@ The sweep process is the coordinator and the only writer of its output folder. I
 
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
 2. takes the folder's lock (a second sweep into the same folder fails at once),
-3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
+3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`);
+   a finished run recorded with another torch thread count than this sweep's is redone, with a
+   `redone` event saying why, so that one sweep never mixes thread counts,
 4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
 5. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
