@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -39,9 +40,13 @@ Metric = Literal["loss", "acc", "grad_norm", "lr"]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # Adam's decay rates: 1 divides by 1 - 1
 
 DEFAULT_REPORT_STEPS = (0, 1, 2, 3, 5, 10, 20, 30)
 DEFAULT_MAX_RUNS = 100_000
+# Keys whose declared default (None) a validator resolves from other keys of the run. A sweep keeps them
+# open in its base until each run's grid and --set values are in, so every run resolves them alone.
+RESOLVED_PER_RUN = ("optim.weight_decay",)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 
 
@@ -81,7 +86,7 @@ class DataConfig(_Section):
 class OptimConfig(_Section):
     name: OptimName = "adam"
     lr: PositiveFloat = 0.01
-    betas: Annotated[tuple[Fraction, Fraction], Field(strict=False)] = (0.9, 0.999)
+    betas: Annotated[tuple[Beta, Beta], Field(strict=False)] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
     weight_decay: NonNegFloat | None = None  # None: the optimizer's own default (adamw 0.01, others 0)
     momentum: Fraction = 0.9  # sgd only
@@ -150,18 +155,25 @@ class Sweep:
     seeds: list[int]
     report: ReportConfig
     runs: list[RunConfig]
+    open_keys: tuple[str, ...] = ()  # keys of RESOLVED_PER_RUN that the base leaves to each run
+
+    def base_mapping(self, mode: Literal["python", "json"] = "python") -> dict[str, Any]:
+        """The base as a mapping of sections, its open keys put back to None (resolved per run)."""
+        return _open_mapping(self.base, self.open_keys, mode)
 
     @property
     def varying_keys(self) -> list[str]:
-        """Grid keys with more than one value, then `seed` if several seeds."""
-        keys = [k for k, values in self.grid.items() if len(values) > 1]
+        """Grid keys whose runs take more than one value (`1` and `1.0` are one value, null is a value of
+        its own), then `seed` if several seeds."""
+        flat = [flatten(cfg) for cfg in self.runs]
+        keys = [k for k in self.grid if len({json.dumps(f[k]) for f in flat}) > 1]
         return keys + (["seed"] if len(self.seeds) > 1 else [])
 
     def to_yaml(self) -> str:
         """The resolved sweep, as it ran: loadable again with `load_sweep`."""
         doc = {
             "name": self.name,
-            "base": self.base.model_dump(mode="json", exclude={"seed"}),
+            "base": self.base_mapping("json"),
             "grid": self.grid,
             "seeds": self.seeds,
             "report": self.report.model_dump(mode="json"),
@@ -369,11 +381,32 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     data[section] = {**(existing if isinstance(existing, dict) else {}), leaf: value}
 
 
+def _open_keys(base: dict[str, Any]) -> tuple[str, ...]:
+    """The keys of RESOLVED_PER_RUN that a base mapping leaves unset (or sets to null)."""
+    def given(key: str) -> Any:
+        section, _, leaf = key.partition(".")
+        values = base.get(section)
+        return values.get(leaf) if isinstance(values, dict) else None
+
+    return tuple(key for key in RESOLVED_PER_RUN if given(key) is None)
+
+
+def _open_mapping(cfg: RunConfig, open_keys: Sequence[str], mode: Literal["python", "json"]) -> dict[str, Any]:
+    """`cfg` as a mapping of sections without the seed, with each of `open_keys` set to None."""
+    data = cfg.model_dump(mode=mode, exclude={"seed"})
+    for key in open_keys:
+        section, _, leaf = key.partition(".")
+        data[section] = {**data[section], leaf: None}
+    return data
+
+
 def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: int) -> list[RunConfig]:
+    """Each grid combination written into the base, then resolved alone (defaults that depend on
+    other keys, such as AdamW's weight decay, resolve with that run's own values)."""
     total = math.prod(len(v) for v in sweep_file.grid.values()) * len(seeds)
     if total > max_runs:
         raise ConfigError(f"grid: expands to {total} runs, more than --max-runs {max_runs}")
-    base_data = base.model_dump(mode="python", exclude={"seed"})
+    base_data = _open_mapping(base, _open_keys(sweep_file.base), "python")
     runs: dict[RunConfig, None] = {}  # insertion-ordered set: a repeated grid value runs once
     keys = list(sweep_file.grid)
     for combo in itertools.product(*sweep_file.grid.values()):
@@ -431,7 +464,8 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
     base = validate_run(sweep_file.base, "base")
     seeds = list(dict.fromkeys(sweep_file.seeds if sweep_file.seeds is not None else [base.seed]))
     runs = _expand(sweep_file, base, seeds, max_runs)
-    return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs)
+    open_keys = _open_keys(sweep_file.base)
+    return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs, open_keys)
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:

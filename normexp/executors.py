@@ -99,18 +99,26 @@ def run_unit(unit: WorkUnit) -> UnitResult:
 
         try:
             results = train_fast(runs, unit.device, unit.compile) if unit.fast else train_batch(runs, unit.device)
-        except Exception as exc:  # noqa: BLE001 - reported per run
-            return UnitResult(unit, tuple(_error(exc) for _ in runs))
+        except Exception:  # noqa: BLE001 - one run's error must not fail its batch-mates: see _run_alone
+            return UnitResult(unit, _run_alone(runs, unit.device))
         return UnitResult(unit, tuple(_finished(r, unit.device) for r in results))
+    return UnitResult(unit, _run_alone(runs, unit.device))
+
+
+def _run_alone(runs: Sequence[RunConfig], device: str) -> tuple[FinishedRun | str, ...]:
+    """Each run on the reference engine, one at a time; a run that raises gets its error message.
+    A batch that raised is retried this way: the reference engine gives the batched engine's bits,
+    so the batch-mates of a bad run finish with the numbers they would have had, and only the
+    culprit is recorded as failed."""
     from normexp.train import train_run
 
     outcomes: list[FinishedRun | str] = []
     for cfg in runs:
         try:
-            outcomes.append(_finished(train_run(cfg, device=unit.device), unit.device))
+            outcomes.append(_finished(train_run(cfg, device=device), device))
         except Exception as exc:  # noqa: BLE001 - reported per run
             outcomes.append(_error(exc))
-    return UnitResult(unit, tuple(outcomes))
+    return tuple(outcomes)
 
 
 def _finished(result: Any, device: str) -> FinishedRun:

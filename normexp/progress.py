@@ -36,6 +36,6 @@ def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventC
 
         def bar(event: SweepEvent) -> None:
             progress.update(task, completed=event.done)
-            if event.kind == "failed":
+            if event.kind in ("failed", "redone"):
                 progress.console.print(_line(event), markup=False)
         yield bar

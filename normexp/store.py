@@ -153,6 +153,17 @@ def is_done(run_dir: Path, cfg: RunConfig) -> bool:
     return done is not None and done.get("config_hash") == config_hash(cfg)
 
 
+def other_threads(run_dir: Path, threads: int) -> str | None:
+    """Why a finished run must be redone to sit in a sweep that trains with `threads` torch threads:
+    the thread count changes the last bits of CPU kernels, and one sweep never mixes thread counts.
+    None when its done.json records the same count."""
+    done = read_json(run_dir / DONE_FILE) or {}
+    recorded = done.get("threads")
+    if recorded == threads:
+        return None
+    return f"trained with {recorded} torch threads, this sweep uses {threads}: redone"
+
+
 def reset_run_dir(run_dir: Path) -> None:
     """Remove whatever an unfinished or stale run left, and make the folder afresh."""
     if run_dir.exists():

@@ -4,7 +4,9 @@ The sweep process is the coordinator and the only writer of its output folder. I
 
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
 2. takes the folder's lock (a second sweep into the same folder fails at once),
-3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
+3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`);
+   a finished run recorded with another torch thread count than this sweep's is redone, with a
+   `redone` event saying why, so that one sweep never mixes thread counts,
 4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
 5. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
@@ -32,6 +34,7 @@ from normexp.store import (
     SweepLock,
     atomic_write,
     is_done,
+    other_threads,
     read_json,
     run_id,
     write_failed,
@@ -59,9 +62,10 @@ class SweepOptions:
 
 @dataclass(frozen=True)
 class SweepEvent:
-    """One thing that happened to one run: skipped (already done), finished, or failed."""
+    """One thing that happened to one run: skipped (already done), redone (done, but not as this sweep
+    would train it: `error` says why), finished, or failed."""
 
-    kind: Literal["skipped", "finished", "failed"]
+    kind: Literal["skipped", "redone", "finished", "failed"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
@@ -99,33 +103,38 @@ EventCallback = Callable[[SweepEvent], None]
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
               on_event: EventCallback | None = None) -> SweepOutcome:
     """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
-    from normexp.executors import make_executor
+    from normexp.executors import default_threads, make_executor
 
     out_dir = Path(out_dir)
     outcome = SweepOutcome(out_dir, len(sweep.runs))
     emit = on_event or (lambda event: None)
+    threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
     executor = make_executor(options.workers, options.cluster)  # fails before anything is written
     try:
         with SweepLock(out_dir):
-            _run_locked(sweep, out_dir, options, executor, outcome, emit)
+            _run_locked(sweep, out_dir, options, executor, outcome, emit, threads)
     finally:
         executor.close()
     return outcome
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
-                emit: EventCallback) -> None:
+                emit: EventCallback, threads: int) -> None:
     """Steps 3-5 of the module docstring, under the folder's lock."""
     _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
     pending = []
     for cfg in sweep.runs:
-        if not options.force and _finished(out_dir / run_id(cfg), cfg, options.engine):
-            outcome.statuses[run_id(cfg)] = "skipped"
-            emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
-        else:
-            pending.append(cfg)
+        rid = run_id(cfg)
+        if not options.force and _finished(out_dir / rid, cfg, options.engine):
+            why = other_threads(out_dir / rid, cfg.train.threads or threads)
+            if why is None:
+                outcome.statuses[rid] = "skipped"
+                emit(SweepEvent("skipped", rid, len(outcome.statuses), outcome.total))
+                continue
+            emit(SweepEvent("redone", rid, len(outcome.statuses), outcome.total, error=why))
+        pending.append(cfg)
     try:
-        _execute(pending, out_dir, options, executor, outcome, emit)
+        _execute(pending, out_dir, options, executor, outcome, emit, threads)
     except KeyboardInterrupt:
         outcome.interrupted = True
         for cfg in pending:
@@ -144,11 +153,11 @@ def _finished(run_dir: Path, cfg: RunConfig, engine: str) -> bool:
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
-             outcome: SweepOutcome, emit: EventCallback) -> None:
-    from normexp.executors import default_threads, plan_units
+             outcome: SweepOutcome, emit: EventCallback, threads: int) -> None:
+    from normexp.executors import plan_units
 
     engine = options.engine if options.engine in ("reference", "fast") else "batched"
-    units = plan_units(pending, engine, options.device, default_threads(), options.compile)
+    units = plan_units(pending, engine, options.device, threads, options.compile)
     for result in executor.run(units):
         for cfg, run in zip(result.unit.runs, result.outcomes):
             _record(cfg, run, result.status, out_dir, outcome, emit)

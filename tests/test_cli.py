@@ -99,7 +99,7 @@ def test_report_from_disk_in_three_formats(write_yaml, tmp_path):
     assert "| step | Post-LN | Post-RMS | Pre-LN | Pre-RMS |" in lines
     assert sum(line.startswith("| 0 |") or line.startswith("| 5 |") for line in lines) == 2
     csv_out = normexp("report", out, "--format", "csv")
-    assert csv_out.output.splitlines()[0] == "variant,step,loss_mean,loss_std,n,verdict"
+    assert csv_out.output.splitlines()[0] == "variant,step,loss_mean,loss_std,n,verdict,runs,diverged"
 
 
 def test_validate(write_yaml):

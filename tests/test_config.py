@@ -115,7 +115,7 @@ BAD_FILES = {
     "name absolute": ("name: /tmp/x\n", "name: must be letters, digits"),
     "base not a mapping": ("name: t\nbase: [1, 2]\n", "base: must be a mapping"),
     "betas wrong length": ("name: t\nbase: {optim: {betas: [0.9]}}\n", "base.optim.betas"),
-    "betas out of range": ("name: t\nbase: {optim: {betas: [0.9, 1.5]}}\n", "base.optim.betas.1: must be <= 1"),
+    "betas out of range": ("name: t\nbase: {optim: {betas: [0.9, 1.5]}}\n", "base.optim.betas.1: must be < 1"),
     "report column unknown": ("name: t\nreport: {columns: [norm.plcement]}\n", "report.columns: unknown key"),
     "seed as grid key": ("name: t\ngrid: {seed: [1, 2]}\n", "grid.seed: seeds are set with the 'seeds' list"),
     "grid key lookalike": ("name: t\ngrid: {seed_list: [1]}\n", "grid.seed_list: unknown key"),
