@@ -65,6 +65,12 @@ def variant_label(values: dict[str, object]) -> str:
     return " ".join(parts) or "run"
 
 
+def number(value: float) -> str:
+    """A loss as the article prints it (4 decimals); past 1e6 in scientific notation, so that a
+    diverging run's cell stays narrow enough to be shown whole."""
+    return f"{value:.4f}" if not abs(value) >= 1e6 or math.isinf(value) else f"{value:.4e}"
+
+
 @dataclass(frozen=True)
 class Column:
     label: str
@@ -88,7 +94,7 @@ class Report:
         if step not in column.cells:
             return "—"
         mean, std, n = column.cells[step]
-        return f"{mean:.4f}" if n == 1 else f"{mean:.4f} ± {std:.4f}"
+        return number(mean) if n == 1 else f"{number(mean)} ± {number(std)}"
 
     def verdict(self, column: Column) -> str:
         if column.runs == 1:
@@ -133,8 +139,12 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     keys = list(by or section.columns or [k for k in varying_keys(summary) if k != "seed"])
     _check_keys(keys, summary, "--by")
     metric = metric or section.metric
-    steps = list(steps or section.steps)
-    steps = [s for s in steps if s in set(tidy["step"])]
+    recorded = set(tidy["step"])
+    missing = [s for s in steps or () if s not in recorded]
+    if missing:
+        raise ResultsError(f"--steps {','.join(map(str, missing))}: not recorded by any run "
+                           f"(steps {min(recorded)} to {max(recorded)})")
+    steps = [s for s in steps or section.steps if s in recorded]
     n_classes = int(tidy["model.n_classes"].iloc[0])
     columns = [_column(label, group, keys, steps, metric, n_classes)
                for label, group in variant_groups(tidy, keys, everything="run")]
@@ -258,7 +268,7 @@ class Pivot:
     def cell(self, mean: float, std: float, n: int) -> str:
         if pd.isna(n) or n == 0:
             return "—"
-        return f"{mean:.4f}" if n == 1 else f"{mean:.4f} ± {std:.4f}"
+        return number(mean) if n == 1 else f"{number(mean)} ± {number(std)}"
 
 
 def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
@@ -331,9 +341,10 @@ def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  #
     rows = [[str(depth), *(f"{summary.last_grad[p][i][0]:.4f} ± {summary.last_grad[p][i][1]:.4f}" for p in placements)]
             for i, depth in enumerate(summary.depths)]
     deepest = summary.depths[-1]
-    lines = ["fitted slope of log ||grad W2_L|| against log L: " + ", ".join(
-        f"{PLACEMENT_LABELS.get(p, p)} {summary.slopes[p]:+.2f}" for p in placements)
-        + " (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
+    slopes = ", ".join(f"{PLACEMENT_LABELS.get(p, p)} {summary.slopes[p]:+.2f}" for p in placements)
+    if len(summary.depths) < 2:
+        slopes = "needs two depths or more (e.g. --set model.depth=8,16,32)"
+    lines = [f"fitted slope of log ||grad W2_L|| against log L: {slopes} (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
     for p in placements:
         stream, norm_in = summary.stream_sq[p], summary.norm_in_sq[p]
         lines.append(f"{PLACEMENT_LABELS.get(p, p)}, L={deepest}: ||x_l||^2/d entering blocks 1, L/2, L = "

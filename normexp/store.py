@@ -4,7 +4,8 @@
       sweep.yaml              the resolved sweep (after --set), loadable again
       summary.csv             one row per run of the sweep, rebuilt from the run folders every time
       .lock                   held (flock) while a sweep writes here; holds the owner's PID and host
-      <run_id>/config.yaml    the resolved run config: `normexp sweep` of it alone reruns it
+      <run_id>/config.yaml    the resolved run config (config.load_run_config reads it); as the `base:`
+                              of a sweep file (`name: again` + `base:` + it, indented) it reruns the run
       <run_id>/metrics.csv    step, loss, acc, lr, grad_norm: one row per recorded step, floats as repr()
       <run_id>/failed.json    only for a run that raised: the error (the run is retried next time)
       <run_id>/done.json      written last: the run is complete (+ summary numbers, timings, versions)
@@ -247,6 +248,15 @@ def write_summary(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, 
     path = out_dir / SUMMARY_FILE
     atomic_write(path, buffer.getvalue())
     return path
+
+
+def summary_run_ids(out_dir: Path) -> set[str]:
+    """The run ids that `out_dir`'s summary.csv lists (none if it has no readable summary)."""
+    try:
+        with open(out_dir / SUMMARY_FILE, newline="", encoding="utf-8") as f:
+            return {row["run_id"] for row in csv.DictReader(f) if row.get("run_id")}
+    except (OSError, UnicodeDecodeError, csv.Error, KeyError):
+        return set()
 
 
 def _cell(value: Any) -> Any:

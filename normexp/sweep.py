@@ -3,7 +3,8 @@
 The sweep process is the coordinator and the only writer of its output folder. It
 
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
-2. takes the folder's lock (a second sweep into the same folder fails at once),
+2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
+   that holds another sweep's summary unless `force`,
 3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
 4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
@@ -12,7 +13,8 @@ The sweep process is the coordinator and the only writer of its output folder. I
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
 sweep retries it) and the sweep goes on, unless `fail_fast`. On KeyboardInterrupt the finished runs
-stay finished, the summary is written, and `SweepInterrupted` carries the outcome to the caller.
+stay finished, the summary is written, and `SweepInterrupted` carries the outcome to the caller (the
+command line turns SIGTERM and SIGHUP into the same KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from normexp.store import (
     atomic_write,
     is_done,
     run_id,
+    summary_run_ids,
     write_failed,
     write_run,
     write_summary,
@@ -113,23 +116,34 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
                 emit: EventCallback) -> None:
     """Steps 3-5 of the module docstring, under the folder's lock."""
-    _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
-    pending = []
-    for cfg in sweep.runs:
-        if not options.force and is_done(out_dir / run_id(cfg), cfg):
-            outcome.statuses[run_id(cfg)] = "skipped"
-            emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
-        else:
-            pending.append(cfg)
+    if not options.force:
+        _refuse_another_sweep(out_dir, sweep)
     try:
+        _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
+        pending = []
+        for cfg in sweep.runs:
+            if not options.force and is_done(out_dir / run_id(cfg), cfg):
+                outcome.statuses[run_id(cfg)] = "skipped"
+                emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
+            else:
+                pending.append(cfg)
         _execute(pending, out_dir, options, executor, outcome, emit)
     except KeyboardInterrupt:
         outcome.interrupted = True
-        for cfg in pending:
+        for cfg in sweep.runs:
             outcome.statuses.setdefault(run_id(cfg), "interrupted")
         _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
         raise SweepInterrupted(outcome) from None
     _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+
+
+def _refuse_another_sweep(out_dir: Path, sweep: Sweep) -> None:
+    """A folder whose summary lists runs this sweep lacks holds another sweep: writing this one's
+    sweep.yaml and summary.csv over it would silently drop those runs from view."""
+    others = summary_run_ids(out_dir) - {run_id(cfg) for cfg in sweep.runs}
+    if others:
+        raise StoreError(f"{out_dir}: holds another sweep ({len(others)} of its runs are not in this one); "
+                         "choose another --out, or add --force to replace its sweep.yaml and summary.csv")
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
