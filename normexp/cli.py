@@ -112,10 +112,10 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> Sweep
         done = exc.outcome.count("completed", "diverged", "skipped")
         resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
         err.print(f"{_signal_name(_stopping)}: {done} of {exc.outcome.total} runs finished and kept in {target}.\n"
-                  f"Resume with: {resume}")
+                  f"Resume with: {resume}", soft_wrap=True)  # one line each, to copy whole
         raise typer.Exit(128 + (_stopping or signal.SIGINT)) from None
     except KeyboardInterrupt:  # while the executor started, before the folder was touched
-        err.print(f"{_signal_name(_stopping)} before any run started: nothing was written")
+        err.print(f"{_signal_name(_stopping)} before any run started: nothing was written", soft_wrap=True)
         raise typer.Exit(128 + (_stopping or signal.SIGINT)) from None
     finally:
         if _stopping is None:  # else the handlers stay till the process ends: a second signal exits at once

@@ -559,8 +559,13 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:
-    """Load, validate and expand a sweep file. Raises ConfigError with the key path on any problem."""
-    return build_sweep(read_mapping(path), overrides, max_runs)
+    """Load, validate and expand a sweep file, or a run folder's `config.yaml` (a sweep of that one run,
+    named after its folder). Raises ConfigError with the key path on any problem."""
+    data = read_mapping(path)
+    if "name" not in data and set(data) <= set(RunConfig.model_fields):
+        folder = Path(path).resolve().parent.name
+        data = {"name": folder if re.fullmatch(NAME_PATTERN, folder) else "run", "base": data}
+    return build_sweep(data, overrides, max_runs)
 
 
 def flatten(cfg: RunConfig) -> dict[str, Any]:

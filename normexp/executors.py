@@ -21,6 +21,7 @@ Pool workers die with their coordinator, even after `kill -9` (Dask's do so on t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -192,14 +193,11 @@ class PoolExecutor:
         context = multiprocessing.get_context("spawn")
         mine, theirs = context.Pipe()
         process = context.Process(target=_worker_main, args=(theirs, os.getpid()), daemon=True)
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # until the worker ignores it
-        try:
-            process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        theirs.close()
         worker = _Worker(process, mine)
-        self._workers.append(worker)
+        with _signals_held():  # until the worker has set its own handlers (and is known to close())
+            process.start()
+            self._workers.append(worker)
+        theirs.close()
         return worker
 
     def _retire(self, worker: _Worker) -> None:
@@ -240,7 +238,7 @@ def _receive(worker: _Worker) -> UnitResult | None:
 def _worker_main(conn: Connection, coordinator: int) -> None:
     """A pool worker's life: die with the coordinator, leave Ctrl-C to it, train each unit it is sent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole process group
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # SIGTERM, SIGHUP: end the worker, as by default
     die_with_parent(coordinator)
     # Before torch loads: idle OpenMP threads sleep instead of spinning, so workers that together hold
     # more threads than cores do not steal each other's time.
@@ -284,18 +282,22 @@ class DaskExecutor:
             from distributed import Client, LocalCluster
         except ImportError:
             raise ExecutorError("--cluster needs Dask: pip install 'normexp[dask]'") from None
-        self._cluster = None
+        self._cluster = self.client = None
         self._futures: list = []  # submitted by run(): cancelled by close()
         dask.config.set({"distributed.scheduler.allowed-failures": 1})  # a dying worker: retried once
-        if workers is not None:
-            self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                         dashboard_address=None, env={"OMP_WAIT_POLICY": "PASSIVE"})
-            self.client = Client(self._cluster)
-        else:
-            try:
-                self.client = Client(address, timeout="10s")
-            except (OSError, TimeoutError) as exc:
-                raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({exc})") from None
+        try:
+            with _signals_held({signal.SIGINT}):  # the cluster's processes leave Ctrl-C to the coordinator
+                if workers is not None:
+                    self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                                 dashboard_address=None, env={"OMP_WAIT_POLICY": "PASSIVE"})
+                    self.client = Client(self._cluster)
+                else:
+                    self.client = Client(address, timeout="10s")
+        except (OSError, TimeoutError) as exc:
+            raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({exc})") from None
+        except BaseException:  # a signal held during start-up arrives here: stop what started
+            self.close()
+            raise
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
         from distributed import as_completed
@@ -310,11 +312,32 @@ class DaskExecutor:
                 yield crashed(unit, f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
+        """Cancel what is outstanding and stop the cluster, without Dask's warnings about work lost
+        on the way (the sweep has recorded what finished)."""
+        import logging
+
+        logging.getLogger("distributed").setLevel(logging.CRITICAL + 1)
         if self._futures:
             self.client.cancel(self._futures)
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+@contextlib.contextmanager
+def _signals_held(signals: frozenset[int] | set[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Hold `signals` (Ctrl-C, SIGTERM, SIGHUP) in this thread for the block; they arrive when it ends.
+    Threads and processes started in the block inherit the mask, so a terminal's Ctrl-C to the whole
+    group reaches the coordinator only."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 MAX_WORKERS = 1024

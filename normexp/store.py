@@ -4,8 +4,8 @@
       sweep.yaml              the resolved sweep (after --set), loadable again
       summary.csv             one row per run of the sweep, rebuilt from the run folders every time
       .lock                   held (flock) while a sweep writes here; holds the owner's PID and host
-      <run_id>/config.yaml    the resolved run config (config.load_run_config reads it); as the `base:`
-                              of a sweep file (`name: again` + `base:` + it, indented) it reruns the run
+      <run_id>/config.yaml    the resolved run config: `normexp sweep <run_id>/config.yaml` reruns it
+                              alone (a sweep of one run, into runs/<run_id> unless --out)
       <run_id>/metrics.csv    step, loss, acc, lr, grad_norm: one row per recorded step, floats as repr()
       <run_id>/failed.json    only for a run that raised: the error (the run is retried next time)
       <run_id>/done.json      written last: the run is complete (+ summary numbers, timings, versions)

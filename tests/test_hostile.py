@@ -267,3 +267,13 @@ def test_a_diverging_loss_is_shown_whole(write_yaml, tmp_path):
     assert result.exit_code == 0
     assert max(abs(v) for v in load_metrics(out)["loss"] if math.isfinite(v)) >= 1e6, "no large loss to show"
     assert "…" not in result.output
+
+
+def test_a_run_folders_config_reruns_that_run_alone(finished, tmp_path):
+    _, out = finished
+    run = sorted(p for p in out.iterdir() if (p / "done.json").exists())[1]
+    again = tmp_path / "again"
+    result = runner.invoke(app, ["sweep", str(run / "config.yaml"), "--out", str(again), "-q"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in again.glob("*/done.json")] == ["done.json"]
+    assert (again / run.name / "metrics.csv").read_text() == (run / "metrics.csv").read_text()
