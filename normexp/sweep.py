@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
 from normexp.store import (
+    DONE_FILE,
     SWEEP_FILE,
     FinishedRun,
     StoreError,
     SweepLock,
     atomic_write,
     is_done,
+    read_json,
     run_id,
     summary_run_ids,
     write_failed,
@@ -130,11 +132,16 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         _execute(pending, out_dir, options, executor, outcome, emit)
     except KeyboardInterrupt:
         outcome.interrupted = True
-        for cfg in sweep.runs:
-            outcome.statuses.setdefault(run_id(cfg), "interrupted")
+        for cfg in sweep.runs:  # a run whose done.json was written as the signal came is finished
+            outcome.statuses.setdefault(run_id(cfg), _finished_status(out_dir / run_id(cfg), cfg) or "interrupted")
         _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
         raise SweepInterrupted(outcome) from None
     _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+
+
+def _finished_status(run_dir: Path, cfg: RunConfig) -> str | None:
+    """The status in a finished run's done.json (completed, diverged), or None if it is not finished."""
+    return (read_json(run_dir / DONE_FILE) or {}).get("status", "completed") if is_done(run_dir, cfg) else None
 
 
 def _refuse_another_sweep(out_dir: Path, sweep: Sweep) -> None:
