@@ -399,21 +399,15 @@ MAX_ERROR_LINES = 8
 
 
 def _format_errors(exc: ValidationError, model: type[BaseModel], prefix: str) -> ConfigError:
-    lines = [f"{_key_path(prefix, err['loc'], err['type'] == 'invalid_key')}: {_describe(err, model)}"
-             for err in exc.errors()]
+    lines = [f"{_key_path(prefix, err['loc'])}: {_describe(err, model)}" for err in exc.errors()]
     return _error_lines(lines)
 
 
-def _key_path(prefix: str, loc: Sequence[Any], last_is_key: bool = False) -> str:
-    """`base.optim.lr`, `seeds[2]` for a list item, `base.model.1` for a bad key 1 (pydantic's
-    `[key]` marker dropped)."""
-    path = prefix
-    for part, after in zip(loc, [*loc[1:], "[key]" if last_is_key else None]):
-        if isinstance(part, int) and after != "[key]":
-            path += f"[{part}]"
-        elif part not in ("", "[key]"):
-            path = f"{path}.{part}" if path else str(part)
-    return path or "config"
+def _key_path(prefix: str, loc: Sequence[Any]) -> str:
+    """`base.optim.lr`, `seeds.2` for a list item, `base.model.1` for a bad key 1: the parts joined
+    by dots, never an empty part (pydantic's `[key]` marker for a bad key is dropped)."""
+    parts = [str(part) for part in (prefix, *loc) if part not in ("", "[key]")]
+    return ".".join(parts) or "config"
 
 
 def _error_lines(lines: Sequence[str]) -> ConfigError:

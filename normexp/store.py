@@ -250,13 +250,14 @@ def write_summary(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, 
     return path
 
 
-def summary_run_ids(out_dir: Path) -> set[str]:
-    """The run ids that `out_dir`'s summary.csv lists (none if it has no readable summary)."""
+def sweep_name(out_dir: Path) -> str | None:
+    """The name in `out_dir`'s sweep.yaml (None if there is none or it is unreadable)."""
     try:
-        with open(out_dir / SUMMARY_FILE, newline="", encoding="utf-8") as f:
-            return {row["run_id"] for row in csv.DictReader(f) if row.get("run_id")}
-    except (OSError, UnicodeDecodeError, csv.Error, KeyError):
-        return set()
+        data = yaml.safe_load((out_dir / SWEEP_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    name = data.get("name") if isinstance(data, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _cell(value: Any) -> Any:

@@ -4,7 +4,7 @@ The sweep process is the coordinator and the only writer of its output folder. I
 
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
 2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
-   that holds another sweep's summary unless `force`,
+   that holds a sweep of another name unless `force`,
 3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
 4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
@@ -36,7 +36,7 @@ from normexp.store import (
     is_done,
     read_json,
     run_id,
-    summary_run_ids,
+    sweep_name,
     write_failed,
     write_run,
     write_summary,
@@ -145,12 +145,13 @@ def _finished_status(run_dir: Path, cfg: RunConfig) -> str | None:
 
 
 def _refuse_another_sweep(out_dir: Path, sweep: Sweep) -> None:
-    """A folder whose summary lists runs this sweep lacks holds another sweep: writing this one's
-    sweep.yaml and summary.csv over it would silently drop those runs from view."""
-    others = summary_run_ids(out_dir) - {run_id(cfg) for cfg in sweep.runs}
-    if others:
-        raise StoreError(f"{out_dir}: holds another sweep ({len(others)} of its runs are not in this one); "
-                         "choose another --out, or add --force to replace its sweep.yaml and summary.csv")
+    """A folder that holds a sweep of another name holds another config's runs: writing this sweep's
+    sweep.yaml and summary.csv over its own would silently take them out of view. (The same sweep
+    with changed values may rerun here: its changed runs are new runs, its summary says so.)"""
+    other = sweep_name(out_dir)
+    if other is not None and other != sweep.name:
+        raise StoreError(f"{out_dir}: holds sweep '{other}', not '{sweep.name}'; choose another --out, "
+                         "or add --force to replace its sweep.yaml and summary.csv")
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,

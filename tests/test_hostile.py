@@ -119,8 +119,8 @@ def test_a_section_check_blames_the_grid_key_it_came_from():
 @pytest.mark.parametrize(("text", "path"), [
     ("name: t\nbase: {model: {1: 2}}\n", "base.model.1"),
     ("name: t\nbase: {1: {depth: 2}}\n", "base.1"),
-    ("name: t\nseeds: [0, x]\n", "seeds[1]"),
-    ("name: t\nreport: {steps: [1, -1]}\n", "report.steps[1]"),
+    ("name: t\nseeds: [0, x]\n", "seeds.1"),
+    ("name: t\nreport: {steps: [1, -1]}\n", "report.steps.1"),
 ])
 def test_key_paths_are_well_formed(text, path):
     with pytest.raises(ConfigError) as caught:
@@ -210,7 +210,7 @@ def test_a_second_sweep_of_another_config_into_one_folder_is_refused(finished, w
     other = write_yaml(TINY.replace("name: t", "name: other") + "seeds: [5]\n", "other.yaml")
     before = (out / "summary.csv").read_text(), (out / "sweep.yaml").read_text()
     result = runner.invoke(app, ["sweep", str(other), "--out", str(out)])
-    assert result.exit_code == 2 and "holds another sweep" in result.output and "--force" in result.output
+    assert result.exit_code == 2 and "holds sweep 't', not 'other'" in result.output and "--force" in result.output
     assert ((out / "summary.csv").read_text(), (out / "sweep.yaml").read_text()) == before
     assert runner.invoke(app, ["sweep", str(config), "--out", str(out), "-q"]).exit_code == 0  # resuming is fine
     extended = write_yaml(TINY + "grid: {norm.placement: [post, pre]}\nseeds: [0, 1, 2]\n", "more.yaml")
