@@ -194,7 +194,7 @@ def test_progress_bar_on_a_terminal_and_plain_lines_elsewhere():
             on_event(event)
     assert plain.file.getvalue().splitlines() == [
         "[2/3] b completed final loss 0.5000", "[3/3] c failed: RuntimeError: boom"]
-    quiet = Console(file=io.StringIO(), force_terminal=True, width=100)
+    quiet = Console(file=io.StringIO(), force_terminal=True, width=100, highlight=False)
     with sweep_progress(quiet, 3, quiet=True) as on_event:
         for event in events:
             on_event(event)
