@@ -245,6 +245,8 @@ class GradnormSummary:
         if placement.split()[0] == "post":
             return statistics.fmean(v for v in self.norm_in_sq[placement] if not math.isnan(v)) - 1
         stream = self.stream_sq[placement]
+        if len(stream) < 2:  # a growth per block needs two blocks
+            return math.nan
         blocks = list(range(1, len(stream) + 1))
         mx, my = statistics.fmean(blocks), statistics.fmean(stream)
         return sum((b - mx) * (v - my) for b, v in zip(blocks, stream)) / sum((b - mx) ** 2 for b in blocks)

@@ -14,16 +14,25 @@ kernels; it is recorded in each run's done.json).
 - `DaskExecutor(address)`: `--cluster local[:N]` starts an embedded LocalCluster, `--cluster
   tcp://HOST:PORT` uses a running scheduler. Needs the `dask` extra.
 
-A worker that dies is retried once; if the retry dies too, the unit's runs are marked `crashed`.
+A worker that dies costs the unit it was training one attempt: the unit is retried once; if the retry
+dies too, its runs are marked `crashed`. Units on other workers, and units not yet started, go on.
+Pool workers die with their coordinator, even after `kill -9` (Dask's do so on their own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from normexp.config import RunConfig
@@ -148,12 +157,6 @@ def default_threads() -> int:
 # ----------------------------------------------------------------------------- executors
 
 
-def _worker_init() -> None:
-    """Before torch loads in a pool worker: idle OpenMP threads sleep instead of spinning, so workers
-    that together hold more threads than cores do not steal each other's time."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 class InProcessExecutor:
     """Run units one after another in the sweep's own process."""
 
@@ -165,67 +168,164 @@ class InProcessExecutor:
         pass
 
 
+@dataclass(frozen=True, eq=False)
+class _Worker:
+    """One pool worker: its process and the coordinator's end of its pipe."""
+
+    process: BaseProcess
+    conn: Connection
+
+
 class PoolExecutor:
-    """A local process pool of `workers` processes (spawned: torch is not fork-safe)."""
+    """A local pool of `workers` processes (spawned: torch is not fork-safe), one unit at a time each.
+
+    The coordinator sends each worker one unit and knows which unit every worker holds, so a worker
+    that dies costs only its own unit an attempt (retried once on a fresh worker, then `crashed`);
+    the other workers go on. Workers leave Ctrl-C to the coordinator, which stops them on close(),
+    and die with it however it ends (see `die_with_parent`).
+    """
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        import multiprocessing
-
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_worker_init)
+        self._workers: list[_Worker] = []
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
-        attempts = {id(unit): 0 for unit in units}
-        queue = list(units)
-        while queue:
-            self._pool = self._new_pool()
-            futures: dict[Future, WorkUnit] = {self._pool.submit(run_unit, unit): unit for unit in queue}
-            queue = []
-            while futures:
-                done, _ = wait(futures, return_when=FIRST_COMPLETED)
-                for future in done:
-                    unit = futures.pop(future)
-                    try:
-                        yield future.result()
-                    except BrokenProcessPool:
-                        attempts[id(unit)] += 1
-                        if attempts[id(unit)] > 1:
-                            yield crashed(unit, "worker process died twice while training these runs")
-                        else:
-                            queue.append(unit)  # retried once, in a fresh pool
-            self._pool.shutdown(wait=True)
+        queue, attempts = deque(units), {id(unit): 0 for unit in units}
+        idle = [self._start_worker() for _ in range(min(self.workers, len(queue)))]
+        busy: dict[_Worker, WorkUnit] = {}
+        while queue or busy:
+            while queue and idle:
+                worker, unit = idle.pop(), queue.popleft()
+                busy[worker] = unit
+                _send(worker, (run_unit, unit))
+            for worker in _ready(busy):
+                unit = busy.pop(worker)
+                result = _receive(worker)
+                if result is not None:
+                    idle.append(worker)
+                    yield result
+                    continue
+                self._retire(worker)
+                attempts[id(unit)] += 1
+                if attempts[id(unit)] > 1:
+                    yield crashed(unit, "worker process died twice while training these runs")
+                else:
+                    queue.appendleft(unit)  # retried once, on a fresh worker
+                if queue:
+                    idle.append(self._start_worker())
+        self.close()
+
+    def _start_worker(self) -> _Worker:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        mine, theirs = context.Pipe()
+        process = context.Process(target=_worker_main, args=(theirs, os.getpid()), daemon=True)
+        worker = _Worker(process, mine)
+        with _signals_held():  # until the worker has set its own handlers (and is known to close())
+            process.start()
+            self._workers.append(worker)
+        theirs.close()
+        return worker
+
+    def _retire(self, worker: _Worker) -> None:
+        self._workers.remove(worker)
+        worker.process.kill()
+        worker.process.join()
+        worker.conn.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop every worker at once (a unit in progress is abandoned; its runs count as not run)."""
+        for worker in list(self._workers):
+            self._retire(worker)
+
+
+def _send(worker: _Worker, message: object) -> None:
+    try:
+        worker.conn.send(message)
+    except OSError:
+        pass  # the worker is dead: its sentinel says so to _ready()
+
+
+def _ready(busy: dict[_Worker, WorkUnit]) -> list[_Worker]:
+    """Block until some busy worker has a result or has died; return those workers."""
+    from multiprocessing.connection import wait as wait_any
+
+    handles = {worker.conn: worker for worker in busy} | {worker.process.sentinel: worker for worker in busy}
+    return list(dict.fromkeys(handles[handle] for handle in wait_any(list(handles))))
+
+
+def _receive(worker: _Worker) -> UnitResult | None:
+    """The worker's result, or None if it died without sending one."""
+    try:
+        return worker.conn.recv() if worker.conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
+def _worker_main(conn: Connection, coordinator: int) -> None:
+    """A pool worker's life: die with the coordinator, leave Ctrl-C to it, train each unit it is sent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole process group
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # SIGTERM, SIGHUP: end the worker, as by default
+    die_with_parent(coordinator)
+    # Before torch loads: idle OpenMP threads sleep instead of spinning, so workers that together hold
+    # more threads than cores do not steal each other's time.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        task, unit = message
+        conn.send(task(unit))
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when `parent` ends, even by kill -9: the kernel's parent-death signal on Linux,
+    and everywhere a thread that watches the parent (which also covers a parent gone before the
+    signal was armed)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    threading.Thread(target=_watch_parent, args=(parent,), name="watch-parent", daemon=True).start()
+
+
+def _watch_parent(parent: int, every_s: float = 0.2) -> None:
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)
 
 
 class DaskExecutor:
     """Submit units to a Dask cluster: `local[:N]` (an embedded LocalCluster) or a scheduler address."""
 
     def __init__(self, address: str) -> None:
+        workers = check_cluster_address(address)
         try:
             import dask
             from distributed import Client, LocalCluster
         except ImportError:
             raise ExecutorError("--cluster needs Dask: pip install 'normexp[dask]'") from None
-        self._cluster = None
+        self._cluster = self.client = None
         self._futures: list = []  # submitted by run(): cancelled by close()
         dask.config.set({"distributed.scheduler.allowed-failures": 1})  # a dying worker: retried once
-        if address == "local" or address.startswith("local:"):
-            workers = int(address.partition(":")[2] or os.cpu_count() or 1)
-            self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                         dashboard_address=None, env={"OMP_WAIT_POLICY": "PASSIVE"})
-            self.client = Client(self._cluster)
-        else:
-            try:
-                self.client = Client(address, timeout="10s")
-            except (OSError, TimeoutError) as exc:
-                raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({exc})") from None
+        try:
+            with _signals_held({signal.SIGINT}):  # the cluster's processes leave Ctrl-C to the coordinator
+                if workers is not None:
+                    self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                                 dashboard_address=None, env={"OMP_WAIT_POLICY": "PASSIVE"})
+                    self.client = Client(self._cluster)
+                else:
+                    self.client = Client(address, timeout="10s")
+        except (OSError, TimeoutError) as exc:
+            raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({exc})") from None
+        except BaseException:  # a signal held during start-up arrives here: stop what started
+            self.close()
+            raise
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
         from distributed import as_completed
@@ -240,11 +340,53 @@ class DaskExecutor:
                 yield crashed(unit, f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
+        """Cancel what is outstanding and stop the cluster, without Dask's warnings about work lost
+        on the way (the sweep has recorded what finished)."""
+        import logging
+
+        logging.getLogger("distributed").setLevel(logging.CRITICAL + 1)
         if self._futures:
             self.client.cancel(self._futures)
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+@contextlib.contextmanager
+def _signals_held(signals: frozenset[int] | set[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Hold `signals` (Ctrl-C, SIGTERM, SIGHUP) in this thread for the block; they arrive when it ends.
+    Threads and processes started in the block inherit the mask, so a terminal's Ctrl-C to the whole
+    group reaches the coordinator only."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+MAX_WORKERS = 1024
+CLUSTER_FORMS = "local, local:N (N workers, N >= 1) or tcp://HOST:PORT (a running scheduler)"
+
+
+def check_cluster_address(address: str) -> int | None:
+    """Check a --cluster value before anything starts: the number of local workers for `local[:N]`,
+    None for a scheduler address. Anything else is an ExecutorError naming the accepted forms."""
+    if address == "local":
+        return os.cpu_count() or 1
+    count = address.removeprefix("local:")
+    if count != address:
+        if re.fullmatch(r"[0-9]{1,4}", count) and 1 <= int(count) <= MAX_WORKERS:
+            return int(count)
+        raise ExecutorError(f"--cluster {address}: N must be a whole number from 1 to {MAX_WORKERS}; "
+                            f"expected {CLUSTER_FORMS}")
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if address.startswith("tcp://") and host and re.fullmatch(r"[0-9]{1,5}", port) and 0 < int(port) < 65536:
+        return None
+    raise ExecutorError(f"--cluster {address}: expected {CLUSTER_FORMS}")
 
 
 class ExecutorError(RuntimeError):

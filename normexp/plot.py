@@ -172,8 +172,10 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
         stds = np.array([s for _, s in stats])
         line = left.errorbar(depths, means, yerr=stds, marker="o", capsize=3,
                              label=f"{placement} (slope {summary.slopes[placement]:+.2f})")[0]
-        fit = np.polyfit(np.log(depths), np.log(means), 1)
-        left.plot(depths, np.exp(np.polyval(fit, np.log(depths))), color=line.get_color(), linestyle="--", alpha=0.6)
+        if len(depths) > 1:  # a slope needs two depths
+            fit = np.polyfit(np.log(depths), np.log(means), 1)
+            left.plot(depths, np.exp(np.polyval(fit, np.log(depths))), color=line.get_color(), linestyle="--",
+                      alpha=0.6)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("depth L (blocks)")

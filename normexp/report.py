@@ -77,7 +77,7 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int) -> str:
         return "—"
     if finite == 0:
         return "diverged" if runs == 1 else f"all {runs} diverged"
-    value = f"{mean:.4f}" if finite == 1 else f"{mean:.4f} ± {std:.4f}"
+    value = number(mean) if finite == 1 else f"{number(mean)} ± {number(std)}"
     return value if finite == runs else f"{value} ({finite} of {runs})"
 
 
@@ -87,6 +87,12 @@ PARTIAL_NOTE = "(k of n): the mean covers the k runs of the cell whose loss is s
 def _is_null(value: object) -> bool:
     """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def number(value: float) -> str:
+    """A loss as the article prints it (4 decimals); past 1e6 in scientific notation, so that a
+    diverging run's cell stays narrow enough to be shown whole."""
+    return f"{value:.4f}" if not abs(value) >= 1e6 or math.isinf(value) else f"{value:.4e}"
 
 
 @dataclass(frozen=True)
@@ -168,8 +174,12 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     keys = list(by or section.columns or [k for k in varying_keys(summary) if k != "seed"])
     _check_keys(keys, summary, "--by")
     metric = metric or section.metric
-    steps = list(steps or section.steps)
-    steps = [s for s in steps if s in set(tidy["step"])]
+    recorded = set(tidy["step"])
+    missing = [s for s in steps or () if s not in recorded]
+    if missing:
+        raise ResultsError(f"--steps {','.join(map(str, missing))}: not recorded by any run "
+                           f"(steps {min(recorded)} to {max(recorded)})")
+    steps = [s for s in steps or section.steps if s in recorded]
     n_classes = tuple(int(n) for n in dict.fromkeys(tidy["model.n_classes"]))
     columns = [_column(label, group, keys, steps, metric)
                for label, group in variant_groups(tidy, keys, everything="run")]
@@ -387,9 +397,10 @@ def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  #
     rows = [[str(depth), *(f"{summary.last_grad[p][i][0]:.4f} ± {summary.last_grad[p][i][1]:.4f}" for p in placements)]
             for i, depth in enumerate(summary.depths)]
     deepest = summary.depths[-1]
-    lines = ["fitted slope of log ||grad W2_L|| against log L: " + ", ".join(
-        f"{_gradnorm_label(p)} {summary.slopes[p]:+.2f}" for p in placements)
-        + " (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
+    slopes = ", ".join(f"{_gradnorm_label(p)} {summary.slopes[p]:+.2f}" for p in placements)
+    if len(summary.depths) < 2:
+        slopes = "needs two depths or more (e.g. --set model.depth=8,16,32)"
+    lines = [f"fitted slope of log ||grad W2_L|| against log L: {slopes} (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
     for p in placements:
         stream, norm_in = summary.stream_sq[p], summary.norm_in_sq[p]
         lines.append(f"{_gradnorm_label(p)}, L={deepest}: ||x_l||^2/d entering blocks 1, L/2, L = "

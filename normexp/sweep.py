@@ -3,7 +3,8 @@
 The sweep process is the coordinator and the only writer of its output folder. It
 
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
-2. takes the folder's lock (a second sweep into the same folder fails at once),
+2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
+   that holds a sweep of another name unless `force`,
 3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`);
    a finished run recorded with another torch thread count than this sweep's is redone, with a
    `redone` event saying why, so that one sweep never mixes thread counts,
@@ -14,7 +15,8 @@ The sweep process is the coordinator and the only writer of its output folder. I
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
 sweep retries it) and the sweep goes on, unless `fail_fast`. On KeyboardInterrupt the finished runs
-stay finished, the summary is written, and `SweepInterrupted` carries the outcome to the caller.
+stay finished, the summary is written, and `SweepInterrupted` carries the outcome to the caller (the
+command line turns SIGTERM and SIGHUP into the same KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from normexp.store import (
     other_threads,
     read_json,
     run_id,
+    sweep_name,
     write_failed,
     write_run,
     write_summary,
@@ -121,24 +124,26 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
                 emit: EventCallback, threads: int) -> None:
     """Steps 3-5 of the module docstring, under the folder's lock."""
-    _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
-    pending = []
-    for cfg in sweep.runs:
-        rid = run_id(cfg)
-        if not options.force and _finished(out_dir / rid, cfg, options.engine):
-            why = other_threads(out_dir / rid, cfg.train.threads or threads)
-            if why is None:
-                outcome.statuses[rid] = "skipped"
-                emit(SweepEvent("skipped", rid, len(outcome.statuses), outcome.total))
-                continue
-            emit(SweepEvent("redone", rid, len(outcome.statuses), outcome.total, error=why))
-        pending.append(cfg)
+    if not options.force:
+        _refuse_another_sweep(out_dir, sweep)
     try:
+        _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
+        pending = []
+        for cfg in sweep.runs:
+            rid = run_id(cfg)
+            if not options.force and _finished(out_dir / rid, cfg, options.engine):
+                why = other_threads(out_dir / rid, cfg.train.threads or threads)
+                if why is None:
+                    outcome.statuses[rid] = "skipped"
+                    emit(SweepEvent("skipped", rid, len(outcome.statuses), outcome.total))
+                    continue
+                emit(SweepEvent("redone", rid, len(outcome.statuses), outcome.total, error=why))
+            pending.append(cfg)
         _execute(pending, out_dir, options, executor, outcome, emit, threads)
     except KeyboardInterrupt:
         outcome.interrupted = True
-        for cfg in pending:
-            outcome.statuses.setdefault(run_id(cfg), "interrupted")
+        for cfg in sweep.runs:  # a run whose done.json was written as the signal came is finished
+            outcome.statuses.setdefault(run_id(cfg), _finished_status(out_dir / run_id(cfg), cfg) or "interrupted")
         _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
         raise SweepInterrupted(outcome) from None
     _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
@@ -150,6 +155,21 @@ def _finished(run_dir: Path, cfg: RunConfig, engine: str) -> bool:
     if not is_done(run_dir, cfg):
         return False
     return engine == "fast" or (read_json(run_dir / DONE_FILE) or {}).get("engine") != "fast"
+
+
+def _finished_status(run_dir: Path, cfg: RunConfig) -> str | None:
+    """The status in a finished run's done.json (completed, diverged), or None if it is not finished."""
+    return (read_json(run_dir / DONE_FILE) or {}).get("status", "completed") if is_done(run_dir, cfg) else None
+
+
+def _refuse_another_sweep(out_dir: Path, sweep: Sweep) -> None:
+    """A folder that holds a sweep of another name holds another config's runs: writing this sweep's
+    sweep.yaml and summary.csv over its own would silently take them out of view. (The same sweep
+    with changed values may rerun here: its changed runs are new runs, its summary says so.)"""
+    other = sweep_name(out_dir)
+    if other is not None and other != sweep.name:
+        raise StoreError(f"{out_dir}: holds sweep '{other}', not '{sweep.name}'; choose another --out, "
+                         "or add --force to replace its sweep.yaml and summary.csv")
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
