@@ -67,7 +67,7 @@ def lr_table(run_dir: str | Path) -> tuple[pd.DataFrame, list[str]]:
         shown = ", ".join(f"{v:g}" for v in lrs) or "none"
         raise ResultsError(f"--lr-sensitivity: needs an {LR_KEY} axis of at least {MIN_LRS} values; "
                            f"this sweep has {len(lrs)} ({shown})")
-    tidy = load_metrics(run_dir, all_config=True).sort_values(["run_id", "step"], kind="stable")
+    tidy = load_metrics(run_dir, all_config=True)  # in the sweep's order, each run's steps in order
     runs = tidy.groupby("run_id", sort=False)
     table = runs.head(1).set_index("run_id").drop(columns=["step", "loss", "acc", "lr", "grad_norm"])
     table["initial"] = runs["loss"].first()

@@ -102,3 +102,17 @@ def test_a_non_finite_or_worse_final_counts_as_the_loss_at_init():
     final = pd.Series([0.5, math.nan, math.inf, 4.0, -math.inf])
     initial = pd.Series([2.0, 2.0, 2.0, 2.0, 2.0])
     assert clipped_final(final, initial).tolist() == [0.5, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_sweep_report_and_plot_end_to_end(write_yaml, tmp_path):
+    config = write_yaml("name: lrs\nbase: {model: {depth: 2, width: 8}, train: {steps: 3}}\n"
+                        "grid: {norm.placement: [rezero, admin], optim.lr: [0.001, 0.01, 0.1]}\nseeds: [0, 1]\n")
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(out), "--quiet"]).exit_code == 0
+    result = runner.invoke(app, ["report", str(out), "--lr-sensitivity", "--format", "csv"])
+    rows = list(csv.DictReader(result.output.splitlines()))
+    assert [r["variant"] for r in rows] == ["ReZero", "Admin"]
+    assert all(r["runs"] == "6" and r["seeds"] == "2" and float(r["lr_sensitivity"]) >= 0 for r in rows)
+    plotted = runner.invoke(app, ["plot", str(out)])
+    assert plotted.exit_code == 0 and (out / "loss-lr.png").stat().st_size > 0
