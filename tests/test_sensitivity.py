@@ -20,12 +20,13 @@ from normexp.store import METRICS_FILE, SUMMARY_FILE
 LRS = [0.001, 0.01, 0.1]
 
 
-def write_sweep(folder: Path, runs: list[tuple[str, float, int, float, float, str]]) -> Path:
-    """A sweep folder by hand: (placement, lr, seed, loss at init, final loss, status) per run; a
-    'pending' run has a summary row and no metrics."""
+def write_sweep(folder: Path, runs: list[tuple]) -> Path:
+    """A sweep folder by hand: (placement, lr, seed, loss at init, final loss, status[, warmup]) per run;
+    a 'pending' run has a summary row and no metrics."""
     rows = []
-    for i, (placement, lr, seed, initial, final, status) in enumerate(runs):
-        cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed})
+    for i, (placement, lr, seed, initial, final, status, *warmup) in enumerate(runs):
+        cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
+                                        "schedule": {"kind": "linear_warmup", "warmup_steps": (warmup or [0])[0]}})
         run_id = f"run{i}"
         finished = status in ("completed", "diverged")
         rows.append({"run_id": run_id, **{k: v for k, v in flatten(cfg).items() if k != "optim.betas"},
@@ -116,3 +117,17 @@ def test_sweep_report_and_plot_end_to_end(write_yaml, tmp_path):
     assert all(r["runs"] == "6" and r["seeds"] == "2" and float(r["lr_sensitivity"]) >= 0 for r in rows)
     plotted = runner.invoke(app, ["plot", str(out)])
     assert plotted.exit_code == 0 and (out / "loss-lr.png").stat().st_size > 0
+
+
+def test_the_study_verdict_ranks_and_compares_warmups(tmp_path):
+    from normexp.studies import lr_sensitivity_verdict
+
+    finals = {("post", 0): [2.0, 1.0, 2.2], ("post", 12): [0.6, 0.5, 0.7],  # 0.733 -> 0.1
+              ("pre", 0): [0.6, 0.5, 0.9], ("pre", 12): [0.6, 0.5, 0.9]}   # 0.167 both
+    runs = [(p, lr, seed, 2.3, final + 0.01 * seed, "completed", w)
+            for (p, w), values in finals.items() for seed in (0, 1) for lr, final in zip(LRS, values)]
+    text = lr_sensitivity_verdict(write_sweep(tmp_path / "s", runs))
+    assert "without warmup (least sensitive first): Pre 0.167, Post 0.733" in text
+    assert "with 12 warmup steps (least sensitive first): Post 0.100, Pre 0.167" in text
+    assert "lowers the sensitivity of Post 0.733 -> 0.100" in text and "spread of the two for Pre" in text
+    assert "(24 runs, 2+ seeds per variant" in text
