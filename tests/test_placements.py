@@ -194,3 +194,14 @@ def test_bad_placement_keys_exit_2_naming_the_key(write_yaml, tmp_path, line, ex
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and expected in result.output, (args, result.output)
         assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("placement", NEW_PLACEMENTS)
+def test_gradnorm_at_init_reads_every_new_placement(placement):
+    """ResiDual's blocks take the pair of streams: the gradnorm diagnostic follows x_a."""
+    from normexp.diagnostics import gradnorm_at_init
+
+    cfg = RunConfig.model_validate({"norm": {"placement": placement}, "model": {"depth": 3, "width": 8}})
+    rows = gradnorm_at_init(cfg)
+    assert [r["block"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["stream_sq"]) and r["fc2_grad"] >= 0 for r in rows)
