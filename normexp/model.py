@@ -12,7 +12,8 @@ Where the norm sits is `Block.forward`, one line per placement:
     deepnorm  x = Norm(alpha * x + F(x))              DeepNet (Wang et al. 2022), fc weights * beta
     mixln     post for the first round(f * N) blocks, pre after (Li et al. 2024)
     none      x = x + F(x)
-    rezero    x = x + a * F(x), a a scalar, 0 at init, no norm ReZero (Bachlechner et al. 2020)
+    rezero    x = x + a * F(x)                        ReZero (Bachlechner et al. 2020): a scalar a, 0 at
+                                                     init, and no norm in the block
     respost   x = x + Norm(F(x))                      res-post-norm: Swin V2 (Liu et al. 2022), OLMo 2
     resdual   x_a = Norm(x_a + F(x_a)), x_d = x_d + F(x_a); output x_a + Norm_d(x_d)
                                                      ResiDual (Xie et al. 2023); x_d starts at 0
@@ -76,6 +77,9 @@ class FFN(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+Streams = tuple[torch.Tensor, torch.Tensor]  # ResiDual's (x_a, x_d)
+
+
 class Scale(nn.Module):
     """A learnable element-wise scale, weight * x: ReZero's scalar (shape ()) or Admin's per-channel
     vector (shape (d,)). Filled with a constant, so it draws no random numbers."""
@@ -111,7 +115,7 @@ class Block(nn.Module):
         if placement == "admin":
             self.omega = Scale((d,), 1.0)  # set by Net.profile_at_init
 
-    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x: torch.Tensor | Streams) -> torch.Tensor | Streams:
         """x -> x; for `resdual`, the pair of streams (x_a, x_d) -> (x_a, x_d)."""
         if self.placement == "rezero":  # Bachlechner et al. 2020, "ReZero is All You Need"
             return x + self.gate(self.ffn(x))
