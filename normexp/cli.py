@@ -196,6 +196,8 @@ def report(
     if metric is not None:
         _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
     _check_choice("--format", fmt, ("table", "markdown", "csv"))
+    if pivot is not None and lr_sensitivity:
+        raise fail("--pivot and --lr-sensitivity: choose one")
     if pivot is not None:
         _print_pivot(run_dir, pivot, fmt)
         return

@@ -80,6 +80,8 @@ def test_lr_sensitivity_without_an_lr_axis_of_three_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["report", str(two), "--lr-sensitivity"])
     assert result.exit_code == 2 and "optim.lr axis of at least 3 values" in result.output
     assert "has 2 (0.001, 0.01)" in result.output and "Traceback" not in result.output
+    both = CliRunner().invoke(app, ["report", str(two), "--lr-sensitivity", "--pivot", "optim.lr,seed"])
+    assert both.exit_code == 2 and "--pivot and --lr-sensitivity" in both.output
 
 
 @settings(max_examples=50, deadline=None)
