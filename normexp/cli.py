@@ -267,17 +267,25 @@ def report(
     metric: Annotated[str | None, typer.Option(help="loss | acc | grad_norm | lr [default: the sweep's].")] = None,
     by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
     pivot: Annotated[str | None, typer.Option(help="ROW_KEY,COL_KEY: a final-loss pivot instead.")] = None,
+    lr_sensitivity: Annotated[bool, typer.Option(
+        "--lr-sensitivity", help="Per variant: LR sensitivity over an optim.lr axis of >= 3 values instead.")] = False,
     fmt: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
 ) -> None:
-    """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot."""
+    """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot,
+    or each variant's learning-rate sensitivity."""
     from normexp.report import build_report, to_csv, to_markdown, to_rich
     from normexp.results import ResultsError
 
     if metric is not None:
         _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
     _check_choice("--format", fmt, ("table", "markdown", "csv"))
+    if pivot is not None and lr_sensitivity:
+        raise fail("--pivot and --lr-sensitivity: choose one")
     if pivot is not None:
         _print_pivot(run_dir, pivot, fmt)
+        return
+    if lr_sensitivity:
+        _print_sensitivity(run_dir, fmt)
         return
     try:
         step_list = [int(s) for s in steps.split(",")] if steps else None
@@ -305,6 +313,19 @@ def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: pivot_to_rich(table), lambda: pivot_to_markdown(table), lambda: pivot_to_csv(table))
+
+
+def _print_sensitivity(run_dir: Path, fmt: str) -> None:
+    from normexp.report import sensitivity_to_csv, sensitivity_to_markdown, sensitivity_to_rich
+    from normexp.results import ResultsError
+    from normexp.sensitivity import build_sensitivity
+
+    try:
+        rows = build_sensitivity(run_dir)
+    except ResultsError as exc:
+        raise fail(str(exc)) from None
+    _emit(fmt, lambda: sensitivity_to_rich(rows), lambda: sensitivity_to_markdown(rows),
+          lambda: sensitivity_to_csv(rows))
 
 
 @app.command()

@@ -27,6 +27,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from normexp.report import trained_threshold, variant_groups  # noqa: E402
 from normexp.results import finished_runs, load_metrics, load_summary, varying_keys  # noqa: E402
+from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
@@ -152,6 +153,12 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     fig.savefig(output, dpi=120)
     plt.close(fig)
     paths.append(output)
+    if summary["optim.lr"].nunique() >= MIN_LRS:
+        fig = lr_figure(*lr_table(run_dir))
+        by_lr = output.with_name(f"{output.stem}-lr{output.suffix}")
+        fig.savefig(by_lr, dpi=120)
+        plt.close(fig)
+        paths.append(by_lr)
     axes = numeric_axes(summary)
     if len(axes) >= 2:
         fig = phase_figure(summary, axes[0], axes[1])
@@ -223,4 +230,34 @@ def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
     ax.set_title(f"final loss vs {x_key} (line: mean over seeds, band: min–max)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
+    return fig
+
+
+def lr_figure(table: pd.DataFrame, keys: list[str]) -> Figure:
+    """Final loss against the learning rate (log x) from `sensitivity.lr_table`: one line per variant
+    (mean over seeds) with its min–max band, one panel per warmup when the warmup varies."""
+    facet = ["schedule.warmup_steps"] if "schedule.warmup_steps" in keys else []
+    panels = variant_groups(table, facet) if facet else [("", table)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False, sharey=True,
+                             layout="constrained")
+    lines = [k for k in keys if k not in facet]
+    for ax, (panel, group) in zip(axes.flat, panels):
+        variants = variant_groups(group, lines)
+        colours = plt.get_cmap("tab10" if len(variants) <= 10 else "viridis")
+        for i, (label, runs) in enumerate(variants):
+            colour = colours(i if len(variants) <= 10 else i / max(1, len(variants) - 1))
+            stats = runs.groupby(LR_KEY)["clipped"].agg(["mean", "min", "max", "count"])
+            diverged = int((runs["status"] == "diverged").sum())
+            ax.plot(stats.index, stats["mean"], marker="o", color=colour,
+                    label=f"{label} (n={int(stats['count'].max())}" + (f", {diverged} div)" if diverged else ")"))
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=colour, alpha=0.15, linewidth=0)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(LR_KEY)
+        ax.set_title(panel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="x-small" if len(variants) > 8 else "small")
+    axes.flat[0].set_ylabel("final loss, min(final, loss at init)")
+    fig.suptitle("final loss vs learning rate (line: mean over seeds, band: min–max; a diverged run counts "
+                 "as its loss at init)")
     return fig

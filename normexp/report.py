@@ -31,9 +31,10 @@ from normexp.results import ResultsError, config_columns, finished_runs, load_me
 from normexp.store import SWEEP_FILE
 
 PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
-                    "deepnorm": "DeepNorm", "mixln": "MixLN", "none": "NoNorm"}
+                    "deepnorm": "DeepNorm", "mixln": "MixLN", "none": "NoNorm", "rezero": "ReZero",
+                    "respost": "ResPost", "resdual": "ResiDual", "admin": "Admin"}
 KIND_LABELS = {"layernorm": "LN", "rmsnorm": "RMS", "rmsnorm_torch": "RMSt", "rmsnorm_llama": "RMSl",
-               "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale"}
+               "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale", "dyt": "DyT", "derf": "Derf"}
 TRAINED_FRACTION = 0.1  # trained: final loss under a tenth of chance, ln(n_classes) / 10
 WIDE = 6  # more variants than this: the table is transposed (variants down, steps across)
 
@@ -484,3 +485,48 @@ def speed_to_rich(timings):
 
 def speed_to_markdown(timings) -> str:
     return "\n".join(_markdown_table(SPEED_HEADER, _speed_rows(timings), "llrrrr")) + "\n"
+
+
+# ----------------------------------------------------------------------------- learning-rate sensitivity
+
+SENSITIVITY_HEADER = ["variant", "LR sensitivity", "best lr", "l* (best seed-mean)", "lrs", "seeds", "runs",
+                      "diverged", "missing"]
+SENSITIVITY_NOTE = ("LR sensitivity = mean over the lr grid of [min(final loss, loss at init) - l*], l* the "
+                    "variant's best seed-mean final loss; ± the std over seeds (Wortsman et al. 2023). "
+                    "Lower: less sensitive.")
+
+
+def _sensitivity_value(row) -> str:  # row: normexp.sensitivity.Sensitivity
+    if math.isnan(row.sensitivity):
+        return "— (an lr has no finished run)"
+    return f"{row.sensitivity:.4f}" + ("" if math.isnan(row.spread) else f" ± {row.spread:.4f}")
+
+
+def _sensitivity_rows(rows: list) -> list[list[str]]:
+    return [[r.label, _sensitivity_value(r), f"{r.best_lr:g}", f"{r.best_loss:.4f}", f"{r.lrs}/{r.grid_lrs}",
+             str(r.seeds), str(r.runs), str(r.diverged), str(r.missing)] for r in rows]
+
+
+def sensitivity_to_markdown(rows: list) -> str:
+    table = _markdown_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr")
+    return "\n".join([*table, "", SENSITIVITY_NOTE]) + "\n"
+
+
+def sensitivity_to_rich(rows: list):  # -> rich.console.Group
+    from rich.console import Group
+    from rich.text import Text
+
+    table = _rich_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr", title="learning-rate sensitivity")
+    table.columns[0].no_wrap = True
+    return Group(table, Text(SENSITIVITY_NOTE))
+
+
+def sensitivity_to_csv(rows: list) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["variant", "lr_sensitivity", "seed_std", "best_lr", "best_loss", "lrs", "grid_lrs", "seeds",
+                     "runs", "diverged", "missing"])
+    for r in rows:
+        writer.writerow([r.label, repr(r.sensitivity), repr(r.spread), repr(r.best_lr), repr(r.best_loss), r.lrs,
+                         r.grid_lrs, r.seeds, r.runs, r.diverged, r.missing])
+    return buffer.getvalue()

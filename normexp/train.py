@@ -87,11 +87,12 @@ def grad_norm(params: list[torch.nn.Parameter]) -> float:
 
 def seeded_init(cfg: RunConfig) -> tuple[Net, Task]:
     """The run's model and task, drawn in the article's order from `cfg.seed` (on the CPU, so every
-    device and engine starts from the same weights)."""
+    device and engine starts from the same weights); then Admin's profiling on the task's inputs."""
     with INIT_LOCK:
         torch.manual_seed(cfg.seed)
         model = Net(cfg.model, cfg.norm)
         task = make_task(cfg.data, cfg.model)
+    model.profile_at_init(task.x)  # Admin only, after both draws; draws nothing itself
     return model, task
 
 
