@@ -419,6 +419,14 @@ def validate(
     out.print(f"{config}: ok · sweep '{spec.name}' · {_plural(len(spec.runs), 'run')}")
 
 
+@app.command()
+def doctor() -> None:
+    """Print this installation's versions, torch build, threads and devices, for a bug report."""
+    from normexp.environment import describe
+
+    sys.stdout.write(describe().as_text())
+
+
 def main() -> None:
     """Entry point of the `normexp` script and `python -m normexp`."""
     app()
