@@ -4,7 +4,10 @@ The sweep process is the coordinator and the only writer of its output folder. I
 
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
 2. takes the folder's lock (a second sweep into the same folder fails at once),
-3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
+3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml`, then finds the runs
+   that are not verified finished (`store.inspect_run`; all of them with `force`). A corrupt run is
+   redone (a "corrupt" event says why); a run of release 0.1, without checksums, is re-read and, if
+   it holds, stamped with them and kept,
 4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
 5. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
@@ -30,8 +33,10 @@ from normexp.store import (
     StoreError,
     SweepLock,
     atomic_write,
-    is_done,
+    inspect_run,
+    recover_strays,
     run_id,
+    stamp_run,
     write_failed,
     write_run,
     write_summary,
@@ -56,15 +61,16 @@ class SweepOptions:
 
 @dataclass(frozen=True)
 class SweepEvent:
-    """One thing that happened to one run: skipped (already done), finished, or failed."""
+    """One thing that happened to one run: skipped (already done), corrupt (found so, to be redone),
+    finished, or failed."""
 
-    kind: Literal["skipped", "finished", "failed"]
+    kind: Literal["skipped", "corrupt", "finished", "failed"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
     status: str = ""
     final_loss: float | None = None
-    error: str = ""  # for "failed": the error
+    error: str = ""  # for "failed": the error; for "corrupt": what does not hold
 
 
 @dataclass
@@ -73,6 +79,8 @@ class SweepOutcome:
     total: int
     statuses: dict[str, str] = field(default_factory=dict)  # run_id -> completed|diverged|failed|skipped|...
     interrupted: bool = False
+    corrupt: list[str] = field(default_factory=list)  # runs found corrupt and redone (or to be redone)
+    restamped: int = 0  # runs of release 0.1 re-read, verified and given checksums
 
     def count(self, *statuses: str) -> int:
         return sum(1 for s in self.statuses.values() if s in statuses)
@@ -113,14 +121,9 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
                 emit: EventCallback) -> None:
     """Steps 3-5 of the module docstring, under the folder's lock."""
+    _write_or_explain(recover_strays, out_dir)
     _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
-    pending = []
-    for cfg in sweep.runs:
-        if not options.force and is_done(out_dir / run_id(cfg), cfg):
-            outcome.statuses[run_id(cfg)] = "skipped"
-            emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
-        else:
-            pending.append(cfg)
+    pending = [cfg for cfg in sweep.runs if options.force or not _finished(cfg, out_dir, outcome, emit)]
     try:
         _execute(pending, out_dir, options, executor, outcome, emit)
     except KeyboardInterrupt:
@@ -130,6 +133,25 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
         raise SweepInterrupted(outcome) from None
     _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+
+
+def _finished(cfg: RunConfig, out_dir: Path, outcome: SweepOutcome, emit: EventCallback) -> bool:
+    """Whether `cfg`'s run folder holds a verified result (reported as skipped); a corrupt one is
+    reported and left to be redone, an unstamped one (release 0.1) is stamped and kept."""
+    rid = run_id(cfg)
+    state = inspect_run(out_dir / rid, cfg)
+    if state.kind == "corrupt":
+        outcome.corrupt.append(rid)
+        emit(SweepEvent("corrupt", rid, len(outcome.statuses), outcome.total, "corrupt", error=state.problem))
+        return False
+    if not state.finished:
+        return False
+    if state.kind == "unstamped":
+        _write_or_explain(stamp_run, out_dir / rid, state)
+        outcome.restamped += 1
+    outcome.statuses[rid] = "skipped"
+    emit(SweepEvent("skipped", rid, len(outcome.statuses), outcome.total))
+    return True
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
@@ -150,8 +172,9 @@ def _record(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: 
     """Write one run's result (or its error) into its folder and report it."""
     rid = run_id(cfg)
     if isinstance(run, str):
-        _write_or_explain(write_failed, out_dir / rid, cfg, error_status, run)
+        kept = not _write_or_explain(write_failed, out_dir / rid, cfg, error_status, run)
         outcome.statuses[rid] = error_status
+        run = f"{run} (the earlier finished result is kept)" if kept else run
         emit(SweepEvent("failed", rid, len(outcome.statuses), outcome.total, error_status, error=run))
         return
     done = _write_or_explain(write_run, out_dir / rid, cfg, run)
