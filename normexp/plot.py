@@ -25,7 +25,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from normexp.report import trained_threshold, variant_groups  # noqa: E402
-from normexp.results import finished_runs, load_metrics, load_summary, varying_keys  # noqa: E402
+from normexp.results import finished_runs, load_metrics, load_summary, missing_note, varying_keys  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
@@ -95,6 +95,7 @@ def phase_figure(summary: pd.DataFrame, x_key: str, y_key: str) -> Figure:
     image = None
     for ax, (label, group) in zip(axes.flat, panels):
         grid = group.groupby([y_key, x_key])["final_loss"].mean().unstack(x_key)
+        runs = group.groupby([y_key, x_key]).size().unstack(x_key).reindex_like(grid).fillna(0).to_numpy()
         image = ax.imshow(grid.to_numpy(dtype=float), norm=LogNorm(vmin=vmin, vmax=vmax), cmap="viridis_r",
                           aspect="auto", origin="lower")
         ax.set_xticks(range(len(grid.columns)), [f"{v:g}" for v in grid.columns], rotation=45)
@@ -103,37 +104,46 @@ def phase_figure(summary: pd.DataFrame, x_key: str, y_key: str) -> Figure:
         ax.set_ylabel(y_key)
         ax.set_title(label)
         for (i, j), value in np.ndenumerate(grid.to_numpy(dtype=float)):
-            text = "div" if math.isnan(value) else f"{value:.2g}"
+            text = "none" if runs[i, j] == 0 else "div" if math.isnan(value) else f"{value:.2g}"
             ax.text(j, i, text, ha="center", va="center", fontsize="x-small",
                     color="white" if not math.isnan(value) and value > math.sqrt(vmin * vmax) else "black")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     if image is not None:
         fig.colorbar(image, ax=axes, label="final loss (mean over seeds, log scale)")
-    fig.suptitle(f"phase diagram: final loss over {y_key} x {x_key} (div: diverged)")
+    fig.suptitle(f"phase diagram: final loss over {y_key} x {x_key} (div: diverged; none: no finished run)")
     return fig
 
 
 def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: str = "loss") -> list[Path]:
-    """Write the curves figure (and the phase diagram when two numeric axes vary); return the paths."""
+    """Write the curves figure (and the phase diagram when two numeric axes vary); return the paths.
+    Runs missing, failed or corrupt are drawn nowhere, and named at the foot of each figure."""
     run_dir = Path(run_dir)
     output = Path(output) if output else run_dir / f"{metric}.png"
     summary = load_summary(run_dir)
     tidy = load_metrics(run_dir, all_config=True)
     keys = [k for k in varying_keys(summary) if k != "seed"]
+    note = missing_note(summary, run_dir)
     paths = []
     fig = curves_figure(tidy, keys, metric)
+    _footnote(fig, note)
     fig.savefig(output, dpi=120)
     plt.close(fig)
     paths.append(output)
     axes = numeric_axes(summary)
     if len(axes) >= 2:
         fig = phase_figure(summary, axes[0], axes[1])
+        _footnote(fig, note)
         phase = output.with_name(f"{output.stem}-phase{output.suffix}")
         fig.savefig(phase, dpi=120)
         plt.close(fig)
         paths.append(phase)
     return paths
+
+
+def _footnote(fig: Figure, note: str) -> None:
+    if note:
+        fig.text(0.005, 0.005, note, fontsize="x-small", color="darkred", ha="left", va="bottom", wrap=True)
 
 
 def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.GradnormSummary

@@ -7,6 +7,7 @@
 
 Columns are the runs grouped by the column keys (default: every varying config key but the seed);
 runs that differ only in seed are one column. Labels follow the article: `Post-LN`, `Pre-RMS`...
+Only verified runs count; a line under the table names the runs missing, failed or corrupt.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ import pandas as pd
 import yaml
 
 from normexp.config import ReportConfig
-from normexp.results import ResultsError, config_columns, finished_runs, load_metrics, load_summary, varying_keys
+from normexp.results import (
+    ResultsError,
+    config_columns,
+    finished_runs,
+    load_metrics,
+    load_summary,
+    missing_note,
+    varying_keys,
+)
 from normexp.store import SWEEP_FILE
 
 PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
@@ -83,6 +92,7 @@ class Report:
     columns: list[Column]
     threshold: float  # the trained/did-not-train threshold on the final loss
     n_classes: int
+    missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
     def cell(self, column: Column, step: int) -> str:
         if step not in column.cells:
@@ -138,7 +148,8 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     n_classes = int(tidy["model.n_classes"].iloc[0])
     columns = [_column(label, group, keys, steps, metric, n_classes)
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric), metric, steps, columns, trained_threshold(n_classes), n_classes)
+    return Report(_title(summary, metric), metric, steps, columns, trained_threshold(n_classes), n_classes,
+                  missing_note(summary, run_dir))
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
@@ -219,6 +230,8 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
     parts = [Text(report.title, style="bold"), table]
     if report.metric == "loss":
         parts.append(Text(report.verdict_line()))
+    if report.missing:
+        parts.append(Text(report.missing, style="bold"))
     return Group(*parts)
 
 
@@ -227,6 +240,8 @@ def to_markdown(report: Report) -> str:
     lines = [f"**{report.title}**", "", *_markdown_table(header, rows, _grid_align(report, len(header)))]
     if report.metric == "loss":
         lines += ["", report.verdict_line()]
+    if report.missing:
+        lines += ["", f"**{report.missing}**"]
     return "\n".join(lines) + "\n"
 
 
@@ -254,6 +269,7 @@ class Pivot:
     rows: str
     cols: str
     panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # (title, mean, std, n)
+    missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
     def cell(self, mean: float, std: float, n: int) -> str:
         if pd.isna(n) or n == 0:
@@ -266,14 +282,15 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
     _check_keys([rows, cols], summary, "--pivot")
     finished = finished_runs(summary)
     if finished.empty:
-        raise ResultsError(f"{run_dir}: no finished runs yet")
+        note = missing_note(summary, run_dir)
+        raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
     panels = []
     for title, group in variant_groups(finished, others):
         stats = group.groupby([rows, cols])["final_loss"].agg(["mean", "std", "count"])
         mean, std, n = (stats[c].unstack(cols) for c in ("mean", "std", "count"))
         panels.append((title, mean, std.fillna(0.0), n))
-    return Pivot(rows, cols, panels)
+    return Pivot(rows, cols, panels, missing_note(summary, run_dir))
 
 
 def _short(key: str) -> str:
@@ -297,6 +314,8 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     parts = [_rich_table(*_pivot_cells(pivot, corner, mean, std, n), title=f"final loss · {title}")
              for title, mean, std, n in pivot.panels]
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
+    if pivot.missing:
+        parts.append(Text(pivot.missing, style="bold"))
     return Group(*parts)
 
 
@@ -305,6 +324,8 @@ def pivot_to_markdown(pivot: Pivot) -> str:
     for title, mean, std, n in pivot.panels:
         lines += [f"**final loss · {title}**", "",
                   *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", mean, std, n)), ""]
+    if pivot.missing:
+        lines += [f"**{pivot.missing}**", ""]
     return "\n".join(lines)
 
 
@@ -411,3 +432,28 @@ def speed_to_rich(timings):
 
 def speed_to_markdown(timings) -> str:
     return "\n".join(_markdown_table(SPEED_HEADER, _speed_rows(timings), "llrrrr")) + "\n"
+
+
+# ----------------------------------------------------------------------------- normexp verify
+
+
+VERIFY_HEADER = ["path", "problem", "fix"]
+
+
+def verification_to_rich(result):  # result: normexp.verify.Verification -> rich.console.Group
+    """The findings of `normexp verify` as a table, then one line: clean, or what is left to do."""
+    from rich.console import Group
+    from rich.text import Text
+
+    rows = [[f.path, f.problem if f.severity == "problem" else f"note: {f.problem}", f.remedy]
+            for f in result.findings]
+    title = f"{result.out_dir}: {result.verified} of {result.runs} runs verified"
+    parts = [_rich_table(VERIFY_HEADER, rows, "lll", title=title)] if rows else [Text(title)]
+    if result.clean:
+        parts.append(Text("clean" + (" after the fixes above" if result.fixed and rows else ""), style="bold"))
+    else:
+        left = f"{result.remaining} problem{'s' if result.remaining != 1 else ''}"
+        hint = (f"rerun the sweep (normexp sweep {result.out_dir / 'sweep.yaml'} --out {result.out_dir})"
+                if result.fixed else f"normexp verify {result.out_dir} --fix")
+        parts.append(Text(f"{left} {'left' if result.fixed else 'found'}: {hint}", style="bold"))
+    return Group(*parts)

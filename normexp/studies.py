@@ -12,7 +12,8 @@ is computed from the numbers it just measured (nothing in a verdict is written i
 5. Xiong et al.'s gradients and hidden-state norms at init (configs/studies/gradnorm.yaml);
 6. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
 
-Sweeps resume: a second `make studies` only rewrites the report.
+Sweeps resume: a second `make studies` only rewrites the report. Verdicts count verified runs only;
+a study with runs missing, failed or corrupt says which under its verdict.
 """
 
 from __future__ import annotations
@@ -36,11 +37,16 @@ from normexp.report import (
     to_markdown,
     variant_label,
 )
-from normexp.results import load_summary
+from normexp.results import finished_runs, load_summary, missing_note
 from normexp.sweep import SweepOptions, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+
+
+def _finished_summary(run_dir: Path) -> pd.DataFrame:
+    """The summary rows of the study's verified runs: a missing or corrupt run enters no verdict."""
+    return finished_runs(load_summary(run_dir)).copy()
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
@@ -86,7 +92,7 @@ def _spread(values: list[float]) -> float:
 
 
 def lr_warmup_verdict(run_dir: Path) -> str:
-    summary = load_summary(run_dir)
+    summary = _finished_summary(run_dir)
     summary["trained"] = _trained(summary)
     cells = summary.groupby(["norm.placement", "optim.lr", "schedule.warmup_steps"])["trained"].mean()
     parts = []
@@ -116,7 +122,7 @@ def lr_warmup_verdict(run_dir: Path) -> str:
 
 
 def depth_verdict(run_dir: Path) -> str:
-    summary = load_summary(run_dir)
+    summary = _finished_summary(run_dir)
     summary["trained"] = _trained(summary)
     by = summary.groupby(["norm.placement", "model.depth"]).agg(trained=("trained", "mean"),
                                                                  loss=("final_loss", "mean"))
@@ -138,7 +144,7 @@ def depth_verdict(run_dir: Path) -> str:
 
 
 def placements_verdict(run_dir: Path) -> str:
-    summary = load_summary(run_dir)
+    summary = _finished_summary(run_dir)
     summary["trained"] = _trained(summary)
     frac = summary.groupby(["norm.placement", "norm.kind"], sort=False)["trained"].mean().unstack("norm.kind")
     loss = summary.groupby(["norm.placement", "norm.kind"], sort=False)["final_loss"].mean().unstack("norm.kind")
@@ -239,7 +245,9 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
             from normexp.report import build_pivot, pivot_to_markdown
 
             table += "\n" + pivot_to_markdown(build_pivot(run_dir, "optim.lr", "schedule.warmup_steps"))
-        sections.append(_section(question, name, table, figures, verdict(run_dir), seconds))
+        note = missing_note(load_summary(run_dir), run_dir)
+        sections.append(_section(question, name, table, figures, verdict(run_dir) + (f" {note}." if note else ""),
+                                 seconds))
 
     log("study gradnorm ...")
     start = time.perf_counter()
