@@ -29,6 +29,7 @@ from normexp.store import (
     FAILED_FILE,
     SUMMARY_FILE,
     VOUCHED_FILES,
+    RunState,
     StoreError,
     SweepLock,
     cached_statuses,
@@ -119,7 +120,7 @@ def _strays(out_dir: Path, fix: bool) -> list[Finding]:
                     "mid-replacement)") for path in strays]
 
 
-def _run_finding(run_dir: Path, state, fix: bool) -> Finding | None:  # state: store.RunState
+def _run_finding(run_dir: Path, state: RunState, fix: bool) -> Finding | None:
     """The finding for one run of the sweep, fixing it with `fix` where that is possible."""
     name = run_dir.name
     if state.kind == "finished":
