@@ -94,9 +94,16 @@ def sweep(
     if not quiet:
         _print_report(target)
         out.print(f"{outcome.count('completed', 'diverged')} ran, {outcome.count('skipped')} already done, "
-                  f"{outcome.failed} failed · results in {target}")
+                  f"{outcome.failed} failed{_integrity_counts(outcome)} · results in {target}")
     if outcome.failed:
         raise typer.Exit(Exit.FAILED)
+
+
+def _integrity_counts(outcome: SweepOutcome) -> str:
+    """', 2 found corrupt and redone' and the like, for the sweep's closing line."""
+    parts = [f", {len(outcome.corrupt)} found corrupt and redone" if outcome.corrupt else "",
+             f", {outcome.restamped} of an earlier release verified and stamped" if outcome.restamped else ""]
+    return "".join(parts)
 
 
 def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> SweepOutcome:
@@ -349,6 +356,41 @@ def plot(
         raise fail(f"cannot write {exc.filename}: {exc.strerror}") from None
     for path in paths:
         out.print(f"wrote {path}")
+    _print_missing(run_dir)
+
+
+def _print_missing(run_dir: Path) -> None:
+    from normexp.results import ResultsError, load_summary, missing_note
+
+    try:
+        note = missing_note(load_summary(run_dir), run_dir)
+    except ResultsError:
+        return
+    if note:
+        err.print(note, markup=False, soft_wrap=True)
+
+
+@app.command()
+def verify(
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A sweep's output folder.")],
+    fix: Annotated[bool, typer.Option("--fix", help="Remove what can be redone, stamp old runs, rebuild "
+                                                    "summary.csv.")] = False,
+) -> None:
+    """Check a sweep folder: checksums, row counts, config vs run id, stray files, summary, other sweeps' runs.
+    Exit 0 if clean, 1 if not; nothing is changed without --fix."""
+    from normexp.report import verification_to_rich
+    from normexp.store import StoreError
+    from normexp.verify import verify_sweep
+
+    try:
+        result = verify_sweep(run_dir, fix)
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{run_dir}: cannot {'repair' if fix else 'read'} {exc.filename}: {exc.strerror}") from None
+    out.print(verification_to_rich(result))
+    if not result.clean:
+        raise typer.Exit(Exit.FAILED)
 
 
 @app.command()

@@ -26,7 +26,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from normexp.report import trained_threshold, variant_groups  # noqa: E402
-from normexp.results import finished_runs, load_metrics, load_summary, varying_keys  # noqa: E402
+from normexp.results import finished_runs, load_metrics, load_summary, missing_note, varying_keys  # noqa: E402
 from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
@@ -142,14 +142,17 @@ def _phase_text(mean: float, finite: float, runs: float) -> str:
 
 
 def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: str = "loss") -> list[Path]:
-    """Write the curves figure (and the phase diagram when two numeric axes vary); return the paths."""
+    """Write the curves figure (and the phase diagram when two numeric axes vary); return the paths.
+    Runs missing, failed or corrupt are drawn nowhere, and named at the foot of each figure."""
     run_dir = Path(run_dir)
     output = Path(output) if output else run_dir / f"{metric}.png"
     summary = load_summary(run_dir)
     tidy = load_metrics(run_dir, all_config=True)
     keys = [k for k in varying_keys(summary) if k != "seed"]
+    note = missing_note(summary, run_dir)
     paths = []
     fig = curves_figure(tidy, keys, metric)
+    _footnote(fig, note)
     fig.savefig(output, dpi=120)
     plt.close(fig)
     paths.append(output)
@@ -162,11 +165,17 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     axes = numeric_axes(summary)
     if len(axes) >= 2:
         fig = phase_figure(summary, axes[0], axes[1])
+        _footnote(fig, note)
         phase = output.with_name(f"{output.stem}-phase{output.suffix}")
         fig.savefig(phase, dpi=120)
         plt.close(fig)
         paths.append(phase)
     return paths
+
+
+def _footnote(fig: Figure, note: str) -> None:
+    if note:
+        fig.text(0.005, 0.005, note, fontsize="x-small", color="darkred", ha="left", va="bottom", wrap=True)
 
 
 def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.GradnormSummary

@@ -12,6 +12,7 @@ Every aggregate says what it covers. A mean is taken over the runs whose loss is
 where that is not every run of the cell, the cell says so (`0.0512 ± 0.0031 (2 of 4)`: the other two
 diverged), a cell whose runs all diverged reads `diverged` (never `—`, which means "no run"), and the
 verdict line counts diverged runs per column. Each run is judged against its own n_classes.
+Only verified runs count; a line under the table names the runs missing, failed or corrupt.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ import pandas as pd
 import yaml
 
 from normexp.config import ReportConfig
-from normexp.results import ResultsError, config_columns, finished_runs, load_metrics, load_summary, varying_keys
+from normexp.results import (
+    ResultsError,
+    config_columns,
+    finished_runs,
+    load_metrics,
+    load_summary,
+    missing_note,
+    varying_keys,
+)
 from normexp.store import SWEEP_FILE
 
 PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
@@ -114,6 +123,7 @@ class Report:
     steps: list[int]
     columns: list[Column]
     n_classes: tuple[int, ...]  # every n_classes among the runs: each run is judged by its own
+    missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
     def cell(self, column: Column, step: int) -> str:
         if step not in column.cells:
@@ -184,7 +194,7 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     n_classes = tuple(int(n) for n in dict.fromkeys(tidy["model.n_classes"]))
     columns = [_column(label, group, keys, steps, metric)
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric), metric, steps, columns, n_classes)
+    return Report(_title(summary, metric), metric, steps, columns, n_classes, missing_note(summary, run_dir))
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
@@ -271,6 +281,8 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
         parts.append(Text(PARTIAL_NOTE))
     if report.metric == "loss":
         parts.append(Text(report.verdict_line()))
+    if report.missing:
+        parts.append(Text(report.missing, style="bold"))
     return Group(*parts)
 
 
@@ -281,6 +293,8 @@ def to_markdown(report: Report) -> str:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
         lines += ["", report.verdict_line()]
+    if report.missing:
+        lines += ["", f"**{report.missing}**"]
     return "\n".join(lines) + "\n"
 
 
@@ -312,6 +326,7 @@ class Pivot:
     rows: str
     cols: str
     panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # title, mean, std, n, runs
+    missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
     def cell(self, mean: float, std: float, n: int, runs: int) -> str:
         return aggregate_cell(mean, std, 0 if pd.isna(n) else int(n), 0 if pd.isna(runs) else int(runs))
@@ -326,7 +341,8 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
     _check_keys([rows, cols], summary, "--pivot")
     finished = finished_runs(summary).copy()
     if finished.empty:
-        raise ResultsError(f"{run_dir}: no finished runs yet")
+        note = missing_note(summary, run_dir)
+        raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
     finite = finished["final_loss"].astype(float).map(math.isfinite)
     finished["final_loss"] = finished["final_loss"].astype(float).where(finite)  # inf counts as diverged too
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
@@ -336,7 +352,7 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
             ["mean", "std", "count", "size"])
         mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
         panels.append((title, mean, std.fillna(0.0), n.fillna(0), runs.fillna(0)))
-    return Pivot(rows, cols, panels)
+    return Pivot(rows, cols, panels, missing_note(summary, run_dir))
 
 
 def _short(key: str) -> str:
@@ -362,6 +378,8 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
     if pivot.partial:
         parts.append(Text(PARTIAL_NOTE))
+    if pivot.missing:
+        parts.append(Text(pivot.missing, style="bold"))
     return Group(*parts)
 
 
@@ -372,6 +390,8 @@ def pivot_to_markdown(pivot: Pivot) -> str:
                   *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", *frames)), ""]
     if pivot.partial:
         lines += [PARTIAL_NOTE, ""]
+    if pivot.missing:
+        lines += [f"**{pivot.missing}**", ""]
     return "\n".join(lines)
 
 
@@ -530,3 +550,28 @@ def sensitivity_to_csv(rows: list) -> str:
         writer.writerow([r.label, repr(r.sensitivity), repr(r.spread), repr(r.best_lr), repr(r.best_loss), r.lrs,
                          r.grid_lrs, r.seeds, r.runs, r.diverged, r.missing])
     return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------- normexp verify
+
+
+VERIFY_HEADER = ["path", "problem", "fix"]
+
+
+def verification_to_rich(result):  # result: normexp.verify.Verification -> rich.console.Group
+    """The findings of `normexp verify` as a table, then one line: clean, or what is left to do."""
+    from rich.console import Group
+    from rich.text import Text
+
+    rows = [[f.path, f.problem if f.severity == "problem" else f"note: {f.problem}", f.remedy]
+            for f in result.findings]
+    title = f"{result.out_dir}: {result.verified} of {result.runs} runs verified"
+    parts = [_rich_table(VERIFY_HEADER, rows, "lll", title=title)] if rows else [Text(title)]
+    if result.clean:
+        parts.append(Text("clean" + (" after the fixes above" if result.fixed and rows else ""), style="bold"))
+    else:
+        left = f"{result.remaining} problem{'s' if result.remaining != 1 else ''}"
+        hint = (f"rerun the sweep (normexp sweep {result.out_dir / 'sweep.yaml'} --out {result.out_dir})"
+                if result.fixed else f"normexp verify {result.out_dir} --fix")
+        parts.append(Text(f"{left} {'left' if result.fixed else 'found'}: {hint}", style="bold"))
+    return Group(*parts)

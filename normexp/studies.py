@@ -13,7 +13,8 @@ is computed from the numbers it just measured (nothing in a verdict is written i
 5. Xiong et al.'s gradients and hidden-state norms at init (configs/studies/gradnorm.yaml);
 6. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
 
-Sweeps resume: a second `make studies` only rewrites the report.
+Sweeps resume: a second `make studies` only rewrites the report. Verdicts count verified runs only;
+a study with runs missing, failed or corrupt says which under its verdict.
 """
 
 from __future__ import annotations
@@ -39,12 +40,17 @@ from normexp.report import (
     variant_groups,
     variant_label,
 )
-from normexp.results import load_summary
+from normexp.results import finished_runs, load_summary, missing_note
 from normexp.sensitivity import build_sensitivity
 from normexp.sweep import SweepOptions, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+
+
+def _finished_summary(run_dir: Path) -> pd.DataFrame:
+    """The summary rows of the study's verified runs: a missing or corrupt run enters no verdict."""
+    return finished_runs(load_summary(run_dir)).copy()
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
@@ -54,7 +60,7 @@ def _trained(summary: pd.DataFrame) -> pd.Series:
 def _judged(run_dir: Path) -> pd.DataFrame:
     """The summary with `trained` per run, and the final loss of diverged runs blanked, so that no mean
     loss in a verdict mixes them in (`coverage` says how many there were)."""
-    summary = load_summary(run_dir)
+    summary = _finished_summary(run_dir)
     summary["trained"] = _trained(summary)
     summary["final_loss"] = summary["final_loss"].where(summary["status"] != "diverged")
     return summary
@@ -310,7 +316,9 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
 
             table += "\n" + pivot_to_markdown(build_pivot(run_dir, "optim.lr", "schedule.warmup_steps"))
             table += "\n" + sensitivity
-        sections.append(_section(question, name, table, figures, verdict(run_dir), seconds))
+        note = missing_note(load_summary(run_dir), run_dir)
+        sections.append(_section(question, name, table, figures, verdict(run_dir) + (f" {note}." if note else ""),
+                                 seconds))
 
     log("study gradnorm ...")
     start = time.perf_counter()
