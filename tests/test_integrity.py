@@ -132,7 +132,7 @@ def test_a_damaged_run_is_not_finished_and_is_named(sweep_dir, damage, legacy):
     assert report.missing in to_markdown(report)
     pivot = build_pivot(out, "optim.lr", "norm.placement")
     assert victim.name in pivot_to_markdown(pivot)
-    assert sum(int(n.sum().sum()) for _, _, _, n in pivot.panels) == RUNS - 1
+    assert sum(int(n.sum().sum()) for _, _, _, n, _ in pivot.panels) == RUNS - 1
 
 
 @pytest.mark.parametrize("damage", ["metrics truncated", "metrics deleted", "done status weird",

@@ -13,33 +13,34 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from normexp.cli import app
-from normexp.config import RunConfig, flatten
+from normexp.config import RunConfig, build_sweep
 from normexp.sensitivity import build_sensitivity, clipped_final, variant_sensitivity
-from normexp.store import METRICS_FILE, SUMMARY_FILE
+from normexp.store import SWEEP_FILE, FinishedRun, run_id, write_run
 
 LRS = [0.001, 0.01, 0.1]
 
 
 def write_sweep(folder: Path, runs: list[tuple]) -> Path:
-    """A sweep folder by hand: (placement, lr, seed, loss at init, final loss, status[, warmup]) per run;
-    a 'pending' run has a summary row and no metrics."""
-    rows = []
-    for i, (placement, lr, seed, initial, final, status, *warmup) in enumerate(runs):
-        cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
-                                        "schedule": {"kind": "linear_warmup", "warmup_steps": (warmup or [0])[0]}})
-        run_id = f"run{i}"
-        finished = status in ("completed", "diverged")
-        rows.append({"run_id": run_id, **{k: v for k, v in flatten(cfg).items() if k != "optim.betas"},
-                     "status": status, "final_loss": final if finished else "", "diverged": status == "diverged"})
-        if finished:
-            (folder / run_id).mkdir(parents=True)
-            (folder / run_id / METRICS_FILE).write_text(
-                "step,loss,acc,lr,grad_norm\n" f"0,{initial!r},0.1,{lr!r},1.0\n" f"1,{final!r},0.2,{lr!r},1.0\n")
+    """A sweep folder written through the store: (placement, lr, seed, loss at init, final loss, status[,
+    warmup]) per run, over the grid those values span; a 'pending' run, or a combination not listed, has
+    no folder (a missing run)."""
+    def axis(i: int, default: object = None) -> list:
+        return list(dict.fromkeys(r[i] if len(r) > i else default for r in runs))
+
+    sweep = build_sweep({"name": "hand", "base": {"schedule": {"kind": "linear_warmup"}, "train": {"steps": 1}},
+                         "grid": {"norm.placement": axis(0), "optim.lr": axis(1),
+                                  "schedule.warmup_steps": axis(6, 0)}, "seeds": axis(2)})
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / SUMMARY_FILE, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for placement, lr, seed, initial, final, status, *warmup in runs:
+        if status not in ("completed", "diverged"):
+            continue
+        cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
+                                        "schedule": {"kind": "linear_warmup", "warmup_steps": (warmup or [0])[0]},
+                                        "train": {"steps": 1}})
+        metrics = {"step": [0, 1], "loss": [initial, final], "acc": [0.1, 0.2], "lr": [lr, lr],
+                   "grad_norm": [1.0, 1.0]}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, status, 0.1, 1, "reference", "cpu"))
     return folder
 
 
@@ -60,8 +61,9 @@ def test_lr_sensitivity_of_a_hand_made_summary(tmp_path):
     # per seed: mean([0.7, -0.1, 2.0]) = 0.8667 and mean([0.9, 0.1, 2.0]) = 1.0
     assert pre.spread == pytest.approx(pd.Series([2.6 / 3, 1.0]).std(ddof=1))
     assert (pre.seeds, pre.runs, pre.diverged, pre.missing, pre.lrs, pre.grid_lrs) == (2, 6, 1, 0, 3, 3)
-    # post: lr 0.1 never finished, so no number rather than a mean over the lrs that happen to exist
-    assert math.isnan(post.sensitivity) and post.missing == 1 and post.lrs == 2
+    # post: lr 0.1 never finished (nor did seed 1, never run), so no number rather than a mean over the
+    # lrs that happen to exist
+    assert math.isnan(post.sensitivity) and post.missing == 4 and post.lrs == 2
 
 
 def test_report_lr_sensitivity_through_the_cli(tmp_path):
