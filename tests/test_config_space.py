@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from normexp.config import ConfigError, RunConfig, build_sweep, parse_yaml, run_keys, validate_run
+from normexp.config import (
+    ConfigError,
+    NormKind,
+    Placement,
+    RunConfig,
+    build_sweep,
+    parse_yaml,
+    run_keys,
+    validate_run,
+)
 
 
 def _floats(low: float, high: float) -> st.SearchStrategy[float]:
@@ -32,15 +41,16 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "model.n_classes": st.integers(1, 100),
     "model.final_norm": st.booleans(),
     "model.init": st.sampled_from(["xavier_uniform", "xavier_normal", "torch_default"]),
-    "norm.placement": st.sampled_from(["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]),
-    "norm.kind": st.sampled_from(["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma",
-                                  "prmsnorm", "scalenorm"]),
+    "norm.placement": st.sampled_from(get_args(Placement)),
+    "norm.kind": st.sampled_from(get_args(NormKind)),
     "norm.eps": _floats(1e-8, 1e-2),
     "norm.peri_input_norm": st.booleans(),
     "norm.mixln_fraction": _floats(0, 1),
     "norm.deepnorm_alpha": _optional(_floats(0.1, 10)),
     "norm.deepnorm_beta": _optional(_floats(0.1, 10)),
     "norm.prms_fraction": _floats(0.01, 1),
+    "norm.dyt_alpha0": _floats(-0.5, 2),
+    "norm.output_norm_init": st.sampled_from(["ones", "zeros", "twos"]),
     "data.task": st.just("random_labels"),
     "data.n_samples": st.integers(1, 128),
     "optim.name": st.sampled_from(["adam", "adamw", "sgd", "radam"]),

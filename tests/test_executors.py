@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -169,17 +170,19 @@ def test_resume_redoes_a_run_trained_with_other_threads(tmp_path):
     import torch
 
     from normexp.config import build_sweep
-    from normexp.store import run_id
+    from normexp.store import FinishedRun, run_id, write_run
     from normexp.sweep import run_sweep
 
     spec = build_sweep({"name": "t", "base": {"model": {"depth": 2, "width": 8}, "train": {"steps": 3}},
                         "seeds": [0, 1]})
     out = tmp_path / "out"
     run_sweep(spec, out)
-    done_file = out / run_id(spec.runs[0]) / "done.json"
-    done = json.loads(done_file.read_text())
-    done["threads"] = torch.get_num_threads() + 1  # as if an earlier sweep had trained it with another count
-    done_file.write_text(json.dumps(done))
+    run_dir = out / run_id(spec.runs[0])
+    done = json.loads((run_dir / "done.json").read_text())
+    metrics = pd.read_csv(run_dir / "metrics.csv").to_dict("list")
+    # as if an earlier sweep had trained it with another count: a verified run, stamped as such
+    write_run(run_dir, spec.runs[0], FinishedRun(metrics, done["status"], done["wall_s"],
+                                                 torch.get_num_threads() + 1, done["engine"], done["device"]))
     events = []
     outcome = run_sweep(spec, out, on_event=events.append)
     redone = [e for e in events if e.kind == "redone"]
