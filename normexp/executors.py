@@ -94,7 +94,8 @@ def run_unit(unit: WorkUnit) -> UnitResult:
 
 
 def _finished(result: Any, device: str) -> FinishedRun:
-    return FinishedRun(result.metrics, result.status, result.wall_s, result.threads, result.engine, device)
+    return FinishedRun(result.metrics, result.status, result.wall_s, result.threads, result.engine, device,
+                       result.blocks)
 
 
 def _error(exc: BaseException) -> str:

@@ -6,6 +6,7 @@
       .lock                   held (flock) while a sweep writes here; holds the owner's PID and host
       <run_id>/config.yaml    the resolved run config: `normexp sweep` of it alone reruns it
       <run_id>/metrics.csv    step, loss, acc, lr, grad_norm: one row per recorded step, floats as repr()
+      <run_id>/blocks.csv     with train.log_blocks only: one row per logged step and block (blocklog.py)
       <run_id>/failed.json    only for a run that raised: the error (the run is retried next time)
       <run_id>/done.json      written last: the run is complete (+ summary numbers, timings, versions)
 
@@ -44,6 +45,7 @@ SUMMARY_FILE = "summary.csv"
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.csv"
+BLOCKS_FILE = "blocks.csv"
 FAILED_FILE = "failed.json"
 DONE_FILE = "done.json"
 
@@ -191,13 +193,16 @@ class FinishedRun:
     threads: int
     engine: str
     device: str
+    blocks: dict[str, list[float]] | None = None  # blocks.csv's columns, for a run with train.log_blocks
 
 
 def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun) -> dict[str, Any]:
-    """Write one finished run's folder: config, metrics, then the done marker. Returns done.json."""
+    """Write one finished run's folder: config, metrics (and blocks), then the done marker. Returns done.json."""
     reset_run_dir(run_dir)
     atomic_write(run_dir / CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     atomic_write(run_dir / METRICS_FILE, metrics_csv(run.metrics))
+    if run.blocks is not None:
+        atomic_write(run_dir / BLOCKS_FILE, metrics_csv(run.blocks))
     done = {
         "run_id": run_dir.name,
         "config_hash": config_hash(cfg),
