@@ -374,3 +374,16 @@ def test_cross_entropy_is_what_the_rows_were_taken_from():
     F.cross_entropy(model(task.x), task.y).backward()
     expected = torch.linalg.vector_norm(model.blocks[-1].ffn.fc2.weight.grad).item()
     assert rows[(rows.step == 0) & (rows.block == 3)].fc2_grad.item() == expected
+
+
+@pytest.mark.slow
+def test_worker_processes_write_the_same_blocks_csv(write_yaml, tmp_path):
+    """blocks.csv travels back from a worker process with the metrics: the same bytes as in process."""
+    path = write_yaml(SMALL_SWEEP.replace("train: {steps: 5}", "train: {steps: 5, log_blocks: true}"))
+    outs = {workers: tmp_path / f"w{workers}" for workers in (1, 2)}
+    for workers, out in outs.items():
+        result = runner.invoke(app, ["sweep", str(path), "--out", str(out), "-q", "--workers", str(workers)])
+        assert result.exit_code == 0, result.output
+    files = sorted(p.relative_to(outs[1]) for p in outs[1].glob("*/blocks.csv"))
+    assert len(files) == 8
+    assert all((outs[1] / f).read_bytes() == (outs[2] / f).read_bytes() for f in files)
