@@ -287,8 +287,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
         replayed = first.optim.name in REPLAYED_OPTIMIZERS
         optimizer = StackedOptimizer(params, runs) if replayed else SharedOptimizer(params, runs)
         results = [RunResult(threads=threads, engine="batched") for _ in runs]
-        logging = first.train.log_blocks
-        blocks = BlockRecorder(model, first.train.log_every, len(runs), stacked=True) if logging else None
+        blocks = (BlockRecorder(model, first.train.log_every, len(runs), stacked=True)
+                  if first.train.log_blocks else None)
         active = list(range(len(runs)))  # runs still recording
         steps = first.train.steps
         for step in range(steps + 1):
