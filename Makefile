@@ -38,6 +38,7 @@ lint: install
 bench: install
 	$(PY) benchmarks/bench_engines.py
 	$(PY) benchmarks/bench_workers.py
+	$(PY) benchmarks/bench_fast.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,7 +1,8 @@
 """The `normexp` command line: parse, load the config, call one core function, print with Rich.
 
 Exit codes: 0 every run finished; 1 some run failed; 2 bad usage, bad config or an output folder in
-use; 130 interrupted (finished runs kept: rerunning the same command resumes).
+use; 128 + the signal's number when Ctrl-C (130), SIGTERM (143) or SIGHUP (129) stopped the sweep
+(finished runs kept: rerunning the same command resumes).
 torch and pandas are imported inside the commands that need them, so `normexp --help` stays instant.
 """
 
@@ -18,7 +19,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Sweep, load_sweep
+from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Sweep, TooManyRuns, load_sweep
 from normexp.sweep import SweepOptions, SweepOutcome
 
 app = typer.Typer(
@@ -42,9 +43,12 @@ def fail(message: str, code: int = Exit.USAGE) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _load(config: Path, overrides: list[str], max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:
+def _load(config: Path, overrides: list[str], max_runs: int | None = None) -> Sweep:
+    """Load a sweep; `max_runs` is given by the commands that have a --max-runs option."""
     try:
-        return load_sweep(config, overrides, max_runs)
+        return load_sweep(config, overrides, max_runs or DEFAULT_MAX_RUNS)
+    except TooManyRuns as exc:
+        raise fail(str(TooManyRuns(exc.total, exc.limit, "--max-runs") if max_runs else exc)) from None
     except ConfigError as exc:
         raise fail(str(exc)) from None
 
@@ -53,10 +57,13 @@ def _load(config: Path, overrides: list[str], max_runs: int = DEFAULT_MAX_RUNS) 
 def sweep(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file (see configs/).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded grid; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Redo runs that are already finished.")] = False,
-    engine: Annotated[str, typer.Option(help="auto | reference | batched.")] = "auto",
+    engine: Annotated[str, typer.Option(help="auto | reference | batched | fast.")] = "auto",
+    compile_: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile", help="--engine fast: compile its step [default: where the grid pays for it].",
+        show_default=False)] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed run.")] = False,
     workers: Annotated[int, typer.Option(help="Local worker processes (1: in this process).", min=1)] = 1,
@@ -66,17 +73,24 @@ def sweep(
 ) -> None:
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
     spec = _load(config, set_ or [], max_runs)
-    _check_choice("--engine", engine, ("auto", "reference", "batched"))
+    _check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
+    if compile_ is not None and engine != "fast":
+        flag = "--compile" if compile_ else "--no-compile"
+        raise fail(f"{flag}: only --engine fast compiles; --engine {engine} runs the reference's kernels")
     _check_choice("--device", device, ("cpu", "cuda"))
-    target = out_dir or Path("runs") / spec.name
+    if cluster is not None:
+        _check_cluster(cluster)
+    target = _out_folder(out_dir, spec.name)
     if dry_run:
         _print_grid(spec)
         return
     if device == "cuda":
         _require_cuda()
     options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast,
-                           workers=workers, cluster=cluster)
+                           workers=workers, cluster=cluster, compile=compile_)
     outcome = _run(spec, target, options, quiet)
+    if quiet and outcome.failed:
+        err.print(f"{_plural(outcome.failed, 'run')} failed · see {target / 'summary.csv'}")
     if not quiet:
         _print_report(target)
         out.print(f"{outcome.count('completed', 'diverged')} ran, {outcome.count('skipped')} already done, "
@@ -86,11 +100,15 @@ def sweep(
 
 
 def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> SweepOutcome:
+    global _stopping
+    _stopping = None
+    previous = _on_stop_signals(_exit_at_once)  # nothing is written yet: a signal simply ends the process
     from normexp.executors import ExecutorError
     from normexp.store import StoreError
     from normexp.sweep import SweepInterrupted, run_sweep
 
-    previous = signal.signal(signal.SIGINT, _interrupt_once)
+    _import_engines(options)
+    _on_stop_signals(_stop_cleanly)
     try:
         with _progress(len(spec.runs), quiet) as on_event:
             return run_sweep(spec, target, options, on_event)
@@ -99,29 +117,67 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> Sweep
     except SweepInterrupted as exc:
         done = exc.outcome.count("completed", "diverged", "skipped")
         resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
-        err.print(f"interrupted: {done} of {exc.outcome.total} runs finished and kept in {target}.\n"
-                  f"Resume with: {resume}")
-        raise typer.Exit(Exit.INTERRUPTED) from None
+        err.print(f"{_signal_name(_stopping)}: {done} of {exc.outcome.total} runs finished and kept in {target}.\n"
+                  f"Resume with: {resume}", soft_wrap=True)  # one line each, to copy whole
+        raise typer.Exit(128 + (_stopping or signal.SIGINT)) from None
+    except KeyboardInterrupt:  # while the executor started, before the folder was touched
+        err.print(f"{_signal_name(_stopping)} before any run started: nothing was written", soft_wrap=True)
+        raise typer.Exit(128 + (_stopping or signal.SIGINT)) from None
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if _stopping is None:  # else the handlers stay till the process ends: a second signal exits at once
+            _on_stop_signals(previous)
 
 
-_interrupted = False
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; timeout, Slurm, docker; a closed terminal
+_stopping: int | None = None  # the signal that is stopping the sweep
 
 
-def _interrupt_once(signum: int, frame: object) -> None:
-    """First Ctrl-C: stop the sweep cleanly (KeyboardInterrupt). Second: exit at once."""
-    global _interrupted
-    if _interrupted:
-        os._exit(Exit.INTERRUPTED)
-    _interrupted = True
+def _on_stop_signals(handler: object) -> dict[int, object]:
+    """Install `handler` (or a mapping of signal -> handler) for STOP_SIGNALS; return the previous ones."""
+    previous = {}
+    for signum in STOP_SIGNALS:
+        previous[signum] = signal.signal(signum, handler[signum] if isinstance(handler, dict) else handler)
+    return previous
+
+
+def _stop_cleanly(signum: int, frame: object) -> None:
+    """First stop signal: stop the sweep cleanly (KeyboardInterrupt). A second: exit at once."""
+    global _stopping
+    if _stopping is not None:
+        os._exit(128 + signum)
+    _stopping = signum
     raise KeyboardInterrupt
+
+
+def _exit_at_once(signum: int, frame: object) -> None:
+    """A stop signal while modules load: exit now. Raising there could be swallowed by an import that
+    catches too much, and leave a half-imported numpy behind."""
+    os.write(2, f"{_signal_name(signum)} before any run started: nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
+def _signal_name(signum: int | None) -> str:
+    return {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(signum, "interrupted")
+
+
+def _import_engines(options: SweepOptions) -> None:
+    """Load what the sweep will need (seconds for torch, and for Dask), while a signal simply exits."""
+    import torch  # noqa: F401
+
+    import normexp.batched  # noqa: F401
+    import normexp.train  # noqa: F401
+
+    if options.cluster:
+        try:
+            import distributed  # noqa: F401
+        except ImportError:
+            pass  # the executor says how to install it
 
 
 def _progress(total: int, quiet: bool):
     from normexp.progress import sweep_progress
 
-    return sweep_progress(out, total, quiet)
+    return sweep_progress(err if quiet else out, total, quiet)
 
 
 def _emit(fmt: str, table: Callable[[], object], markdown: Callable[[], str],
@@ -138,6 +194,33 @@ def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
         raise fail(f"{option}: must be one of {', '.join(choices)}, got {value!r}")
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _out_folder(value: str | None, name: str) -> Path:
+    """The output folder: --out, or runs/<name>. It may not exist yet; it must not be a file."""
+    if value is None:
+        return Path("runs") / name
+    if not value.strip():
+        raise fail("--out: empty; name a folder (or leave --out out for runs/<name>)")
+    option = Path(value)
+    if option.is_symlink() and not option.exists():
+        raise fail(f"--out {option}: a symbolic link to {os.readlink(option)}, which does not exist")
+    if option.exists() and not option.is_dir():
+        raise fail(f"--out {option}: is a file, not a folder")
+    return option
+
+
+def _check_cluster(address: str) -> None:
+    from normexp.executors import ExecutorError, check_cluster_address
+
+    try:
+        check_cluster_address(address)
+    except ExecutorError as exc:
+        raise fail(str(exc)) from None
+
+
 def _require_cuda() -> None:
     import torch
 
@@ -151,7 +234,7 @@ def _print_grid(spec: Sweep) -> None:
     from normexp.store import run_id
 
     keys = spec.varying_keys
-    table = Table(title=f"{spec.name}: {len(spec.runs)} runs")
+    table = Table(title=f"{spec.name}: {_plural(len(spec.runs), 'run')}")
     table.add_column("run_id")
     for key in keys:
         table.add_column(key)
@@ -215,6 +298,8 @@ def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
     keys = [k.strip() for k in option.split(",")]
     if len(keys) != 2 or not all(keys):
         raise fail(f"--pivot: expected ROW_KEY,COL_KEY, e.g. optim.lr,schedule.warmup_steps; got {option!r}")
+    if keys[0] == keys[1]:
+        raise fail(f"--pivot {option}: the row key and the column key must differ")
     try:
         table = build_pivot(run_dir, *keys)
     except ResultsError as exc:
@@ -262,7 +347,7 @@ def plot(
 def gradnorm(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML: grid over placement and depth.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="Output folder [default: runs/<name>].")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out", help="Output folder [default: runs/<name>].")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table | markdown.")] = "table",
 ) -> None:
     """Per-block gradient norms and hidden-state norms at initialisation (Xiong et al. 2020, Fig. 3)."""
@@ -271,8 +356,11 @@ def gradnorm(
 
     _check_choice("--format", fmt, ("table", "markdown"))
     spec = _load(config, set_ or [])
-    target = out_dir or Path("runs") / spec.name
-    summary = gradnorm_study(spec, target)
+    target = _out_folder(out_dir, spec.name)
+    try:
+        summary = gradnorm_study(spec, target)
+    except OSError as exc:
+        raise fail(f"cannot write {exc.filename}: {exc.strerror}") from None
     _emit(fmt, lambda: gradnorm_to_rich(summary), lambda: gradnorm_to_markdown(summary))
     out.print(f"wrote {target / 'gradnorm.csv'} and {target / 'gradnorm.png'}")
 
@@ -320,7 +408,7 @@ def validate(
 ) -> None:
     """Check a sweep file (and --set values) without running anything."""
     spec = _load(config, set_ or [])
-    out.print(f"{config}: ok · sweep '{spec.name}' · {len(spec.runs)} runs")
+    out.print(f"{config}: ok · sweep '{spec.name}' · {_plural(len(spec.runs), 'run')}")
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -39,14 +40,26 @@ Metric = Literal["loss", "acc", "grad_norm", "lr"]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # Adam's decay rates: 1 divides by 1 - 1
 
 DEFAULT_REPORT_STEPS = (0, 1, 2, 3, 5, 10, 20, 30)
 DEFAULT_MAX_RUNS = 100_000
+# Keys whose declared default (None) a validator resolves from other keys of the run. A sweep keeps them
+# open in its base until each run's grid and --set values are in, so every run resolves them alone.
+RESOLVED_PER_RUN = ("optim.weight_decay",)
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 
 
 class ConfigError(ValueError):
     """A bad config or command-line value. The message names the offending key path."""
+
+
+class TooManyRuns(ConfigError):
+    """The grid expands to more runs than the limit (`normexp sweep --max-runs` sets it)."""
+
+    def __init__(self, total: int, limit: int, option: str = "the limit of") -> None:
+        super().__init__(f"grid: expands to {total} runs, more than {option} {limit}")
+        self.total, self.limit = total, limit
 
 
 class _Section(BaseModel):
@@ -81,7 +94,7 @@ class DataConfig(_Section):
 class OptimConfig(_Section):
     name: OptimName = "adam"
     lr: PositiveFloat = 0.01
-    betas: Annotated[tuple[Fraction, Fraction], Field(strict=False)] = (0.9, 0.999)
+    betas: Annotated[tuple[Beta, Beta], Field(strict=False)] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
     weight_decay: NonNegFloat | None = None  # None: the optimizer's own default (adamw 0.01, others 0)
     momentum: Fraction = 0.9  # sgd only
@@ -159,18 +172,25 @@ class Sweep:
     seeds: list[int]
     report: ReportConfig
     runs: list[RunConfig]
+    open_keys: tuple[str, ...] = ()  # keys of RESOLVED_PER_RUN that the base leaves to each run
+
+    def base_mapping(self, mode: Literal["python", "json"] = "python") -> dict[str, Any]:
+        """The base as a mapping of sections, its open keys put back to None (resolved per run)."""
+        return _open_mapping(self.base, self.open_keys, mode)
 
     @property
     def varying_keys(self) -> list[str]:
-        """Grid keys with more than one value, then `seed` if several seeds."""
-        keys = [k for k, values in self.grid.items() if len(values) > 1]
+        """Grid keys whose runs take more than one value (`1` and `1.0` are one value, null is a value of
+        its own), then `seed` if several seeds."""
+        flat = [flatten(cfg) for cfg in self.runs]
+        keys = [k for k in self.grid if len({json.dumps(f[k]) for f in flat}) > 1]
         return keys + (["seed"] if len(self.seeds) > 1 else [])
 
     def to_yaml(self) -> str:
         """The resolved sweep, as it ran: loadable again with `load_sweep`."""
         doc = {
             "name": self.name,
-            "base": self.base.model_dump(mode="json", exclude={"seed"}),
+            "base": self.base_mapping("json"),
             "grid": self.grid,
             "seeds": self.seeds,
             "report": self.report.model_dump(mode="json"),
@@ -181,31 +201,117 @@ class Sweep:
 # ----------------------------------------------------------------------------- YAML
 
 
+MAX_YAML_NODES = 100_000  # a config is a few hundred values; aliases must not expand past this
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys and reads YAML 1.2 floats such as `1e-3`."""
+    """SafeLoader with YAML 1.2 scalars, no duplicate keys, and a bound on what aliases expand to.
+
+    Scalars follow the YAML 1.2 core schema where YAML 1.1 surprises: `010` is ten (not octal eight),
+    `yes`/`no`/`on`/`off` are strings, `1:30` is a string (not 90), `1e-3` is a float. Merge keys
+    (`<<: *defaults`) work, and a key written after them overrides the merged value; a key written
+    twice is an error. A document whose aliases expand past MAX_YAML_NODES values is refused before
+    anything is built from it (a few hundred bytes of nested aliases can expand to gigabytes)."""
+
+    def compose_document(self) -> yaml.Node | None:
+        node = super().compose_document()
+        if node is not None:
+            _expanded_size(node, {})
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many nodes `node` stands for once every alias in it is expanded (each node counted once
+    per path that reaches it, each shared node computed once)."""
+    if id(node) in sizes:
+        if sizes[id(node)] < 0:
+            raise ConfigError(f"line {node.start_mark.line + 1}: an alias refers to the node that contains it")
+        return sizes[id(node)]
+    sizes[id(node)] = -1
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [child for pair in node.value for child in pair]
+    else:
+        children = []
+    total = 1 + sum(_expanded_size(child, sizes) for child in children)
+    if total > MAX_YAML_NODES:
+        raise ConfigError(f"line {node.start_mark.line + 1}: expands to more than {MAX_YAML_NODES} values "
+                          "(aliases inside aliases?); refused")
+    sizes[id(node)] = total
+    return total
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    loader.flatten_mapping(node)
+    """A mapping: merged keys first (`<<`: an earlier source wins), then the keys written here, which
+    override merged ones but must not repeat each other."""
     mapping: dict = {}
     for key_node, value_node in node.value:
+        if key_node.tag == MERGE_TAG:
+            for source in reversed(_merge_sources(value_node)):
+                mapping.update(loader.construct_object(source, deep=True))
+    written: set = set()
+    for key_node, value_node in node.value:
+        if key_node.tag == MERGE_TAG:
+            continue
         key = loader.construct_object(key_node, deep=deep)
         try:
-            duplicate = key in mapping
+            duplicate = key in written
         except TypeError as exc:  # an unhashable key such as a list
             raise ConfigError(f"line {key_node.start_mark.line + 1}: a key must be a plain value") from exc
         if duplicate:
-            raise ConfigError(f"{key}: duplicate key (line {key_node.start_mark.line + 1})")
+            raise ConfigError(f"{str(key)[:60]}: duplicate key (line {key_node.start_mark.line + 1})")
+        written.add(key)
         mapping[key] = loader.construct_object(value_node, deep=deep)
     return mapping
 
 
+def _merge_sources(node: yaml.Node) -> list[yaml.MappingNode]:
+    sources = node.value if isinstance(node, yaml.SequenceNode) else [node]
+    if not all(isinstance(source, yaml.MappingNode) for source in sources):
+        raise ConfigError(f"line {node.start_mark.line + 1}: '<<' merges a mapping or a list of mappings")
+    return sources
+
+
+def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    """YAML 1.2 integers: decimal (leading zeros too), 0o octal, 0x hexadecimal; '_' separates digits."""
+    text = loader.construct_scalar(node).replace("_", "")
+    sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text.lstrip("+"))
+    base = {"0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+def _yaml_12_resolvers() -> dict:
+    """PyYAML's implicit resolvers without its YAML 1.1 booleans and integers (replaced below)."""
+    dropped = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int"}
+    return {first: [(tag, regexp) for tag, regexp in resolvers if tag not in dropped]
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+_StrictLoader.yaml_implicit_resolvers = _yaml_12_resolvers()
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
 _StrictLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: an error names a value, it never echoes the input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def parse_yaml(text: str, source: str = "<string>") -> Any:
@@ -285,22 +391,22 @@ def _describe(err: dict, model: type[BaseModel]) -> str:
     if kind == "missing":
         return "required key is missing"
     if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}, got {value!r}" + _closest(
+        return f"must be one of {ctx.get('expected')}, got {_brief(value)}" + _closest(
             value, re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
         )
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         limit = next(iter(ctx.values()))
-        return f"must be {bounds[kind]} {limit}, got {value!r}"
+        return f"must be {bounds[kind]} {limit}, got {_brief(value)}"
     if kind == "finite_number":
-        return f"must be a finite number, got {value!r}"
+        return f"must be a finite number, got {_brief(value)}"
     names = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
              "string_type": "a string", "list_type": "a list", "dict_type": "a mapping",
              "model_type": "a mapping", "tuple_type": "a list", "int_from_float": "an integer"}
     if kind in names:
-        return f"must be {names[kind]}, got {value!r}"
+        return f"must be {names[kind]}, got {_brief(value)}"
     if kind == "string_pattern_mismatch":
-        return f"must be letters, digits, '_', '.', '-' (start with a letter or digit), got {value!r}"
+        return f"must be letters, digits, '_', '.', '-' (start with a letter or digit), got {_brief(value)}"
     if kind == "invalid_key":
         return "a key must be a string"
     if kind == "value_error":
@@ -310,11 +416,26 @@ def _describe(err: dict, model: type[BaseModel]) -> str:
     return err["msg"]
 
 
+MAX_ERROR_LINES = 8
+
+
 def _format_errors(exc: ValidationError, model: type[BaseModel], prefix: str) -> ConfigError:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-        lines.append(f"{loc}: {_describe(err, model)}")
+    lines = [f"{_key_path(prefix, err['loc'])}: {_describe(err, model)}" for err in exc.errors()]
+    return _error_lines(lines)
+
+
+def _key_path(prefix: str, loc: Sequence[Any]) -> str:
+    """`base.optim.lr`, `seeds.2` for a list item, `base.model.1` for a bad key 1: the parts joined
+    by dots, never an empty part (pydantic's `[key]` marker for a bad key is dropped)."""
+    parts = [str(part) for part in (prefix, *loc) if part not in ("", "[key]")]
+    return ".".join(parts) or "config"
+
+
+def _error_lines(lines: Sequence[str]) -> ConfigError:
+    """One ConfigError of at most MAX_ERROR_LINES lines (each already brief), repeated lines once."""
+    lines = list(dict.fromkeys(lines))
+    if len(lines) > MAX_ERROR_LINES:
+        lines = [*lines[: MAX_ERROR_LINES - 1], f"... and {len(lines) - MAX_ERROR_LINES + 1} more errors"]
     return ConfigError("\n".join(lines))
 
 
@@ -378,11 +499,32 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     data[section] = {**(existing if isinstance(existing, dict) else {}), leaf: value}
 
 
+def _open_keys(base: dict[str, Any]) -> tuple[str, ...]:
+    """The keys of RESOLVED_PER_RUN that a base mapping leaves unset (or sets to null)."""
+    def given(key: str) -> Any:
+        section, _, leaf = key.partition(".")
+        values = base.get(section)
+        return values.get(leaf) if isinstance(values, dict) else None
+
+    return tuple(key for key in RESOLVED_PER_RUN if given(key) is None)
+
+
+def _open_mapping(cfg: RunConfig, open_keys: Sequence[str], mode: Literal["python", "json"]) -> dict[str, Any]:
+    """`cfg` as a mapping of sections without the seed, with each of `open_keys` set to None."""
+    data = cfg.model_dump(mode=mode, exclude={"seed"})
+    for key in open_keys:
+        section, _, leaf = key.partition(".")
+        data[section] = {**data[section], leaf: None}
+    return data
+
+
 def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: int) -> list[RunConfig]:
+    """Each grid combination written into the base, then resolved alone (defaults that depend on
+    other keys, such as AdamW's weight decay, resolve with that run's own values)."""
     total = math.prod(len(v) for v in sweep_file.grid.values()) * len(seeds)
     if total > max_runs:
-        raise ConfigError(f"grid: expands to {total} runs, more than --max-runs {max_runs}")
-    base_data = base.model_dump(mode="python", exclude={"seed"})
+        raise TooManyRuns(total, max_runs)
+    base_data = _open_mapping(base, _open_keys(sweep_file.base), "python")
     runs: dict[RunConfig, None] = {}  # insertion-ordered set: a repeated grid value runs once
     keys = list(sweep_file.grid)
     for combo in itertools.product(*sweep_file.grid.values()):
@@ -398,12 +540,21 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
 
 
 def _grid_error(exc: ValidationError, combo: dict[str, Any]) -> ConfigError:
-    lines = []
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"][:2])
-        where = f"grid.{key}" if key in combo else f"base.{key}"
-        lines.append(f"{where}: {_describe(err, RunConfig)}")
-    return ConfigError("\n".join(dict.fromkeys(lines)))
+    lines = [f"{_blame(err['loc'], combo)}: {_describe(err, RunConfig)}" for err in exc.errors()]
+    return _error_lines(lines)
+
+
+def _blame(loc: Sequence[Any], combo: dict[str, Any]) -> str:
+    """Where an error in one grid point comes from: the grid keys it involves (a check over a whole
+    section, such as warmup_steps with kind constant, involves each of the section's grid keys), else base."""
+    key = ".".join(str(p) for p in loc[:2])
+    if key in combo:
+        return f"grid.{key}"
+    if len(loc) == 1:
+        involved = [f"grid.{k}" for k in combo if k.startswith(f"{loc[0]}.")]
+        if involved:
+            return ", ".join(involved)
+    return _key_path("base", loc)
 
 
 def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:
@@ -440,12 +591,18 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
     base = validate_run(sweep_file.base, "base")
     seeds = list(dict.fromkeys(sweep_file.seeds if sweep_file.seeds is not None else [base.seed]))
     runs = _expand(sweep_file, base, seeds, max_runs)
-    return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs)
+    open_keys = _open_keys(sweep_file.base)
+    return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs, open_keys)
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:
-    """Load, validate and expand a sweep file. Raises ConfigError with the key path on any problem."""
-    return build_sweep(read_mapping(path), overrides, max_runs)
+    """Load, validate and expand a sweep file, or a run folder's `config.yaml` (a sweep of that one run,
+    named after its folder). Raises ConfigError with the key path on any problem."""
+    data = read_mapping(path)
+    if "name" not in data and set(data) <= set(RunConfig.model_fields):
+        folder = Path(path).resolve().parent.name
+        data = {"name": folder if re.fullmatch(NAME_PATTERN, folder) else "run", "base": data}
+    return build_sweep(data, overrides, max_runs)
 
 
 def flatten(cfg: RunConfig) -> dict[str, Any]:

@@ -14,10 +14,11 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep
+from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep, flatten
 from normexp.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
 from normexp.train import seeded_init, torch_threads
 
@@ -241,9 +242,11 @@ class GradnormSummary:
 
     def measured_gain(self, placement: str) -> float:
         """c as the data show it: Post-LN, mean ||u||^2/d - 1; otherwise the per-block growth of ||x_l||^2/d."""
-        if placement == "post":
+        if placement.split()[0] == "post":
             return statistics.fmean(v for v in self.norm_in_sq[placement] if not math.isnan(v)) - 1
         stream = self.stream_sq[placement]
+        if len(stream) < 2:  # a growth per block needs two blocks
+            return math.nan
         blocks = list(range(1, len(stream) + 1))
         mx, my = statistics.fmean(blocks), statistics.fmean(stream)
         return sum((b - mx) * (v - my) for b, v in zip(blocks, stream)) / sum((b - mx) ** 2 for b in blocks)
@@ -259,12 +262,23 @@ def branch_gain(model: ModelConfig) -> float | None:
     return 2 * m / (1 + m) ** 2
 
 
+def gradnorm_variant(cfg: RunConfig, keys: Sequence[str]) -> str:
+    """The variant a gradnorm row belongs to: its placement, then `leaf=value` for each other grid axis
+    in `keys` (depth and seed excepted), so that only seeds are ever pooled into one mean ± std."""
+    flat = flatten(cfg)
+    others = [k for k in keys if k not in ("norm.placement", "model.depth", "seed")]
+    return " ".join([cfg.norm.placement, *(f"{k.rsplit('.', 1)[-1]}={json.dumps(flat[k])}" for k in others)])
+
+
 def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> GradnormSummary:
-    placements = list(dict.fromkeys(r["placement"] for r in rows))
+    """Per variant (rows' `variant`, or their placement where rows carry none) and depth: the mean and
+    std over seeds of the last block's gradient; the fitted slope; the deepest model's hidden norms."""
+    variant = [r.get("variant", r["placement"]) for r in rows]
+    placements = list(dict.fromkeys(variant))
     depths = sorted({int(r["depth"]) for r in rows})
     last_grad, slopes, stream, norm_in = {}, {}, {}, {}
     for placement in placements:
-        mine = [r for r in rows if r["placement"] == placement]
+        mine = [r for r, v in zip(rows, variant) if v == placement]
         stats = []
         for depth in depths:
             values = [r["fc2_grad"] for r in mine if r["depth"] == depth and r["block"] == depth]
@@ -283,12 +297,14 @@ def gradnorm_study(spec: Sweep, target: Path) -> GradnormSummary:
     target/gradnorm.png, and return the summary."""
     from normexp.plot import gradnorm_figure
 
-    rows = [row for cfg in spec.runs for row in gradnorm_at_init(cfg)]
+    keys = spec.varying_keys
+    rows = [{**row, "variant": gradnorm_variant(cfg, keys)} for cfg in spec.runs for row in gradnorm_at_init(cfg)]
     target.mkdir(parents=True, exist_ok=True)
     with open(target / "gradnorm.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-    summary = summarise_gradnorm(rows, spec.base.model)
+    models = {(cfg.model.init, cfg.model.hidden_mult): cfg.model for cfg in spec.runs}
+    summary = summarise_gradnorm(rows, next(iter(models.values())) if len(models) == 1 else None)  # one init, or none
     gradnorm_figure(summary).savefig(target / "gradnorm.png", dpi=120)
     return summary

@@ -1,7 +1,7 @@
 """Where work runs: in the sweep's own process, in a local process pool, or on a Dask cluster.
 
 The sweep process stays the coordinator: it plans work units (a batch of runs for the batched
-engine, one run for the reference engine), hands them to an executor, and writes every result itself.
+and fast engines, one run for the reference engine), hands them to an executor, and writes every result itself.
 Workers receive configs as plain data and return metrics as plain data: they need no shared file
 system, only normexp installed.
 
@@ -14,16 +14,25 @@ kernels; it is recorded in each run's done.json).
 - `DaskExecutor(address)`: `--cluster local[:N]` starts an embedded LocalCluster, `--cluster
   tcp://HOST:PORT` uses a running scheduler. Needs the `dask` extra.
 
-A worker that dies is retried once; if the retry dies too, the unit's runs are marked `crashed`.
+A worker that dies costs the unit it was training one attempt: the unit is retried once; if the retry
+dies too, its runs are marked `crashed`. Units on other workers, and units not yet started, go on.
+Pool workers die with their coordinator, even after `kill -9` (Dask's do so on their own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from normexp.config import RunConfig
@@ -34,12 +43,14 @@ CRASHED = "crashed"
 
 @dataclass(frozen=True)
 class WorkUnit:
-    """Runs that one worker trains together: one batch (batched engine) or one run (reference)."""
+    """Runs that one worker trains together: one batch (batched or fast engine) or one run (reference)."""
 
     configs: tuple[dict, ...]  # RunConfig.model_dump(mode="json"): plain, picklable, small
     batched: bool
     device: str
     threads: int
+    fast: bool = False  # trained by the fast engine
+    compile: bool = False  # fast engine: compile its step (decided when the sweep is planned)
 
     @property
     def runs(self) -> list[RunConfig]:
@@ -55,17 +66,34 @@ class UnitResult:
     status: str = "failed"  # the status of the runs that have an error message
 
 
-def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int) -> list[WorkUnit]:
-    """Split runs into work units: batches where the batched engine applies, single runs elsewhere."""
+def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int,
+               compile: bool | None = None) -> list[WorkUnit]:
+    """Split runs into work units: batches where the batched engine applies, single runs elsewhere;
+    with the fast engine, batches of every structure (`compile` None: decided per structure)."""
     def unit(configs: Sequence[RunConfig], batched: bool) -> WorkUnit:
         return WorkUnit(tuple(c.model_dump(mode="json") for c in configs), batched, device, threads)
 
     if engine == "reference":
         return [unit([cfg], False) for cfg in runs]
+    if engine == "fast":
+        return _plan_fast_units(runs, device, threads, compile)
     from normexp.batched import plan_batches
 
     batches, alone = plan_batches(runs)
     return [unit(batch, True) for batch in batches] + [unit([cfg], False) for cfg in alone]
+
+
+def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compile: bool | None) -> list[WorkUnit]:
+    """The fast engine's batches; each structure compiles when its planned model-steps pay for it."""
+    from normexp.engines.fast import fast_key, plan_fast, should_compile
+
+    batches = plan_fast(runs)
+    model_steps: dict[tuple, int] = {}
+    for cfg in runs:
+        model_steps[fast_key(cfg)] = model_steps.get(fast_key(cfg), 0) + cfg.train.steps + 1
+    return [WorkUnit(tuple(c.model_dump(mode="json") for c in batch), True, device, threads, fast=True,
+                     compile=should_compile(batch[0], model_steps[fast_key(batch[0])]) if compile is None else compile)
+            for batch in batches]
 
 
 def run_unit(unit: WorkUnit) -> UnitResult:
@@ -76,21 +104,30 @@ def run_unit(unit: WorkUnit) -> UnitResult:
     runs = unit.runs
     if unit.batched:
         from normexp.batched import train_batch
+        from normexp.engines.fast import train_fast
 
         try:
-            results = train_batch(runs, unit.device)
-        except Exception as exc:  # noqa: BLE001 - reported per run
-            return UnitResult(unit, tuple(_error(exc) for _ in runs))
+            results = train_fast(runs, unit.device, unit.compile) if unit.fast else train_batch(runs, unit.device)
+        except Exception:  # noqa: BLE001 - one run's error must not fail its batch-mates: see _run_alone
+            return UnitResult(unit, _run_alone(runs, unit.device))
         return UnitResult(unit, tuple(_finished(r, unit.device) for r in results))
+    return UnitResult(unit, _run_alone(runs, unit.device))
+
+
+def _run_alone(runs: Sequence[RunConfig], device: str) -> tuple[FinishedRun | str, ...]:
+    """Each run on the reference engine, one at a time; a run that raises gets its error message.
+    A batch that raised is retried this way: the reference engine gives the batched engine's bits,
+    so the batch-mates of a bad run finish with the numbers they would have had, and only the
+    culprit is recorded as failed."""
     from normexp.train import train_run
 
     outcomes: list[FinishedRun | str] = []
     for cfg in runs:
         try:
-            outcomes.append(_finished(train_run(cfg, device=unit.device), unit.device))
+            outcomes.append(_finished(train_run(cfg, device=device), device))
         except Exception as exc:  # noqa: BLE001 - reported per run
             outcomes.append(_error(exc))
-    return UnitResult(unit, tuple(outcomes))
+    return tuple(outcomes)
 
 
 def _finished(result: Any, device: str) -> FinishedRun:
@@ -121,12 +158,6 @@ def default_threads() -> int:
 # ----------------------------------------------------------------------------- executors
 
 
-def _worker_init() -> None:
-    """Before torch loads in a pool worker: idle OpenMP threads sleep instead of spinning, so workers
-    that together hold more threads than cores do not steal each other's time."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 class InProcessExecutor:
     """Run units one after another in the sweep's own process."""
 
@@ -138,67 +169,164 @@ class InProcessExecutor:
         pass
 
 
+@dataclass(frozen=True, eq=False)
+class _Worker:
+    """One pool worker: its process and the coordinator's end of its pipe."""
+
+    process: BaseProcess
+    conn: Connection
+
+
 class PoolExecutor:
-    """A local process pool of `workers` processes (spawned: torch is not fork-safe)."""
+    """A local pool of `workers` processes (spawned: torch is not fork-safe), one unit at a time each.
+
+    The coordinator sends each worker one unit and knows which unit every worker holds, so a worker
+    that dies costs only its own unit an attempt (retried once on a fresh worker, then `crashed`);
+    the other workers go on. Workers leave Ctrl-C to the coordinator, which stops them on close(),
+    and die with it however it ends (see `die_with_parent`).
+    """
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        import multiprocessing
-
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_worker_init)
+        self._workers: list[_Worker] = []
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
-        attempts = {id(unit): 0 for unit in units}
-        queue = list(units)
-        while queue:
-            self._pool = self._new_pool()
-            futures: dict[Future, WorkUnit] = {self._pool.submit(run_unit, unit): unit for unit in queue}
-            queue = []
-            while futures:
-                done, _ = wait(futures, return_when=FIRST_COMPLETED)
-                for future in done:
-                    unit = futures.pop(future)
-                    try:
-                        yield future.result()
-                    except BrokenProcessPool:
-                        attempts[id(unit)] += 1
-                        if attempts[id(unit)] > 1:
-                            yield crashed(unit, "worker process died twice while training these runs")
-                        else:
-                            queue.append(unit)  # retried once, in a fresh pool
-            self._pool.shutdown(wait=True)
+        queue, attempts = deque(units), {id(unit): 0 for unit in units}
+        idle = [self._start_worker() for _ in range(min(self.workers, len(queue)))]
+        busy: dict[_Worker, WorkUnit] = {}
+        while queue or busy:
+            while queue and idle:
+                worker, unit = idle.pop(), queue.popleft()
+                busy[worker] = unit
+                _send(worker, (run_unit, unit))
+            for worker in _ready(busy):
+                unit = busy.pop(worker)
+                result = _receive(worker)
+                if result is not None:
+                    idle.append(worker)
+                    yield result
+                    continue
+                self._retire(worker)
+                attempts[id(unit)] += 1
+                if attempts[id(unit)] > 1:
+                    yield crashed(unit, "worker process died twice while training these runs")
+                else:
+                    queue.appendleft(unit)  # retried once, on a fresh worker
+                if queue:
+                    idle.append(self._start_worker())
+        self.close()
+
+    def _start_worker(self) -> _Worker:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        mine, theirs = context.Pipe()
+        process = context.Process(target=_worker_main, args=(theirs, os.getpid()), daemon=True)
+        worker = _Worker(process, mine)
+        with _signals_held():  # until the worker has set its own handlers (and is known to close())
+            process.start()
+            self._workers.append(worker)
+        theirs.close()
+        return worker
+
+    def _retire(self, worker: _Worker) -> None:
+        self._workers.remove(worker)
+        worker.process.kill()
+        worker.process.join()
+        worker.conn.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop every worker at once (a unit in progress is abandoned; its runs count as not run)."""
+        for worker in list(self._workers):
+            self._retire(worker)
+
+
+def _send(worker: _Worker, message: object) -> None:
+    try:
+        worker.conn.send(message)
+    except OSError:
+        pass  # the worker is dead: its sentinel says so to _ready()
+
+
+def _ready(busy: dict[_Worker, WorkUnit]) -> list[_Worker]:
+    """Block until some busy worker has a result or has died; return those workers."""
+    from multiprocessing.connection import wait as wait_any
+
+    handles = {worker.conn: worker for worker in busy} | {worker.process.sentinel: worker for worker in busy}
+    return list(dict.fromkeys(handles[handle] for handle in wait_any(list(handles))))
+
+
+def _receive(worker: _Worker) -> UnitResult | None:
+    """The worker's result, or None if it died without sending one."""
+    try:
+        return worker.conn.recv() if worker.conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
+def _worker_main(conn: Connection, coordinator: int) -> None:
+    """A pool worker's life: die with the coordinator, leave Ctrl-C to it, train each unit it is sent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole process group
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # SIGTERM, SIGHUP: end the worker, as by default
+    die_with_parent(coordinator)
+    # Before torch loads: idle OpenMP threads sleep instead of spinning, so workers that together hold
+    # more threads than cores do not steal each other's time.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        task, unit = message
+        conn.send(task(unit))
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when `parent` ends, even by kill -9: the kernel's parent-death signal on Linux,
+    and everywhere a thread that watches the parent (which also covers a parent gone before the
+    signal was armed)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    threading.Thread(target=_watch_parent, args=(parent,), name="watch-parent", daemon=True).start()
+
+
+def _watch_parent(parent: int, every_s: float = 0.2) -> None:
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)
 
 
 class DaskExecutor:
     """Submit units to a Dask cluster: `local[:N]` (an embedded LocalCluster) or a scheduler address."""
 
     def __init__(self, address: str) -> None:
+        workers = check_cluster_address(address)
         try:
             import dask
             from distributed import Client, LocalCluster
         except ImportError:
             raise ExecutorError("--cluster needs Dask: pip install 'normexp[dask]'") from None
-        self._cluster = None
+        self._cluster = self.client = None
         self._futures: list = []  # submitted by run(): cancelled by close()
         dask.config.set({"distributed.scheduler.allowed-failures": 1})  # a dying worker: retried once
-        if address == "local" or address.startswith("local:"):
-            workers = int(address.partition(":")[2] or os.cpu_count() or 1)
-            self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                         dashboard_address=None, env={"OMP_WAIT_POLICY": "PASSIVE"})
-            self.client = Client(self._cluster)
-        else:
-            try:
-                self.client = Client(address, timeout="10s")
-            except (OSError, TimeoutError) as exc:
-                raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({exc})") from None
+        try:
+            with _signals_held({signal.SIGINT}):  # the cluster's processes leave Ctrl-C to the coordinator
+                if workers is not None:
+                    self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                                 dashboard_address=None, env={"OMP_WAIT_POLICY": "PASSIVE"})
+                    self.client = Client(self._cluster)
+                else:
+                    self.client = Client(address, timeout="10s")
+        except (OSError, TimeoutError) as exc:
+            raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({exc})") from None
+        except BaseException:  # a signal held during start-up arrives here: stop what started
+            self.close()
+            raise
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
         from distributed import as_completed
@@ -213,11 +341,53 @@ class DaskExecutor:
                 yield crashed(unit, f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
+        """Cancel what is outstanding and stop the cluster, without Dask's warnings about work lost
+        on the way (the sweep has recorded what finished)."""
+        import logging
+
+        logging.getLogger("distributed").setLevel(logging.CRITICAL + 1)
         if self._futures:
             self.client.cancel(self._futures)
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+@contextlib.contextmanager
+def _signals_held(signals: frozenset[int] | set[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Hold `signals` (Ctrl-C, SIGTERM, SIGHUP) in this thread for the block; they arrive when it ends.
+    Threads and processes started in the block inherit the mask, so a terminal's Ctrl-C to the whole
+    group reaches the coordinator only."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+MAX_WORKERS = 1024
+CLUSTER_FORMS = "local, local:N (N workers, N >= 1) or tcp://HOST:PORT (a running scheduler)"
+
+
+def check_cluster_address(address: str) -> int | None:
+    """Check a --cluster value before anything starts: the number of local workers for `local[:N]`,
+    None for a scheduler address. Anything else is an ExecutorError naming the accepted forms."""
+    if address == "local":
+        return os.cpu_count() or 1
+    count = address.removeprefix("local:")
+    if count != address:
+        if re.fullmatch(r"[0-9]{1,4}", count) and 1 <= int(count) <= MAX_WORKERS:
+            return int(count)
+        raise ExecutorError(f"--cluster {address}: N must be a whole number from 1 to {MAX_WORKERS}; "
+                            f"expected {CLUSTER_FORMS}")
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if address.startswith("tcp://") and host and re.fullmatch(r"[0-9]{1,5}", port) and 0 < int(port) < 65536:
+        return None
+    raise ExecutorError(f"--cluster {address}: expected {CLUSTER_FORMS}")
 
 
 class ExecutorError(RuntimeError):

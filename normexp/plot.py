@@ -1,7 +1,8 @@
 """Figures from a sweep's output folder (matplotlib, Agg backend: no display needed).
 
 - `curves_figure`: one line per variant (the mean over seeds), a shaded min–max band over seeds,
-  log y for the loss, chance level ln(n_classes) as a dotted line.
+  log y for the loss, chance level ln(n_classes) as a dotted line. Each legend entry says how many
+  runs its line covers and how many of them diverged (their curves stop, so later means cover fewer).
 - `phase_figure`: for two numeric grid axes (e.g. optim.lr x schedule.warmup_steps), a heatmap of
   the final loss per placement (one panel each, one shared log colour scale): where does each
   placement train?
@@ -64,20 +65,34 @@ def _draw_curves(ax, tidy: pd.DataFrame, keys: list[str], metric: str) -> None:
     colours = plt.get_cmap("tab10" if len(variants) <= 10 else "viridis")
     for i, (label, group) in enumerate(variants):
         colour = colours(i if len(variants) <= 10 else i / max(1, len(variants) - 1))
-        stats = group.groupby("step")[metric].agg(["mean", "min", "max", "count"])
-        seeds = int(stats["count"].max())
-        ax.plot(stats.index, stats["mean"], color=colour, label=f"{label} (n={seeds})" if seeds > 1 else label)
-        if seeds > 1:
+        finite = group[group["loss"].astype(float).map(math.isfinite)]
+        stats = finite.groupby("step")[metric].agg(["mean", "min", "max", "count"])
+        ax.plot(stats.index, stats["mean"], color=colour, label=f"{label}{_coverage(group)}")
+        if group["run_id"].nunique() > 1:
             ax.fill_between(stats.index, stats["min"], stats["max"], color=colour, alpha=0.15, linewidth=0)
     if metric in ("loss", "grad_norm"):
         ax.set_yscale("log")
     if metric == "loss" and "model.n_classes" in tidy:
-        n_classes = int(tidy["model.n_classes"].iloc[0])
-        ax.axhline(math.log(n_classes), color="grey", linestyle=":", linewidth=1, label=f"chance, ln {n_classes}")
+        for n_classes in dict.fromkeys(int(n) for n in tidy["model.n_classes"]):
+            ax.axhline(math.log(n_classes), color="grey", linestyle=":", linewidth=1, label=f"chance, ln {n_classes}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(METRIC_LABELS.get(metric, metric))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="x-small" if len(variants) > 8 else "small")
+
+
+def _coverage(runs: pd.DataFrame) -> str:
+    """' (n=4, 2 diverged)': how many runs an aggregate covers and how many diverged ('' for one
+    run that did not diverge)."""
+    status = runs.groupby("run_id")["status"].first()
+    diverged = int((status == "diverged").sum())
+    if len(status) == 1:
+        return " (diverged)" if diverged else ""
+    return f" (n={len(status)}, {diverged} diverged)" if diverged else f" (n={len(status)})"
+
+
+def _tick(value: object) -> str:
+    return "null" if pd.isna(value) else f"{value:g}"
 
 
 def numeric_axes(summary: pd.DataFrame) -> list[str]:
@@ -103,24 +118,35 @@ def phase_figure(summary: pd.DataFrame, x_key: str, y_key: str) -> Figure:
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False, layout="constrained")
     image = None
     for ax, (label, group) in zip(axes.flat, panels):
-        grid = group.groupby([y_key, x_key])["final_loss"].mean().unstack(x_key)
+        stats = group.groupby([y_key, x_key], dropna=False)["final_loss"].agg(["mean", "count", "size"])
+        grid, finite, runs = (stats[c].unstack(x_key) for c in ("mean", "count", "size"))
         image = ax.imshow(grid.to_numpy(dtype=float), norm=LogNorm(vmin=vmin, vmax=vmax), cmap="viridis_r",
                           aspect="auto", origin="lower")
-        ax.set_xticks(range(len(grid.columns)), [f"{v:g}" for v in grid.columns], rotation=45)
-        ax.set_yticks(range(len(grid.index)), [f"{v:g}" for v in grid.index])
+        ax.set_xticks(range(len(grid.columns)), [_tick(v) for v in grid.columns], rotation=45)
+        ax.set_yticks(range(len(grid.index)), [_tick(v) for v in grid.index])
         ax.set_xlabel(x_key)
         ax.set_ylabel(y_key)
         ax.set_title(label)
         for (i, j), value in np.ndenumerate(grid.to_numpy(dtype=float)):
-            text = "div" if math.isnan(value) else f"{value:.2g}"
-            ax.text(j, i, text, ha="center", va="center", fontsize="x-small",
+            ax.text(j, i, _phase_text(value, finite.iat[i, j], runs.iat[i, j]), ha="center", va="center",
+                    fontsize="x-small",
                     color="white" if not math.isnan(value) and value > math.sqrt(vmin * vmax) else "black")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     if image is not None:
         fig.colorbar(image, ax=axes, label="final loss (mean over seeds, log scale)")
-    fig.suptitle(f"phase diagram: final loss over {y_key} x {x_key} (div: diverged)")
+    fig.suptitle(f"phase diagram: final loss over {y_key} x {x_key} (div: all diverged; k/n: mean of the k of n "
+                 "runs that did not diverge)")
     return fig
+
+
+def _phase_text(mean: float, finite: float, runs: float) -> str:
+    """A phase cell's label: the mean, with k/n when only k of its n runs did not diverge."""
+    if pd.isna(runs) or runs == 0:
+        return ""
+    if finite == 0:
+        return "div"
+    return f"{mean:.2g}" if finite == runs else f"{mean:.2g}\n{int(finite)}/{int(runs)}"
 
 
 def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: str = "loss") -> list[Path]:
@@ -155,8 +181,10 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
         stds = np.array([s for _, s in stats])
         line = left.errorbar(depths, means, yerr=stds, marker="o", capsize=3,
                              label=f"{placement} (slope {summary.slopes[placement]:+.2f})")[0]
-        fit = np.polyfit(np.log(depths), np.log(means), 1)
-        left.plot(depths, np.exp(np.polyval(fit, np.log(depths))), color=line.get_color(), linestyle="--", alpha=0.6)
+        if len(depths) > 1:  # a slope needs two depths
+            fit = np.polyfit(np.log(depths), np.log(means), 1)
+            left.plot(depths, np.exp(np.polyval(fit, np.log(depths))), color=line.get_color(), linestyle="--",
+                      alpha=0.6)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("depth L (blocks)")
@@ -168,7 +196,7 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
         blocks = np.arange(1, len(stream) + 1)
         right.plot(blocks, stream, marker=".", label=f"{placement}: ||x_l||^2/d (stream)")
         norm_in = np.array(summary.norm_in_sq[placement])
-        if placement == "post" and not np.all(np.isnan(norm_in)):
+        if placement.split()[0] == "post" and not np.all(np.isnan(norm_in)):
             right.plot(blocks, norm_in, marker=".", label="post: ||x + F(x)||^2/d (norm input)")
     blocks = np.arange(1, summary.depths[-1] + 1)
     right.plot(blocks, 1 + (blocks - 1) / 2, color="grey", linestyle=":", label="Lemma 2, Pre-LN: 1 + l/2")
@@ -184,16 +212,19 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
 def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
     """Final loss against a numeric key (e.g. model.depth), one line per other variant: the mean over
     seeds, with the min–max band."""
-    finished = finished_runs(summary)
+    finished = finished_runs(summary).copy()
+    finished["final_loss"] = finished["final_loss"].astype(float).where(np.isfinite(finished["final_loss"]))
     others = [k for k in varying_keys(summary) if k not in ("seed", x_key)]
     fig, ax = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
     for label, group in variant_groups(finished, others):
         stats = group.groupby(x_key)["final_loss"].agg(["mean", "min", "max"])
-        line, = ax.plot(stats.index, stats["mean"], marker="o", label=label)
+        line, = ax.plot(stats.index, stats["mean"], marker="o", label=f"{label}{_coverage(group)}")
         ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.15, linewidth=0)
-    n_classes = int(finished["model.n_classes"].iloc[0])
-    ax.axhline(math.log(n_classes), color="grey", linestyle=":", label=f"chance, ln {n_classes}")
-    ax.axhline(trained_threshold(n_classes), color="grey", linestyle="--", linewidth=0.8, label="trained below")
+    classes = list(dict.fromkeys(int(n) for n in finished["model.n_classes"]))
+    for n_classes in classes:
+        ax.axhline(math.log(n_classes), color="grey", linestyle=":", label=f"chance, ln {n_classes}")
+        ax.axhline(trained_threshold(n_classes), color="grey", linestyle="--", linewidth=0.8,
+                   label="trained below" + (f", n_classes={n_classes}" if len(classes) > 1 else ""))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(x_key)

@@ -1,5 +1,5 @@
 """Turn a sweep's events into what the user sees: a Rich progress bar on a terminal, one plain line
-per run otherwise (logs, CI), nothing with --quiet. The core never imports this module."""
+per run otherwise (logs, CI), only the failed runs with --quiet. The core never imports this module."""
 
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ def _line(event: SweepEvent) -> str:
 
 @contextlib.contextmanager
 def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventCallback]:
-    if quiet:
-        yield lambda event: None
+    if quiet:  # failures are errors: still one line each
+        def failures(event: SweepEvent) -> None:
+            if event.kind == "failed":
+                console.print(_line(event), markup=False)
+        yield failures
         return
     if not console.is_terminal:
         def plain(event: SweepEvent) -> None:
@@ -36,6 +39,6 @@ def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventC
 
         def bar(event: SweepEvent) -> None:
             progress.update(task, completed=event.done)
-            if event.kind == "failed":
+            if event.kind in ("failed", "redone"):
                 progress.console.print(_line(event), markup=False)
         yield bar

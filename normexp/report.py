@@ -7,6 +7,11 @@
 
 Columns are the runs grouped by the column keys (default: every varying config key but the seed);
 runs that differ only in seed are one column. Labels follow the article: `Post-LN`, `Pre-RMS`...
+
+Every aggregate says what it covers. A mean is taken over the runs whose loss is finite at that step;
+where that is not every run of the cell, the cell says so (`0.0512 ± 0.0031 (2 of 4)`: the other two
+diverged), a cell whose runs all diverged reads `diverged` (never `—`, which means "no run"), and the
+verdict line counts diverged runs per column. Each run is judged against its own n_classes.
 """
 
 from __future__ import annotations
@@ -60,19 +65,45 @@ def variant_label(values: dict[str, object]) -> str:
         if kind is not None:
             head = f"{head}-{KIND_LABELS.get(str(kind), kind)}" if head else str(KIND_LABELS.get(str(kind), kind))
         parts.append(head)
-    parts += [f"{key.rsplit('.', 1)[-1]}={value}" for key, value in values.items()
+    parts += [f"{key.rsplit('.', 1)[-1]}={'null' if _is_null(value) else value}" for key, value in values.items()
               if key not in ("norm.placement", "norm.kind")]
     return " ".join(parts) or "run"
+
+
+def aggregate_cell(mean: float, std: float, finite: int, runs: int) -> str:
+    """One aggregate as text: `mean ± std` over the `finite` runs of the cell's `runs`, saying
+    "(k of n)" when some diverged, `diverged` when all did, and `—` only where there is no run."""
+    if runs == 0:
+        return "—"
+    if finite == 0:
+        return "diverged" if runs == 1 else f"all {runs} diverged"
+    value = number(mean) if finite == 1 else f"{number(mean)} ± {number(std)}"
+    return value if finite == runs else f"{value} ({finite} of {runs})"
+
+
+PARTIAL_NOTE = "(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged."
+
+
+def _is_null(value: object) -> bool:
+    """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def number(value: float) -> str:
+    """A loss as the article prints it (4 decimals); past 1e6 in scientific notation, so that a
+    diverging run's cell stays narrow enough to be shown whole."""
+    return f"{value:.4f}" if not abs(value) >= 1e6 or math.isinf(value) else f"{value:.4e}"
 
 
 @dataclass(frozen=True)
 class Column:
     label: str
     values: dict[str, object]  # the column keys' values
-    cells: dict[int, tuple[float, float, int]]  # step -> (mean, std, n)
-    trained: int  # runs whose final loss is under the threshold
+    cells: dict[int, tuple[float, float, int, int]]  # step -> (mean, std, finite runs, runs that reached it)
+    trained: int  # runs whose final loss is under their own threshold
     runs: int
     unit: str  # "seeds" when the column's runs differ only by seed, else "runs"
+    diverged: int = 0  # runs that diverged (they count as not trained)
 
 
 @dataclass(frozen=True)
@@ -81,22 +112,29 @@ class Report:
     metric: str
     steps: list[int]
     columns: list[Column]
-    threshold: float  # the trained/did-not-train threshold on the final loss
-    n_classes: int
+    n_classes: tuple[int, ...]  # every n_classes among the runs: each run is judged by its own
 
     def cell(self, column: Column, step: int) -> str:
         if step not in column.cells:
             return "—"
-        mean, std, n = column.cells[step]
-        return f"{mean:.4f}" if n == 1 else f"{mean:.4f} ± {std:.4f}"
+        return aggregate_cell(*column.cells[step])
+
+    @property
+    def partial(self) -> bool:
+        """Some cell's mean covers only part of its runs (the others diverged)."""
+        return any(0 < c.cells[s][2] < c.cells[s][3] for c in self.columns for s in self.steps if s in c.cells)
 
     def verdict(self, column: Column) -> str:
         if column.runs == 1:
-            return "trained" if column.trained else "did not train"
-        return f"trained in {column.trained} of {column.runs} {column.unit}"
+            return "trained" if column.trained else "diverged" if column.diverged else "did not train"
+        diverged = f", {column.diverged} diverged" if column.diverged else ""
+        return f"trained in {column.trained} of {column.runs} {column.unit}{diverged}"
 
     def verdict_line(self) -> str:
-        rule = f"final loss < ln({self.n_classes})/10 = {self.threshold:.3f}"
+        rule = ", ".join(f"ln({n})/10 = {trained_threshold(n):.3f}" for n in self.n_classes)
+        if len(self.n_classes) > 1:
+            rule = f"each run's ln(n_classes)/10: {rule}"
+        rule = f"final loss < {rule}"
         trained = [c.label for c in self.columns if c.trained == c.runs]
         partly = [f"{c.label} ({c.trained}/{c.runs} {c.unit})" for c in self.columns if 0 < c.trained < c.runs]
         failed = [c.label for c in self.columns if c.trained == 0]
@@ -104,6 +142,9 @@ class Report:
         if partly:
             parts.append(f"Trained in some seeds: {', '.join(partly)}.")
         parts.append(f"Did not train: {', '.join(failed) or 'none'}.")
+        diverged = [f"{c.label} ({c.diverged} of {c.runs} {c.unit})" for c in self.columns if c.diverged]
+        if diverged:
+            parts.append(f"Diverged: {', '.join(diverged)}.")
         return "  ".join(parts)
 
 
@@ -133,12 +174,16 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     keys = list(by or section.columns or [k for k in varying_keys(summary) if k != "seed"])
     _check_keys(keys, summary, "--by")
     metric = metric or section.metric
-    steps = list(steps or section.steps)
-    steps = [s for s in steps if s in set(tidy["step"])]
-    n_classes = int(tidy["model.n_classes"].iloc[0])
-    columns = [_column(label, group, keys, steps, metric, n_classes)
+    recorded = set(tidy["step"])
+    missing = [s for s in steps or () if s not in recorded]
+    if missing:
+        raise ResultsError(f"--steps {','.join(map(str, missing))}: not recorded by any run "
+                           f"(steps {min(recorded)} to {max(recorded)})")
+    steps = [s for s in steps or section.steps if s in recorded]
+    n_classes = tuple(int(n) for n in dict.fromkeys(tidy["model.n_classes"]))
+    columns = [_column(label, group, keys, steps, metric)
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric), metric, steps, columns, trained_threshold(n_classes), n_classes)
+    return Report(_title(summary, metric), metric, steps, columns, n_classes)
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
@@ -162,18 +207,22 @@ def is_trained(final_loss: pd.Series, status: pd.Series, n_classes: pd.Series | 
     return (status == "completed") & (final_loss < threshold)
 
 
-def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
-            n_classes: int) -> Column:
+def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str) -> Column:
     values = {k: group[k].iloc[0] for k in keys}
+    finals = group.sort_values("step").groupby("run_id").tail(1)
     cells = {}
-    for step, at_step in group[group["step"].isin(steps)].groupby("step"):
+    for step in steps:
+        # the runs that reached this step, or would have but diverged (they stop at a non-finite loss)
+        runs = int(((finals["step"] >= step) | (finals["status"] == "diverged")).sum())
+        at_step = group[(group["step"] == step) & group["loss"].astype(float).map(math.isfinite)]
         series = at_step[metric].astype(float)
         std = float(series.std(ddof=1)) if len(series) > 1 else 0.0
-        cells[int(step)] = (float(series.mean()), std, len(series))
-    finals = group.sort_values("step").groupby("run_id").tail(1)
-    trained = int(is_trained(finals["loss"], finals["status"], n_classes).sum())
+        if runs:
+            cells[step] = (float(series.mean()) if len(series) else math.nan, std, len(series), runs)
+    trained = int(is_trained(finals["loss"], finals["status"], finals["model.n_classes"]).sum())
     unit = "seeds" if group["seed"].nunique() == len(finals) else "runs"
-    return Column(label, values, cells, trained, len(finals), unit)
+    diverged = int((finals["status"] == "diverged").sum())
+    return Column(label, values, cells, trained, len(finals), unit, diverged)
 
 
 def _title(summary: pd.DataFrame, metric: str) -> str:
@@ -217,6 +266,8 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
     table = _rich_table(header, rows, _grid_align(report, len(header)))
     table.columns[0].no_wrap = True
     parts = [Text(report.title, style="bold"), table]
+    if report.partial:
+        parts.append(Text(PARTIAL_NOTE))
     if report.metric == "loss":
         parts.append(Text(report.verdict_line()))
     return Group(*parts)
@@ -225,21 +276,26 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
 def to_markdown(report: Report) -> str:
     header, rows = grid_cells(report)
     lines = [f"**{report.title}**", "", *_markdown_table(header, rows, _grid_align(report, len(header)))]
+    if report.partial:
+        lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
         lines += ["", report.verdict_line()]
     return "\n".join(lines) + "\n"
 
 
 def to_csv(report: Report) -> str:
-    """Long form: one row per column and step, with mean, std and the number of seeds."""
+    """Long form: one row per column and step, with mean, std, the number of runs the mean covers (n),
+    the runs of the cell (finite or diverged) and, per column, how many diverged."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["variant", "step", f"{report.metric}_mean", f"{report.metric}_std", "n", "verdict"])
+    writer.writerow(["variant", "step", f"{report.metric}_mean", f"{report.metric}_std", "n", "verdict", "runs",
+                     "diverged"])
     for column in report.columns:
         for step in report.steps:
             if step in column.cells:
-                mean, std, n = column.cells[step]
-                writer.writerow([column.label, step, repr(mean), repr(std), n, report.verdict(column)])
+                mean, std, n, runs = column.cells[step]
+                writer.writerow([column.label, step, repr(mean), repr(std), n, report.verdict(column), runs,
+                                 column.diverged])
     return buffer.getvalue()
 
 
@@ -248,31 +304,37 @@ def to_csv(report: Report) -> str:
 
 @dataclass(frozen=True)
 class Pivot:
-    """Final loss (mean ± std over seeds) with `rows` down and `cols` across, one panel per
-    combination of the other varying keys."""
+    """Final loss (mean ± std over the seeds whose final loss is finite) with `rows` down and `cols`
+    across, one panel per combination of the other varying keys; `n` counts the runs a mean covers,
+    `runs` every finished run of the cell (the difference diverged)."""
 
     rows: str
     cols: str
-    panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # (title, mean, std, n)
+    panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # title, mean, std, n, runs
 
-    def cell(self, mean: float, std: float, n: int) -> str:
-        if pd.isna(n) or n == 0:
-            return "—"
-        return f"{mean:.4f}" if n == 1 else f"{mean:.4f} ± {std:.4f}"
+    def cell(self, mean: float, std: float, n: int, runs: int) -> str:
+        return aggregate_cell(mean, std, 0 if pd.isna(n) else int(n), 0 if pd.isna(runs) else int(runs))
+
+    @property
+    def partial(self) -> bool:
+        return any(((n < runs) & (runs > 0)).to_numpy().any() for _, _, _, n, runs in self.panels)
 
 
 def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
     summary = load_summary(run_dir)
     _check_keys([rows, cols], summary, "--pivot")
-    finished = finished_runs(summary)
+    finished = finished_runs(summary).copy()
     if finished.empty:
         raise ResultsError(f"{run_dir}: no finished runs yet")
+    finite = finished["final_loss"].astype(float).map(math.isfinite)
+    finished["final_loss"] = finished["final_loss"].astype(float).where(finite)  # inf counts as diverged too
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
     panels = []
     for title, group in variant_groups(finished, others):
-        stats = group.groupby([rows, cols])["final_loss"].agg(["mean", "std", "count"])
-        mean, std, n = (stats[c].unstack(cols) for c in ("mean", "std", "count"))
-        panels.append((title, mean, std.fillna(0.0), n))
+        stats = group.groupby([rows, cols], sort=False, dropna=False)["final_loss"].agg(
+            ["mean", "std", "count", "size"])
+        mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
+        panels.append((title, mean, std.fillna(0.0), n.fillna(0), runs.fillna(0)))
     return Pivot(rows, cols, panels)
 
 
@@ -280,12 +342,12 @@ def _short(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
-def _pivot_cells(pivot: Pivot, corner: str, mean: pd.DataFrame, std: pd.DataFrame,
-                 n: pd.DataFrame) -> tuple[list[str], list[list[str]], str]:
+def _pivot_cells(pivot: Pivot, corner: str, mean: pd.DataFrame, std: pd.DataFrame, n: pd.DataFrame,
+                 runs: pd.DataFrame) -> tuple[list[str], list[list[str]], str]:
     """One panel's header, rows and alignment; `corner` labels the row and column keys."""
     header = [corner, *(str(c) for c in mean.columns)]
-    rows = [[str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c]) for c in mean.columns)]
-            for row in mean.index]
+    rows = [[str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c], runs.at[row, c])
+                         for c in mean.columns)] for row in mean.index]
     return header, rows, "l" + "r" * len(mean.columns)
 
 
@@ -294,30 +356,34 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     from rich.text import Text
 
     corner = f"{_short(pivot.rows)} \\ {_short(pivot.cols)}"
-    parts = [_rich_table(*_pivot_cells(pivot, corner, mean, std, n), title=f"final loss · {title}")
-             for title, mean, std, n in pivot.panels]
+    parts = [_rich_table(*_pivot_cells(pivot, corner, *frames), title=f"final loss · {title}")
+             for title, *frames in pivot.panels]
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
+    if pivot.partial:
+        parts.append(Text(PARTIAL_NOTE))
     return Group(*parts)
 
 
 def pivot_to_markdown(pivot: Pivot) -> str:
     lines = []
-    for title, mean, std, n in pivot.panels:
+    for title, *frames in pivot.panels:
         lines += [f"**final loss · {title}**", "",
-                  *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", mean, std, n)), ""]
+                  *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", *frames)), ""]
+    if pivot.partial:
+        lines += [PARTIAL_NOTE, ""]
     return "\n".join(lines)
 
 
 def pivot_to_csv(pivot: Pivot) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["panel", pivot.rows, pivot.cols, "final_loss_mean", "final_loss_std", "n"])
-    for title, mean, std, n in pivot.panels:
+    writer.writerow(["panel", pivot.rows, pivot.cols, "final_loss_mean", "final_loss_std", "n", "runs"])
+    for title, mean, std, n, runs in pivot.panels:
         for row in mean.index:
             for col in mean.columns:
-                if not pd.isna(n.at[row, col]) and n.at[row, col] > 0:
+                if runs.at[row, col] > 0:  # a cell whose runs all diverged is a row with n = 0
                     writer.writerow([title, row, col, repr(float(mean.at[row, col])), repr(float(std.at[row, col])),
-                                     int(n.at[row, col])])
+                                     int(n.at[row, col]), int(runs.at[row, col])])
     return buffer.getvalue()
 
 
@@ -327,25 +393,32 @@ def pivot_to_csv(pivot: Pivot) -> str:
 def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  # summary: GradnormSummary
     """Header, rows and closing lines of the gradnorm table (shared by Rich and markdown)."""
     placements = list(summary.last_grad)
-    header = ["depth L", *(f"{PLACEMENT_LABELS.get(p, p)}: ||grad W2_L||" for p in placements)]
+    header = ["depth L", *(f"{_gradnorm_label(p)}: ||grad W2_L||" for p in placements)]
     rows = [[str(depth), *(f"{summary.last_grad[p][i][0]:.4f} ± {summary.last_grad[p][i][1]:.4f}" for p in placements)]
             for i, depth in enumerate(summary.depths)]
     deepest = summary.depths[-1]
-    lines = ["fitted slope of log ||grad W2_L|| against log L: " + ", ".join(
-        f"{PLACEMENT_LABELS.get(p, p)} {summary.slopes[p]:+.2f}" for p in placements)
-        + " (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
+    slopes = ", ".join(f"{_gradnorm_label(p)} {summary.slopes[p]:+.2f}" for p in placements)
+    if len(summary.depths) < 2:
+        slopes = "needs two depths or more (e.g. --set model.depth=8,16,32)"
+    lines = [f"fitted slope of log ||grad W2_L|| against log L: {slopes} (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
     for p in placements:
         stream, norm_in = summary.stream_sq[p], summary.norm_in_sq[p]
-        lines.append(f"{PLACEMENT_LABELS.get(p, p)}, L={deepest}: ||x_l||^2/d entering blocks 1, L/2, L = "
+        lines.append(f"{_gradnorm_label(p)}, L={deepest}: ||x_l||^2/d entering blocks 1, L/2, L = "
                      f"{stream[0]:.2f}, {stream[len(stream) // 2]:.2f}, {stream[-1]:.2f}; "
                      f"||u||^2/d entering the norms, mean over blocks = {_nanmean(norm_in):.2f}")
     lines.append("Xiong et al. Lemma 2 (xavier_normal init): ||u||^2/d ~ 1.5 entering each Post-LN norm; "
                  "||x_l||^2/d ~ 1 + l/2 along the Pre-LN stream")
-    gains = ", ".join(f"{PLACEMENT_LABELS.get(p, p)} {summary.measured_gain(p):.3f}" for p in placements)
+    gains = ", ".join(f"{_gradnorm_label(p)} {summary.measured_gain(p):.3f}" for p in placements)
     expected = f"{summary.branch_gain:.3f}" if summary.branch_gain is not None else "unknown for this init"
     lines.append(f"branch energy c = E||F(x)||^2/d per block, measured: {gains}; from the init, 2m/(1+m)^2 = "
                  f"{expected} (Xiong's N(0, 1/d) weights: 0.5). Lemma 2 with c: Post 1 + c, Pre 1 + c*l")
     return header, rows, lines
+
+
+def _gradnorm_label(variant: str) -> str:
+    """'post kind="rmsnorm"' -> 'Post kind="rmsnorm"': the placement's label, then the other axes."""
+    placement, _, rest = variant.partition(" ")
+    return " ".join(filter(None, [PLACEMENT_LABELS.get(placement, placement), rest]))
 
 
 def _nanmean(values: list[float]) -> float:

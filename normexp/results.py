@@ -45,8 +45,9 @@ def config_columns(summary: pd.DataFrame) -> list[str]:
 
 
 def varying_keys(summary: pd.DataFrame) -> list[str]:
-    """Config keys that take more than one value across the sweep's runs (`seed` included)."""
-    return [k for k in config_columns(summary) if summary[k].astype(str).nunique() > 1]
+    """Config keys that take more than one value across the sweep's runs (`seed` included). A null
+    (an empty cell: e.g. DeepNorm's alpha left to its depth rule) is a value of its own."""
+    return [k for k in config_columns(summary) if summary[k].nunique(dropna=False) > 1]
 
 
 def load_metrics(run_dir: str | Path, all_config: bool = False) -> pd.DataFrame:

@@ -4,7 +4,8 @@
       sweep.yaml              the resolved sweep (after --set), loadable again
       summary.csv             one row per run of the sweep, rebuilt from the run folders every time
       .lock                   held (flock) while a sweep writes here; holds the owner's PID and host
-      <run_id>/config.yaml    the resolved run config: `normexp sweep` of it alone reruns it
+      <run_id>/config.yaml    the resolved run config: `normexp sweep <run_id>/config.yaml` reruns it
+                              alone (a sweep of one run, into runs/<run_id> unless --out)
       <run_id>/metrics.csv    step, loss, acc, lr, grad_norm: one row per recorded step, floats as repr()
       <run_id>/blocks.csv     with train.log_blocks only: one row per logged step and block (blocklog.py)
       <run_id>/failed.json    only for a run that raised: the error (the run is retried next time)
@@ -155,6 +156,17 @@ def is_done(run_dir: Path, cfg: RunConfig) -> bool:
     return done is not None and done.get("config_hash") == config_hash(cfg)
 
 
+def other_threads(run_dir: Path, threads: int) -> str | None:
+    """Why a finished run must be redone to sit in a sweep that trains with `threads` torch threads:
+    the thread count changes the last bits of CPU kernels, and one sweep never mixes thread counts.
+    None when its done.json records the same count."""
+    done = read_json(run_dir / DONE_FILE) or {}
+    recorded = done.get("threads")
+    if recorded == threads:
+        return None
+    return f"trained with {recorded} torch threads, this sweep uses {threads}: redone"
+
+
 def reset_run_dir(run_dir: Path) -> None:
     """Remove whatever an unfinished or stale run left, and make the folder afresh."""
     if run_dir.exists():
@@ -252,6 +264,16 @@ def write_summary(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, 
     path = out_dir / SUMMARY_FILE
     atomic_write(path, buffer.getvalue())
     return path
+
+
+def sweep_name(out_dir: Path) -> str | None:
+    """The name in `out_dir`'s sweep.yaml (None if there is none or it is unreadable)."""
+    try:
+        data = yaml.safe_load((out_dir / SWEEP_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    name = data.get("name") if isinstance(data, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _cell(value: Any) -> Any:

@@ -36,6 +36,7 @@ from normexp.report import (
     properties_to_markdown,
     speed_to_markdown,
     to_markdown,
+    variant_groups,
     variant_label,
 )
 from normexp.results import load_blocks, load_summary
@@ -47,6 +48,34 @@ CONFIGS = REPO / "configs"
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
     return is_trained(summary["final_loss"], summary["status"], summary["model.n_classes"])
+
+
+def _judged(run_dir: Path) -> pd.DataFrame:
+    """The summary with `trained` per run, and the final loss of diverged runs blanked, so that no mean
+    loss in a verdict mixes them in (`coverage` says how many there were)."""
+    summary = load_summary(run_dir)
+    summary["trained"] = _trained(summary)
+    summary["final_loss"] = summary["final_loss"].where(summary["status"] != "diverged")
+    return summary
+
+
+def coverage(summary: pd.DataFrame, keys: list[str]) -> str:
+    """What a verdict covers: how many runs finished, how many seeds each cell has, and, per cell
+    (`keys`), how many runs diverged (they count as not trained, and no mean loss includes them)."""
+    finished = summary[summary["status"].isin(("completed", "diverged"))]
+    seeds = summary["seed"].nunique()
+    text = f"These figures cover {len(finished)} finished runs ({seeds} seed{'s' if seeds > 1 else ''} per cell)"
+    if len(finished) < len(summary):
+        text += f"; {len(summary) - len(finished)} runs did not finish and count as not trained"
+    cells = []
+    for label, group in variant_groups(finished, keys):
+        diverged = int((group["status"] == "diverged").sum())
+        if diverged:
+            cells.append(f"{label}: {diverged} of {len(group)}")
+    if not cells:
+        return text + "; none diverged."
+    return (text + f"; diverged runs ({', '.join(cells)}) count as not trained, and each mean final loss "
+            "covers only the runs of its cell that did not diverge.")
 
 
 def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, float]:
@@ -90,8 +119,7 @@ def _spread(values: list[float]) -> float:
 
 
 def lr_warmup_verdict(run_dir: Path) -> str:
-    summary = load_summary(run_dir)
-    summary["trained"] = _trained(summary)
+    summary = _judged(run_dir)
     cells = summary.groupby(["norm.placement", "optim.lr", "schedule.warmup_steps"])["trained"].mean()
     parts = []
     for placement in summary["norm.placement"].unique():
@@ -116,12 +144,12 @@ def lr_warmup_verdict(run_dir: Path) -> str:
         if pre_fail:
             contrast += (" Pre-LN fails only at " + ", ".join(f"lr {lr:g} with warmup {w}" for lr, w in pre_fail)
                          + ".")
-    return ". ".join(parts) + "." + contrast
+    return ". ".join(parts) + "." + contrast + " " + coverage(
+        summary, ["norm.placement", "optim.lr", "schedule.warmup_steps"])
 
 
 def depth_verdict(run_dir: Path) -> str:
-    summary = load_summary(run_dir)
-    summary["trained"] = _trained(summary)
+    summary = _judged(run_dir)
     by = summary.groupby(["norm.placement", "model.depth"]).agg(trained=("trained", "mean"),
                                                                  loss=("final_loss", "mean"))
     depths = sorted(summary["model.depth"].unique())
@@ -138,12 +166,12 @@ def depth_verdict(run_dir: Path) -> str:
     gap = [by.loc[("post", d), "loss"] - by.loc[("pre", d), "loss"] for d in depths]
     trend = "grows" if gap[-1] > gap[0] + 0.1 else "does not grow"
     return (". ".join(parts) + f". The mean final-loss gap Post minus Pre {trend} with depth: "
-            + ", ".join(f"{g:+.3f} at {d}" for d, g in zip(depths, gap)) + ".")
+            + ", ".join(f"{g:+.3f} at {d}" for d, g in zip(depths, gap)) + ". "
+            + coverage(summary, ["norm.placement", "model.depth"]))
 
 
 def placements_verdict(run_dir: Path) -> str:
-    summary = load_summary(run_dir)
-    summary["trained"] = _trained(summary)
+    summary = _judged(run_dir)
     frac = summary.groupby(["norm.placement", "norm.kind"], sort=False)["trained"].mean().unstack("norm.kind")
     loss = summary.groupby(["norm.placement", "norm.kind"], sort=False)["final_loss"].mean().unstack("norm.kind")
     runs = summary.groupby("norm.placement", sort=False)["trained"].agg(["sum", "count"])
@@ -176,7 +204,7 @@ def placements_verdict(run_dir: Path) -> str:
             k = max(1, int(width * p))
             text += f" (pRMSNorm estimates the RMS from max(1, int({width} x {p:g})) = {k} features)"
         text += "."
-    return text
+    return text + " " + coverage(summary, ["norm.placement", "norm.kind"])
 
 
 BLOCKS_FIGURES = ("fc2_update", "fc2_grad", "stream_rms")

@@ -3,8 +3,11 @@
 The sweep process is the coordinator and the only writer of its output folder. It
 
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
-2. takes the folder's lock (a second sweep into the same folder fails at once),
-3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`),
+2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
+   that holds a sweep of another name unless `force`,
+3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`);
+   a finished run recorded with another torch thread count than this sweep's is redone, with a
+   `redone` event saying why, so that one sweep never mixes thread counts,
 4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
 5. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
@@ -12,7 +15,8 @@ The sweep process is the coordinator and the only writer of its output folder. I
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
 sweep retries it) and the sweep goes on, unless `fail_fast`. On KeyboardInterrupt the finished runs
-stay finished, the summary is written, and `SweepInterrupted` carries the outcome to the caller.
+stay finished, the summary is written, and `SweepInterrupted` carries the outcome to the caller (the
+command line turns SIGTERM and SIGHUP into the same KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
 from normexp.store import (
+    DONE_FILE,
     SWEEP_FILE,
     FinishedRun,
     StoreError,
     SweepLock,
     atomic_write,
     is_done,
+    other_threads,
+    read_json,
     run_id,
+    sweep_name,
     write_failed,
     write_run,
     write_summary,
@@ -41,7 +49,7 @@ if TYPE_CHECKING:
     from normexp.executors import Executor
 
 T = TypeVar("T")
-EngineName = Literal["auto", "reference", "batched"]
+EngineName = Literal["auto", "reference", "batched", "fast"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +60,15 @@ class SweepOptions:
     fail_fast: bool = False
     workers: int | None = None  # a local process pool of this many workers
     cluster: str | None = None  # a Dask scheduler address, or local[:N]
+    compile: bool | None = None  # fast engine: compile its step (None: where the planned work pays for it)
 
 
 @dataclass(frozen=True)
 class SweepEvent:
-    """One thing that happened to one run: skipped (already done), finished, or failed."""
+    """One thing that happened to one run: skipped (already done), redone (done, but not as this sweep
+    would train it: `error` says why), finished, or failed."""
 
-    kind: Literal["skipped", "finished", "failed"]
+    kind: Literal["skipped", "redone", "finished", "failed"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
@@ -96,48 +106,78 @@ EventCallback = Callable[[SweepEvent], None]
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
               on_event: EventCallback | None = None) -> SweepOutcome:
     """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
-    from normexp.executors import make_executor
+    from normexp.executors import default_threads, make_executor
 
     out_dir = Path(out_dir)
     outcome = SweepOutcome(out_dir, len(sweep.runs))
     emit = on_event or (lambda event: None)
+    threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
     executor = make_executor(options.workers, options.cluster)  # fails before anything is written
     try:
         with SweepLock(out_dir):
-            _run_locked(sweep, out_dir, options, executor, outcome, emit)
+            _run_locked(sweep, out_dir, options, executor, outcome, emit, threads)
     finally:
         executor.close()
     return outcome
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
-                emit: EventCallback) -> None:
+                emit: EventCallback, threads: int) -> None:
     """Steps 3-5 of the module docstring, under the folder's lock."""
-    _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
-    pending = []
-    for cfg in sweep.runs:
-        if not options.force and is_done(out_dir / run_id(cfg), cfg):
-            outcome.statuses[run_id(cfg)] = "skipped"
-            emit(SweepEvent("skipped", run_id(cfg), len(outcome.statuses), outcome.total))
-        else:
-            pending.append(cfg)
+    if not options.force:
+        _refuse_another_sweep(out_dir, sweep)
     try:
-        _execute(pending, out_dir, options, executor, outcome, emit)
+        _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
+        pending = []
+        for cfg in sweep.runs:
+            rid = run_id(cfg)
+            if not options.force and _finished(out_dir / rid, cfg, options.engine):
+                why = other_threads(out_dir / rid, cfg.train.threads or threads)
+                if why is None:
+                    outcome.statuses[rid] = "skipped"
+                    emit(SweepEvent("skipped", rid, len(outcome.statuses), outcome.total))
+                    continue
+                emit(SweepEvent("redone", rid, len(outcome.statuses), outcome.total, error=why))
+            pending.append(cfg)
+        _execute(pending, out_dir, options, executor, outcome, emit, threads)
     except KeyboardInterrupt:
         outcome.interrupted = True
-        for cfg in pending:
-            outcome.statuses.setdefault(run_id(cfg), "interrupted")
+        for cfg in sweep.runs:  # a run whose done.json was written as the signal came is finished
+            outcome.statuses.setdefault(run_id(cfg), _finished_status(out_dir / run_id(cfg), cfg) or "interrupted")
         _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
         raise SweepInterrupted(outcome) from None
     _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
 
 
-def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
-             outcome: SweepOutcome, emit: EventCallback) -> None:
-    from normexp.executors import default_threads, plan_units
+def _finished(run_dir: Path, cfg: RunConfig, engine: str) -> bool:
+    """Done, by an engine this sweep accepts: an exact sweep redoes the runs the fast engine trained
+    (their numbers are close to the reference's, not equal), a fast sweep keeps exact ones."""
+    if not is_done(run_dir, cfg):
+        return False
+    return engine == "fast" or (read_json(run_dir / DONE_FILE) or {}).get("engine") != "fast"
 
-    engine = "reference" if options.engine == "reference" else "batched"
-    units = plan_units(pending, engine, options.device, default_threads())
+
+def _finished_status(run_dir: Path, cfg: RunConfig) -> str | None:
+    """The status in a finished run's done.json (completed, diverged), or None if it is not finished."""
+    return (read_json(run_dir / DONE_FILE) or {}).get("status", "completed") if is_done(run_dir, cfg) else None
+
+
+def _refuse_another_sweep(out_dir: Path, sweep: Sweep) -> None:
+    """A folder that holds a sweep of another name holds another config's runs: writing this sweep's
+    sweep.yaml and summary.csv over its own would silently take them out of view. (The same sweep
+    with changed values may rerun here: its changed runs are new runs, its summary says so.)"""
+    other = sweep_name(out_dir)
+    if other is not None and other != sweep.name:
+        raise StoreError(f"{out_dir}: holds sweep '{other}', not '{sweep.name}'; choose another --out, "
+                         "or add --force to replace its sweep.yaml and summary.csv")
+
+
+def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
+             outcome: SweepOutcome, emit: EventCallback, threads: int) -> None:
+    from normexp.executors import plan_units
+
+    engine = options.engine if options.engine in ("reference", "fast") else "batched"
+    units = plan_units(pending, engine, options.device, threads, options.compile)
     for result in executor.run(units):
         for cfg, run in zip(result.unit.runs, result.outcomes):
             _record(cfg, run, result.status, out_dir, outcome, emit)

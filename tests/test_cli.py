@@ -99,7 +99,7 @@ def test_report_from_disk_in_three_formats(write_yaml, tmp_path):
     assert "| step | Post-LN | Post-RMS | Pre-LN | Pre-RMS |" in lines
     assert sum(line.startswith("| 0 |") or line.startswith("| 5 |") for line in lines) == 2
     csv_out = normexp("report", out, "--format", "csv")
-    assert csv_out.output.splitlines()[0] == "variant,step,loss_mean,loss_std,n,verdict"
+    assert csv_out.output.splitlines()[0] == "variant,step,loss_mean,loss_std,n,verdict,runs,diverged"
 
 
 def test_validate(write_yaml):
@@ -118,7 +118,7 @@ def test_bad_config_exit_2_no_traceback_nothing_written(write_yaml, tmp_path):
 
 def test_bad_options_exit_2(write_yaml, tmp_path):
     path = write_yaml(SMALL_SWEEP)
-    assert normexp("sweep", path, "--engine", "fast").exit_code == 2
+    assert normexp("sweep", path, "--engine", "turbo").exit_code == 2
     assert normexp("sweep", path, "--set", "optim.lr").exit_code == 2
     assert normexp("report", tmp_path).exit_code == 2
     assert normexp("sweep", tmp_path / "missing.yaml").exit_code == 2
@@ -194,11 +194,11 @@ def test_progress_bar_on_a_terminal_and_plain_lines_elsewhere():
             on_event(event)
     assert plain.file.getvalue().splitlines() == [
         "[2/3] b completed final loss 0.5000", "[3/3] c failed: RuntimeError: boom"]
-    silent = Console(file=io.StringIO(), force_terminal=True)
-    with sweep_progress(silent, 3, quiet=True) as on_event:
+    quiet = Console(file=io.StringIO(), force_terminal=True, width=100, highlight=False)
+    with sweep_progress(quiet, 3, quiet=True) as on_event:
         for event in events:
             on_event(event)
-    assert silent.file.getvalue() == ""
+    assert quiet.file.getvalue().splitlines() == ["[3/3] c failed: RuntimeError: boom"]  # errors only
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):

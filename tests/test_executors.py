@@ -109,3 +109,81 @@ def test_slurm_example_renders_a_job_script_without_slurm():
     for line in ("#SBATCH -p cpu", "#SBATCH --cpus-per-task=8", "#SBATCH --exclusive", "source .venv/bin/activate"):
         assert line in script
     assert "dask_worker tcp://127.0.0.1:" in script and "--nworkers 8" in script and "--nthreads 1" in script
+
+
+def _seeds_unit(threads: int = 1) -> WorkUnit:
+    runs = [RunConfig.model_validate({"model": {"depth": 2, "width": 8}, "train": {"steps": 4}, "seed": s})
+            for s in range(3)]
+    return WorkUnit(tuple(r.model_dump(mode="json") for r in runs), batched=True, device="cpu", threads=threads)
+
+
+def test_a_failing_run_does_not_fail_its_batch_mates(monkeypatch):
+    import normexp.batched
+    import normexp.train
+
+    unit = _seeds_unit()
+    batched = run_unit(unit)  # the batch's own numbers, before anything fails
+    real_train_run = normexp.train.train_run
+
+    def fail_batch(runs, device="cpu"):
+        raise ZeroDivisionError("float division by zero")
+
+    def fail_seed_1(cfg, **kwargs):
+        if cfg.seed == 1:
+            raise ZeroDivisionError("float division by zero")
+        return real_train_run(cfg, **kwargs)
+
+    monkeypatch.setattr(normexp.batched, "train_batch", fail_batch)
+    monkeypatch.setattr(normexp.train, "train_run", fail_seed_1)
+    result = run_unit(unit)
+    assert isinstance(result.outcomes[1], str) and "ZeroDivisionError" in result.outcomes[1]
+    for i in (0, 2):
+        assert not isinstance(result.outcomes[i], str), result.outcomes[i]
+        assert result.outcomes[i].metrics == batched.outcomes[i].metrics  # the same bits, run alone
+        assert result.outcomes[i].engine == "reference"
+
+
+@pytest.mark.slow
+def test_local_dask_cluster_trains_with_the_sweeps_thread_count(tmp_path, write_yaml):
+    """With `train.threads` left open, `normexp sweep --cluster local:N` trains with the thread count
+    of an in-process sweep. Both run as fresh processes, as a user starts them: the cluster must not
+    change the count before torch loads (pytest's own process has loaded torch already)."""
+    pytest.importorskip("distributed")
+    import subprocess
+    import sys
+
+    config = write_yaml("name: c\nbase: {model: {depth: 4, width: 16}, train: {steps: 6}}\n"
+                        "grid: {norm.placement: [post, pre]}\nseeds: [0, 1]\n")
+    for out, extra in (("single", []), ("cluster", ["--cluster", "local:2"])):
+        subprocess.run([sys.executable, "-m", "normexp", "sweep", str(config), "--out", str(tmp_path / out), "-q",
+                        *extra], check=True, timeout=600)
+    threads = set(load_summary(tmp_path / "single")["threads"])
+    assert set(load_summary(tmp_path / "cluster")["threads"]) == threads
+    assert losses(tmp_path / "cluster") == losses(tmp_path / "single")
+
+
+def test_resume_redoes_a_run_trained_with_other_threads(tmp_path):
+    """One sweep never mixes thread counts: a finished run recorded with another count is redone, saying why."""
+    import json
+
+    import torch
+
+    from normexp.config import build_sweep
+    from normexp.store import run_id
+    from normexp.sweep import run_sweep
+
+    spec = build_sweep({"name": "t", "base": {"model": {"depth": 2, "width": 8}, "train": {"steps": 3}},
+                        "seeds": [0, 1]})
+    out = tmp_path / "out"
+    run_sweep(spec, out)
+    done_file = out / run_id(spec.runs[0]) / "done.json"
+    done = json.loads(done_file.read_text())
+    done["threads"] = torch.get_num_threads() + 1  # as if an earlier sweep had trained it with another count
+    done_file.write_text(json.dumps(done))
+    events = []
+    outcome = run_sweep(spec, out, on_event=events.append)
+    redone = [e for e in events if e.kind == "redone"]
+    assert [e.run_id for e in redone] == [run_id(spec.runs[0])]
+    assert f"{torch.get_num_threads() + 1} torch threads" in redone[0].error
+    assert outcome.count("skipped") == 1 and outcome.count("completed") == 1
+    assert set(load_summary(out)["threads"]) == {torch.get_num_threads()}

@@ -124,7 +124,8 @@ def test_pivot_and_report_through_the_cli(fake_sweep):
     result = runner.invoke(app, ["report", str(fake_sweep), "--pivot", "optim.lr,schedule.warmup_steps",
                                  "--format", "csv"])
     assert result.exit_code == 0
-    assert result.output.splitlines()[0] == "panel,optim.lr,schedule.warmup_steps,final_loss_mean,final_loss_std,n"
+    assert result.output.splitlines()[0] == ("panel,optim.lr,schedule.warmup_steps,final_loss_mean,final_loss_std,n,"
+                                         "runs")
     assert len(result.output.splitlines()) == 1 + 8
     bad = runner.invoke(app, ["report", str(fake_sweep), "--pivot", "optim.lr"])
     assert bad.exit_code == 2 and "--pivot: expected ROW_KEY,COL_KEY" in bad.output

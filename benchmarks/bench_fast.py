@@ -1,0 +1,236 @@
+"""The fast engine against the reference: the equivalence contract and the speed, side by side.
+
+    python benchmarks/bench_fast.py            # or: make bench
+    python benchmarks/bench_fast.py --quick    # small grids: a smoke run of every measurement
+
+The contract (README, "Engines"): on a fixed grid, F = fast vs reference and S = reference at 1 vs 2
+threads (a change that should not matter), each compared the same way:
+  flips   runs whose trained / not-trained verdict differs; F <= 2 S + 1% of runs
+  share   (variant, step) cells whose seed means differ by more than 0.1 x the reference's seed sd
+          + 1e-3; F <= 2 S + 2 points
+  max |d loss| over every run and step, per norm kind.
+Grids: the article's Pre-LN runs (stable: S = 0, so F must be ~0) and a Post-LN lr x warmup x seeds
+grid of 256 runs, 60 steps (unstable: single trajectories are chaotic).
+
+Speed: ms per model-step at 64 runs, reference vs fast uncompiled and compiled (with the compile
+time, cold and warm cache, in fresh processes); `normexp sweep` of the 256-run grid end to end with
+each engine; peak RSS of a 4096-run grid. Timings are medians of alternating repeats in one process;
+nothing here asserts a number (the tests do: tests/test_fast.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from normexp.config import RunConfig
+from normexp.engines.fast import plan_fast, train_fast
+from normexp.train import RunResult, train_run
+
+REPO = Path(__file__).resolve().parents[1]
+CHANCE_TENTH = math.log(10) / 10  # the report's trained rule: final loss under a tenth of chance
+
+
+def stable_grid(seeds: int, steps: int = 30, **model: int) -> list[RunConfig]:
+    """The article's Pre-LN runs: LayerNorm and RMSNorm x seeds."""
+    return [RunConfig.model_validate({"model": model, "norm": {"placement": "pre", "kind": k},
+                                      "train": {"steps": steps}, "seed": s})
+            for k in ("layernorm", "rmsnorm") for s in range(seeds)]
+
+
+def unstable_grid(seeds: int, steps: int = 60, kinds: Sequence[str] = ("layernorm", "rmsnorm"),
+                  lrs: Sequence[float] = (0.003, 0.01, 0.03, 0.1), warmups: Sequence[int] = (0, 5, 20, 40),
+                  **model: int) -> list[RunConfig]:
+    """Post-LN lr x warmup x seeds (x kinds): the regime these studies are about."""
+    return [RunConfig.model_validate({
+        "model": model, "norm": {"placement": "post", "kind": k}, "optim": {"lr": lr},
+        "schedule": {"kind": "linear_warmup", "warmup_steps": w},
+        "train": {"steps": steps}, "seed": s})
+        for k in kinds for lr in lrs for w in warmups for s in range(seeds)]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How far engine A's runs are from engine B's (B the reference), the contract's three numbers."""
+
+    runs: int
+    flips: int
+    cells: int
+    cells_off: int
+    max_dloss: float
+
+    @property
+    def share(self) -> float:
+        return self.cells_off / self.cells if self.cells else 0.0
+
+
+def trained(result: RunResult) -> bool:
+    return not result.diverged and result.losses[-1] < CHANCE_TENTH
+
+
+def compare(configs: Sequence[RunConfig], a: Sequence[RunResult], b: Sequence[RunResult]) -> Comparison:
+    """A vs B: verdict flips, share of (variant, step) seed means off by > 0.1 x B's seed sd + 1e-3,
+    and max |d loss| over the steps both recorded with finite losses."""
+    variants: dict[str, list[int]] = {}
+    for i, cfg in enumerate(configs):
+        variants.setdefault(cfg.model_copy(update={"seed": 0}).model_dump_json(), []).append(i)
+    cells = cells_off = 0
+    max_dloss = 0.0
+    for members in variants.values():
+        for step in range(min(min(len(a[i].losses), len(b[i].losses)) for i in members)):
+            la, lb = [a[i].losses[step] for i in members], [b[i].losses[step] for i in members]
+            if not all(map(math.isfinite, la + lb)):
+                continue
+            cells += 1
+            sd = statistics.stdev(lb) if len(lb) > 1 else 0.0
+            cells_off += abs(statistics.fmean(la) - statistics.fmean(lb)) > 0.1 * sd + 1e-3
+            max_dloss = max(max_dloss, *(abs(x - y) for x, y in zip(la, lb)))
+    flips = sum(trained(x) != trained(y) for x, y in zip(a, b))
+    return Comparison(len(configs), flips, cells, cells_off, max_dloss)
+
+
+def contract_holds(f: Comparison, s: Comparison) -> bool:
+    """The contract: flips(F) <= 2 flips(S) + 1% of runs; share(F) <= 2 share(S) + 2 points."""
+    return f.flips <= 2 * s.flips + 0.01 * f.runs and f.share <= 2 * s.share + 0.02
+
+
+def with_threads(cfg: RunConfig, threads: int) -> RunConfig:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": threads})})
+
+
+def run_fast(configs: Sequence[RunConfig], compile: bool | None = False) -> list[RunResult]:
+    """The fast engine over `configs`, batched as a sweep batches them, results in `configs`' order."""
+    out: dict[int, RunResult] = {}
+    index = {id(cfg): i for i, cfg in enumerate(configs)}
+    for batch in plan_fast(configs):
+        for cfg, result in zip(batch, train_fast(batch, compile=compile)):
+            out[index[id(cfg)]] = result
+    return [out[i] for i in range(len(configs))]
+
+
+def print_contract(name: str, configs: Sequence[RunConfig], compile: bool) -> None:
+    """F and S side by side, per norm kind and over the whole grid."""
+    ref2 = [train_run(with_threads(c, 2)) for c in configs]
+    ref1 = [train_run(with_threads(c, 1)) for c in configs]
+    fast = run_fast([with_threads(c, 2) for c in configs], compile)
+    print(f"\n{name}: {len(configs)} runs x {configs[0].train.steps} steps, fast {'compiled' if compile else 'eager'}")
+    print(f"  {'kind':<10} {'flips F/S':>10} {'share F/S':>14} {'max|dloss| F/S':>22}  contract")
+    kinds = sorted({c.norm.kind for c in configs}) + ["all"]
+    for kind in kinds:
+        idx = [i for i, c in enumerate(configs) if kind in ("all", c.norm.kind)]
+        sub = [configs[i] for i in idx]
+        f = compare(sub, [fast[i] for i in idx], [ref2[i] for i in idx])
+        s = compare(sub, [ref1[i] for i in idx], [ref2[i] for i in idx])
+        print(f"  {kind:<10} {f.flips:>4} / {s.flips:<4} {f.share:>6.1%} / {s.share:<6.1%} "
+              f"{f.max_dloss:>10.3g} / {s.max_dloss:<10.3g}  {'holds' if contract_holds(f, s) else 'BROKEN'}")
+
+
+def ms_per_model_step(train, configs: Sequence[RunConfig], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        train(configs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / (len(configs) * (configs[0].train.steps + 1)) * 1e3
+
+
+def compile_seconds(cache: Path, runs: int) -> float:
+    """Time to the first compiled step of `runs` article runs, in a fresh process with inductor's cache
+    in `cache` (empty: cold; filled by an earlier call: warm)."""
+    code = ("import time\nfrom normexp.config import RunConfig\nfrom normexp.engines.fast import train_fast\n"
+            f"runs = [RunConfig.model_validate({{'train': {{'steps': 0}}, 'seed': s}}) for s in range({runs})]\n"
+            "train_fast(runs[:2], compile=False)\n"
+            "t = time.perf_counter(); train_fast(runs, compile=True); print(time.perf_counter() - t)\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
+    return float(out.stdout.split()[-1])
+
+
+def sweep_seconds(engine: str, grid_yaml: str, *extra: str) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "grid.yaml"
+        config.write_text(grid_yaml)
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "normexp", "sweep", str(config), "--out", str(Path(tmp) / "out"),
+                        "--engine", engine, "--quiet", *extra], check=True, cwd=REPO)
+        return time.perf_counter() - start
+
+
+def peak_rss_mb(n_runs: int) -> float:
+    """Peak RSS (MB) of a child process that trains `n_runs` article runs (2 steps) with the fast engine."""
+    code = ("import resource\nfrom normexp.config import RunConfig\nfrom normexp.engines.fast import plan_fast, "
+            "train_fast\n"
+            f"runs = [RunConfig.model_validate({{'train': {{'steps': 2}}, 'seed': s}}) for s in range({n_runs})]\n"
+            "for batch in plan_fast(runs):\n    train_fast(batch, compile=False)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n")
+    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                text=True).stdout.split()[-1])
+
+
+UNSTABLE_YAML = """name: bench
+base: {{norm: {{placement: post}}, train: {{steps: {steps}}}}}
+grid: {{optim.lr: [0.003, 0.01, 0.03, 0.1], schedule.kind: [linear_warmup], schedule.warmup_steps: [0, 5, 20, 40]}}
+seeds: {seeds}
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small grids; every measurement, smoke-sized")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled measurements")
+    args = parser.parse_args()
+    quick, compiled = args.quick, not args.no_compile
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f} (the figures below are only comparable side by side)")
+
+    n = 8 if quick else 64
+    runs = stable_grid(n // 2)
+    ref_runs = runs[:: max(1, n // 16)]  # the reference's time per model-step does not depend on the count
+    run_fast(stable_grid(1, steps=1))  # warm-up
+    ref_ms = ms_per_model_step(lambda c: [train_run(x) for x in c], ref_runs, args.repeats)
+    eager_ms = ms_per_model_step(lambda c: train_fast(c, compile=False), runs, args.repeats)
+    print(f"\nper model-step at {n} runs (article model, 30 steps):")
+    print(f"  reference        {ref_ms:8.3f} ms")
+    print(f"  fast, eager      {eager_ms:8.3f} ms   {ref_ms / eager_ms:6.2f}x")
+    if compiled:
+        with tempfile.TemporaryDirectory() as cache:
+            cold = compile_seconds(Path(cache), n)
+            warm = compile_seconds(Path(cache), n)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "normexp" / "inductor"))
+        train_fast(runs, compile=True)  # compiles (or loads) in this process
+        compiled_ms = ms_per_model_step(lambda c: train_fast(c, compile=True), runs, args.repeats)
+        print(f"  fast, compiled   {compiled_ms:8.3f} ms   {ref_ms / compiled_ms:6.2f}x   "
+              f"(compile {cold:.1f} s cold, {warm:.1f} s warm cache)")
+
+    seeds = 2 if quick else 16
+    steps = 10 if quick else 60
+    grid_yaml = UNSTABLE_YAML.format(steps=steps, seeds=list(range(seeds)))
+    print(f"\nnormexp sweep end to end, Post-LN lr x warmup x {seeds} seeds = {16 * seeds} runs, {steps} steps:")
+    wall = {"reference": sweep_seconds("reference", grid_yaml), "fast": sweep_seconds("fast", grid_yaml)}
+    if compiled:
+        wall["fast --compile"] = sweep_seconds("fast", grid_yaml, "--compile")
+    for engine, seconds in wall.items():
+        print(f"  --engine {engine:<16} {seconds:8.2f} s   {wall['reference'] / seconds:6.2f}x")
+
+    print_contract("stable grid (article, Pre-LN)", stable_grid(2 if quick else 16), compile=False)
+    print_contract("unstable grid (Post-LN, lr x warmup x seeds)",
+                   unstable_grid(max(1, seeds // 2), steps),
+                   compile=False)
+    big = 256 if quick else 4096
+    print(f"\n{big}-run grid, fast engine in chunks of 64: peak RSS {peak_rss_mb(big):.0f} MB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training engines that are not the reference loop: `fast` (torch.func, optional compile)."""

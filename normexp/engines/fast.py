@@ -1,0 +1,322 @@
+"""The fast engine: runs of one structure trained together through torch.func; close, not bit-exact.
+
+    params = stack_module_state(each run's Net, built by seeded_init)   # (R, ...) per parameter
+    grads, (loss, acc) = vmap(grad_and_value(functional_call(Net on "meta", ...)))(params, x, y)
+    one vectorised optimizer update of every run, hyper-parameters as (R, 1, ...) tensors
+
+- The model is the model's own `Net` (its `Block.forward`, its norms), called through
+  `torch.func.functional_call` on a parameter-less copy, so every placement and norm kind trains here
+  without a second definition.
+- Each run starts exactly as the reference starts it (`seeded_init`: same weights, same data).
+- Adam, AdamW, RAdam and SGD (momentum) are written as a few element-wise tensor ops with per-run
+  learning rate, betas, eps, weight decay and momentum; schedules vary per run. RAdam's rectification
+  is decided per run per step.
+- A run whose loss turns non-finite is recorded at that step and then frozen: its gradients are
+  masked out and its parameters no longer change (a `live` mask, so batch shapes stay fixed); its
+  batch-mates go on. With `train.stop_on_nonfinite: false` it keeps training, as in the reference.
+- `torch.compile` of the gradient step (forward, backward, grad norms) is optional. `compile=None`
+  decides from the planned model-steps (a pure function of the sweep, so the same sweep makes the same
+  choice). vmap specialises the run axis, so compiled batches are padded to MAX_CHUNK runs: one
+  compiled step per structure serves every batch. A compile that fails falls back to the eager step
+  (the batch restarts from its initial state) with one warning. Inductor's cache lives in a stable
+  folder (`compile_cache_dir()`), so later sweeps reuse it.
+
+What can change a run's bits: the runs it is batched with (kernels may block differently for other
+batch sizes), compiling or not, the thread count, the device and torch build. What cannot: the sweep
+running twice, the executor, resuming. Tests hold it to the reference within the reference's own
+1- vs 2-thread spread (see README, "Engines").
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad_and_value, stack_module_state, vmap
+
+from normexp.config import OptimConfig, RunConfig
+from normexp.train import RunResult, seeded_init, step_lr, torch_threads
+
+MAX_CHUNK = 64  # runs per batch; larger batches gain little on a CPU and hold more activations
+COMPILE_ESTIMATE_S = 60.0  # a cold compile of the article's step on 2 CPU cores
+COMPILE_SPEEDUP = 2.4  # compiled vs eager step, measured on the article's model (CPU)
+EAGER_FLOP_RATE = 40e9  # FLOP/s the eager step reaches on the article's model (CPU), for the estimate
+
+Tensors = dict[str, torch.Tensor]
+
+
+def fast_key(cfg: RunConfig) -> tuple:
+    """Runs with equal keys train in one batch: same model, norm, data, steps and optimizer family;
+    seeds, learning rates, optimizer hyper-parameters and schedules vary per run."""
+    return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
+
+
+def plan_fast(runs: Sequence[RunConfig]) -> list[list[RunConfig]]:
+    """Group runs by `fast_key`, in chunks of at most MAX_CHUNK runs (a group of one is a batch too)."""
+    groups: dict[tuple, list[RunConfig]] = {}
+    for cfg in runs:
+        groups.setdefault(fast_key(cfg), []).append(cfg)
+    return [group[i:i + MAX_CHUNK] for group in groups.values() for i in range(0, len(group), MAX_CHUNK)]
+
+
+def model_step_flops(cfg: RunConfig) -> float:
+    """FLOPs of one training step of one run: the forward matmuls, times 3 (forward and backward)."""
+    n, d, depth = cfg.data.n_samples, cfg.model.width, cfg.model.depth
+    hidden = d * cfg.model.hidden_mult
+    return 3 * 2 * n * (2 * d * hidden * depth + d * cfg.model.n_classes)
+
+
+def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,
+                 speedup: float = COMPILE_SPEEDUP) -> bool:
+    """True when compiling saves more time than it costs: the eager time of `model_steps`, minus the
+    same work compiled, exceeds the compile time."""
+    return model_steps * eager_s_per_model_step * (1 - 1 / speedup) > compile_s
+
+
+def should_compile(cfg: RunConfig, model_steps: int) -> bool:
+    """The automatic choice for `model_steps` planned model-steps of runs shaped like `cfg`: an
+    estimate from the model's FLOPs, not a measurement, so the same sweep always chooses the same."""
+    return compile_pays(model_steps, model_step_flops(cfg) / EAGER_FLOP_RATE)
+
+
+def compile_cache_dir() -> Path:
+    """Inductor's cache folder: $TORCHINDUCTOR_CACHE_DIR if set, else one stable folder per user
+    (~/.cache/normexp/inductor), so a compile made by one sweep is found by the next."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path.home() / ".cache" / "normexp" / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return Path(folder)
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+class FastOptimizer:
+    """Adam, AdamW, RAdam and SGD (momentum) stepping R runs' stacked parameters at once, each run
+    with its own learning rate, betas, eps, weight decay and momentum.
+
+    Per-run numbers are (R,) tensors viewed as (R, 1, ...), applied with `torch._foreach_*` ops over
+    every parameter at once. Adam and AdamW use torch's fused kernel for their one long update: it
+    takes one learning rate, so it writes the update direction -m_hat / (sqrt(v_hat) + eps) (lr 1)
+    into a scratch tensor, and each run's learning rate multiplies it afterwards; it takes one beta1,
+    beta2 and eps, so it runs once per stretch of runs that share them (`hyper_groups`). Weight
+    decay is applied outside the kernel (L2 into the gradient, or AdamW's decoupled shrink). State
+    starts at zero, which equals torch's first-step initialisation. A frozen run (`live` False) gets a
+    zero gradient and a zero learning rate: its parameters stay as they are."""
+
+    def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor]) -> None:
+        self.name, self.optims, self.params, self.t = name, list(optims), params, 0
+        self.decay = any(o.weight_decay != 0 for o in optims)  # torch skips weight decay at 0
+        self.groups = hyper_groups(optims)
+        slots = ("momentum",) if name == "sgd" else ("exp_avg", "exp_avg_sq", "direction")
+        self.state = {slot: [torch.zeros_like(p) for p in params] for slot in slots}
+        self._step = torch.zeros((), dtype=torch.float32, device=params[0].device)  # the fused kernel's t
+
+    def per_run(self, values: Sequence[float]) -> list[torch.Tensor]:
+        """(R,) values as one (R, 1, ...) view per parameter."""
+        tensor = torch.tensor(values, dtype=torch.float32, device=self._step.device)
+        return [tensor.view(-1, *([1] * (p.dim() - 1))) for p in self.params]
+
+    def step(self, grads: list[torch.Tensor], lrs: Sequence[float], live: Sequence[bool]) -> None:
+        """One update: run r steps with learning rate lrs[r] if live[r]."""
+        self.t += 1
+        if not all(live):
+            alive = self.per_run([float(a) for a in live])
+            grads = [torch.where(a > 0, g, 0.0) for g, a in zip(grads, alive)]
+            lrs = [lr if a else 0.0 for lr, a in zip(lrs, live)]
+        with torch.no_grad():
+            if self.decay and self.name != "adamw":  # L2: grad + weight_decay * param
+                torch._foreach_addcmul_(grads, self.params, self.per_run([o.weight_decay for o in self.optims]))
+            if self.name in ("adam", "adamw"):
+                self._adam(grads, lrs)
+            elif self.name == "radam":
+                self._radam(grads, lrs)
+            else:
+                self._sgd(grads, lrs)
+
+    def _adam(self, grads: list[torch.Tensor], lrs: Sequence[float]) -> None:
+        if self.decay and self.name == "adamw":  # decoupled: param * (1 - lr * weight_decay)
+            torch._foreach_mul_(self.params, self.per_run([1 - lr * o.weight_decay for lr, o in zip(lrs, self.optims)]))
+        direction, exp_avg, exp_avg_sq = self.state["direction"], self.state["exp_avg"], self.state["exp_avg_sq"]
+        torch._foreach_zero_(direction)
+        self._step.fill_(self.t)
+        whole = len(self.groups) == 1
+        for start, stop, (beta1, beta2), eps in self.groups:
+            part = [tensors if whole else [t[start:stop] for t in tensors]
+                    for tensors in (direction, grads, exp_avg, exp_avg_sq)]
+            torch._fused_adam_(*part, [], [self._step] * len(grads), lr=1.0, beta1=beta1, beta2=beta2,
+                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+        torch._foreach_addcmul_(self.params, direction, self.per_run(lrs))
+
+    def _radam(self, grads: list[torch.Tensor], lrs: Sequence[float]) -> None:
+        o, t = self.optims, self.t
+        exp_avg, exp_avg_sq = self.state["exp_avg"], self.state["exp_avg_sq"]
+        torch._foreach_mul_(exp_avg, self.per_run([x.betas[0] for x in o]))
+        torch._foreach_addcmul_(exp_avg, grads, self.per_run([1 - x.betas[0] for x in o]))
+        torch._foreach_mul_(exp_avg_sq, self.per_run([x.betas[1] for x in o]))
+        torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(grads, self.per_run([1 - x.betas[1] for x in o])), grads)
+        rect, plain = zip(*(radam_rectification(x.betas[1], t) for x in o))
+        # adaptive = rect * sqrt(1 - beta2^t) / (sqrt(v) + eps) once rectified, else 1 (plain momentum)
+        adaptive = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_add_(adaptive, self.per_run([x.eps for x in o]))
+        torch._foreach_reciprocal_(adaptive)
+        torch._foreach_mul_(adaptive, self.per_run([r * math.sqrt(1 - x.betas[1] ** t) for r, x in zip(rect, o)]))
+        torch._foreach_add_(adaptive, self.per_run(plain))
+        torch._foreach_mul_(adaptive, exp_avg)
+        neg_step_size = [-lr / (1 - x.betas[0] ** t) for lr, x in zip(lrs, o)]
+        torch._foreach_addcmul_(self.params, adaptive, self.per_run(neg_step_size))
+
+    def _sgd(self, grads: list[torch.Tensor], lrs: Sequence[float]) -> None:
+        momentum = self.state["momentum"]  # 0 * buffer + grad = grad: torch's first-step buffer
+        torch._foreach_mul_(momentum, self.per_run([o.momentum for o in self.optims]))
+        torch._foreach_add_(momentum, grads)
+        torch._foreach_addcmul_(self.params, momentum, self.per_run([-lr for lr in lrs]))
+
+
+def hyper_groups(optims: Sequence[OptimConfig]) -> list[tuple[int, int, tuple[float, float], float]]:
+    """Stretches [start, stop) of consecutive runs with equal betas and eps: (start, stop, betas, eps)."""
+    groups: list[tuple[int, int, tuple[float, float], float]] = []
+    for r, o in enumerate(optims):
+        if groups and groups[-1][2:] == (tuple(o.betas), o.eps):
+            groups[-1] = (groups[-1][0], r + 1, *groups[-1][2:])
+        else:
+            groups.append((r, r + 1, tuple(o.betas), o.eps))
+    return groups
+
+
+def radam_rectification(beta2: float, t: int) -> tuple[float, float]:
+    """RAdam's (rect, plain) at update t (Liu et al. 2020, as torch computes it): the adaptive step
+    weighted by `rect` once the variance is tractable (rho_t > 5), else the plain momentum step."""
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * t * beta2**t / (1 - beta2**t)
+    if rho_t > 5.0:
+        return math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)), 0.0
+    return 0.0, 1.0
+
+
+# ----------------------------------------------------------------------------- the stacked step
+
+
+@dataclass
+class Batch:
+    """R runs stacked: parameters by name, (R, ...) each; data x (R, n, d) and y (R, n)."""
+
+    params: Tensors
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def stack_runs(runs: Sequence[RunConfig], device: str) -> tuple[torch.nn.Module, Batch]:
+    """Each run's model and task from `seeded_init` (the reference's draws), stacked on `device`;
+    returns the parameter-less ("meta") model that `functional_call` runs, and the batch."""
+    nets, xs, ys = [], [], []
+    for cfg in runs:
+        net, task = seeded_init(cfg)
+        nets.append(net)
+        xs.append(task.x)
+        ys.append(task.y)
+    params, _ = stack_module_state(nets)  # the toy model has no buffers
+    params = {k: p.detach().to(device) for k, p in params.items()}
+    base = copy.deepcopy(nets[0]).to("meta")
+    return base, Batch(params, torch.stack(xs).to(device), torch.stack(ys).to(device))
+
+
+GradStep = Callable[[Tensors, torch.Tensor, torch.Tensor], tuple[Tensors, torch.Tensor]]
+
+
+def make_grad_step(base: torch.nn.Module) -> GradStep:
+    """The batch's gradient step: (params, x, y) -> (grads by name, metrics (3, R): loss, acc, grad
+    norm per run). The model is `base`'s own forward(), vmapped over the run axis."""
+
+    def loss_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = functional_call(base, params, (x,))
+        return F.cross_entropy(logits, y), (logits.argmax(-1) == y).float().mean()
+
+    grad_fn = vmap(grad_and_value(loss_fn, has_aux=True))
+
+    def grad_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
+        grads, (loss, acc) = grad_fn(params, x, y)
+        per_tensor = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads.values()]
+        norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)  # clip_grad_norm_'s norm
+        return grads, torch.stack([loss, acc, norms])
+
+    return grad_step
+
+
+def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | None = None) -> list[RunResult]:
+    """Train `runs` (equal `fast_key`) together; one RunResult per run, recorded as `train_run` records.
+    `compile`: compile the gradient step, or None to decide from this batch's model-steps."""
+    use_compile = should_compile(runs[0], len(runs) * (runs[0].train.steps + 1)) if compile is None else compile
+    if use_compile:
+        try:
+            return _train_padded(runs, device)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
+            for key in [k for k in _COMPILED if k[:3] == (runs[0].model, runs[0].norm, runs[0].data)]:
+                del _COMPILED[key]  # the next batch tries again
+            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {first_line}); training these runs "
+                          "uncompiled", RuntimeWarning, stacklevel=2)
+    return _train(runs, device, compiled=False)
+
+
+def _train_padded(runs: Sequence[RunConfig], device: str) -> list[RunResult]:
+    """The compiled loop on a batch padded to MAX_CHUNK runs with copies of its first run (one compiled
+    shape for every batch); the copies' results are dropped."""
+    padded = list(runs) + [runs[0]] * (MAX_CHUNK - len(runs))
+    results = _train(padded, device, compiled=True)[:len(runs)]
+    for result in results:
+        result.wall_s *= len(padded) / len(runs)
+    return results
+
+
+def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunResult]:
+    """The loop of `train_fast`: record each step's metrics per run, stop when no run is recording."""
+    start = time.perf_counter()
+    first = runs[0]
+    stop_on_nonfinite = first.train.stop_on_nonfinite
+    with torch_threads(first.train.threads) as threads:
+        base, batch = stack_runs(runs, device)
+        grad_step = _compiled(first, base, batch.x.device) if compiled else make_grad_step(base)
+        optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
+        results = [RunResult(threads=threads, engine="fast") for _ in runs]
+        live = [True] * len(runs)  # runs still recording (and updating)
+        steps = first.train.steps
+        for step in range(steps + 1):
+            grads, metrics = grad_step(batch.params, batch.x, batch.y)
+            lrs = [step_lr(cfg, step) for cfg in runs]
+            for r, (loss, acc, norm) in enumerate(metrics.t().tolist()):
+                if live[r]:
+                    stop = results[r].check_loss(loss, stop_on_nonfinite)
+                    results[r].record(step, loss, acc, lrs[r], math.nan if stop else norm)
+                    live[r] = not stop
+            if not any(live):
+                break
+            if step < steps:
+                optimizer.step(list(grads.values()), lrs, live)
+    wall = (time.perf_counter() - start) / len(runs)
+    for result in results:
+        result.wall_s = wall
+    return results
+
+
+# One compiled step per structure and device, kept for the process's life: later batches (other seeds
+# or hyper-parameters) reuse it instead of compiling again.
+_COMPILED: dict[tuple, GradStep] = {}
+
+
+def _compiled(cfg: RunConfig, base: torch.nn.Module, device: torch.device) -> GradStep:
+    """The compiled gradient step of runs shaped like `cfg` on `device`, for batches of MAX_CHUNK runs
+    (vmap specialises the run axis, so `train_fast` pads smaller batches). Compile errors surface at
+    the first call."""
+    key = (cfg.model, cfg.norm, cfg.data, str(device))
+    if key not in _COMPILED:
+        compile_cache_dir()
+        _COMPILED[key] = torch.compile(make_grad_step(base), dynamic=False)
+    return _COMPILED[key]

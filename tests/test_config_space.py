@@ -1,0 +1,199 @@
+"""Defaults resolve per run: for any sweep, each expanded run is its values written into the base and
+resolved alone (a default that depends on another key, such as AdamW's weight decay, follows the run's
+own value of that key, whether it comes from the base, the grid or --set)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from normexp.config import ConfigError, RunConfig, build_sweep, parse_yaml, run_keys, validate_run
+
+
+def _floats(low: float, high: float) -> st.SearchStrategy[float]:
+    return st.floats(low, high, allow_nan=False, allow_infinity=False)
+
+
+def _optional(strategy: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(st.none(), strategy)
+
+
+# Values of each run key: mostly valid, some out of range or of the wrong type (the sweep must then be
+# refused exactly when some run alone is refused).
+VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "model.depth": st.integers(0, 12),
+    "model.width": st.integers(1, 16),
+    "model.hidden_mult": st.integers(1, 4),
+    "model.n_classes": st.integers(1, 100),
+    "model.final_norm": st.booleans(),
+    "model.init": st.sampled_from(["xavier_uniform", "xavier_normal", "torch_default"]),
+    "norm.placement": st.sampled_from(["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]),
+    "norm.kind": st.sampled_from(["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma",
+                                  "prmsnorm", "scalenorm"]),
+    "norm.eps": _floats(1e-8, 1e-2),
+    "norm.peri_input_norm": st.booleans(),
+    "norm.mixln_fraction": _floats(0, 1),
+    "norm.deepnorm_alpha": _optional(_floats(0.1, 10)),
+    "norm.deepnorm_beta": _optional(_floats(0.1, 10)),
+    "norm.prms_fraction": _floats(0.01, 1),
+    "data.task": st.just("random_labels"),
+    "data.n_samples": st.integers(1, 128),
+    "optim.name": st.sampled_from(["adam", "adamw", "sgd", "radam"]),
+    "optim.lr": st.one_of(_floats(1e-5, 10), st.integers(1, 3)),
+    "optim.betas": st.tuples(_floats(0, 1), _floats(0, 1)).map(list),
+    "optim.eps": _floats(1e-10, 1e-6),
+    "optim.weight_decay": _optional(_floats(0, 0.5)),
+    "optim.momentum": _floats(0, 1),
+    "schedule.kind": st.sampled_from(["constant", "linear_warmup", "inverse_sqrt", "cosine"]),
+    "schedule.warmup_steps": st.integers(0, 5),
+    "schedule.min_lr_ratio": _floats(0, 1),
+    "train.steps": st.integers(0, 50),
+    "train.threads": _optional(st.integers(1, 4)),
+    "train.stop_on_nonfinite": st.booleans(),
+}
+GRID_KEYS = [k for k in run_keys() if k != "seed"]
+
+
+def test_every_grid_key_has_a_strategy():
+    assert sorted(VALUES) == sorted(GRID_KEYS)
+
+
+def _write(data: dict, key: str, value: Any) -> None:
+    section, _, leaf = key.partition(".")
+    data.setdefault(section, {})[leaf] = value
+
+
+def _yaml_scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_scalar(v) for v in value) + "]"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+@st.composite
+def sweeps(draw: st.DrawFn) -> tuple[dict, list[str]]:
+    """A sweep mapping (random base, random grid) and --set options over random keys."""
+    base: dict = {}
+    for key in draw(st.lists(st.sampled_from(GRID_KEYS), max_size=6, unique=True)):
+        _write(base, key, draw(VALUES[key]))
+    grid_keys = draw(st.lists(st.sampled_from(GRID_KEYS), max_size=3, unique=True))
+    grid = {key: draw(st.lists(VALUES[key], min_size=1, max_size=3)) for key in grid_keys}
+    set_keys = draw(st.lists(st.sampled_from(GRID_KEYS), max_size=2, unique=True))
+    options = [f"{key}=" + ",".join(_yaml_scalar(v) for v in draw(st.lists(VALUES[key], min_size=1, max_size=2)))
+               for key in set_keys]
+    seeds = draw(st.lists(st.integers(0, 3), min_size=1, max_size=2))
+    if draw(st.booleans()):
+        options.append("seeds=" + ",".join(map(str, draw(st.lists(st.integers(0, 3), min_size=1, max_size=2)))))
+    return {"name": "space", "base": base, "grid": grid, "seeds": seeds}, options
+
+
+def _alone(data: dict, options: list[str]) -> list[RunConfig]:
+    """Every run of the sweep built the long way: grid after --set, each run's values written into
+    the base, each run resolved alone."""
+    grid, seeds = dict(data["grid"]), data["seeds"]
+    for option in options:
+        key, _, raw = option.partition("=")
+        values = [parse_yaml(part) for part in _split(raw)]
+        if key == "seeds":
+            seeds = values
+        else:
+            grid[key] = values
+    runs = []
+    for combo in itertools.product(*grid.values()):
+        for seed in dict.fromkeys(seeds):
+            run = copy.deepcopy(data["base"])
+            for key, value in zip(grid, combo):
+                _write(run, key, value)
+            runs.append(validate_run({**run, "seed": seed}))
+    return list(dict.fromkeys(runs))
+
+
+def _split(raw: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for char in raw:
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [*parts, current]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sweep=sweeps())
+def test_each_run_resolves_as_if_alone(sweep: tuple[dict, list[str]]):
+    data, options = sweep
+    try:
+        validate_run(data["base"])
+    except ConfigError:
+        assume(False)  # a base must be valid on its own; that it is refused is tested elsewhere
+    try:
+        expected = _alone(data, options)
+    except ConfigError:
+        with pytest.raises(ConfigError):
+            build_sweep(data, options)
+        return
+    built = build_sweep(data, options)
+    assert built.runs == expected
+    assert [r.model_dump() for r in built.runs] == [r.model_dump() for r in expected]
+    again = build_sweep(parse_yaml(built.to_yaml()))  # sweep.yaml expands to the same runs
+    assert again.runs == built.runs
+
+
+SWEEP = {"name": "wd", "base": {"model": {"depth": 2, "width": 4}, "optim": {"name": "adam"}}}
+
+
+@pytest.mark.parametrize(("base_optim", "grid", "decays"), [
+    ({"name": "adam"}, ["adam", "adamw"], [0.0, 0.01]),
+    ({"name": "adamw"}, ["adam", "adamw", "sgd"], [0.0, 0.01, 0.0]),
+    ({"name": "adamw", "weight_decay": 0.05}, ["adam", "adamw"], [0.05, 0.05]),  # set in the base: kept
+    ({"name": "adamw", "weight_decay": None}, ["sgd", "adamw"], [0.0, 0.01]),
+])
+def test_weight_decay_follows_each_runs_optimizer(base_optim: dict, grid: list[str], decays: list[float]):
+    data = {**SWEEP, "base": {**SWEEP["base"], "optim": base_optim}, "grid": {"optim.name": grid}}
+    assert [r.optim.weight_decay for r in build_sweep(data).runs] == decays
+    assert [r.optim.weight_decay for r in build_sweep({**SWEEP, "base": data["base"]},
+                                                      [f"optim.name={','.join(grid)}"]).runs] == decays
+
+
+def test_set_adamw_on_an_adam_base_gets_adamw_decay():
+    assert [r.optim.weight_decay for r in build_sweep(SWEEP, ["optim.name=adamw"]).runs] == [0.01]
+
+
+def test_the_resolved_sweep_leaves_the_decay_open():
+    sweep = build_sweep(SWEEP)
+    assert sweep.base.optim.weight_decay == 0.0  # the base alone resolves as before
+    again = build_sweep(parse_yaml(sweep.to_yaml()), ["optim.name=adamw"])
+    assert again.runs[0].optim.weight_decay == 0.01
+
+
+@pytest.mark.parametrize("betas", [[1, 0.999], [0.9, 1.0], [-0.1, 0.9], [0.9, 1.5]])
+def test_betas_must_be_below_one(betas: list[float]):
+    with pytest.raises(ConfigError, match=r"base\.optim\.betas"):
+        build_sweep({**SWEEP, "base": {"optim": {"betas": betas}}})
+    with pytest.raises(ConfigError, match=r"grid\.optim\.betas"):
+        build_sweep({**SWEEP, "grid": {"optim.betas": [[0.9, 0.999], betas]}})
+    with pytest.raises(ConfigError, match=r"optim\.betas"):
+        build_sweep(SWEEP, [f"optim.betas=[{betas[0]},{betas[1]}]"])
+
+
+def test_betas_of_one_in_the_grid_exit_2_and_write_nothing(write_yaml, tmp_path):
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    config = write_yaml("name: b\nbase: {model: {depth: 2, width: 4}, train: {steps: 2}}\n"
+                        "grid: {optim.betas: [[1, 0.999], [0.9, 0.999], [0.9, 1.0]]}\n")
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--engine", "batched"])
+    assert result.exit_code == 2 and "grid.optim.betas" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,219 @@
+"""The fast engine: as close to the reference as the reference is to itself, deterministic, every
+placement, norm kind and optimizer through the model's own modules."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.config import OptimConfig, RunConfig
+from normexp.engines import fast
+from normexp.engines.fast import FastOptimizer, compile_pays, hyper_groups, plan_fast, should_compile, train_fast
+from normexp.executors import plan_units
+from normexp.results import load_summary
+from normexp.train import train_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_fast import compare, contract_holds, stable_grid, unstable_grid, with_threads  # noqa: E402
+
+ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
+ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]
+
+
+def runs(placement="pre", kind="rmsnorm", optim="adam", n=4, steps=8, depth=3, width=8):
+    """n runs of one structure that differ in seed, lr, betas, eps, weight decay, momentum and schedule."""
+    schedules = [("constant", 0), ("linear_warmup", 3), ("cosine", 2), ("inverse_sqrt", 2)]
+    return [RunConfig.model_validate({
+        "model": {"depth": depth, "width": width},
+        "norm": {"placement": placement, "kind": kind},
+        "optim": {"name": optim, "lr": [0.01, 0.003, 0.03, 0.02][i % 4], "weight_decay": [0.0, 0.01, 0.1, 0][i % 4],
+                  "betas": [[0.9, 0.999], [0.8, 0.99], [0.95, 0.9], [0.9, 0.98]][i % 4],
+                  "eps": [1e-8, 1e-6, 1e-8, 1e-7][i % 4], "momentum": [0.9, 0.5, 0.0, 0.99][i % 4]},
+        "schedule": {"kind": schedules[i % 4][0], "warmup_steps": schedules[i % 4][1]},
+        "train": {"steps": steps},
+        "seed": 11 + i,
+    }) for i in range(n)]
+
+
+def assert_close_to_reference(configs, tol=2e-4):
+    """Every metric of every step within `tol` of the reference's (lr exactly), same status and length."""
+    for cfg, result in zip(configs, train_fast(configs, compile=False)):
+        expected = train_run(cfg)
+        assert result.engine == "fast" and result.status == expected.status
+        assert result.metrics["step"] == expected.metrics["step"]
+        assert result.metrics["lr"] == expected.metrics["lr"]
+        for column in ("loss", "grad_norm"):
+            for got, want in zip(result.metrics[column], expected.metrics[column]):
+                assert got == pytest.approx(want, rel=tol, abs=tol), (column, cfg.norm, cfg.optim)
+
+
+@pytest.mark.parametrize("optim", ["adam", "adamw", "sgd", "radam"])
+def test_each_optimizer_with_per_run_hyper_parameters_matches_the_reference(optim):
+    """Per-run lr, betas, eps, weight decay, momentum and schedules inside one batch: torch's formulas."""
+    assert_close_to_reference(runs("pre", "rmsnorm", optim, n=4, steps=12))
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_every_placement_through_the_models_own_blocks(placement):
+    assert_close_to_reference(runs(placement, "layernorm", n=2, steps=6))
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_every_norm_kind_through_the_models_own_norms(kind):
+    assert_close_to_reference(runs("pre", kind, n=2, steps=6, width=16))
+
+
+def test_same_sweep_twice_same_bits():
+    configs = runs("post", "layernorm", "adamw", n=4, steps=10)
+    first, second = train_fast(configs, compile=False), train_fast(configs, compile=False)
+    assert [repr(r.metrics) for r in first] == [repr(r.metrics) for r in second]
+
+
+def test_diverged_run_stops_at_its_first_nonfinite_loss_and_its_batch_mates_go_on():
+    configs = runs("none", "rmsnorm", "sgd", n=3, steps=12)
+    wild = configs[1].model_copy(update={"optim": configs[1].optim.model_copy(update={"lr": 1e4})})
+    configs[1] = wild
+    results = train_fast(configs, compile=False)
+    expected = train_run(wild)
+    assert expected.diverged and results[1].diverged
+    assert results[1].metrics["step"] == expected.metrics["step"]  # stopped at the same step
+    assert math.isnan(results[1].metrics["grad_norm"][-1]) and not math.isfinite(results[1].losses[-1])
+    for i in (0, 2):
+        assert not results[i].diverged and len(results[i].losses) == 13
+        assert results[i].losses == pytest.approx(train_run(configs[i]).losses, rel=1e-4, abs=1e-4)
+
+
+def test_frozen_run_keeps_its_parameters_even_with_a_nan_gradient():
+    params = [torch.ones(3, 4), torch.ones(3)]
+    optimizer = FastOptimizer("adamw", [OptimConfig(name="adamw")] * 3, params)
+    grads = [torch.full((3, 4), float("nan")), torch.full((3,), float("nan"))]
+    grads[0][0], grads[1][0] = 1.0, 1.0
+    optimizer.step(grads, [0.1, 0.1, 0.1], [True, False, False])
+    assert (params[0][1:] == 1).all() and (params[1][1:] == 1).all()
+    assert (params[0][0] < 1).all() and params[1][0] < 1
+
+
+@given(st.lists(st.tuples(st.sampled_from([(0.9, 0.999), (0.8, 0.99)]), st.sampled_from([1e-8, 1e-6])),
+                min_size=1, max_size=12))
+def test_hyper_groups_cover_every_run_in_stretches_of_equal_betas_and_eps(settings):
+    optims = [OptimConfig(betas=b, eps=e) for b, e in settings]
+    groups = hyper_groups(optims)
+    assert [r for start, stop, _, _ in groups for r in range(start, stop)] == list(range(len(optims)))
+    for start, stop, betas, eps in groups:
+        assert all((tuple(o.betas), o.eps) == (betas, eps) for o in optims[start:stop])
+    assert all(a[2:] != b[2:] for a, b in zip(groups, groups[1:]))  # maximal stretches
+
+
+def test_compile_pays_when_the_saving_exceeds_the_compile_time():
+    # 100 000 model-steps at 2 ms, compiled 2x faster: saves 100 s
+    assert compile_pays(100_000, 2e-3, compile_s=60, speedup=2.0)
+    assert not compile_pays(100_000, 2e-3, compile_s=120, speedup=2.0)
+    assert not compile_pays(10, 2e-3)
+    article = RunConfig()
+    assert not should_compile(article, 64 * 31) and should_compile(article, 4096 * 61)
+
+
+def test_plan_fast_chunks_each_structure_and_keeps_every_run():
+    configs = runs(n=4) * 40 + runs(kind="layernorm", n=3)
+    batches = plan_fast(configs)
+    assert sorted(len(b) for b in batches) == [3, 32, 64, 64]
+    assert all(len({fast.fast_key(c) for c in b}) == 1 for b in batches)
+    assert sum(map(len, batches)) == len(configs)
+
+
+def test_plan_units_fast_decides_compile_per_structure_unless_told():
+    configs = runs(n=4)
+    assert all(u.fast and not u.compile for u in plan_units(configs, "fast", "cpu", 1))
+    assert all(u.fast and u.compile for u in plan_units(configs, "fast", "cpu", 1, compile=True))
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no C++ compiler found\nlong details")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    configs = runs(n=2, steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = train_fast(configs, compile=True)
+    assert [str(w.message) for w in caught] == [
+        "torch.compile failed (RuntimeError: no C++ compiler found); training these runs uncompiled"]
+    assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
+
+
+def test_stable_grid_contract_fast_is_as_close_as_the_reference_to_itself():
+    """Pre-LN runs: the reference does not move between 1 and 2 threads, so neither may fast."""
+    configs = [with_threads(c, 2) for c in stable_grid(4, steps=15, depth=6, width=16)]
+    reference = [train_run(c) for c in configs]
+    f = compare(configs, train_fast(configs[:4], compile=False) + train_fast(configs[4:], compile=False), reference)
+    s = compare(configs, [train_run(with_threads(c, 1)) for c in configs], reference)
+    assert f.flips == 0 and f.cells_off == 0 and f.max_dloss < 1e-3
+    assert contract_holds(f, s)
+
+
+@pytest.mark.slow
+def test_unstable_grid_contract():
+    """256 Post-LN runs (lr x warmup x 8 seeds x 2 kinds, 60 steps): F within the contract of S."""
+    configs = [with_threads(c, 2) for c in unstable_grid(8, 60)]
+    reference = [train_run(c) for c in configs]
+    fast_results = [r for i in range(0, len(configs), 64) for r in train_fast(configs[i:i + 64], compile=False)]
+    f = compare(configs, fast_results, reference)
+    s = compare(configs, [train_run(with_threads(c, 1)) for c in configs], reference)
+    assert contract_holds(f, s), (f, s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_runs_the_same_engine():
+    configs = runs(n=3, steps=8)
+    results = train_fast(configs, "cuda", compile=False)
+    for cfg, result in zip(configs, results):
+        assert result.losses == pytest.approx(train_run(cfg).losses, rel=1e-3, abs=1e-3)
+
+
+runner = CliRunner()
+SWEEP = """\
+name: f
+base: {model: {depth: 3, width: 8}, train: {steps: 4}}
+grid: {norm.placement: [post, pre], optim.lr: [0.01, 0.02]}
+seeds: [0, 1]
+"""
+
+
+def test_cli_sweep_engine_fast_writes_fast_in_the_summary(write_yaml, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["sweep", str(write_yaml(SWEEP)), "--out", str(out), "--engine", "fast", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = load_summary(out)
+    assert len(summary) == 8 and set(summary["engine"]) == {"fast"} and set(summary["status"]) == {"completed"}
+
+
+@pytest.mark.parametrize("engine", ["auto", "reference", "batched"])
+@pytest.mark.parametrize("flag", ["--compile", "--no-compile"])
+def test_compile_flag_with_an_exact_engine_is_exit_2_and_writes_nothing(write_yaml, tmp_path, engine, flag):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["sweep", str(write_yaml(SWEEP)), "--out", str(out), "--engine", engine, flag])
+    assert result.exit_code == 2
+    assert f"{flag}: only --engine fast compiles" in result.output and "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_an_exact_sweep_redoes_runs_the_fast_engine_trained_and_a_fast_sweep_keeps_exact_ones(write_yaml, tmp_path):
+    out, config = tmp_path / "out", str(write_yaml(SWEEP))
+    assert runner.invoke(app, ["sweep", config, "--out", str(out), "--engine", "fast", "-q"]).exit_code == 0
+    assert runner.invoke(app, ["sweep", config, "--out", str(out), "-q"]).exit_code == 0
+    assert set(load_summary(out)["engine"]) == {"batched"}  # none of the fast runs was kept
+    result = runner.invoke(app, ["sweep", config, "--out", str(out), "--engine", "fast"])
+    assert result.exit_code == 0 and "0 ran, 8 already done" in result.output
+    assert set(load_summary(out)["engine"]) == {"batched"}

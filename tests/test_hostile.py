@@ -1,0 +1,279 @@
+"""Hostile input and command-line misuse: every error is a few lines naming the key or option, exit
+2, in bounded time and memory, with nothing written; YAML follows 1.2 rules and standard merge keys."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from normexp import train
+from normexp.cli import app
+from normexp.config import MAX_ERROR_LINES, MAX_YAML_NODES, ConfigError, build_sweep, parse_yaml
+from normexp.report import number
+from normexp.results import load_metrics
+
+runner = CliRunner()
+TINY = "name: t\nbase: {model: {depth: 2, width: 8}, train: {steps: 3}}\n"
+
+
+def alias_bomb(levels: int, fan: int = 10) -> str:
+    """Each level lists the previous one `fan` times: fan**levels values from a few hundred bytes."""
+    lines = [f"a0: &a0 [{', '.join(['1'] * fan)}]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * fan)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nname: bomb\nbase: {{model: {{depth: *a{levels - 1}}}}}\n"
+
+
+@pytest.mark.parametrize("levels", [4, 6, 9])
+def test_alias_expansion_is_bounded(levels):
+    text = alias_bomb(levels)
+    assert len(text) < 600
+    start = time.perf_counter()
+    if 10**levels <= MAX_YAML_NODES // 2:
+        assert isinstance(parse_yaml(text)["base"]["model"]["depth"], list)
+        return
+    with pytest.raises(ConfigError, match="expands to more than") as caught:
+        parse_yaml(text, "bomb.yaml")
+    assert time.perf_counter() - start < 2
+    assert len(str(caught.value)) < 200 and str(caught.value).startswith("bomb.yaml: line ")
+
+
+def test_alias_bomb_through_validate_is_a_short_error(write_yaml):
+    result = runner.invoke(app, ["validate", str(write_yaml(alias_bomb(8)))])
+    assert result.exit_code == 2 and "expands to more than" in result.output
+    assert len(result.output) < 400 and "Traceback" not in result.output
+
+
+def test_an_alias_inside_itself_is_refused():
+    with pytest.raises(ConfigError, match="refers to the node that contains it"):
+        parse_yaml("a: &a [1, *a]\n")
+
+
+def test_an_error_never_echoes_more_than_a_short_value(write_yaml):
+    values = ", ".join(str(i) for i in range(5000))
+    result = runner.invoke(app, ["validate", str(write_yaml(f"name: t\nbase: {{model: {{depth: [{values}]}}}}\n"))])
+    assert result.exit_code == 2 and "base.model.depth: must be an integer, got [0, 1, 2" in result.output
+    assert len(result.output) < 200
+
+
+def test_many_errors_are_cut_to_a_few_lines(write_yaml):
+    keys = "\n".join(f"  key{i}: 1" for i in range(40))
+    result = runner.invoke(app, ["validate", str(write_yaml(f"name: t\nbase:\n{keys}\n"))])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == MAX_ERROR_LINES and lines[-1].endswith("more errors")
+
+
+@given(st.dictionaries(st.sampled_from("abcdef"), st.integers(-5, 5), min_size=1),
+       st.dictionaries(st.sampled_from("abcdefgh"), st.integers(-5, 5)))
+def test_a_merge_key_then_overrides_reads_as_the_merged_mapping_updated(merged, written):
+    text = f"defaults: &d {yaml.safe_dump(merged, default_flow_style=True).strip()}\nthis:\n  <<: *d\n"
+    text += "".join(f"  {k}: {v}\n" for k, v in written.items())
+    assert parse_yaml(text)["this"] == {**merged, **written}
+
+
+def test_merge_sources_earlier_wins_and_a_real_duplicate_is_refused():
+    assert parse_yaml("a: &a {x: 1}\nb: &b {x: 2, y: 2}\nc:\n  <<: [*a, *b]\n")["c"] == {"x": 1, "y": 2}
+    with pytest.raises(ConfigError, match="x: duplicate key"):
+        parse_yaml("a: &a {y: 1}\nc:\n  <<: *a\n  x: 1\n  x: 2\n")
+
+
+def test_a_merge_key_works_in_a_sweep_file(write_yaml):
+    text = "name: m\nbase:\n  model:\n    <<: &m {depth: 4, width: 16}\n    width: 8\n"
+    result = runner.invoke(app, ["validate", str(write_yaml(text))])
+    assert result.exit_code == 0, result.output
+
+
+@given(st.integers(0, 10**6), st.integers(1, 3))
+def test_yaml_12_integers_with_leading_zeros_are_decimal(value, zeros):
+    assert parse_yaml("0" * zeros + str(value)) == value
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("010", 10), ("0o10", 8), ("0x10", 16), ("-010", -10), ("1_000", 1000), ("1e-3", 0.001), ("true", True),
+    ("False", False), ("yes", "yes"), ("off", "off"), ("1:30", "1:30"), ("0b11", "0b11"), ("~", None),
+])
+def test_yaml_12_scalars(text, value):
+    assert parse_yaml(text) == value
+
+
+def test_depth_010_is_ten(write_yaml):
+    assert build_sweep(parse_yaml("name: t\nbase: {model: {depth: 010}}\n")).base.model.depth == 10
+
+
+def test_a_section_check_blames_the_grid_key_it_came_from():
+    data = parse_yaml("name: t\nbase: {schedule: {kind: constant}}\ngrid: {schedule.warmup_steps: [0, 5]}\n")
+    with pytest.raises(ConfigError) as caught:
+        build_sweep(data)
+    assert str(caught.value).startswith("grid.schedule.warmup_steps: warmup_steps has no effect")
+
+
+@pytest.mark.parametrize(("text", "path"), [
+    ("name: t\nbase: {model: {1: 2}}\n", "base.model.1"),
+    ("name: t\nbase: {1: {depth: 2}}\n", "base.1"),
+    ("name: t\nseeds: [0, x]\n", "seeds.1"),
+    ("name: t\nreport: {steps: [1, -1]}\n", "report.steps.1"),
+])
+def test_key_paths_are_well_formed(text, path):
+    with pytest.raises(ConfigError) as caught:
+        build_sweep(parse_yaml(text))
+    first = str(caught.value).splitlines()[0]
+    key = first.split(": ")[0]
+    assert key == path and ".." not in key and not key.endswith(".")
+
+
+def test_max_runs_is_not_offered_where_there_is_no_such_option(write_yaml):
+    config = write_yaml("name: t\ngrid: {optim.lr: [" + ", ".join(f"0.{i + 1}" for i in range(400)) + "]}\n"
+                        "seeds: [" + ", ".join(str(s) for s in range(300)) + "]\n")
+    for command in ("validate", "gradnorm"):
+        result = runner.invoke(app, [command, str(config)])
+        assert result.exit_code == 2 and "120000 runs" in result.output and "--max-runs" not in result.output
+
+
+# ----------------------------------------------------------------------------- command-line misuse
+
+
+@pytest.mark.parametrize("address", ["foo", "LOCAL", "local:abc", "local:", "local:1.5", "local:99999",
+                                     "tcp://127.0.0.1:notaport", "tcp://:8786", "http://127.0.0.1:8786",
+                                     "tcp://127.0.0.1:70000"])
+def test_malformed_cluster_addresses_are_refused(write_yaml, tmp_path, address):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["sweep", str(write_yaml(TINY)), "--out", str(out), "--cluster", address])
+    assert result.exit_code == 2 and "expected local, local:N" in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("address", ["local:0", "local:-1"])
+def test_a_cluster_of_no_workers_is_refused_at_once(write_yaml, tmp_path, address):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "normexp", "sweep", str(write_yaml(TINY)), "--out", str(out),
+                           "--cluster", address], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "N must be a whole number from 1" in proc.stderr, proc.stderr
+    assert not out.exists()  # the folder's lock was never taken
+
+
+def test_empty_out_is_refused(write_yaml, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = write_yaml(TINY)
+    for command in (["sweep"], ["gradnorm"]):
+        result = runner.invoke(app, [*command, str(config), "--out", ""])
+        assert result.exit_code == 2 and "--out: empty" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
+
+
+def test_a_dangling_symlink_as_out_is_named(write_yaml, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    result = runner.invoke(app, ["sweep", str(write_yaml(TINY)), "--out", str(link)])
+    assert result.exit_code == 2 and "does not exist" in result.output and "File exists" not in result.output
+
+
+@pytest.mark.parametrize("command", ["sweep", "gradnorm"])
+def test_a_file_as_out_is_refused(write_yaml, tmp_path, command):
+    file = tmp_path / "file"
+    file.write_text("keep me")
+    result = runner.invoke(app, [command, str(write_yaml(TINY)), "--out", str(file)])
+    assert result.exit_code == 2 and "is a file, not a folder" in result.output
+    assert "Traceback" not in result.output and file.read_text() == "keep me"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("finished")
+    config = folder / "t.yaml"
+    config.write_text(TINY + "grid: {norm.placement: [post, pre]}\nseeds: [0, 1]\n")
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(folder / "out"), "-q"]).exit_code == 0
+    return config, folder / "out"
+
+
+def test_pivot_on_one_key_twice_is_refused(finished):
+    result = runner.invoke(app, ["report", str(finished[1]), "--pivot", "norm.placement,norm.placement"])
+    assert result.exit_code == 2 and "must differ" in result.output
+
+
+def test_report_of_a_step_never_recorded_says_so(finished):
+    result = runner.invoke(app, ["report", str(finished[1]), "--steps", "1,99"])
+    assert result.exit_code == 2 and "--steps 99: not recorded" in result.output and "0 to 3" in result.output
+    assert runner.invoke(app, ["report", str(finished[1]), "--steps", "1,3"]).exit_code == 0
+
+
+def test_a_second_sweep_of_another_config_into_one_folder_is_refused(finished, write_yaml, tmp_path):
+    config, out = finished
+    other = write_yaml(TINY.replace("name: t", "name: other") + "seeds: [5]\n", "other.yaml")
+    before = (out / "summary.csv").read_text(), (out / "sweep.yaml").read_text()
+    result = runner.invoke(app, ["sweep", str(other), "--out", str(out)])
+    assert result.exit_code == 2 and "holds sweep 't', not 'other'" in result.output and "--force" in result.output
+    assert ((out / "summary.csv").read_text(), (out / "sweep.yaml").read_text()) == before
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(out), "-q"]).exit_code == 0  # resuming is fine
+    extended = write_yaml(TINY + "grid: {norm.placement: [post, pre]}\nseeds: [0, 1, 2]\n", "more.yaml")
+    assert runner.invoke(app, ["sweep", str(extended), "--out", str(out), "-q"]).exit_code == 0  # so is adding
+
+
+def test_quiet_still_prints_failed_runs(write_yaml, tmp_path, monkeypatch):
+    real = train.train_run
+
+    def train_run(cfg, **kwargs):
+        if cfg.seed == 1:
+            raise RuntimeError("boom")
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(train, "train_run", train_run)
+    config = write_yaml(TINY + "seeds: [0, 1]\n")
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "-q", "--engine", "reference"])
+    assert result.exit_code == 1
+    assert "failed: RuntimeError: boom" in result.output and "1 run failed" in result.output
+    assert "completed" not in result.output  # quiet otherwise
+
+
+def test_one_run_is_not_1_runs(write_yaml):
+    result = runner.invoke(app, ["validate", str(write_yaml(TINY))])
+    assert result.exit_code == 0 and "· 1 run\n" in result.output
+
+
+@pytest.mark.parametrize("depths", ["1", "4", "1,2"])
+def test_gradnorm_with_one_depth_or_depth_1(write_yaml, tmp_path, depths):
+    config = write_yaml("name: g\nbase: {model: {width: 8}}\ngrid: {norm.placement: [post, pre]}\nseeds: [0, 1]\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", np.exceptions.RankWarning)
+        result = runner.invoke(app, ["gradnorm", str(config), "--set", f"model.depth={depths}",
+                                     "--out", str(tmp_path / "g")])
+    assert result.exit_code == 0, result.output
+    assert "+nan" not in result.output
+    if "," not in depths:
+        assert "needs two depths or more" in result.output
+
+
+@given(st.floats(-1e300, 1e300))
+def test_a_table_number_stays_short_and_keeps_its_value(value):
+    text = number(value)
+    assert len(text) <= 12
+    assert math.isclose(float(text), value, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_a_diverging_loss_is_shown_whole(write_yaml, tmp_path):
+    config = write_yaml("name: d\nbase: {model: {depth: 2, width: 8}, norm: {placement: none}, "
+                        "optim: {name: sgd}, train: {steps: 8, stop_on_nonfinite: false}}\n"
+                        "grid: {optim.lr: [10.0, 10.5, 11.0, 11.5, 12.0]}\nreport: {steps: [0, 5, 8]}\n")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
+    assert result.exit_code == 0
+    assert max(abs(v) for v in load_metrics(out)["loss"] if math.isfinite(v)) >= 1e6, "no large loss to show"
+    assert "…" not in result.output
+
+
+def test_a_run_folders_config_reruns_that_run_alone(finished, tmp_path):
+    _, out = finished
+    run = sorted(p for p in out.iterdir() if (p / "done.json").exists())[1]
+    again = tmp_path / "again"
+    result = runner.invoke(app, ["sweep", str(run / "config.yaml"), "--out", str(again), "-q"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in again.glob("*/done.json")] == ["done.json"]
+    assert (again / run.name / "metrics.csv").read_text() == (run / "metrics.csv").read_text()

@@ -1,0 +1,237 @@
+"""Processes and signals: SIGTERM and SIGHUP stop a sweep like Ctrl-C, a second signal exits at once,
+workers die with their coordinator (also after `kill -9`), a dying worker costs only its own unit,
+a signal while torch loads is never swallowed. Real processes, each sweep in its own session, so that
+every process it started can be found afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from normexp.results import load_summary
+from normexp.store import SweepLock
+
+SWEEP = """\
+name: sig
+base:
+  model: {depth: 4, width: 8}
+  train: {steps: 40}
+grid:
+  norm.placement: [post, pre]
+seeds: [0, 1, 2, 3]
+"""
+RUNS = 8
+
+
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _end_what_a_failed_test_left():
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        for pid in session_processes(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+def start(config: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """A reference-engine sweep in a session of its own (as a terminal's job would be)."""
+    proc = subprocess.Popen([sys.executable, "-m", "normexp", "sweep", str(config), "--out", str(out),
+                             "--engine", "reference", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "sig.yaml"
+    path.write_text(SWEEP)
+    return path
+
+
+def wait_for(condition, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def done_count(out: Path) -> int:
+    return len(list(out.glob("*/done.json")))
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def session_processes(session: int) -> list[int]:
+    """Live (not zombie) processes of a session."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = stat_fields(int(entry.name))
+            if fields and int(fields[3]) == session and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def pool_workers(coordinator: int) -> list[int]:
+    """The coordinator's pool workers (not the multiprocessing resource tracker), oldest first."""
+    children = [pid for pid in session_processes(coordinator)
+                if (fields := stat_fields(pid)) and int(fields[1]) == coordinator]
+    workers = [pid for pid in children if "spawn_main" in cmdline(pid)]
+    return sorted(workers, key=lambda pid: int(stat_fields(pid)[19]))  # start time
+
+
+def assert_no_process_left(session: int, timeout: float = 30) -> None:
+    wait_for(lambda: not session_processes(session), "the sweep's processes to end", timeout)
+
+
+def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, signum: int, stderr: str) -> None:
+    assert proc.returncode == 128 + signum, stderr
+    assert "Traceback" not in stderr and "Resume with: normexp sweep" in stderr
+    assert len(stderr.strip().splitlines()) <= 3, stderr
+    summary = load_summary(out)  # written, so report and resume work
+    assert set(summary["status"]) <= {"completed", "interrupted"} and "interrupted" in set(summary["status"])
+    assert not list(out.glob("**/.*.tmp-*"))
+    with SweepLock(out):  # released
+        pass
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q")
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert_stopped_cleanly(proc, out, signum, stderr)
+    assert f"{done_count(out)} of {RUNS} runs finished" in stderr
+
+
+def test_sigterm_stops_the_workers_too(config, tmp_path):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2")
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert_stopped_cleanly(proc, out, signal.SIGTERM, stderr)
+    assert_no_process_left(proc.pid)
+
+
+def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2")
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+    time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert_no_process_left(proc.pid)
+
+
+def test_workers_die_with_a_killed_coordinator(config, tmp_path):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2")
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    assert len(pool_workers(proc.pid)) == 2
+    proc.kill()
+    proc.communicate()
+    assert_no_process_left(proc.pid)  # workers and the resource tracker: none under PID 1
+
+
+def test_a_dying_worker_costs_only_its_own_unit(config, tmp_path):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2")
+    for finished, victim in ((2, -1), (4, 0)):  # the newest worker, then the oldest (another unit)
+        wait_for(lambda n=finished: done_count(out) >= n, f"{finished} finished runs")
+        wait_for(lambda: len(pool_workers(proc.pid)) == 2, "two workers (a replacement starts in seconds)")
+        workers = pool_workers(proc.pid)
+        os.kill(workers[victim], signal.SIGKILL)
+        wait_for(lambda pid=workers[victim]: pid not in pool_workers(proc.pid), "the worker to go")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert list(load_summary(out)["status"]) == ["completed"] * RUNS
+
+
+SWALLOWING_IMPORT = """\
+import os, signal, sys, time
+
+class Swallow:
+    '''Ctrl-C arrives while torch loads, inside code that catches too much.'''
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not Swallow.fired and sys.argv[1:2] == ["sweep"]:
+            Swallow.fired = True
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+            except BaseException:
+                pass
+        return None
+
+sys.meta_path.insert(0, Swallow())
+"""
+
+
+def test_ctrl_c_while_torch_loads_is_never_swallowed(config, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SWALLOWING_IMPORT)
+    out = tmp_path / "out"
+    proc = start(config, out, env={"PYTHONPATH": str(site)})
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "nothing was written" in stderr
+    assert done_count(out) == 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
+    pytest.importorskip("distributed")
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--cluster", "local:2")
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    proc.send_signal(signal.SIGINT)  # the coordinator only: Dask's own workers still print on a group's Ctrl-C
+    _, stderr = proc.communicate(timeout=300)
+    assert_stopped_cleanly(proc, out, signal.SIGINT, stderr)
+    assert_no_process_left(proc.pid, timeout=60)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_local_dask_cluster_starts(config, tmp_path):
+    pytest.importorskip("distributed")
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--cluster", "local:2")
+    wait_for(lambda: any(int(stat_fields(pid)[1]) == proc.pid for pid in session_processes(proc.pid)
+                         if pid != proc.pid and stat_fields(pid)), "the cluster's first process")
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert len(stderr.strip().splitlines()) <= 3, stderr
+    assert_no_process_left(proc.pid, timeout=60)
