@@ -387,3 +387,13 @@ def test_worker_processes_write_the_same_blocks_csv(write_yaml, tmp_path):
     files = sorted(p.relative_to(outs[1]) for p in outs[1].glob("*/blocks.csv"))
     assert len(files) == 8
     assert all((outs[1] / f).read_bytes() == (outs[2] / f).read_bytes() for f in files)
+
+
+def test_the_fast_engine_hands_logging_runs_to_the_exact_engines():
+    """blocks.csv is the reference's bits: under --engine fast, logging runs train on the batched engine."""
+    from normexp.executors import plan_units
+
+    configs = runs("pre", "layernorm", n=4)
+    units = plan_units(configs[:2] + [logging(c) for c in configs[2:]], "fast", "cpu", 1)
+    by_logging = {unit.runs[0].train.log_blocks: unit for unit in units}
+    assert len(units) == 2 and by_logging[True].batched and not by_logging[True].fast and by_logging[False].fast
