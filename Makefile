@@ -1,28 +1,66 @@
 # normexp: `make reproduce` runs the article's study, `make test` runs the test suite.
 # Both set everything up on a fresh machine (a virtualenv in .venv, torch first).
+#
+#   make install               CPU torch $(TORCH_VERSION), then normexp (what `make reproduce` needs)
+#   make install TORCH=cuda    torch's default (CUDA) build from the package index instead
+#   make install-dev           install, plus the test tools and the Dask extra (`make test`, CI)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NORMEXP := $(VENV)/bin/normexp
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+TORCH ?= cpu
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# never hang on an unreachable index: short socket timeouts, few retries
+PIP := $(PY) -m pip install -q --timeout 30 --retries 2
 
-.PHONY: install test test-all reproduce lint bench studies clean
+ifeq ($(filter $(TORCH),cpu cuda),)
+$(error TORCH=$(TORCH): must be cpu (the default) or cuda)
+endif
+
+.PHONY: install install-dev torch test test-all reproduce lint bench studies clean
 
 install: $(STAMP)
 
-# torch first: the CPU build 2.13.0 where a local wheel provides it (no 6 GB CUDA download),
-# any torch>=2.4 elsewhere; an already-installed torch is kept.
+install-dev: $(DEV_STAMP)
+
+# torch first, so that normexp's `torch>=2.4` finds it satisfied: an installed torch is kept; else the
+# CPU build (torch==V+cpu, a local version no CUDA wheel carries) from the local wheels or the index,
+# plus PyTorch's CPU index where it answers within 5 s. TORCH=cuda takes the index's default build.
+# Then normexp, constrained to that exact torch so pip can neither upgrade nor replace it, and a check
+# that the torch in place is the build asked for.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-index torch==2.13.0 \
-		|| $(PY) -m pip install -q "torch>=2.4"
-	$(PY) -m pip install -q -e ".[dev,dask]"
+	$(PY) -c "import torch" 2>/dev/null || $(MAKE) --no-print-directory torch
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PIP) -c $(VENV)/torch-constraint.txt -e .
+	$(PY) -c "import sys, torch; cuda = torch.version.cuda; \
+		sys.exit(0 if '$(TORCH)' == 'cuda' or cuda is None else \
+		f'error: .venv has torch {torch.__version__}, a CUDA {cuda} build: make clean, then make install, or make install TORCH=cuda')"
 	touch $(STAMP)
 
-test: install
+torch:
+ifeq ($(TORCH),cuda)
+	$(PIP) torch==$(TORCH_VERSION)
+else
+	if $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" 2>/dev/null; \
+	then $(PIP) --extra-index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)$(CPU_LABEL)"; \
+	else $(PIP) "torch==$(TORCH_VERSION)$(CPU_LABEL)"; fi
+endif
+
+# Linux and Windows CPU wheels carry the `+cpu` label; macOS wheels are CPU builds without one.
+CPU_LABEL := $(if $(filter Darwin,$(shell uname -s)),,+cpu)
+
+$(DEV_STAMP): $(STAMP)
+	$(PIP) -c $(VENV)/torch-constraint.txt -e ".[dev,dask]"
+	touch $(DEV_STAMP)
+
+test: install-dev
 	$(PY) -m pytest -q
 
-test-all: install
+test-all: install-dev
 	$(PY) -m pytest -q -m ""
 
 reproduce: install
@@ -32,10 +70,11 @@ reproduce: install
 studies: install
 	$(PY) -m normexp.studies --out runs
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check normexp tests benchmarks examples
 
-bench: install
+bench: install-dev
+	$(PY) benchmarks/bench_sweep.py
 	$(PY) benchmarks/bench_engines.py
 	$(PY) benchmarks/bench_workers.py
 	$(PY) benchmarks/bench_fast.py

@@ -94,9 +94,16 @@ def sweep(
     if not quiet:
         _print_report(target)
         out.print(f"{outcome.count('completed', 'diverged')} ran, {outcome.count('skipped')} already done, "
-                  f"{outcome.failed} failed · results in {target}")
+                  f"{outcome.failed} failed{_integrity_counts(outcome)} · results in {target}")
     if outcome.failed:
         raise typer.Exit(Exit.FAILED)
+
+
+def _integrity_counts(outcome: SweepOutcome) -> str:
+    """', 2 found corrupt and redone' and the like, for the sweep's closing line."""
+    parts = [f", {len(outcome.corrupt)} found corrupt and redone" if outcome.corrupt else "",
+             f", {outcome.restamped} of an earlier release verified and stamped" if outcome.restamped else ""]
+    return "".join(parts)
 
 
 def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> SweepOutcome:
@@ -267,17 +274,25 @@ def report(
     metric: Annotated[str | None, typer.Option(help="loss | acc | grad_norm | lr [default: the sweep's].")] = None,
     by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
     pivot: Annotated[str | None, typer.Option(help="ROW_KEY,COL_KEY: a final-loss pivot instead.")] = None,
+    lr_sensitivity: Annotated[bool, typer.Option(
+        "--lr-sensitivity", help="Per variant: LR sensitivity over an optim.lr axis of >= 3 values instead.")] = False,
     fmt: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
 ) -> None:
-    """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot."""
+    """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot,
+    or each variant's learning-rate sensitivity."""
     from normexp.report import build_report, to_csv, to_markdown, to_rich
     from normexp.results import ResultsError
 
     if metric is not None:
         _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
     _check_choice("--format", fmt, ("table", "markdown", "csv"))
+    if pivot is not None and lr_sensitivity:
+        raise fail("--pivot and --lr-sensitivity: choose one")
     if pivot is not None:
         _print_pivot(run_dir, pivot, fmt)
+        return
+    if lr_sensitivity:
+        _print_sensitivity(run_dir, fmt)
         return
     try:
         step_list = [int(s) for s in steps.split(",")] if steps else None
@@ -305,6 +320,19 @@ def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: pivot_to_rich(table), lambda: pivot_to_markdown(table), lambda: pivot_to_csv(table))
+
+
+def _print_sensitivity(run_dir: Path, fmt: str) -> None:
+    from normexp.report import sensitivity_to_csv, sensitivity_to_markdown, sensitivity_to_rich
+    from normexp.results import ResultsError
+    from normexp.sensitivity import build_sensitivity
+
+    try:
+        rows = build_sensitivity(run_dir)
+    except ResultsError as exc:
+        raise fail(str(exc)) from None
+    _emit(fmt, lambda: sensitivity_to_rich(rows), lambda: sensitivity_to_markdown(rows),
+          lambda: sensitivity_to_csv(rows))
 
 
 @app.command()
@@ -341,6 +369,41 @@ def plot(
         raise fail(f"cannot write {exc.filename}: {exc.strerror}") from None
     for path in paths:
         out.print(f"wrote {path}")
+    _print_missing(run_dir)
+
+
+def _print_missing(run_dir: Path) -> None:
+    from normexp.results import ResultsError, load_summary, missing_note
+
+    try:
+        note = missing_note(load_summary(run_dir), run_dir)
+    except ResultsError:
+        return
+    if note:
+        err.print(note, markup=False, soft_wrap=True)
+
+
+@app.command()
+def verify(
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A sweep's output folder.")],
+    fix: Annotated[bool, typer.Option("--fix", help="Remove what can be redone, stamp old runs, rebuild "
+                                                    "summary.csv.")] = False,
+) -> None:
+    """Check a sweep folder: checksums, row counts, config vs run id, stray files, summary, other sweeps' runs.
+    Exit 0 if clean, 1 if not; nothing is changed without --fix."""
+    from normexp.report import verification_to_rich
+    from normexp.store import StoreError
+    from normexp.verify import verify_sweep
+
+    try:
+        result = verify_sweep(run_dir, fix)
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{run_dir}: cannot {'repair' if fix else 'read'} {exc.filename}: {exc.strerror}") from None
+    out.print(verification_to_rich(result))
+    if not result.clean:
+        raise typer.Exit(Exit.FAILED)
 
 
 @app.command()
@@ -409,6 +472,14 @@ def validate(
     """Check a sweep file (and --set values) without running anything."""
     spec = _load(config, set_ or [])
     out.print(f"{config}: ok · sweep '{spec.name}' · {_plural(len(spec.runs), 'run')}")
+
+
+@app.command()
+def doctor() -> None:
+    """Print this installation's versions, torch build, threads and devices, for a bug report."""
+    from normexp.environment import describe
+
+    sys.stdout.write(describe().as_text())
 
 
 def main() -> None:

@@ -28,9 +28,12 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-Placement = Literal["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
+Placement = Literal[
+    "post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none", "rezero", "respost", "resdual", "admin"
+]
 NormKind = Literal[
-    "layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"
+    "layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm",
+    "dyt", "derf",
 ]
 Init = Literal["xavier_uniform", "xavier_normal", "torch_default"]
 OptimName = Literal["adam", "adamw", "sgd", "radam"]
@@ -84,6 +87,8 @@ class NormConfig(_Section):
     deepnorm_alpha: PositiveFloat | None = None  # None: (2N)^(1/4), DeepNet's encoder-only value
     deepnorm_beta: PositiveFloat | None = None  # None: (8N)^(-1/4)
     prms_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.0625
+    output_norm_init: Literal["ones", "zeros"] = "ones"  # respost: the branch norm's gain (zeros: Swin V2)
+    dyt_alpha0: PositiveFloat = 0.5  # dyt: the initial alpha of tanh(alpha * x) (Zhu et al. 2025)
 
 
 class DataConfig(_Section):

@@ -41,7 +41,8 @@ def gradnorm_at_init(cfg: RunConfig) -> list[dict[str, float | int | str]]:
     stream, norm_in = {}, {}
     hooks = []
     for i, block in enumerate(model.blocks):
-        hooks.append(block.register_forward_pre_hook(lambda m, args, i=i: stream.__setitem__(i, args[0].detach())))
+        hooks.append(block.register_forward_pre_hook(  # ResiDual's block takes (x_a, x_d): x_a is the stream
+            lambda m, args, i=i: stream.__setitem__(i, _first(args[0]).detach())))
         if block.norm is not None:
             hooks.append(block.norm.register_forward_pre_hook(
                 lambda m, args, i=i: norm_in.__setitem__(i, args[0].detach())))
@@ -61,6 +62,10 @@ def gradnorm_at_init(cfg: RunConfig) -> list[dict[str, float | int | str]]:
             "loss": loss.item(),
         })
     return rows
+
+
+def _first(x: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return x[0] if isinstance(x, tuple) else x
 
 
 def _mean_sq(x: torch.Tensor, d: int) -> float:

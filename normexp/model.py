@@ -12,6 +12,16 @@ Where the norm sits is `Block.forward`, one line per placement:
     deepnorm  x = Norm(alpha * x + F(x))              DeepNet (Wang et al. 2022), fc weights * beta
     mixln     post for the first round(f * N) blocks, pre after (Li et al. 2024)
     none      x = x + F(x)
+    rezero    x = x + a * F(x)                        ReZero (Bachlechner et al. 2020): a scalar a, 0 at
+                                                     init, and no norm in the block
+    respost   x = x + Norm(F(x))                      res-post-norm: Swin V2 (Liu et al. 2022), OLMo 2
+    resdual   x_a = Norm(x_a + F(x_a)), x_d = x_d + F(x_a); output x_a + Norm_d(x_d)
+                                                     ResiDual (Xie et al. 2023); x_d starts at 0
+    admin     x = Norm(w * x + F(x)), w per channel, profiled at init (Liu et al. 2020, Admin)
+
+Admin's w is set by `Net.profile_at_init` on the run's own training data, after the model and the data
+are drawn (SPEC §1's order), with no random draw: one forward with w = 1 records Var[F_j] (over every
+entry of block j's branch output) and sets w_i = sqrt(1 + sum_{j<i} Var[F_j]) for every channel.
 
 Random draws happen in the article's order, so that the same seed gives the same weights bit for
 bit: all norms (which draw nothing), then every fc1, then every fc2, then the final norm, then the
@@ -26,7 +36,7 @@ import torch
 from torch import nn
 
 from normexp.config import Init, ModelConfig, NormConfig
-from normexp.norms import make_norm
+from normexp.norms import make_norm, silence
 
 
 def make_linear(d_in: int, d_out: int, init: Init) -> nn.Linear:
@@ -67,6 +77,29 @@ class FFN(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+Streams = tuple[torch.Tensor, torch.Tensor]  # ResiDual's (x_a, x_d)
+
+
+class Scale(nn.Module):
+    """A learnable element-wise scale, weight * x: ReZero's scalar (shape ()) or Admin's per-channel
+    vector (shape (d,)). Filled with a constant, so it draws no random numbers."""
+
+    def __init__(self, shape: tuple[int, ...], value: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full(shape, float(value)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+def _block_norm(placement: str, d: int, cfg: NormConfig) -> nn.Module | None:
+    """The block's main norm: none for `none` and `rezero`; respost's may start silenced (Swin V2)."""
+    if placement in ("none", "rezero"):
+        return None
+    norm = make_norm(d, cfg)
+    return silence(norm) if placement == "respost" and cfg.output_norm_init == "zeros" else norm
+
+
 class Block(nn.Module):
     """One residual block; `placement` says where its norm goes (see the module docstring)."""
 
@@ -74,11 +107,25 @@ class Block(nn.Module):
         super().__init__()
         self.placement = placement
         self.ffn = ffn
-        self.norm = make_norm(d, cfg) if placement != "none" else None
+        self.norm = _block_norm(placement, d, cfg)
         self.norm_out = make_norm(d, cfg) if placement in ("sandwich", "peri") else None
         self.alpha = alpha
+        if placement == "rezero":
+            self.gate = Scale((), 0.0)  # the official code's `resweight`: one scalar per block
+        if placement == "admin":
+            self.omega = Scale((d,), 1.0)  # set by Net.profile_at_init
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Streams) -> torch.Tensor | Streams:
+        """x -> x; for `resdual`, the pair of streams (x_a, x_d) -> (x_a, x_d)."""
+        if self.placement == "rezero":  # Bachlechner et al. 2020, "ReZero is All You Need"
+            return x + self.gate(self.ffn(x))
+        if self.placement == "respost":  # Liu et al. 2022, Swin Transformer V2; OLMo 2 (2024)
+            return x + self.norm(self.ffn(x))
+        if self.placement == "admin":  # Liu et al. 2020, "Understanding the Difficulty of Training Transformers"
+            return self.norm(self.omega(x) + self.ffn(x))
+        if self.placement == "resdual":  # Xie et al. 2023, ResiDual: Post-LN stream and raw-branch stream
+            branch = self.ffn(x[0])
+            return self.norm(x[0] + branch), x[1] + branch
         if self.placement == "post":
             return self.norm(x + self.ffn(x))
         if self.placement == "pre":
@@ -114,12 +161,32 @@ class Net(nn.Module):
         )
         self.final_norm = make_norm(d, norm) if model.final_norm else nn.Identity()
         self.head = make_linear(d, model.n_classes, model.init)
+        self.dual_norm = make_norm(d, norm) if norm.placement == "resdual" else None  # ResiDual's Norm_d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.input_norm(x)
+        if self.dual_norm is not None:  # ResiDual: (x_a, x_d), x_d the sum of raw branch outputs
+            x = (x, torch.zeros_like(x))
         for block in self.blocks:
             x = block(x)
+        if self.dual_norm is not None:
+            x = x[0] + self.dual_norm(x[1])
         return self.head(self.final_norm(x))
+
+    @torch.no_grad()
+    def profile_at_init(self, x: torch.Tensor) -> None:
+        """Admin's profiling (Liu et al. 2020): one forward on the training inputs `x` with every w = 1
+        records Var[F_j] per block, then w_i = sqrt(1 + sum_{j<i} Var[F_j]). Other placements: nothing."""
+        if not all(block.placement == "admin" for block in self.blocks):
+            return
+        h, variances = self.input_norm(x), []
+        for block in self.blocks:
+            variances.append(block.ffn(h).var().item())
+            h = block(h)
+        total = 0.0
+        for block, variance in zip(self.blocks, variances):
+            block.omega.weight.fill_(math.sqrt(1.0 + total))
+            total += variance
 
 
 def chance_loss(n_classes: int) -> float:

@@ -13,9 +13,15 @@ All normalize over the last dimension. Formulas follow SPEC §3 and shared/seeds
 - `prmsnorm`       partial RMSNorm: RMS from the first k = max(1, int(d * p)) features, eps added
                    outside the square root (Zhang & Sennrich 2019, section 4).
 - `scalenorm`      g * x / max(||x||, eps), one scalar g = sqrt(d) at init (Nguyen & Salazar 2019).
+- `dyt`            Dynamic Tanh, weight * tanh(alpha * x) + bias: no statistics at all, one learnable
+                   scalar alpha (`norm.dyt_alpha0`, 0.5 by default), weight ones, bias zeros
+                   (Zhu et al., "Transformers without Normalization", CVPR 2025).
+- `derf`           weight * erf(alpha * x + shift) + bias, learnable scalars alpha = 0.5 and shift = 0 at
+                   init (Chen et al. 2025, "Stronger Normalization-Free Transformers").
 
 None of them draws random numbers at init, so the choice of norm never shifts the model's random
-initialisation (SPEC §1).
+initialisation (SPEC §1). `silence()` sets a norm's gain so that it outputs zeros at init (Swin V2's
+res-post-norm init, `norm.output_norm_init: zeros`).
 """
 
 from __future__ import annotations
@@ -94,6 +100,46 @@ class ScaleNorm(nn.Module):
         return self.g * x / x.norm(dim=-1, keepdim=True).clamp(min=self.eps)
 
 
+class DyT(nn.Module):
+    """Dynamic Tanh: weight * tanh(alpha * x) + bias, alpha one learnable scalar (Zhu et al. 2025)."""
+
+    def __init__(self, d: int, alpha0: float = 0.5) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(float(alpha0)))
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * torch.tanh(self.alpha * x) + self.bias
+
+
+class Derf(nn.Module):
+    """weight * erf(alpha * x + shift) + bias, alpha and shift learnable scalars (Chen et al. 2025)."""
+
+    def __init__(self, d: int, alpha0: float = 0.5, shift0: float = 0.0) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(float(alpha0)))
+        self.shift = nn.Parameter(torch.tensor(float(shift0)))
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * torch.erf(self.alpha * x + self.shift) + self.bias
+
+
+def silence(norm: nn.Module) -> nn.Module:
+    """Set `norm`'s gain so that it outputs zeros at init, whatever its input (every bias here starts
+    at zero): Gemma's weight acts as (1 + weight), so -1; ScaleNorm's scalar g, 0; any other weight, 0."""
+    with torch.no_grad():
+        if isinstance(norm, GemmaRMSNorm):
+            norm.weight.fill_(-1.0)
+        elif isinstance(norm, ScaleNorm):
+            norm.g.zero_()
+        else:
+            norm.weight.zero_()
+    return norm
+
+
 def make_norm(d: int, cfg: NormConfig) -> nn.Module:
     """Build the norm `cfg.kind` over `d` features with `cfg.eps`."""
     kind = cfg.kind
@@ -111,4 +157,8 @@ def make_norm(d: int, cfg: NormConfig) -> nn.Module:
         return PartialRMSNorm(d, cfg.eps, cfg.prms_fraction)
     if kind == "scalenorm":
         return ScaleNorm(d, cfg.eps)
+    if kind == "dyt":
+        return DyT(d, cfg.dyt_alpha0)
+    if kind == "derf":
+        return Derf(d)
     raise ValueError(f"unknown norm kind {kind!r}")

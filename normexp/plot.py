@@ -29,7 +29,8 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from normexp.report import trained_threshold, variant_groups  # noqa: E402
-from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, varying_keys  # noqa: E402
+from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note, varying_keys  # noqa: E402
+from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
@@ -150,25 +151,40 @@ def _phase_text(mean: float, finite: float, runs: float) -> str:
 
 
 def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: str = "loss") -> list[Path]:
-    """Write the curves figure (and the phase diagram when two numeric axes vary); return the paths."""
+    """Write the curves figure (and the phase diagram when two numeric axes vary); return the paths.
+    Runs missing, failed or corrupt are drawn nowhere, and named at the foot of each figure."""
     run_dir = Path(run_dir)
     output = Path(output) if output else run_dir / f"{metric}.png"
     summary = load_summary(run_dir)
     tidy = load_metrics(run_dir, all_config=True)
     keys = [k for k in varying_keys(summary) if k != "seed"]
+    note = missing_note(summary, run_dir)
     paths = []
     fig = curves_figure(tidy, keys, metric)
+    _footnote(fig, note)
     fig.savefig(output, dpi=120)
     plt.close(fig)
     paths.append(output)
+    if summary["optim.lr"].nunique() >= MIN_LRS:
+        fig = lr_figure(*lr_table(run_dir))
+        by_lr = output.with_name(f"{output.stem}-lr{output.suffix}")
+        fig.savefig(by_lr, dpi=120)
+        plt.close(fig)
+        paths.append(by_lr)
     axes = numeric_axes(summary)
     if len(axes) >= 2:
         fig = phase_figure(summary, axes[0], axes[1])
+        _footnote(fig, note)
         phase = output.with_name(f"{output.stem}-phase{output.suffix}")
         fig.savefig(phase, dpi=120)
         plt.close(fig)
         paths.append(phase)
     return paths
+
+
+def _footnote(fig: Figure, note: str) -> None:
+    if note:
+        fig.text(0.005, 0.005, note, fontsize="x-small", color="darkred", ha="left", va="bottom", wrap=True)
 
 
 def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.GradnormSummary
@@ -232,6 +248,36 @@ def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
     ax.set_title(f"final loss vs {x_key} (line: mean over seeds, band: min–max)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
+    return fig
+
+
+def lr_figure(table: pd.DataFrame, keys: list[str]) -> Figure:
+    """Final loss against the learning rate (log x) from `sensitivity.lr_table`: one line per variant
+    (mean over seeds) with its min–max band, one panel per warmup when the warmup varies."""
+    facet = ["schedule.warmup_steps"] if "schedule.warmup_steps" in keys else []
+    panels = variant_groups(table, facet) if facet else [("", table)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False, sharey=True,
+                             layout="constrained")
+    lines = [k for k in keys if k not in facet]
+    for ax, (panel, group) in zip(axes.flat, panels):
+        variants = variant_groups(group, lines)
+        colours = plt.get_cmap("tab10" if len(variants) <= 10 else "viridis")
+        for i, (label, runs) in enumerate(variants):
+            colour = colours(i if len(variants) <= 10 else i / max(1, len(variants) - 1))
+            stats = runs.groupby(LR_KEY)["clipped"].agg(["mean", "min", "max", "count"])
+            diverged = int((runs["status"] == "diverged").sum())
+            ax.plot(stats.index, stats["mean"], marker="o", color=colour,
+                    label=f"{label} (n={int(stats['count'].max())}" + (f", {diverged} div)" if diverged else ")"))
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=colour, alpha=0.15, linewidth=0)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(LR_KEY)
+        ax.set_title(panel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="x-small" if len(variants) > 8 else "small")
+    axes.flat[0].set_ylabel("final loss, min(final, loss at init)")
+    fig.suptitle("final loss vs learning rate (line: mean over seeds, band: min–max; a diverged run counts "
+                 "as its loss at init)")
     return fig
 
 

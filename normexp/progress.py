@@ -13,6 +13,8 @@ from normexp.sweep import EventCallback, SweepEvent
 
 
 def _line(event: SweepEvent) -> str:
+    if event.kind == "corrupt":
+        return f"{event.run_id} corrupt, redone: {event.error}"
     loss = f" final loss {event.final_loss:.4f}" if event.final_loss is not None else ""
     detail = f": {event.error}" if event.error else ""
     return f"[{event.done}/{event.total}] {event.run_id} {event.status or event.kind}{loss}{detail}"
@@ -39,6 +41,6 @@ def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventC
 
         def bar(event: SweepEvent) -> None:
             progress.update(task, completed=event.done)
-            if event.kind in ("failed", "redone"):
+            if event.kind in ("failed", "redone", "corrupt"):
                 progress.console.print(_line(event), markup=False)
         yield bar

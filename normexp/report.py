@@ -12,6 +12,7 @@ Every aggregate says what it covers. A mean is taken over the runs whose loss is
 where that is not every run of the cell, the cell says so (`0.0512 ± 0.0031 (2 of 4)`: the other two
 diverged), a cell whose runs all diverged reads `diverged` (never `—`, which means "no run"), and the
 verdict line counts diverged runs per column. Each run is judged against its own n_classes.
+Only verified runs count; a line under the table names the runs missing, failed or corrupt.
 """
 
 from __future__ import annotations
@@ -27,13 +28,22 @@ import pandas as pd
 import yaml
 
 from normexp.config import ReportConfig
-from normexp.results import ResultsError, config_columns, finished_runs, load_metrics, load_summary, varying_keys
+from normexp.results import (
+    ResultsError,
+    config_columns,
+    finished_runs,
+    load_metrics,
+    load_summary,
+    missing_note,
+    varying_keys,
+)
 from normexp.store import SWEEP_FILE
 
 PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
-                    "deepnorm": "DeepNorm", "mixln": "MixLN", "none": "NoNorm"}
+                    "deepnorm": "DeepNorm", "mixln": "MixLN", "none": "NoNorm", "rezero": "ReZero",
+                    "respost": "ResPost", "resdual": "ResiDual", "admin": "Admin"}
 KIND_LABELS = {"layernorm": "LN", "rmsnorm": "RMS", "rmsnorm_torch": "RMSt", "rmsnorm_llama": "RMSl",
-               "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale"}
+               "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale", "dyt": "DyT", "derf": "Derf"}
 TRAINED_FRACTION = 0.1  # trained: final loss under a tenth of chance, ln(n_classes) / 10
 WIDE = 6  # more variants than this: the table is transposed (variants down, steps across)
 
@@ -113,6 +123,7 @@ class Report:
     steps: list[int]
     columns: list[Column]
     n_classes: tuple[int, ...]  # every n_classes among the runs: each run is judged by its own
+    missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
     def cell(self, column: Column, step: int) -> str:
         if step not in column.cells:
@@ -183,7 +194,7 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     n_classes = tuple(int(n) for n in dict.fromkeys(tidy["model.n_classes"]))
     columns = [_column(label, group, keys, steps, metric)
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric), metric, steps, columns, n_classes)
+    return Report(_title(summary, metric), metric, steps, columns, n_classes, missing_note(summary, run_dir))
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
@@ -270,6 +281,8 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
         parts.append(Text(PARTIAL_NOTE))
     if report.metric == "loss":
         parts.append(Text(report.verdict_line()))
+    if report.missing:
+        parts.append(Text(report.missing, style="bold"))
     return Group(*parts)
 
 
@@ -280,6 +293,8 @@ def to_markdown(report: Report) -> str:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
         lines += ["", report.verdict_line()]
+    if report.missing:
+        lines += ["", f"**{report.missing}**"]
     return "\n".join(lines) + "\n"
 
 
@@ -311,6 +326,7 @@ class Pivot:
     rows: str
     cols: str
     panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # title, mean, std, n, runs
+    missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
     def cell(self, mean: float, std: float, n: int, runs: int) -> str:
         return aggregate_cell(mean, std, 0 if pd.isna(n) else int(n), 0 if pd.isna(runs) else int(runs))
@@ -325,7 +341,8 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
     _check_keys([rows, cols], summary, "--pivot")
     finished = finished_runs(summary).copy()
     if finished.empty:
-        raise ResultsError(f"{run_dir}: no finished runs yet")
+        note = missing_note(summary, run_dir)
+        raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
     finite = finished["final_loss"].astype(float).map(math.isfinite)
     finished["final_loss"] = finished["final_loss"].astype(float).where(finite)  # inf counts as diverged too
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
@@ -335,7 +352,7 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
             ["mean", "std", "count", "size"])
         mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
         panels.append((title, mean, std.fillna(0.0), n.fillna(0), runs.fillna(0)))
-    return Pivot(rows, cols, panels)
+    return Pivot(rows, cols, panels, missing_note(summary, run_dir))
 
 
 def _short(key: str) -> str:
@@ -361,6 +378,8 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
     if pivot.partial:
         parts.append(Text(PARTIAL_NOTE))
+    if pivot.missing:
+        parts.append(Text(pivot.missing, style="bold"))
     return Group(*parts)
 
 
@@ -371,6 +390,8 @@ def pivot_to_markdown(pivot: Pivot) -> str:
                   *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", *frames)), ""]
     if pivot.partial:
         lines += [PARTIAL_NOTE, ""]
+    if pivot.missing:
+        lines += [f"**{pivot.missing}**", ""]
     return "\n".join(lines)
 
 
@@ -484,3 +505,73 @@ def speed_to_rich(timings):
 
 def speed_to_markdown(timings) -> str:
     return "\n".join(_markdown_table(SPEED_HEADER, _speed_rows(timings), "llrrrr")) + "\n"
+
+
+# ----------------------------------------------------------------------------- learning-rate sensitivity
+
+SENSITIVITY_HEADER = ["variant", "LR sensitivity", "best lr", "l* (best seed-mean)", "lrs", "seeds", "runs",
+                      "diverged", "missing"]
+SENSITIVITY_NOTE = ("LR sensitivity = mean over the lr grid of [min(final loss, loss at init) - l*], l* the "
+                    "variant's best seed-mean final loss; ± the std over seeds (Wortsman et al. 2023). "
+                    "Lower: less sensitive.")
+
+
+def _sensitivity_value(row) -> str:  # row: normexp.sensitivity.Sensitivity
+    if math.isnan(row.sensitivity):
+        return "— (an lr has no finished run)"
+    return f"{row.sensitivity:.4f}" + ("" if math.isnan(row.spread) else f" ± {row.spread:.4f}")
+
+
+def _sensitivity_rows(rows: list) -> list[list[str]]:
+    return [[r.label, _sensitivity_value(r), f"{r.best_lr:g}", f"{r.best_loss:.4f}", f"{r.lrs}/{r.grid_lrs}",
+             str(r.seeds), str(r.runs), str(r.diverged), str(r.missing)] for r in rows]
+
+
+def sensitivity_to_markdown(rows: list) -> str:
+    table = _markdown_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr")
+    return "\n".join([*table, "", SENSITIVITY_NOTE]) + "\n"
+
+
+def sensitivity_to_rich(rows: list):  # -> rich.console.Group
+    from rich.console import Group
+    from rich.text import Text
+
+    table = _rich_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr", title="learning-rate sensitivity")
+    table.columns[0].no_wrap = True
+    return Group(table, Text(SENSITIVITY_NOTE))
+
+
+def sensitivity_to_csv(rows: list) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["variant", "lr_sensitivity", "seed_std", "best_lr", "best_loss", "lrs", "grid_lrs", "seeds",
+                     "runs", "diverged", "missing"])
+    for r in rows:
+        writer.writerow([r.label, repr(r.sensitivity), repr(r.spread), repr(r.best_lr), repr(r.best_loss), r.lrs,
+                         r.grid_lrs, r.seeds, r.runs, r.diverged, r.missing])
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------- normexp verify
+
+
+VERIFY_HEADER = ["path", "problem", "fix"]
+
+
+def verification_to_rich(result):  # result: normexp.verify.Verification -> rich.console.Group
+    """The findings of `normexp verify` as a table, then one line: clean, or what is left to do."""
+    from rich.console import Group
+    from rich.text import Text
+
+    rows = [[f.path, f.problem if f.severity == "problem" else f"note: {f.problem}", f.remedy]
+            for f in result.findings]
+    title = f"{result.out_dir}: {result.verified} of {result.runs} runs verified"
+    parts = [_rich_table(VERIFY_HEADER, rows, "lll", title=title)] if rows else [Text(title)]
+    if result.clean:
+        parts.append(Text("clean" + (" after the fixes above" if result.fixed and rows else ""), style="bold"))
+    else:
+        left = f"{result.remaining} problem{'s' if result.remaining != 1 else ''}"
+        hint = (f"rerun the sweep (normexp sweep {result.out_dir / 'sweep.yaml'} --out {result.out_dir})"
+                if result.fixed else f"normexp verify {result.out_dir} --fix")
+        parts.append(Text(f"{left} {'left' if result.fixed else 'found'}: {hint}", style="bold"))
+    return Group(*parts)

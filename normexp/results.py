@@ -7,37 +7,66 @@
 
 Floats are read with round-trip precision, so losses compare bit for bit with the training run.
 This module imports pandas but never torch.
+
+Nothing here trusts a file it has not checked: the summary is rebuilt from the run folders as
+`store.inspect_run` verifies them (summary.csv is a cache of that table), so a missing or corrupt run
+is never counted as a result: its status says what it is, and `missing_note` names it.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pandas as pd
 
 from normexp.config import run_keys
-from normexp.store import BLOCKS_FILE, METRICS_FILE, SUMMARY_FILE
+from normexp.store import BLOCKS_FILE, FINISHED_STATUSES, METRICS_FILE, StoreError, cached_statuses, read_sweep, summary_csv
 
-FINISHED = ("completed", "diverged")
+FINISHED = FINISHED_STATUSES
+MISSING_LISTED = 5  # runs named in a missing-runs note before "and N more"
 # pandas < 3 needs round_trip to parse repr() floats exactly; pandas 3 does so by default
 _EXACT = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
 
 
 class ResultsError(ValueError):
-    """The folder is not a sweep's output (no summary.csv) or has no finished run."""
+    """The folder is not a sweep's output (no readable sweep.yaml) or has no finished run."""
 
 
 def load_summary(run_dir: str | Path) -> pd.DataFrame:
-    """summary.csv: one row per run of the sweep (run_id, flattened config, status, final/min loss...)."""
-    path = Path(run_dir) / SUMMARY_FILE
-    if not path.is_file():
-        raise ResultsError(f"{run_dir}: no {SUMMARY_FILE} here; is this a sweep's output folder?")
-    return pd.read_csv(path, keep_default_na=False, na_values=["nan", "NaN", ""], **_EXACT)
+    """One row per run of the sweep (run_id, flattened config, status, final/min loss...), as in
+    summary.csv but rebuilt from the verified run folders: a corrupt run has status `corrupt` (and
+    its problem under `error`), a missing one `pending` (or `interrupted`), neither has numbers."""
+    run_dir = Path(run_dir)
+    try:
+        sweep = read_sweep(run_dir)
+    except StoreError as exc:
+        raise ResultsError(str(exc)) from None
+    text = summary_csv(run_dir, sweep.runs, cached_statuses(run_dir))
+    return pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=["nan", "NaN", ""], **_EXACT)
 
 
 def finished_runs(summary: pd.DataFrame) -> pd.DataFrame:
     """The rows of runs that finished training (completed or diverged): those with metrics."""
     return summary[summary["status"].isin(FINISHED)]
+
+
+def unfinished_runs(summary: pd.DataFrame) -> dict[str, str]:
+    """run_id -> status of the runs that have no verified result (missing, corrupt, failed...)."""
+    rows = summary[~summary["status"].isin(FINISHED)]
+    return dict(zip(rows["run_id"], rows["status"]))
+
+
+def missing_note(summary: pd.DataFrame, run_dir: str | Path) -> str:
+    """A line naming the runs left out of every mean, cell and verdict, or "" if there are none."""
+    missing = unfinished_runs(summary)
+    if not missing:
+        return ""
+    named = [f"{rid} ({status})" for rid, status in list(missing.items())[:MISSING_LISTED]]
+    more = f" and {len(missing) - MISSING_LISTED} more" if len(missing) > MISSING_LISTED else ""
+    runs = "run" if len(missing) == 1 else "runs"
+    return (f"{len(missing)} {runs} missing, failed or corrupt, not counted: {', '.join(named)}{more} "
+            f"(normexp verify {run_dir})")
 
 
 def config_columns(summary: pd.DataFrame) -> list[str]:
@@ -52,11 +81,13 @@ def varying_keys(summary: pd.DataFrame) -> list[str]:
 
 def load_metrics(run_dir: str | Path, all_config: bool = False) -> pd.DataFrame:
     """Every finished run's metrics, tidy: one row per (run, step) with run_id, `seed`, the varying
-    config keys (or every config key with `all_config=True`), status, step, loss, acc, lr, grad_norm."""
+    config keys (or every config key with `all_config=True`), status, step, loss, acc, lr, grad_norm.
+    Only verified runs are loaded; `.attrs["unfinished"]` maps the others' run_id to their status."""
     summary = load_summary(run_dir)
     finished = finished_runs(summary)
     if finished.empty:
-        raise ResultsError(f"{run_dir}: no finished runs yet")
+        note = missing_note(summary, run_dir)
+        raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
     return _attach(run_dir, summary, finished, METRICS_FILE, all_config)
 
 
@@ -90,4 +121,6 @@ def _attach(run_dir: str | Path, summary: pd.DataFrame, finished: pd.DataFrame, 
             table[column] = value
         frames.append(table)
     tidy = pd.concat(frames, ignore_index=True)
-    return tidy[[*attach, *(c for c in tidy.columns if c not in attach)]]
+    tidy = tidy[[*attach, *(c for c in tidy.columns if c not in attach)]]
+    tidy.attrs["unfinished"] = unfinished_runs(summary)
+    return tidy

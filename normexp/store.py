@@ -12,14 +12,22 @@
       <run_id>/done.json      written last: the run is complete (+ summary numbers, timings, versions)
 
 Every file is written to a temporary name, fsynced and renamed, so a reader (or a rerun after
-`kill -9`) never sees half a file. A run counts as finished only when its `done.json` exists and
-its `config_hash` matches the config being asked for; anything else in its folder is removed and the
-run is redone from scratch.
+`kill -9`) never sees half a file. A run folder is built whole under a temporary name
+(`.<run_id>.tmp-<pid>`) and swapped in at once, so a reader sees the old result or the new one,
+never neither, and a crash at any moment loses no finished result (`recover_strays` tidies up).
+
+A finished run is verified, not trusted (`inspect_run`). Its done.json vouches for config.yaml and
+metrics.csv with their SHA-256 and row counts, and for itself with a checksum over its own canonical
+text; the metrics must also give back done.json's numbers, and config.yaml the run's id. Anything
+else is not finished: the sweep redoes it. A done.json of release 0.1 has no checksums: such a run is
+re-read (config, metrics and numbers must agree, as above) and, if it holds, stamped with them once
+(`stamp_run`), so an upgrade retrains nothing that is intact.
 """
 
 from __future__ import annotations
 
 import csv
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -28,18 +36,20 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from normexp.config import RunConfig, flatten
+from normexp.config import ConfigError, RunConfig, Sweep, flatten, load_sweep, parse_yaml, validate_run
 
 SWEEP_FILE = "sweep.yaml"
 SUMMARY_FILE = "summary.csv"
@@ -50,6 +60,9 @@ BLOCKS_FILE = "blocks.csv"
 FAILED_FILE = "failed.json"
 DONE_FILE = "done.json"
 
+METRIC_HEADER = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's first columns
+VOUCHED_FILES = (CONFIG_FILE, METRICS_FILE)  # the files a done.json records checksums of
+FINISHED_STATUSES = ("completed", "diverged")
 SUMMARY_STATS = ("status", "final_loss", "min_loss", "final_acc", "diverged", "steps_done", "wall_s",
                  "threads", "engine")
 
@@ -151,27 +164,14 @@ def read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def is_done(run_dir: Path, cfg: RunConfig) -> bool:
-    done = read_json(run_dir / DONE_FILE)
-    return done is not None and done.get("config_hash") == config_hash(cfg)
-
-
-def other_threads(run_dir: Path, threads: int) -> str | None:
+def other_threads(done: dict[str, Any], threads: int) -> str | None:
     """Why a finished run must be redone to sit in a sweep that trains with `threads` torch threads:
     the thread count changes the last bits of CPU kernels, and one sweep never mixes thread counts.
     None when its done.json records the same count."""
-    done = read_json(run_dir / DONE_FILE) or {}
     recorded = done.get("threads")
     if recorded == threads:
         return None
     return f"trained with {recorded} torch threads, this sweep uses {threads}: redone"
-
-
-def reset_run_dir(run_dir: Path) -> None:
-    """Remove whatever an unfinished or stale run left, and make the folder afresh."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
 
 
 def run_stats(metrics: dict[str, list[float]], status: str) -> dict[str, Any]:
@@ -208,13 +208,85 @@ class FinishedRun:
     blocks: dict[str, list[float]] | None = None  # blocks.csv's columns, for a run with train.log_blocks
 
 
+# ----------------------------------------------------------------------------- checksums
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_record(name: str, text: str) -> dict[str, Any]:
+    """What done.json vouches for about one file: its SHA-256 and its rows (metrics.csv: the lines
+    after the header, one per recorded step; config.yaml: its lines)."""
+    data = text.encode("utf-8")
+    lines = data.count(b"\n")
+    return {"sha256": _sha256(data), "rows": lines - 1 if name == METRICS_FILE else lines}
+
+
+def encode_done(done: dict[str, Any]) -> str:
+    """done.json's one canonical text: its fields, then a checksum of them (any other text is corrupt)."""
+    body = {k: v for k, v in done.items() if k != "checksum"}
+    checksum = _sha256(json.dumps(body, indent=2, allow_nan=True).encode())
+    return json.dumps({**body, "checksum": checksum}, indent=2, allow_nan=True) + "\n"
+
+
+# ----------------------------------------------------------------------------- writing a run folder
+
+
+def _staging_dir(run_dir: Path) -> Path:
+    """Where a run folder is built before it is swapped in: a hidden sibling, unique to this process."""
+    staging = run_dir.with_name(f".{run_dir.name}.tmp-{os.getpid()}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def swap_in(staging: Path, run_dir: Path) -> None:
+    """Make the complete folder `staging` the run folder `run_dir`. A reader sees the old folder or the
+    new one, never neither; where the file system cannot swap in one step, the old folder waits as
+    `.<run_id>.old-<pid>` for the instant between two renames, and `recover_strays` puts it back if a
+    crash falls in that instant."""
+    if not run_dir.exists():
+        os.replace(staging, run_dir)
+    elif _exchange(staging, run_dir):
+        shutil.rmtree(staging)  # it now holds the old folder
+    else:
+        old = run_dir.with_name(f".{run_dir.name}.old-{os.getpid()}")
+        os.replace(run_dir, old)
+        os.replace(staging, run_dir)
+        shutil.rmtree(old)
+    _fsync_dir(run_dir.parent)
+
+
 def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun) -> dict[str, Any]:
-    """Write one finished run's folder: config, metrics (and blocks), then the done marker. Returns done.json."""
-    reset_run_dir(run_dir)
-    atomic_write(run_dir / CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    atomic_write(run_dir / METRICS_FILE, metrics_csv(run.metrics))
-    if run.blocks is not None:
-        atomic_write(run_dir / BLOCKS_FILE, metrics_csv(run.blocks))
+    """Write one finished run's folder: config, metrics (and blocks.csv with train.log_blocks), then the
+    done marker that vouches for them.
+    The folder is built aside and swapped in whole. Returns done.json's fields."""
+    staging = _staging_dir(run_dir)
+    config_text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    metrics_text = metrics_csv(run.metrics)
+    atomic_write(staging / CONFIG_FILE, config_text)
+    atomic_write(staging / METRICS_FILE, metrics_text)
+    blocks_text = metrics_csv(run.blocks) if run.blocks is not None else None
+    if blocks_text is not None:
+        atomic_write(staging / BLOCKS_FILE, blocks_text)
     done = {
         "run_id": run_dir.name,
         "config_hash": config_hash(cfg),
@@ -225,34 +297,296 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun) -> dict[str, Any]
         "device": run.device,
         "host": socket.gethostname(),
         "versions": versions(),
+        "files": {CONFIG_FILE: file_record(CONFIG_FILE, config_text),
+                  METRICS_FILE: file_record(METRICS_FILE, metrics_text),
+                  **({BLOCKS_FILE: file_record(BLOCKS_FILE, blocks_text)} if blocks_text is not None else {})},
     }
-    atomic_write(run_dir / DONE_FILE, json.dumps(done, indent=2, allow_nan=True) + "\n")
+    atomic_write(staging / DONE_FILE, encode_done(done))
+    swap_in(staging, run_dir)
     return done
 
 
-def write_failed(run_dir: Path, cfg: RunConfig, status: str, error: str) -> None:
-    """Record a run that raised or crashed; it has no done.json, so the next sweep retries it."""
-    reset_run_dir(run_dir)
-    atomic_write(run_dir / CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+def write_failed(run_dir: Path, cfg: RunConfig, status: str, error: str) -> bool:
+    """Record a run that raised or crashed; it has no done.json, so the next sweep retries it. A
+    verified finished result already there (a --force rerun that failed) is kept: returns False."""
+    if inspect_run(run_dir, cfg).finished:
+        return False
+    staging = _staging_dir(run_dir)
+    atomic_write(staging / CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     record = {"run_id": run_dir.name, "config_hash": config_hash(cfg), "status": status, "error": error}
-    atomic_write(run_dir / FAILED_FILE, json.dumps(record, indent=2) + "\n")
+    atomic_write(staging / FAILED_FILE, json.dumps(record, indent=2) + "\n")
+    swap_in(staging, run_dir)
+    return True
+
+
+_STRAY = re.compile(r"\.(?P<name>.+)\.(?P<what>tmp|old)-\d+")
+
+
+def stray_paths(out_dir: Path) -> list[Path]:
+    """Temporary files and folders that only a killed writer leaves behind, in `out_dir` and in its
+    run folders: `.NAME.tmp-PID` (a file or run folder being written), `.NAME.old-PID` (a run folder
+    being replaced)."""
+    top = sorted(out_dir.iterdir()) if out_dir.is_dir() else []
+    found = [p for p in top if _STRAY.fullmatch(p.name)]
+    for folder in top:
+        if folder.is_dir() and not folder.is_symlink() and not _STRAY.fullmatch(folder.name):
+            found += [p for p in sorted(folder.iterdir()) if _STRAY.fullmatch(p.name)]
+    return found
+
+
+def recover_strays(out_dir: Path) -> list[str]:
+    """Tidy what a killed writer left in `out_dir` (call it holding the lock): put back a run folder
+    caught between the two renames of `swap_in`, remove everything else `stray_paths` finds.
+    Returns what it did, one line each."""
+    actions = []
+    for path in stray_paths(out_dir):
+        match = _STRAY.fullmatch(path.name)
+        target = path.with_name(match["name"])
+        if match["what"] == "old" and path.parent == out_dir and not target.exists():
+            os.replace(path, target)
+            actions.append(f"{path.name}: put back as {target.name}")
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+        actions.append(f"{path.relative_to(out_dir)}: removed")
+    return actions
+
+
+# ----------------------------------------------------------------------------- verifying a run folder
+
+
+RunStateKind = Literal["finished", "unstamped", "absent", "failed", "unfinished", "corrupt"]
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a run folder holds, once checked.
+
+    finished: done.json's checksums and numbers hold. unstamped: a done.json of release 0.1 (no
+    checksums) whose files re-read consistently. absent: no folder. failed: failed.json (retried by
+    the next sweep). unfinished: a folder without a done marker. corrupt: `problem` says what does not
+    hold. Only finished and unstamped runs have results."""
+
+    kind: RunStateKind
+    problem: str = ""
+    done: dict[str, Any] | None = None
+    failed: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.kind in ("finished", "unstamped")
+
+
+class Corrupt(Exception):
+    """Raised inside the checks of `inspect_run`: the message says which file and what is wrong."""
+
+
+def inspect_run(run_dir: Path, cfg: RunConfig | None = None, thorough: bool = False) -> RunState:
+    """Check a run folder against its done.json (and against `cfg`, the config asked for, if given).
+
+    config.yaml is parsed, and its run id compared with the folder's, where no checksum vouches for it
+    (release 0.1) or when `thorough` (`normexp verify`); otherwise its SHA-256 and done.json's config
+    hash stand for it, since parsing YAML is what a check of thousands of runs would spend its time on.
+    A folder swapped in while it was read (a --force rerun) is read again, so that files of the old
+    and the new folder are never judged together."""
+    for _ in range(3):
+        before = _identity(run_dir)
+        state = _inspect_once(run_dir, cfg, thorough)
+        if state.finished or _identity(run_dir) == before:
+            break
+    return state
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:
+    if not run_dir.is_dir():
+        return RunState("absent")
+    try:
+        raw = (run_dir / DONE_FILE).read_bytes()
+    except FileNotFoundError:
+        return _without_done(run_dir, cfg)
+    except OSError as exc:
+        return RunState("corrupt", f"{DONE_FILE}: cannot read: {exc.strerror}")
+    try:
+        done, stamped = _read_done(raw, run_dir.name)
+        texts = {name: _read_text(run_dir / name) for name in VOUCHED_FILES}
+        if stamped:
+            _check_records(done["files"], texts)
+            if BLOCKS_FILE in done["files"]:  # vouched for where the run logged blocks
+                _check_records(done["files"], {BLOCKS_FILE: _read_text(run_dir / BLOCKS_FILE)})
+        if cfg is not None and config_hash(cfg) != done["config_hash"]:
+            raise Corrupt(f"{DONE_FILE}: written for another config than this run's")
+        if thorough or not stamped or cfg is None:
+            cfg = _check_config(texts[CONFIG_FILE], done, run_dir.name)
+        _check_metrics(texts[METRICS_FILE], done, cfg.train.steps)
+    except Corrupt as exc:
+        return RunState("corrupt", str(exc))
+    return RunState("finished" if stamped else "unstamped", done=done)
+
+
+def _without_done(run_dir: Path, cfg: RunConfig | None) -> RunState:
+    failed = read_json(run_dir / FAILED_FILE)
+    if failed is not None and (cfg is None or failed.get("config_hash") == config_hash(cfg)):
+        return RunState("failed", str(failed.get("error", "")), failed=failed)
+    return RunState("unfinished", f"no {DONE_FILE}")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise Corrupt(f"{path.name}: missing") from None
+    except OSError as exc:
+        raise Corrupt(f"{path.name}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise Corrupt(f"{path.name}: not UTF-8 text") from None
+
+
+_NUMBER_FIELDS = ("final_loss", "min_loss", "final_acc", "wall_s")
+_INT_FIELDS = ("steps_done", "threads")
+
+
+def _read_done(raw: bytes, folder: str) -> tuple[dict[str, Any], bool]:
+    """done.json's fields, checked; and whether it carries checksums (False: written by release 0.1)."""
+    try:
+        done = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise Corrupt(f"{DONE_FILE}: not valid JSON") from None
+    if not isinstance(done, dict):
+        raise Corrupt(f"{DONE_FILE}: not a JSON object")
+    stamped = "files" in done or "checksum" in done
+    if stamped and raw.decode("utf-8") != encode_done(done):
+        raise Corrupt(f"{DONE_FILE}: checksum does not match its content")
+    _check_fields(done, folder, stamped)
+    return done, stamped
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_fields(done: dict[str, Any], folder: str, stamped: bool) -> None:
+    missing = [k for k in ("run_id", "config_hash", *SUMMARY_STATS) if k not in done]
+    if stamped and "files" not in done:
+        missing.append("files")
+    if missing:
+        raise Corrupt(f"{DONE_FILE}: missing {', '.join(missing)}")
+    if done["run_id"] != folder:
+        raise Corrupt(f"{DONE_FILE}: run_id {done['run_id']!r} is not the folder's name")
+    if done["status"] not in FINISHED_STATUSES:
+        raise Corrupt(f"{DONE_FILE}: status {done['status']!r} is not one of {', '.join(FINISHED_STATUSES)}")
+    wrong = [k for k in _NUMBER_FIELDS if not _is_number(done[k])]
+    wrong += [k for k in _INT_FIELDS if not isinstance(done[k], int) or isinstance(done[k], bool)]
+    wrong += [k for k in ("diverged",) if not isinstance(done[k], bool)]
+    wrong += [k for k in ("run_id", "config_hash", "engine") if not isinstance(done[k], str)]
+    if stamped and not _valid_records(done["files"]):
+        wrong.append("files")
+    if wrong:
+        raise Corrupt(f"{DONE_FILE}: {', '.join(wrong)}: wrong type")
+
+
+def _valid_records(files: Any) -> bool:
+    return isinstance(files, dict) and all(
+        isinstance(files.get(name), dict) and isinstance(files[name].get("sha256"), str)
+        and isinstance(files[name].get("rows"), int) for name in VOUCHED_FILES)
+
+
+def _check_records(records: dict[str, Any], texts: dict[str, str]) -> None:
+    for name, text in texts.items():
+        found, expected = file_record(name, text), records[name]
+        if found["rows"] != expected["rows"]:
+            raise Corrupt(f"{name}: {found['rows']} rows, {DONE_FILE} vouches for {expected['rows']}")
+        if found["sha256"] != expected["sha256"]:
+            raise Corrupt(f"{name}: SHA-256 does not match {DONE_FILE}")
+
+
+def _check_config(text: str, done: dict[str, Any], folder: str) -> RunConfig:
+    """config.yaml must be a valid run config whose run id is the folder's (and done.json's)."""
+    try:
+        on_disk = validate_run(parse_yaml(text, CONFIG_FILE))
+    except ConfigError as exc:
+        raise Corrupt(f"{CONFIG_FILE}: not a valid run config: {str(exc).splitlines()[0]}") from None
+    if run_id(on_disk) != folder or config_hash(on_disk) != done["config_hash"]:
+        raise Corrupt(f"{CONFIG_FILE}: its run id is {run_id(on_disk)}, not the folder's")
+    return on_disk
+
+
+def _check_metrics(text: str, done: dict[str, Any], steps: int) -> None:
+    """metrics.csv must parse, count steps 0..n, give back done.json's numbers, and end where its
+    status says: at the config's last step if completed, at a non-finite loss if diverged."""
+    metrics = _parse_metrics(text)
+    for key, value in run_stats(metrics, done["status"]).items():
+        if not _same(value, done[key]):
+            raise Corrupt(f"{METRICS_FILE}: {key} is {value!r}, {DONE_FILE} says {done[key]!r}")
+    nonfinite = not all(math.isfinite(v) for v in metrics["loss"])
+    if nonfinite != (done["status"] == "diverged"):
+        raise Corrupt(f"{METRICS_FILE}: status {done['status']} but the losses are "
+                      f"{'not ' if nonfinite else ''}all finite")
+    last = metrics["step"][-1]
+    if last > steps or (done["status"] == "completed" and last != steps):
+        raise Corrupt(f"{METRICS_FILE}: ends at step {last} of {steps} for a {done['status']} run")
+
+
+def _parse_metrics(text: str) -> dict[str, list[float]]:
+    rows = list(csv.reader(io.StringIO(text)))
+    if not rows or tuple(rows[0][:len(METRIC_HEADER)]) != METRIC_HEADER:
+        raise Corrupt(f"{METRICS_FILE}: the header is not {','.join(METRIC_HEADER)}")
+    header = rows[0]
+    try:
+        columns = {name: [float(row[i]) for row in rows[1:]] for i, name in enumerate(header)}
+    except (ValueError, IndexError):
+        raise Corrupt(f"{METRICS_FILE}: a row is not {len(header)} numbers") from None
+    if any(len(row) != len(header) for row in rows[1:]) or not rows[1:]:
+        raise Corrupt(f"{METRICS_FILE}: no rows, or rows of the wrong length")
+    if columns["step"] != list(range(len(rows) - 1)):
+        raise Corrupt(f"{METRICS_FILE}: steps are not 0, 1, 2, ... in order")
+    columns["step"] = [int(s) for s in columns["step"]]
+    return columns
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, counting nan as equal to nan (a diverged run's final loss)."""
+    both_nan = _is_number(a) and _is_number(b) and math.isnan(a) and math.isnan(b)
+    return both_nan or a == b
+
+
+def stamp_run(run_dir: Path, state: RunState) -> dict[str, Any]:
+    """Give an unstamped run (release 0.1, just re-read and verified by `inspect_run`) its checksums."""
+    assert state.kind == "unstamped" and state.done is not None
+    records = {name: file_record(name, _read_text(run_dir / name)) for name in VOUCHED_FILES}
+    done = {**state.done, "restamped": True, "files": records}
+    atomic_write(run_dir / DONE_FILE, encode_done(done))
+    return done
+
+
+# ----------------------------------------------------------------------------- the summary
 
 
 def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending") -> dict[str, Any]:
-    """One summary.csv row for `cfg`, read from its run folder."""
+    """One summary.csv row for `cfg`, from its run folder as verified by `inspect_run`."""
     rid = run_id(cfg)
     row: dict[str, Any] = {"run_id": rid, **flatten(cfg)}
-    done = read_json(out_dir / rid / DONE_FILE)
-    if done is not None and done.get("config_hash") == config_hash(cfg):
-        return {**row, **{k: done.get(k) for k in SUMMARY_STATS}, "error": ""}
-    failed = read_json(out_dir / rid / FAILED_FILE)
-    if failed is not None and failed.get("config_hash") == config_hash(cfg):
-        return {**row, "status": failed.get("status", "failed"), "error": failed.get("error", "")}
+    state = inspect_run(out_dir / rid, cfg)
+    if state.finished:
+        return {**row, **{k: state.done[k] for k in SUMMARY_STATS}, "error": ""}
+    if state.kind == "failed":
+        return {**row, "status": state.failed.get("status", "failed"), "error": state.problem}
+    if state.kind == "corrupt":
+        return {**row, "status": "corrupt", "error": state.problem}
     return {**row, "status": pending_status, "error": ""}
 
 
-def write_summary(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> Path:
-    """Rebuild summary.csv from the run folders (`statuses` names unfinished runs' state)."""
+def summary_csv(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> str:
+    """summary.csv's text, rebuilt from the verified run folders (`statuses` names unfinished runs' state)."""
     statuses = statuses or {}
     rows = [summary_row(out_dir, cfg, statuses.get(run_id(cfg), "pending")) for cfg in runs]
     columns = list(dict.fromkeys(["run_id", *flatten(runs[0]), *SUMMARY_STATS, "error"])) if runs else []
@@ -261,8 +595,39 @@ def write_summary(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, 
     writer.writeheader()
     for row in rows:
         writer.writerow({k: (format_float(v) if isinstance(v, float) else _cell(v)) for k, v in row.items()})
+    return buffer.getvalue()
+
+
+CACHED_STATUSES = ("interrupted", "pending")  # states of unfinished runs only summary.csv knows
+
+
+def cached_statuses(out_dir: Path) -> dict[str, str]:
+    """The states of unfinished runs that only summary.csv records (interrupted, pending); whatever
+    else it says is ignored, and a damaged summary.csv gives none."""
+    try:
+        with open(out_dir / SUMMARY_FILE, encoding="utf-8", newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return {}
+    return {row["run_id"]: row["status"] for row in rows
+            if isinstance(row.get("run_id"), str) and row.get("status") in CACHED_STATUSES}
+
+
+def read_sweep(out_dir: Path) -> Sweep:
+    """The sweep whose output `out_dir` is, from its sweep.yaml. StoreError if it is not one."""
+    path = Path(out_dir) / SWEEP_FILE
+    if not path.is_file():
+        raise StoreError(f"{out_dir}: no {SWEEP_FILE} here; is this a sweep's output folder?")
+    try:
+        return load_sweep(path, max_runs=sys.maxsize)
+    except ConfigError as exc:
+        raise StoreError(f"{path}: cannot be read back: {str(exc).splitlines()[0]}") from None
+
+
+def write_summary(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> Path:
+    """Rebuild summary.csv from the run folders (`statuses` names unfinished runs' state)."""
     path = out_dir / SUMMARY_FILE
-    atomic_write(path, buffer.getvalue())
+    atomic_write(path, summary_csv(out_dir, runs, statuses))
     return path
 
 
@@ -280,6 +645,24 @@ def _cell(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return json.dumps(value)
     return "" if value is None else value
+
+
+def lock_owner(out_dir: Path) -> str | None:
+    """Who holds `out_dir`'s sweep lock (its PID and host), or None if no sweep is writing there.
+    Only reads: works on a read-only folder."""
+    try:
+        fd = os.open(Path(out_dir) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return SweepLock(Path(out_dir)).owner()
+        raise
+    finally:
+        os.close(fd)
+    return None
 
 
 class SweepLock:

@@ -9,12 +9,14 @@ is computed from the numbers it just measured (nothing in a verdict is written i
 2. learning rate x warmup per placement (configs/studies/lr_warmup.yaml);
 3. depth 2..64 (configs/studies/depth.yaml);
 4. every placement x norm kind (configs/studies/placements.yaml);
+4b. learning-rate sensitivity of every placement, with and without warmup (configs/studies/lr_sensitivity.yaml);
 5. Xiong et al.'s gradients and hidden-state norms at init (configs/studies/gradnorm.yaml);
 6. per-block dynamics over the first steps, Post-LN vs Pre-LN with and without warmup
    (configs/studies/blocks.yaml, `train.log_blocks`);
 7. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
 
-Sweeps resume: a second `make studies` only rewrites the report.
+Sweeps resume: a second `make studies` only rewrites the report. Verdicts count verified runs only;
+a study with runs missing, failed or corrupt says which under its verdict.
 """
 
 from __future__ import annotations
@@ -34,16 +36,23 @@ from normexp.report import (
     gradnorm_to_markdown,
     is_trained,
     properties_to_markdown,
+    sensitivity_to_markdown,
     speed_to_markdown,
     to_markdown,
     variant_groups,
     variant_label,
 )
-from normexp.results import load_blocks, load_summary
+from normexp.results import finished_runs, load_blocks, load_summary, missing_note
+from normexp.sensitivity import build_sensitivity
 from normexp.sweep import SweepOptions, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+
+
+def _finished_summary(run_dir: Path) -> pd.DataFrame:
+    """The summary rows of the study's verified runs: a missing or corrupt run enters no verdict."""
+    return finished_runs(load_summary(run_dir)).copy()
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
@@ -53,7 +62,7 @@ def _trained(summary: pd.DataFrame) -> pd.Series:
 def _judged(run_dir: Path) -> pd.DataFrame:
     """The summary with `trained` per run, and the final loss of diverged runs blanked, so that no mean
     loss in a verdict mixes them in (`coverage` says how many there were)."""
-    summary = load_summary(run_dir)
+    summary = _finished_summary(run_dir)
     summary["trained"] = _trained(summary)
     summary["final_loss"] = summary["final_loss"].where(summary["status"] != "diverged")
     return summary
@@ -207,6 +216,42 @@ def placements_verdict(run_dir: Path) -> str:
     return text + " " + coverage(summary, ["norm.placement", "norm.kind"])
 
 
+def lr_sensitivity_verdict(run_dir: Path) -> str:
+    """The ranking by LR sensitivity at each warmup, and whether warmup lowers each placement's."""
+    rows = [r for r in build_sensitivity(run_dir) if not math.isnan(r.sensitivity)]
+    by = {(str(r.values.get("norm.placement")), int(r.values.get("schedule.warmup_steps", 0))): r for r in rows}
+    warmups = sorted({w for _, w in by})
+    parts = []
+    for w in warmups:
+        ranked = sorted((r for (_, ww), r in by.items() if ww == w), key=lambda r: r.sensitivity)
+        parts.append(f"Ranking by LR sensitivity {'without warmup' if w == 0 else f'with {w} warmup steps'} "
+                     "(least sensitive first): " + ", ".join(f"{_placement(r)} {r.sensitivity:.3f}" for r in ranked))
+    if len(warmups) == 2:
+        lower, higher, same = [], [], []
+        for placement in dict.fromkeys(p for p, _ in by):
+            before, after = by.get((placement, warmups[0])), by.get((placement, warmups[1]))
+            if before is None or after is None:
+                continue
+            noise = max(_finite(before.spread), _finite(after.spread))
+            change = f"{PLACEMENT_LABELS.get(placement, placement)} {before.sensitivity:.3f} -> {after.sensitivity:.3f}"
+            delta = after.sensitivity - before.sensitivity
+            (lower if delta < -noise else higher if delta > noise else same).append(change)
+        parts.append(f"Warmup ({warmups[1]} steps) lowers the sensitivity of {', '.join(lower) or 'no placement'}; "
+                     f"raises it for {', '.join(higher) or 'none'}; within the larger seed spread of the two for "
+                     f"{', '.join(same) or 'none'}")
+    diverged = sum(r.diverged for r in rows)
+    covered = f"{sum(r.runs for r in rows)} runs, {min((r.seeds for r in rows), default=0)}+ seeds per variant"
+    return ". ".join(parts) + f". ({covered}; {diverged} diverged runs counted as their loss at init.)"
+
+
+def _placement(row) -> str:
+    return PLACEMENT_LABELS.get(str(row.values.get("norm.placement")), str(row.values.get("norm.placement")))
+
+
+def _finite(value: float) -> float:
+    return 0.0 if math.isnan(value) else value
+
+
 BLOCKS_FIGURES = ("fc2_update", "fc2_grad", "stream_rms")
 
 
@@ -291,6 +336,8 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
          lr_warmup_verdict),
         ("depth", "Does the Post/Pre gap grow with depth?", "model.depth", depth_verdict),
         ("placements", "Every placement x every norm kind: which train without warmup?", None, placements_verdict),
+        ("lr_sensitivity", "Which placement is least sensitive to the learning rate, with and without warmup? "
+         "(Wortsman et al. 2023's yardstick: 7 learning rates 1e-4..1e-1, 60 steps)", None, lr_sensitivity_verdict),
         ("blocks", "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
                    "Post-LN vs Pre-LN, with and without warmup?", None, blocks_verdict),
     ]
@@ -299,12 +346,16 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         run_dir, seconds = _sweep(name, out, quick)
         times[name] = seconds
         figures = _figures(run_dir, x_key)
-        table = to_markdown(build_report(run_dir))
+        sensitivity = sensitivity_to_markdown(build_sensitivity(run_dir)) if name.startswith("lr_") else ""
+        table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(run_dir))
         if name == "lr_warmup":
             from normexp.report import build_pivot, pivot_to_markdown
 
             table += "\n" + pivot_to_markdown(build_pivot(run_dir, "optim.lr", "schedule.warmup_steps"))
-        sections.append(_section(question, name, table, figures, verdict(run_dir), seconds))
+            table += "\n" + sensitivity
+        note = missing_note(load_summary(run_dir), run_dir)
+        sections.append(_section(question, name, table, figures, verdict(run_dir) + (f" {note}." if note else ""),
+                                 seconds))
 
     log("study gradnorm ...")
     start = time.perf_counter()

@@ -5,9 +5,12 @@ The sweep process is the coordinator and the only writer of its output folder. I
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
 2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
    that holds a sweep of another name unless `force`,
-3. writes `sweep.yaml`, then finds the runs without a matching `done.json` (all of them with `force`);
-   a finished run recorded with another torch thread count than this sweep's is redone, with a
-   `redone` event saying why, so that one sweep never mixes thread counts,
+3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml`, then finds the runs
+   that are not verified finished (`store.inspect_run`; all of them with `force`). A corrupt run is
+   redone (a "corrupt" event says why); a run of release 0.1, without checksums, is re-read and, if
+   it holds, stamped with them and kept; a finished run recorded with another torch thread count
+   than this sweep's, or by the fast engine when this sweep is exact, is redone (a "redone" event
+   says why), so that one sweep never mixes them,
 4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
 5. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
@@ -29,16 +32,16 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
 from normexp.store import (
-    DONE_FILE,
     SWEEP_FILE,
     FinishedRun,
     StoreError,
     SweepLock,
     atomic_write,
-    is_done,
+    inspect_run,
     other_threads,
-    read_json,
+    recover_strays,
     run_id,
+    stamp_run,
     sweep_name,
     write_failed,
     write_run,
@@ -65,16 +68,16 @@ class SweepOptions:
 
 @dataclass(frozen=True)
 class SweepEvent:
-    """One thing that happened to one run: skipped (already done), redone (done, but not as this sweep
-    would train it: `error` says why), finished, or failed."""
+    """One thing that happened to one run: skipped (already done), corrupt (found so, to be redone),
+    redone (done, but not as this sweep would train it: `error` says why), finished, or failed."""
 
-    kind: Literal["skipped", "redone", "finished", "failed"]
+    kind: Literal["skipped", "corrupt", "redone", "finished", "failed"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
     status: str = ""
     final_loss: float | None = None
-    error: str = ""  # for "failed": the error
+    error: str = ""  # for "failed": the error; for "corrupt": what does not hold
 
 
 @dataclass
@@ -83,6 +86,8 @@ class SweepOutcome:
     total: int
     statuses: dict[str, str] = field(default_factory=dict)  # run_id -> completed|diverged|failed|skipped|...
     interrupted: bool = False
+    corrupt: list[str] = field(default_factory=list)  # runs found corrupt and redone (or to be redone)
+    restamped: int = 0  # runs of release 0.1 re-read, verified and given checksums
 
     def count(self, *statuses: str) -> int:
         return sum(1 for s in self.statuses.values() if s in statuses)
@@ -126,19 +131,11 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
     """Steps 3-5 of the module docstring, under the folder's lock."""
     if not options.force:
         _refuse_another_sweep(out_dir, sweep)
+    _write_or_explain(recover_strays, out_dir)
     try:
         _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
-        pending = []
-        for cfg in sweep.runs:
-            rid = run_id(cfg)
-            if not options.force and _finished(out_dir / rid, cfg, options.engine):
-                why = other_threads(out_dir / rid, cfg.train.threads or threads)
-                if why is None:
-                    outcome.statuses[rid] = "skipped"
-                    emit(SweepEvent("skipped", rid, len(outcome.statuses), outcome.total))
-                    continue
-                emit(SweepEvent("redone", rid, len(outcome.statuses), outcome.total, error=why))
-            pending.append(cfg)
+        pending = [cfg for cfg in sweep.runs
+                   if options.force or not _finished(cfg, out_dir, options, threads, outcome, emit)]
         _execute(pending, out_dir, options, executor, outcome, emit, threads)
     except KeyboardInterrupt:
         outcome.interrupted = True
@@ -149,17 +146,44 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
     _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
 
 
-def _finished(run_dir: Path, cfg: RunConfig, engine: str) -> bool:
-    """Done, by an engine this sweep accepts: an exact sweep redoes the runs the fast engine trained
-    (their numbers are close to the reference's, not equal), a fast sweep keeps exact ones."""
-    if not is_done(run_dir, cfg):
+def _finished(cfg: RunConfig, out_dir: Path, options: SweepOptions, threads: int, outcome: SweepOutcome,
+              emit: EventCallback) -> bool:
+    """Whether `cfg`'s run folder holds a verified result this sweep can keep (reported as skipped).
+    A corrupt one is reported and left to be redone, an unstamped one (release 0.1) is stamped and
+    kept; one trained with another thread count, or by the fast engine for an exact sweep, is redone."""
+    rid = run_id(cfg)
+    state = inspect_run(out_dir / rid, cfg)
+    if state.kind == "corrupt":
+        outcome.corrupt.append(rid)
+        emit(SweepEvent("corrupt", rid, len(outcome.statuses), outcome.total, "corrupt", error=state.problem))
         return False
-    return engine == "fast" or (read_json(run_dir / DONE_FILE) or {}).get("engine") != "fast"
+    if not state.finished:
+        return False
+    why = _redo_reason(state.done or {}, options.engine, cfg.train.threads or threads)
+    if why is not None:
+        emit(SweepEvent("redone", rid, len(outcome.statuses), outcome.total, error=why))
+        return False
+    if state.kind == "unstamped":
+        _write_or_explain(stamp_run, out_dir / rid, state)
+        outcome.restamped += 1
+    outcome.statuses[rid] = "skipped"
+    emit(SweepEvent("skipped", rid, len(outcome.statuses), outcome.total))
+    return True
+
+
+def _redo_reason(done: dict, engine: str, threads: int) -> str | None:
+    """Why a verified run cannot stay in this sweep: an exact sweep redoes the runs the fast engine
+    trained (their numbers are close to the reference's, not equal; a fast sweep keeps exact ones),
+    and no sweep mixes thread counts. None when it can stay."""
+    if engine != "fast" and done.get("engine") == "fast":
+        return "trained by the fast engine, this sweep is exact: redone"
+    return other_threads(done, threads)
 
 
 def _finished_status(run_dir: Path, cfg: RunConfig) -> str | None:
     """The status in a finished run's done.json (completed, diverged), or None if it is not finished."""
-    return (read_json(run_dir / DONE_FILE) or {}).get("status", "completed") if is_done(run_dir, cfg) else None
+    state = inspect_run(run_dir, cfg)
+    return (state.done or {}).get("status", "completed") if state.finished else None
 
 
 def _refuse_another_sweep(out_dir: Path, sweep: Sweep) -> None:
@@ -190,8 +214,9 @@ def _record(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: 
     """Write one run's result (or its error) into its folder and report it."""
     rid = run_id(cfg)
     if isinstance(run, str):
-        _write_or_explain(write_failed, out_dir / rid, cfg, error_status, run)
+        kept = not _write_or_explain(write_failed, out_dir / rid, cfg, error_status, run)
         outcome.statuses[rid] = error_status
+        run = f"{run} (the earlier finished result is kept)" if kept else run
         emit(SweepEvent("failed", rid, len(outcome.statuses), outcome.total, error_status, error=run))
         return
     done = _write_or_explain(write_run, out_dir / rid, cfg, run)

@@ -56,6 +56,36 @@ def test_every_placement_and_kind_bit_for_bit(placement, kind):
     assert_same_as_reference(runs(placement, kind))
 
 
+NEW_PLACEMENTS = ["rezero", "respost", "resdual", "admin"]
+NEW_KINDS = ["dyt", "derf"]
+# the new placements under every kind, and the new kinds under every placement; the default suite
+# keeps a cover of each placement and kind, the rest of the product runs with -m slow
+NEW_CASES = sorted({(p, k) for p in NEW_PLACEMENTS for k in ALL_KINDS + NEW_KINDS}
+                   | {(p, k) for p in ALL_PLACEMENTS for k in NEW_KINDS})
+QUICK_KINDS = ("layernorm", "rmsnorm_gemma", "scalenorm", "dyt", "derf")
+
+
+@pytest.mark.parametrize("placement,kind", [
+    pytest.param(p, k, marks=() if k in QUICK_KINDS else pytest.mark.slow) for p, k in NEW_CASES])
+def test_new_placements_and_kinds_bit_for_bit(placement, kind):
+    """ReZero, res-post-norm, ResiDual, Admin, DyT and Derf: the batched engine stacks them through the
+    model's own forward() and matches the reference bit for bit."""
+    assert_same_as_reference(runs(placement, kind))
+
+
+def test_respost_zero_init_and_dyt_alpha_bit_for_bit():
+    configs = [c.model_copy(update={"norm": c.norm.model_copy(update={"output_norm_init": "zeros",
+                                                                     "dyt_alpha0": 1.5})})
+               for c in runs("respost", "dyt")]
+    assert_same_as_reference(configs)
+
+
+def test_new_placements_batch_and_are_never_left_alone():
+    configs = [cfg for p in NEW_PLACEMENTS for cfg in runs(p, "dyt", n=2)]
+    batches, alone = plan_batches(configs)
+    assert sorted(len(b) for b in batches) == [2, 2, 2, 2] and not alone
+
+
 @pytest.mark.parametrize("optim", ["adam", "adamw", "sgd"])
 def test_every_batched_optimizer_bit_for_bit(optim):
     assert_same_as_reference(runs("post", "rmsnorm", optim, n=4))

@@ -110,6 +110,8 @@ def test_studies_quick_writes_a_report(tmp_path):
     from normexp.studies import run_studies
 
     report = run_studies(tmp_path, quick=True, log=lambda _: None).read_text()
-    for section in ("## warmup", "## lr_warmup", "## depth", "## placements", "## gradnorm", "## norms"):
+    for section in ("## warmup", "## lr_warmup", "## depth", "## placements", "## lr_sensitivity", "## gradnorm",
+                    "## norms"):
         assert section in report
-    assert report.count("**Verdict.**") == 6
+    assert report.count("**Verdict.**") == 7
+    assert "Ranking by LR sensitivity without warmup" in report and "LR sensitivity =" in report

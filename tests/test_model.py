@@ -12,8 +12,10 @@ from normexp.model import Block, Net, block_placements, deepnorm_constants
 from normexp.norms import make_norm
 from normexp.train import train_run
 
-ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
-ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]
+ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none", "rezero", "respost", "resdual",
+                  "admin"]
+ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm",
+             "dyt", "derf"]
 SMALL = ModelConfig(depth=4, width=8)
 
 

@@ -67,3 +67,17 @@ def test_a_key_added_and_set_away_from_its_default_changes_the_id() -> None:
     base = config_hash(later())
     assert config_hash(later.model_validate({"model": {"arch": "transformer"}})) != base
     assert config_hash(later.model_validate({"logging": {"every": 5}})) != base
+
+
+def test_the_placement_keys_enter_the_hash_only_off_their_declared_default() -> None:
+    """norm.output_norm_init and norm.dyt_alpha0 came after 0.1: at their defaults no id moves."""
+    assert {"norm.output_norm_init", "norm.dyt_alpha0"}.isdisjoint(HASHED_SINCE_0_1)
+    for placement, expected in PLACEMENT_IDS.items():
+        at_default = RunConfig.model_validate({
+            "norm": {"placement": placement, "output_norm_init": "ones", "dyt_alpha0": 0.5},
+            "model": {"depth": 4, "width": 8}, "train": {"steps": 5}})
+        assert run_id(at_default) == expected
+    base = RunConfig.model_validate({"norm": {"placement": "respost", "kind": "dyt"}})
+    zeros = base.model_copy(update={"norm": base.norm.model_copy(update={"output_norm_init": "zeros"})})
+    alpha = base.model_copy(update={"norm": base.norm.model_copy(update={"dyt_alpha0": 1.0})})
+    assert len({config_hash(base), config_hash(zeros), config_hash(alpha)}) == 3

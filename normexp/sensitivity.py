@@ -1,0 +1,112 @@
+"""Learning-rate sensitivity: one number per variant for "how much does this design care about the lr?"
+
+Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer training instabilities",
+arXiv 2309.14322) compare interventions by how much the final loss degrades across a log-spaced
+learning-rate sweep. For a sweep with an `optim.lr` axis of at least 3 values, per variant (the runs
+that share every other varying key) and per run r at learning rate lr:
+
+    c_r       = min(final loss_r, loss_r at step 0)     a diverged run (nan / inf) counts as c_r = l0_r:
+                                                         no progress, not infinity
+    m(lr)     = mean over the variant's seeds of c_r
+    l*        = min over the lr grid of m(lr)            the variant's best seed-mean final loss
+    LR sensitivity = mean over the lr grid of [m(lr) - l*]
+
+The seed spread is the standard deviation over seeds of each seed's own mean_lr [c - l*] (their mean is
+the sensitivity itself; seeds that miss an lr are left out of it). A variant with an lr of the grid that
+has no finished run gets no number: a missing run is shown as missing. Every row says how many seeds,
+runs and diverged runs it covers. This module imports pandas but never torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from normexp.report import variant_groups
+from normexp.results import ResultsError, load_metrics, load_summary, varying_keys
+
+LR_KEY = "optim.lr"
+MIN_LRS = 3
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """One variant's LR sensitivity, with what it covers."""
+
+    label: str
+    values: dict[str, object]  # the variant's keys (the other varying keys) and values
+    sensitivity: float  # nan when an lr of the grid has no finished run
+    spread: float  # std over seeds of each seed's sensitivity (nan below 2 complete seeds)
+    best_lr: float
+    best_loss: float  # l*
+    lrs: int  # learning rates of the grid with at least one finished run
+    grid_lrs: int
+    seeds: int
+    runs: int  # finished runs (completed or diverged)
+    diverged: int
+    missing: int  # runs of the sweep that have not finished (pending, failed, or unreadable)
+
+
+def clipped_final(final: pd.Series, initial: pd.Series) -> pd.Series:
+    """min(final, initial) per run, a non-finite final loss counting as the initial one."""
+    final = final.astype(float).where(np.isfinite(final.astype(float)), np.inf)
+    return np.minimum(final, initial.astype(float))
+
+
+def lr_table(run_dir: str | Path) -> tuple[pd.DataFrame, list[str]]:
+    """One row per finished run: its config keys, seed, status, `initial` (loss at step 0), `final`
+    (last recorded loss) and `clipped`; and the variant keys (varying keys but the seed and the lr).
+    Raises ResultsError unless the sweep has an lr axis of at least MIN_LRS values."""
+    summary = load_summary(run_dir)
+    lrs = sorted(summary[LR_KEY].astype(float).unique()) if LR_KEY in summary else []
+    if len(lrs) < MIN_LRS:
+        shown = ", ".join(f"{v:g}" for v in lrs) or "none"
+        raise ResultsError(f"--lr-sensitivity: needs an {LR_KEY} axis of at least {MIN_LRS} values; "
+                           f"this sweep has {len(lrs)} ({shown})")
+    tidy = load_metrics(run_dir, all_config=True)  # in the sweep's order, each run's steps in order
+    runs = tidy.groupby("run_id", sort=False)
+    table = runs.head(1).set_index("run_id").drop(columns=["step", "loss", "acc", "lr", "grad_norm"])
+    table["initial"] = runs["loss"].first()
+    table["final"] = runs["loss"].last()
+    table["clipped"] = clipped_final(table["final"], table["initial"])
+    keys = [k for k in varying_keys(summary) if k not in ("seed", LR_KEY)]
+    return table.reset_index(), keys
+
+
+def variant_sensitivity(group: pd.DataFrame, grid_lrs: list[float]) -> tuple[float, float, float, float]:
+    """(sensitivity, seed spread, best lr, l*) of one variant's rows of `lr_table`."""
+    by_seed = group.pivot_table(index="seed", columns=LR_KEY, values="clipped", aggfunc="mean")
+    by_seed = by_seed.reindex(columns=grid_lrs)
+    means = by_seed.mean(axis=0, skipna=True)
+    if means.isna().all():
+        return math.nan, math.nan, math.nan, math.nan
+    best_lr = float(means.idxmin())
+    best = float(means.min())
+    sensitivity = float((means - best).mean()) if not means.isna().any() else math.nan
+    complete = by_seed.dropna(axis=0, how="any")
+    per_seed = (complete - best).mean(axis=1)
+    spread = float(per_seed.std(ddof=1)) if len(per_seed) > 1 else math.nan
+    return sensitivity, spread, best_lr, best
+
+
+def build_sensitivity(run_dir: str | Path) -> list[Sensitivity]:
+    """Every variant's LR sensitivity, in the sweep's order."""
+    table, keys = lr_table(run_dir)
+    summary = load_summary(run_dir)
+    grid_lrs = sorted(summary[LR_KEY].astype(float).unique())
+    out = []
+    for label, group in variant_groups(table, keys):
+        values = {k: group[k].iloc[0] for k in keys}
+        in_sweep = summary
+        for key, value in values.items():
+            in_sweep = in_sweep[in_sweep[key].astype(str) == str(value)]
+        sensitivity, spread, best_lr, best = variant_sensitivity(group, grid_lrs)
+        out.append(Sensitivity(
+            label, values, sensitivity, spread, best_lr, best, int(group[LR_KEY].nunique()), len(grid_lrs),
+            int(group["seed"].nunique()), len(group), int((group["status"] == "diverged").sum()),
+            len(in_sweep) - len(group)))
+    return out

@@ -1,0 +1,178 @@
+"""Check a sweep's output folder file by file (`normexp verify DIR`) and, asked to, repair it.
+
+What is checked, each problem one `Finding`:
+
+- every run of the sweep (listed by its sweep.yaml), with `store.inspect_run`: done.json's own
+  checksum, the SHA-256 and row counts of config.yaml and metrics.csv, config.yaml against the run
+  id, the metrics against done.json's numbers; runs missing, failed or left unfinished;
+- folders holding runs of no run of this sweep (another sweep's, or an earlier grid's);
+- temporary files and folders that only a killed writer leaves (`store.stray_paths`);
+- summary.csv against the table rebuilt from the verified run folders.
+
+`fix` removes what can be redone (corrupt and unfinished run folders, unverifiable folders of other
+sweeps, temporary files; a run folder caught mid-swap is put back), stamps runs of release 0.1 that
+re-read consistently, and rebuilds summary.csv. Nothing else is deleted: verified runs of other
+sweeps stay (a note), and missing runs are left for the sweep to redo. `fix` holds the folder's lock;
+a plain check refuses a folder a sweep is writing. Nothing here prints: the CLI renders the result.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from normexp.config import Sweep
+from normexp.store import (
+    DONE_FILE,
+    FAILED_FILE,
+    SUMMARY_FILE,
+    VOUCHED_FILES,
+    RunState,
+    StoreError,
+    SweepLock,
+    cached_statuses,
+    inspect_run,
+    lock_owner,
+    read_sweep,
+    recover_strays,
+    run_id,
+    stamp_run,
+    stray_paths,
+    summary_csv,
+    write_summary,
+)
+
+RUN_FILES = (*VOUCHED_FILES, DONE_FILE, FAILED_FILE)  # a folder holding any of these is a run folder
+REDO = "rerun the sweep to redo it"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing wrong (or, as a note, worth knowing) in the folder, and what fixes it."""
+
+    path: str  # relative to the sweep folder
+    problem: str
+    remedy: str  # what `fix` does, or did; or what the user should do
+    severity: Literal["problem", "note"] = "problem"
+
+
+@dataclass
+class Verification:
+    """The outcome of `verify_sweep`: what was found (and, with `fix`, done) and what still stands."""
+
+    out_dir: Path
+    runs: int  # runs of the sweep
+    verified: int  # of those, with a verified result (after the fixes, with `fix`)
+    findings: list[Finding] = field(default_factory=list)
+    fixed: bool = False
+    remaining: int = 0  # problems left after the fixes (with `fix`), else the problems found
+
+    @property
+    def clean(self) -> bool:
+        return self.remaining == 0
+
+
+def verify_sweep(out_dir: str | Path, fix: bool = False) -> Verification:
+    """Check `out_dir` (see the module docstring); with `fix`, repair what can be. StoreError if the
+    folder is not a sweep's output or a sweep is writing to it."""
+    out_dir = Path(out_dir)
+    sweep = read_sweep(out_dir)
+    if not fix:
+        owner = lock_owner(out_dir)
+        if owner is not None:
+            raise StoreError(f"{out_dir}: a sweep is writing here ({owner}); verify it when it has finished")
+        findings, verified = _check(out_dir, sweep, fix=False)
+        return Verification(out_dir, len(sweep.runs), verified, findings, False, _problems(findings))
+    with SweepLock(out_dir):
+        findings, _ = _check(out_dir, sweep, fix=True)
+        remaining, verified = _check(out_dir, sweep, fix=False)
+    return Verification(out_dir, len(sweep.runs), verified, findings, True, _problems(remaining))
+
+
+def _problems(findings: list[Finding]) -> int:
+    return sum(f.severity == "problem" for f in findings)
+
+
+def _check(out_dir: Path, sweep: Sweep, fix: bool) -> tuple[list[Finding], int]:
+    """Every finding, in folder order (fixing each as it goes with `fix`), and the verified runs."""
+    findings = _strays(out_dir, fix)
+    ids = {run_id(cfg): cfg for cfg in sweep.runs}
+    verified = 0
+    for rid, cfg in ids.items():
+        finding = _run_finding(out_dir / rid, inspect_run(out_dir / rid, cfg, thorough=True), fix)
+        verified += finding is None or finding.severity == "note"
+        findings += [finding] if finding else []
+    findings += _foreign(out_dir, set(ids), fix)
+    findings += _summary(out_dir, sweep, fix)
+    return findings, verified
+
+
+def _strays(out_dir: Path, fix: bool) -> list[Finding]:
+    strays = [str(p.relative_to(out_dir)) for p in stray_paths(out_dir)]
+    if not strays:
+        return []
+    if fix:
+        return [Finding(line.split(": ", 1)[0], "left by a killed writer", line.split(": ", 1)[1])
+                for line in recover_strays(out_dir)]
+    return [Finding(path, "left by a killed writer", "--fix removes it (or puts back a run folder caught "
+                    "mid-replacement)") for path in strays]
+
+
+def _run_finding(run_dir: Path, state: RunState, fix: bool) -> Finding | None:
+    """The finding for one run of the sweep, fixing it with `fix` where that is possible."""
+    name = run_dir.name
+    if state.kind == "finished":
+        return None
+    if state.kind == "unstamped":
+        if fix:
+            stamp_run(run_dir, state)
+        return Finding(name, "no checksums (written by release 0.1); re-read and consistent",
+                       "stamped with checksums" if fix else "--fix stamps it with checksums")
+    if state.kind == "absent":
+        return Finding(name, "missing", REDO)
+    if state.kind == "failed":
+        return Finding(name, f"failed: {state.problem.splitlines()[-1] if state.problem else ''}", REDO)
+    if fix:
+        shutil.rmtree(run_dir)
+    what = f"corrupt: {state.problem}" if state.kind == "corrupt" else f"unfinished: {state.problem}"
+    return Finding(name, what, f"removed; {REDO}" if fix else f"--fix removes it; {REDO}")
+
+
+def _foreign(out_dir: Path, ids: set[str], fix: bool) -> list[Finding]:
+    """Folders that hold a run, but no run of this sweep."""
+    findings = []
+    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir() and p.name not in ids):
+        if folder.name.startswith(".") or not any((folder / f).exists() for f in RUN_FILES):
+            continue
+        state = inspect_run(folder, thorough=True)
+        if state.finished:
+            findings.append(Finding(folder.name, "a verified run of another sweep (not in this sweep's results)",
+                                    "left in place", "note"))
+            continue
+        if fix:
+            shutil.rmtree(folder)
+        findings.append(Finding(folder.name, f"a run folder of no run of this sweep, {state.kind}: {state.problem}",
+                                "removed" if fix else "--fix removes it"))
+    return findings
+
+
+def _summary(out_dir: Path, sweep: Sweep, rebuild: bool) -> list[Finding]:
+    """summary.csv must be the table rebuilt from the verified run folders."""
+    statuses = cached_statuses(out_dir)
+    expected = summary_csv(out_dir, sweep.runs, statuses)
+    try:
+        found = (out_dir / SUMMARY_FILE).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        found, problem = None, "missing"
+    except (OSError, UnicodeDecodeError):
+        found, problem = None, "unreadable"
+    else:
+        problem = "does not match the run folders"
+    if rebuild and (found != expected or found is None):
+        write_summary(out_dir, sweep.runs, statuses)
+    if found == expected:
+        return []
+    return [Finding(SUMMARY_FILE, problem, "rebuilt from the verified run folders" if rebuild
+                    else "--fix rebuilds it from the verified run folders")]

@@ -1,0 +1,74 @@
+"""`normexp doctor` prints what a bug report needs, as plain `key: value` lines."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from normexp import __version__
+from normexp.cli import app
+from normexp.environment import describe, torch_build
+
+
+def doctor_lines() -> dict[str, str]:
+    result = CliRunner().invoke(app, ["doctor"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert all(": " in line for line in lines), lines  # plain text, nothing but key: value
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+def test_doctor_reports_versions_build_threads_devices_and_extras():
+    facts = doctor_lines()
+    assert facts["normexp"] == __version__
+    assert facts["python"].startswith(platform.python_version() + " ")
+    assert facts["torch"].startswith(torch.__version__ + " ")
+    assert facts["torch build"] == ("CPU" if torch.version.cuda is None else f"CUDA {torch.version.cuda}")
+    assert facts["threads"].startswith(f"{torch.get_num_threads()} intra-op")
+    assert facts["devices"].split(", ")[0] == "cpu"
+    assert facts["dask extra"].startswith(("installed (", "not installed ("))
+    assert platform.machine() in facts["platform"]
+
+
+@given(cuda=st.one_of(st.none(), st.from_regex(r"1[0-9]\.[0-9]", fullmatch=True)))
+def test_torch_build_names_the_cuda_version(cuda):
+    assert torch_build(cuda) == ("CPU" if cuda is None else f"CUDA {cuda}")
+
+
+def test_a_cuda_build_with_devices_is_reported():
+    with mock.patch.object(torch.version, "cuda", "12.4"), \
+            mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "device_count", return_value=2), \
+            mock.patch.object(torch.cuda, "get_device_name", side_effect=lambda i: f"GPU{i}"):
+        facts = dict(describe().lines)
+    assert facts["torch build"] == "CUDA 12.4"
+    assert facts["devices"] == "cpu, cuda:0 GPU0, cuda:1 GPU1"
+
+
+def test_a_missing_dask_extra_is_reported():
+    real = metadata.version
+
+    def version(dist: str) -> str:
+        if dist == "distributed":
+            raise metadata.PackageNotFoundError(dist)
+        return real(dist) if dist != "dask-jobqueue" else "0.9.0"
+
+    pytest.importorskip("dask")
+    with mock.patch("normexp.environment.metadata.version", version):
+        facts = dict(describe().lines)
+    assert facts["dask extra"].startswith("not installed (")
+    assert "distributed missing" in facts["dask extra"]
+
+
+def test_an_unimportable_torch_is_reported_not_raised():
+    with mock.patch.dict("sys.modules", {"torch": None}):
+        facts = dict(describe().lines)
+    assert facts["torch"].startswith("not importable (ModuleNotFoundError")
+    assert "torch build" not in facts

@@ -1,0 +1,135 @@
+"""Learning-rate sensitivity: the formula on a hand-made sweep folder, its properties, and the CLI."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.config import RunConfig, flatten
+from normexp.sensitivity import build_sensitivity, clipped_final, variant_sensitivity
+from normexp.store import METRICS_FILE, SUMMARY_FILE
+
+LRS = [0.001, 0.01, 0.1]
+
+
+def write_sweep(folder: Path, runs: list[tuple]) -> Path:
+    """A sweep folder by hand: (placement, lr, seed, loss at init, final loss, status[, warmup]) per run;
+    a 'pending' run has a summary row and no metrics."""
+    rows = []
+    for i, (placement, lr, seed, initial, final, status, *warmup) in enumerate(runs):
+        cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
+                                        "schedule": {"kind": "linear_warmup", "warmup_steps": (warmup or [0])[0]}})
+        run_id = f"run{i}"
+        finished = status in ("completed", "diverged")
+        rows.append({"run_id": run_id, **{k: v for k, v in flatten(cfg).items() if k != "optim.betas"},
+                     "status": status, "final_loss": final if finished else "", "diverged": status == "diverged"})
+        if finished:
+            (folder / run_id).mkdir(parents=True)
+            (folder / run_id / METRICS_FILE).write_text(
+                "step,loss,acc,lr,grad_norm\n" f"0,{initial!r},0.1,{lr!r},1.0\n" f"1,{final!r},0.2,{lr!r},1.0\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / SUMMARY_FILE, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return folder
+
+
+def hand_made(tmp_path: Path) -> Path:
+    pre = [("pre", lr, seed, 2.3, final, "diverged" if math.isnan(final) else "completed")
+           for seed, finals in ((0, [1.0, 0.2, math.nan]), (1, [1.2, 0.4, 3.0]))
+           for lr, final in zip(LRS, finals)]
+    post = [("post", lr, 0, 2.0, 1.5, "completed") for lr in LRS[:2]] + [("post", LRS[2], 0, 2.0, 0.0, "pending")]
+    return write_sweep(tmp_path / "sweep", pre + post)
+
+
+def test_lr_sensitivity_of_a_hand_made_summary(tmp_path):
+    pre, post = build_sensitivity(hand_made(tmp_path))
+    # pre: clipped finals seed 0 [1.0, 0.2, 2.3 (diverged: its init)], seed 1 [1.2, 0.4, 2.3 (3.0 > init)]
+    # seed means [1.1, 0.3, 2.3]; l* = 0.3; sensitivity = mean([0.8, 0.0, 2.0]) = 0.9333
+    assert pre.label == "Pre" and pre.sensitivity == pytest.approx(2.8 / 3)
+    assert pre.best_loss == pytest.approx(0.3) and pre.best_lr == 0.01
+    # per seed: mean([0.7, -0.1, 2.0]) = 0.8667 and mean([0.9, 0.1, 2.0]) = 1.0
+    assert pre.spread == pytest.approx(pd.Series([2.6 / 3, 1.0]).std(ddof=1))
+    assert (pre.seeds, pre.runs, pre.diverged, pre.missing, pre.lrs, pre.grid_lrs) == (2, 6, 1, 0, 3, 3)
+    # post: lr 0.1 never finished, so no number rather than a mean over the lrs that happen to exist
+    assert math.isnan(post.sensitivity) and post.missing == 1 and post.lrs == 2
+
+
+def test_report_lr_sensitivity_through_the_cli(tmp_path):
+    folder = hand_made(tmp_path)
+    result = CliRunner().invoke(app, ["report", str(folder), "--lr-sensitivity", "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(result.output.splitlines()))
+    assert [r["variant"] for r in rows] == ["Pre", "Post"]
+    assert float(rows[0]["lr_sensitivity"]) == pytest.approx(2.8 / 3) and rows[0]["diverged"] == "1"
+    markdown = CliRunner().invoke(app, ["report", str(folder), "--lr-sensitivity", "--format", "markdown"]).output
+    assert "0.9333 ± 0.0943" in markdown and "an lr has no finished run" in markdown
+
+
+def test_lr_sensitivity_without_an_lr_axis_of_three_exits_2(tmp_path):
+    two = write_sweep(tmp_path / "two", [("pre", lr, 0, 2.3, 1.0, "completed") for lr in LRS[:2]])
+    result = CliRunner().invoke(app, ["report", str(two), "--lr-sensitivity"])
+    assert result.exit_code == 2 and "optim.lr axis of at least 3 values" in result.output
+    assert "has 2 (0.001, 0.01)" in result.output and "Traceback" not in result.output
+    both = CliRunner().invoke(app, ["report", str(two), "--lr-sensitivity", "--pivot", "optim.lr,seed"])
+    assert both.exit_code == 2 and "--pivot and --lr-sensitivity" in both.output
+
+
+@settings(max_examples=50, deadline=None)
+@given(finals=st.lists(st.lists(st.floats(0.0, 5.0), min_size=3, max_size=3), min_size=1, max_size=4),
+       shift=st.floats(-1.0, 1.0))
+def test_sensitivity_is_non_negative_shift_invariant_and_zero_for_a_flat_curve(finals, shift):
+    def frame(offset: float, rows: list[list[float]]) -> pd.DataFrame:
+        return pd.DataFrame([{"seed": s, "optim.lr": lr, "clipped": v + offset}
+                             for s, row in enumerate(rows) for lr, v in zip(LRS, row)])
+
+    sensitivity, spread, _, best = variant_sensitivity(frame(0.0, finals), LRS)
+    shifted, shifted_spread, _, shifted_best = variant_sensitivity(frame(shift, finals), LRS)
+    assert sensitivity >= -1e-12
+    assert shifted == pytest.approx(sensitivity, abs=1e-9) and shifted_best == pytest.approx(best + shift)
+    assert (math.isnan(spread) and len(finals) == 1) or shifted_spread == pytest.approx(spread, abs=1e-9)
+    flat, *_ = variant_sensitivity(frame(0.0, [[row[0]] * 3 for row in finals]), LRS)
+    assert flat == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_non_finite_or_worse_final_counts_as_the_loss_at_init():
+    final = pd.Series([0.5, math.nan, math.inf, 4.0, -math.inf])
+    initial = pd.Series([2.0, 2.0, 2.0, 2.0, 2.0])
+    assert clipped_final(final, initial).tolist() == [0.5, 2.0, 2.0, 2.0, 2.0]
+
+
+def test_sweep_report_and_plot_end_to_end(write_yaml, tmp_path):
+    config = write_yaml("name: lrs\nbase: {model: {depth: 2, width: 8}, train: {steps: 3}}\n"
+                        "grid: {norm.placement: [rezero, admin], optim.lr: [0.001, 0.01, 0.1]}\nseeds: [0, 1]\n")
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(out), "--quiet"]).exit_code == 0
+    result = runner.invoke(app, ["report", str(out), "--lr-sensitivity", "--format", "csv"])
+    rows = list(csv.DictReader(result.output.splitlines()))
+    assert [r["variant"] for r in rows] == ["ReZero", "Admin"]
+    assert all(r["runs"] == "6" and r["seeds"] == "2" and float(r["lr_sensitivity"]) >= 0 for r in rows)
+    plotted = runner.invoke(app, ["plot", str(out)])
+    assert plotted.exit_code == 0 and (out / "loss-lr.png").stat().st_size > 0
+
+
+def test_the_study_verdict_ranks_and_compares_warmups(tmp_path):
+    from normexp.studies import lr_sensitivity_verdict
+
+    finals = {("post", 0): [2.0, 1.0, 2.2], ("post", 12): [0.6, 0.5, 0.7],  # 0.733 -> 0.1
+              ("pre", 0): [0.6, 0.5, 0.9], ("pre", 12): [0.6, 0.5, 0.9]}   # 0.167 both
+    runs = [(p, lr, seed, 2.3, final + 0.01 * seed, "completed", w)
+            for (p, w), values in finals.items() for seed in (0, 1) for lr, final in zip(LRS, values)]
+    text = lr_sensitivity_verdict(write_sweep(tmp_path / "s", runs))
+    assert "without warmup (least sensitive first): Pre 0.167, Post 0.733" in text
+    assert "with 12 warmup steps (least sensitive first): Post 0.100, Pre 0.167" in text
+    assert "lowers the sensitivity of Post 0.733 -> 0.100" in text and "spread of the two for Pre" in text
+    assert "(24 runs, 2+ seeds per variant" in text
