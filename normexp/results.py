@@ -21,7 +21,15 @@ from pathlib import Path
 import pandas as pd
 
 from normexp.config import run_keys
-from normexp.store import BLOCKS_FILE, FINISHED_STATUSES, METRICS_FILE, StoreError, cached_statuses, read_sweep, summary_csv
+from normexp.store import (
+    BLOCKS_FILE,
+    FINISHED_STATUSES,
+    METRICS_FILE,
+    StoreError,
+    cached_statuses,
+    read_sweep,
+    summary_csv,
+)
 
 FINISHED = FINISHED_STATUSES
 MISSING_LISTED = 5  # runs named in a missing-runs note before "and N more"
