@@ -296,8 +296,9 @@ def test_load_blocks_never_reads_a_missing_file_as_no_rows(write_yaml, tmp_path)
     runner.invoke(app, ["sweep", str(path), "--out", str(out), "-q"])
     victim = next(out.glob("*/blocks.csv"))
     victim.unlink()
-    with pytest.raises(ResultsError, match=f"{victim.parent.name}: blocks.csv is missing"):
-        load_blocks(out)
+    blocks = load_blocks(out)  # done.json vouches for blocks.csv: the run is corrupt, left out and named
+    assert victim.parent.name not in set(blocks["run_id"]) and blocks["run_id"].nunique() == 7
+    assert blocks.attrs["unfinished"] == {victim.parent.name: "corrupt"}
 
 
 def test_plot_blocks_writes_one_png(write_yaml, tmp_path):
@@ -397,3 +398,16 @@ def test_the_fast_engine_hands_logging_runs_to_the_exact_engines():
     units = plan_units(configs[:2] + [logging(c) for c in configs[2:]], "fast", "cpu", 1)
     by_logging = {unit.runs[0].train.log_blocks: unit for unit in units}
     assert len(units) == 2 and by_logging[True].batched and not by_logging[True].fast and by_logging[False].fast
+
+
+def test_done_json_vouches_for_blocks_csv(write_yaml, tmp_path):
+    """A byte changed in blocks.csv makes its run corrupt: the next sweep redoes that run, and only it."""
+    out = tmp_path / "out"
+    path = write_yaml(SMALL_SWEEP.replace("train: {steps: 5}", "train: {steps: 5, log_blocks: true}"))
+    assert runner.invoke(app, ["sweep", str(path), "--out", str(out), "-q"]).exit_code == 0
+    victim = sorted(out.glob("*/blocks.csv"))[0]
+    original = victim.read_bytes()
+    victim.write_bytes(original.replace(b"1", b"2", 1))
+    result = runner.invoke(app, ["sweep", str(path), "--out", str(out)])
+    assert result.exit_code == 0 and "1 ran, 7 already done" in result.output, result.output
+    assert victim.read_bytes() == original
