@@ -23,6 +23,9 @@ On the CPU this makes every recorded loss equal, bit for bit, to the reference e
 this for every placement, norm kind and optimizer family), and a run's numbers do not depend on which
 runs share its batch or how a grid is chunked. A run that no other run can share a batch with
 trains on the reference engine (a batch of one gains nothing).
+
+With `train.log_blocks` the same `BlockRecorder` as the reference's watches the stacked model and
+writes each run's blocks.csv, bit for bit the reference's (every quantity is taken run by run).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
 from normexp.model import Net
 from normexp.optim import build_optimizer
@@ -283,6 +287,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
         replayed = first.optim.name in REPLAYED_OPTIMIZERS
         optimizer = StackedOptimizer(params, runs) if replayed else SharedOptimizer(params, runs)
         results = [RunResult(threads=threads, engine="batched") for _ in runs]
+        blocks = (BlockRecorder(model, first.train.log_every, len(runs), stacked=True)
+                  if first.train.log_blocks else None)
         active = list(range(len(runs)))  # runs still recording
         steps = first.train.steps
         for step in range(steps + 1):
@@ -295,15 +301,25 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
                 param.grad = None
             losses.sum().backward()
             norms = _grad_norms(model)
-            for r in list(active):
+            recording = list(active)
+            for r in recording:
                 stop = results[r].check_loss(loss_values[r], runs[r].train.stop_on_nonfinite)
                 results[r].record(step, loss_values[r], accs[r], lrs[r], math.nan if stop else norms[r])
                 if stop:
                     active.remove(r)
+            logged = blocks is not None and blocks.due(step)
+            if logged:  # a run that stops here has no gradients in the reference: it skips backward
+                blocks.observe(step, recording, [r in active for r in recording])
             if not active:
                 break
             if step < steps:
                 optimizer.step(lrs)
+                if logged:
+                    blocks.observe_update()
+        if blocks is not None:
+            blocks.close()
+            for r, result in enumerate(results):
+                result.blocks = blocks.rows(r)
     wall = (time.perf_counter() - start) / len(runs)
     for result in results:
         result.wall_s = wall

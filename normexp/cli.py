@@ -340,16 +340,29 @@ def plot(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="PNG [default: RUN_DIR/<metric>.png].")] = None,
     metric: Annotated[str, typer.Option(help="loss | acc | grad_norm | lr.")] = "loss",
+    blocks: Annotated[bool, typer.Option("--blocks", help="Per-block dynamics of runs with train.log_blocks.")] = False,
+    block_metric: Annotated[str | None, typer.Option(
+        help="With --blocks: fc1_grad | fc2_grad | fc1_update | fc2_update | stream_rms | norm_rms | norm_out_rms "
+             "[default: fc2_update].")] = None,
 ) -> None:
-    """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary."""
-    from normexp.plot import save_plots
+    """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary.
+    With --blocks: per variant, a heatmap of one per-block quantity over (block, step) and its first,
+    middle and last block over steps."""
+    from normexp.plot import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
     from normexp.results import ResultsError
 
     _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
+    if block_metric is not None:
+        if not blocks:
+            raise fail("--block-metric: only with --blocks")
+        _check_choice("--block-metric", block_metric, tuple(BLOCK_METRIC_LABELS))
     if output is not None and output.suffix.lower() != ".png":
         raise fail(f"-o {output}: the file name must end in .png")
     try:
-        paths = save_plots(run_dir, output, metric)
+        if blocks:
+            paths = [save_blocks_plot(run_dir, output, block_metric or "fc2_update")]
+        else:
+            paths = save_plots(run_dir, output, metric)
     except ResultsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:

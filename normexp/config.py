@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 Placement = Literal[
     "post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none", "rezero", "respost", "resdual", "admin"
@@ -130,6 +130,15 @@ class TrainConfig(_Section):
     steps: int = Field(30, ge=0, le=10_000_000)
     threads: int | None = Field(None, ge=1, le=1024)  # torch intra-op threads; None: torch's default
     stop_on_nonfinite: bool = True
+    log_blocks: bool = False  # write <run_id>/blocks.csv: per-block gradients, updates, activations
+    log_every: int = Field(1, ge=1, le=10_000_000)  # blocks.csv keeps steps 0, k, 2k, ...
+
+    @field_validator("log_every")
+    @classmethod
+    def _log_every_needs_log_blocks(cls, value: int, info: ValidationInfo) -> int:
+        if value != 1 and not info.data.get("log_blocks"):
+            raise ValueError(f"thins blocks.csv, so it needs log_blocks: true (got log_every {value} without it)")
+        return value
 
 
 class RunConfig(_Section):

@@ -84,16 +84,20 @@ def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int
 
 
 def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compile: bool | None) -> list[WorkUnit]:
-    """The fast engine's batches; each structure compiles when its planned model-steps pay for it."""
+    """The fast engine's batches; each structure compiles when its planned model-steps pay for it. Runs
+    with `train.log_blocks` go to the exact engines instead: blocks.csv is the reference's bits or nothing."""
     from normexp.engines.fast import fast_key, plan_fast, should_compile
 
+    logging = [cfg for cfg in runs if cfg.train.log_blocks]
+    exact = plan_units(logging, "batched", device, threads) if logging else []
+    runs = [cfg for cfg in runs if not cfg.train.log_blocks]
     batches = plan_fast(runs)
     model_steps: dict[tuple, int] = {}
     for cfg in runs:
         model_steps[fast_key(cfg)] = model_steps.get(fast_key(cfg), 0) + cfg.train.steps + 1
     return [WorkUnit(tuple(c.model_dump(mode="json") for c in batch), True, device, threads, fast=True,
                      compile=should_compile(batch[0], model_steps[fast_key(batch[0])]) if compile is None else compile)
-            for batch in batches]
+            for batch in batches] + exact
 
 
 def run_unit(unit: WorkUnit) -> UnitResult:
@@ -131,7 +135,8 @@ def _run_alone(runs: Sequence[RunConfig], device: str) -> tuple[FinishedRun | st
 
 
 def _finished(result: Any, device: str) -> FinishedRun:
-    return FinishedRun(result.metrics, result.status, result.wall_s, result.threads, result.engine, device)
+    return FinishedRun(result.metrics, result.status, result.wall_s, result.threads, result.engine, device,
+                       result.blocks)
 
 
 def _error(exc: BaseException) -> str:

@@ -6,6 +6,9 @@
 - `phase_figure`: for two numeric grid axes (e.g. optim.lr x schedule.warmup_steps), a heatmap of
   the final loss per placement (one panel each, one shared log colour scale): where does each
   placement train?
+- `blocks_figure` (`normexp plot --blocks`): per variant, a heatmap of one per-block quantity of
+  blocks.csv over (block, step), seeds averaged, one shared log colour scale, placements side by side;
+  under each, the first, middle and last block over steps.
 
 Both take the tidy frames of `normexp.results` and return a Figure; `save_plots` writes the PNGs.
 """
@@ -26,11 +29,17 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from normexp.report import trained_threshold, variant_groups  # noqa: E402
-from normexp.results import finished_runs, load_metrics, load_summary, missing_note, varying_keys  # noqa: E402
+from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note, varying_keys  # noqa: E402
 from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
+BLOCK_METRIC_LABELS = {  # the per-block columns of blocks.csv (normexp/blocklog.py)
+    "fc1_grad": "||dLoss/dW|| of fc1", "fc2_grad": "||dLoss/dW|| of fc2",
+    "fc1_update": "update ||ΔW|| / ||W|| of fc1", "fc2_update": "update ||ΔW|| / ||W|| of fc2",
+    "stream_rms": "RMS of the residual stream at the block output", "norm_rms": "RMS of the block norm's output",
+    "norm_out_rms": "RMS of the branch norm's output (Sandwich, Peri)",
+}
 
 
 def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", title: str = "") -> Figure:
@@ -270,3 +279,75 @@ def lr_figure(table: pd.DataFrame, keys: list[str]) -> Figure:
     fig.suptitle("final loss vs learning rate (line: mean over seeds, band: min–max; a diverged run counts "
                  "as its loss at init)")
     return fig
+
+
+# ----------------------------------------------------------------------------- per-block dynamics
+
+
+def blocks_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "fc2_update") -> Figure:
+    """Per variant (columns: placements side by side; rows: the other varying keys), a heatmap of
+    `metric` over (step, block), the mean over seeds on one log colour scale shared by every panel,
+    and under it the first, middle and last block over steps (mean, min–max band over seeds)."""
+    across = [k for k in keys if k == "norm.placement"]
+    down = [k for k in keys if k not in across]
+    rows = variant_groups(tidy, down, everything="")
+    n_cols = max(len(variant_groups(group, across)) for _, group in rows)
+    fig, axes = plt.subplots(2 * len(rows), n_cols, figsize=(5.2 * n_cols, 7.4 * len(rows)), squeeze=False,
+                             layout="constrained", height_ratios=[1.4, 1] * len(rows))
+    values = tidy[metric].astype(float)
+    positive = values[np.isfinite(values) & (values > 0)]
+    scale = LogNorm(vmin=positive.min(), vmax=positive.max()) if len(positive) else LogNorm(1e-3, 1)
+    for row, (row_label, row_group) in enumerate(rows):
+        panels = variant_groups(row_group, across, everything="")
+        image = None
+        for col, (label, group) in enumerate(panels):
+            title = " ".join(part for part in (label, row_label) if part) or "all runs"
+            title += f" (n={group['run_id'].nunique()})"
+            image = _block_heatmap(axes[2 * row, col], group, metric, scale, title)
+            _block_lines(axes[2 * row + 1, col], group, metric)
+        for col in range(len(panels), n_cols):
+            axes[2 * row, col].set_visible(False)
+            axes[2 * row + 1, col].set_visible(False)
+        if image is not None:
+            fig.colorbar(image, ax=list(axes[2 * row]), label=f"{metric} (mean over seeds, log scale)", shrink=0.9)
+    fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS.get(metric, metric)}")
+    return fig
+
+
+def _block_heatmap(ax, group: pd.DataFrame, metric: str, scale: LogNorm, title: str):
+    """Blocks up, steps across; empty cells: non-finite or zero (the last step has no update)."""
+    grid = group.groupby(["block", "step"])[metric].mean().unstack("step")
+    grid = grid.loc[:, grid.notna().any()]
+    cells = np.ma.masked_where(~np.isfinite(grid.to_numpy(dtype=float)) | (grid.to_numpy(dtype=float) <= 0),
+                               grid.to_numpy(dtype=float))
+    image = ax.pcolormesh(grid.columns, grid.index, cells, norm=scale, cmap="magma", shading="nearest")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("block (1 = input side)")
+    ax.set_title(title)
+    return image
+
+
+def _block_lines(ax, group: pd.DataFrame, metric: str) -> None:
+    depth = int(group["block"].max())
+    picked = dict.fromkeys([1, (depth + 1) // 2, depth])  # first, middle, last (once each at small depth)
+    for block, name in zip(picked, ("first", "middle", "last")):
+        stats = group[group["block"] == block].groupby("step")[metric].agg(["mean", "min", "max"]).dropna()
+        line, = ax.plot(stats.index, stats["mean"], marker=".", label=f"block {block} ({name})")
+        ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.15, linewidth=0)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(metric)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def save_blocks_plot(run_dir: str | Path, output: str | Path | None = None, metric: str = "fc2_update") -> Path:
+    """Write `blocks_figure` of a sweep folder's blocks.csv files; return the path."""
+    run_dir = Path(run_dir)
+    output = Path(output) if output else run_dir / f"blocks-{metric}.png"
+    tidy = load_blocks(run_dir, all_config=True)
+    keys = [k for k in varying_keys(tidy) if k != "seed"]  # among the runs that logged blocks
+    fig = blocks_figure(tidy, keys, metric)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output

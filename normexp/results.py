@@ -3,6 +3,7 @@
     from normexp.results import load_metrics
     df = load_metrics("runs/warmup")          # one row per run and recorded step
     df.groupby(["norm.placement", "norm.kind", "step"]).loss.mean()
+    blocks = load_blocks("runs/blocks")       # one row per run, logged step and block (train.log_blocks)
 
 Floats are read with round-trip precision, so losses compare bit for bit with the training run.
 This module imports pandas but never torch.
@@ -20,7 +21,15 @@ from pathlib import Path
 import pandas as pd
 
 from normexp.config import run_keys
-from normexp.store import FINISHED_STATUSES, METRICS_FILE, StoreError, cached_statuses, read_sweep, summary_csv
+from normexp.store import (
+    BLOCKS_FILE,
+    FINISHED_STATUSES,
+    METRICS_FILE,
+    StoreError,
+    cached_statuses,
+    read_sweep,
+    summary_csv,
+)
 
 FINISHED = FINISHED_STATUSES
 MISSING_LISTED = 5  # runs named in a missing-runs note before "and N more"
@@ -87,14 +96,38 @@ def load_metrics(run_dir: str | Path, all_config: bool = False) -> pd.DataFrame:
     if finished.empty:
         note = missing_note(summary, run_dir)
         raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
+    return _attach(run_dir, summary, finished, METRICS_FILE, all_config)
+
+
+def load_blocks(run_dir: str | Path, all_config: bool = False) -> pd.DataFrame:
+    """Every finished run's blocks.csv (runs with `train.log_blocks`), tidy like `load_metrics`: one
+    row per (run, logged step, block) with the same config columns, then step, block, fc1_grad,
+    fc2_grad, fc1_update, fc2_update, stream_rms, norm_rms, norm_out_rms (see normexp/blocklog.py)."""
+    summary = load_summary(run_dir)
+    finished = finished_runs(summary)
+    if "train.log_blocks" in finished:
+        finished = finished[finished["train.log_blocks"].astype(str) == "True"]
+    else:  # a folder written before per-block logging existed
+        finished = finished.iloc[:0]
+    if finished.empty:
+        raise ResultsError(f"{run_dir}: no finished run logged per-block dynamics (set train.log_blocks: true)")
+    for run in finished["run_id"]:
+        if not (Path(run_dir) / run / BLOCKS_FILE).is_file():
+            raise ResultsError(f"{run_dir}/{run}: {BLOCKS_FILE} is missing; rerun the sweep with --force")
+    return _attach(run_dir, summary, finished, BLOCKS_FILE, all_config)
+
+
+def _attach(run_dir: str | Path, summary: pd.DataFrame, finished: pd.DataFrame, file: str,
+            all_config: bool) -> pd.DataFrame:
+    """Read `file` of each finished run and attach run_id, the config keys, seed and status in front."""
     keys = config_columns(summary) if all_config else [k for k in varying_keys(summary) if k != "seed"]
     attach = list(dict.fromkeys(["run_id", *keys, "seed", "status"]))
     frames = []
     for row in finished[attach].itertuples(index=False):
-        metrics = pd.read_csv(Path(run_dir) / row.run_id / METRICS_FILE, **_EXACT)
+        table = pd.read_csv(Path(run_dir) / row.run_id / file, **_EXACT)
         for column, value in zip(attach, row):
-            metrics[column] = value
-        frames.append(metrics)
+            table[column] = value
+        frames.append(table)
     tidy = pd.concat(frames, ignore_index=True)
     tidy = tidy[[*attach, *(c for c in tidy.columns if c not in attach)]]
     tidy.attrs["unfinished"] = unfinished_runs(summary)

@@ -7,6 +7,7 @@
       <run_id>/config.yaml    the resolved run config: `normexp sweep <run_id>/config.yaml` reruns it
                               alone (a sweep of one run, into runs/<run_id> unless --out)
       <run_id>/metrics.csv    step, loss, acc, lr, grad_norm: one row per recorded step, floats as repr()
+      <run_id>/blocks.csv     with train.log_blocks only: one row per logged step and block (blocklog.py)
       <run_id>/failed.json    only for a run that raised: the error (the run is retried next time)
       <run_id>/done.json      written last: the run is complete (+ summary numbers, timings, versions)
 
@@ -55,6 +56,7 @@ SUMMARY_FILE = "summary.csv"
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.csv"
+BLOCKS_FILE = "blocks.csv"
 FAILED_FILE = "failed.json"
 DONE_FILE = "done.json"
 
@@ -203,6 +205,7 @@ class FinishedRun:
     threads: int
     engine: str
     device: str
+    blocks: dict[str, list[float]] | None = None  # blocks.csv's columns, for a run with train.log_blocks
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -273,13 +276,17 @@ def swap_in(staging: Path, run_dir: Path) -> None:
 
 
 def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun) -> dict[str, Any]:
-    """Write one finished run's folder: config, metrics, then the done marker that vouches for both.
+    """Write one finished run's folder: config, metrics (and blocks.csv with train.log_blocks), then the
+    done marker that vouches for them.
     The folder is built aside and swapped in whole. Returns done.json's fields."""
     staging = _staging_dir(run_dir)
     config_text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     metrics_text = metrics_csv(run.metrics)
     atomic_write(staging / CONFIG_FILE, config_text)
     atomic_write(staging / METRICS_FILE, metrics_text)
+    blocks_text = metrics_csv(run.blocks) if run.blocks is not None else None
+    if blocks_text is not None:
+        atomic_write(staging / BLOCKS_FILE, blocks_text)
     done = {
         "run_id": run_dir.name,
         "config_hash": config_hash(cfg),
@@ -291,7 +298,8 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun) -> dict[str, Any]
         "host": socket.gethostname(),
         "versions": versions(),
         "files": {CONFIG_FILE: file_record(CONFIG_FILE, config_text),
-                  METRICS_FILE: file_record(METRICS_FILE, metrics_text)},
+                  METRICS_FILE: file_record(METRICS_FILE, metrics_text),
+                  **({BLOCKS_FILE: file_record(BLOCKS_FILE, blocks_text)} if blocks_text is not None else {})},
     }
     atomic_write(staging / DONE_FILE, encode_done(done))
     swap_in(staging, run_dir)
@@ -413,6 +421,8 @@ def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunSt
         texts = {name: _read_text(run_dir / name) for name in VOUCHED_FILES}
         if stamped:
             _check_records(done["files"], texts)
+            if BLOCKS_FILE in done["files"]:  # vouched for where the run logged blocks
+                _check_records(done["files"], {BLOCKS_FILE: _read_text(run_dir / BLOCKS_FILE)})
         if cfg is not None and config_hash(cfg) != done["config_hash"]:
             raise Corrupt(f"{DONE_FILE}: written for another config than this run's")
         if thorough or not stamped or cfg is None:

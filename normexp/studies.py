@@ -11,7 +11,9 @@ is computed from the numbers it just measured (nothing in a verdict is written i
 4. every placement x norm kind (configs/studies/placements.yaml);
 4b. learning-rate sensitivity of every placement, with and without warmup (configs/studies/lr_sensitivity.yaml);
 5. Xiong et al.'s gradients and hidden-state norms at init (configs/studies/gradnorm.yaml);
-6. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
+6. per-block dynamics over the first steps, Post-LN vs Pre-LN with and without warmup
+   (configs/studies/blocks.yaml, `train.log_blocks`);
+7. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
 
 Sweeps resume: a second `make studies` only rewrites the report. Verdicts count verified runs only;
 a study with runs missing, failed or corrupt says which under its verdict.
@@ -40,7 +42,7 @@ from normexp.report import (
     variant_groups,
     variant_label,
 )
-from normexp.results import finished_runs, load_summary, missing_note
+from normexp.results import finished_runs, load_blocks, load_summary, missing_note
 from normexp.sensitivity import build_sensitivity
 from normexp.sweep import SweepOptions, run_sweep
 
@@ -95,13 +97,15 @@ def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, float]:
 
 
 def _figures(run_dir: Path, x_key: str | None = None) -> list[str]:
-    from normexp.plot import final_loss_figure, save_plots
+    from normexp.plot import final_loss_figure, save_blocks_plot, save_plots
 
     paths = save_plots(run_dir, run_dir / "loss.png")
     if x_key:
         fig = final_loss_figure(load_summary(run_dir), x_key)
         fig.savefig(run_dir / "final_loss.png", dpi=120)
         paths.append(run_dir / "final_loss.png")
+    if run_dir.name == "blocks":
+        paths += [save_blocks_plot(run_dir, metric=metric) for metric in BLOCKS_FIGURES]
     return [str(p.relative_to(run_dir.parent)) for p in paths]
 
 
@@ -248,6 +252,37 @@ def _finite(value: float) -> float:
     return 0.0 if math.isnan(value) else value
 
 
+BLOCKS_FIGURES = ("fc2_update", "fc2_grad", "stream_rms")
+
+
+def blocks_verdict(run_dir: Path) -> str:
+    """When Post-LN's last block takes its largest update relative to its weights, how that compares
+    with Pre-LN's, per warmup; and the last block's gradient at step 0."""
+    tidy = load_blocks(run_dir, all_config=True)
+    last = tidy[tidy["block"] == tidy["model.depth"]]
+    by = last.groupby(["schedule.warmup_steps", "norm.placement", "step"])
+    update, grad = by["fc2_update"].mean(), by["fc2_grad"].mean()
+    seeds = tidy["seed"].nunique()
+    parts = []
+    for warmup in sorted(tidy["schedule.warmup_steps"].unique()):
+        post, pre = update[(warmup, "post")].dropna(), update[(warmup, "pre")].dropna()
+        peak = int(post.idxmax())
+        when = "without warmup" if warmup == 0 else f"with a {int(warmup)}-step linear warmup"
+        parts.append(
+            f"{when[0].upper()}{when[1:]}, Post-LN's last-block update ratio ||dW||/||W|| of fc2 peaks after "
+            f"step {peak} at {post[peak]:.3g} (mean over {seeds} seeds), {post[peak] / pre[peak]:.1f}x Pre-LN's at "
+            f"that step ({pre[peak]:.3g}; Pre-LN's own peak: {pre.max():.3g} after step {int(pre.idxmax())})")
+        final = int(post.index.max())
+        parts[-1] += (f"; by step {final} Post-LN's is {post[final]:.3g}, {post[final] / pre[final]:.2f}x Pre-LN's "
+                      f"({pre[final]:.3g})")
+    first = int(tidy["schedule.warmup_steps"].min())
+    g0 = grad[(first, "post", 0)] / grad[(first, "pre", 0)]
+    u0 = update[(first, "post", 0)] / update[(first, "pre", 0)]
+    return (". ".join(parts) + f". At step 0 Post-LN's last block gets {g0:.1f}x Pre-LN's fc2 gradient (the "
+            f"gradnorm study's picture at init), yet its first Adam update is {u0:.2f}x Pre-LN's: Adam's first "
+            "step moves every weight by about the learning rate whatever the gradient's size.")
+
+
 def gradnorm_verdict(summary) -> str:  # summary: GradnormSummary
     post, pre = summary.slopes.get("post", math.nan), summary.slopes.get("pre", math.nan)
 
@@ -303,6 +338,8 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         ("placements", "Every placement x every norm kind: which train without warmup?", None, placements_verdict),
         ("lr_sensitivity", "Which placement is least sensitive to the learning rate, with and without warmup? "
          "(Wortsman et al. 2023's yardstick: 7 learning rates 1e-4..1e-1, 60 steps)", None, lr_sensitivity_verdict),
+        ("blocks", "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
+                   "Post-LN vs Pre-LN, with and without warmup?", None, blocks_verdict),
     ]
     for name, question, x_key, verdict in studies:
         log(f"study {name} ...")

@@ -7,7 +7,8 @@
 
 The loop reports each recorded step through an optional callback and returns a `RunResult`; it prints
 nothing. A non-finite loss is recorded as it is and marks the run diverged; with
-`train.stop_on_nonfinite` (the default) the run stops there.
+`train.stop_on_nonfinite` (the default) the run stops there. With `train.log_blocks` a
+`BlockRecorder` (normexp/blocklog.py) also records each block's gradients, updates and activations.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
 from normexp.data import Task, make_task
 from normexp.model import Net
@@ -43,6 +45,7 @@ class RunResult:
     wall_s: float = 0.0
     threads: int = 1
     engine: str = "reference"
+    blocks: dict[str, list[float]] | None = None  # blocks.csv's columns, with train.log_blocks
 
     @property
     def losses(self) -> list[float]:
@@ -160,6 +163,7 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         x, y = task.x.to(device), task.y.to(device)
         params = list(model.parameters())
         optimizer = ReferenceOptimizer(params, cfg)
+        blocks = BlockRecorder(model, cfg.train.log_every) if cfg.train.log_blocks else None
         steps = cfg.train.steps
         for step in range(steps + 1):
             logits = model(x)
@@ -167,15 +171,25 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
             loss_value = loss.item()
             acc = (logits.argmax(-1) == y).float().mean().item()
             lr = step_lr(cfg, step)
+            logged = blocks is not None and blocks.due(step)
             if result.check_loss(loss_value, cfg.train.stop_on_nonfinite):
                 result.record(step, loss_value, acc, lr, math.nan)
+                if logged:
+                    blocks.observe(step, [0], [False])  # activations only: no backward at this step
                 break
             optimizer.zero_grad()
             loss.backward()
             result.record(step, loss_value, acc, lr, grad_norm(params))
+            if logged:
+                blocks.observe(step, [0], [True])
             if on_step is not None:
                 on_step(step, loss_value)
             if step < steps:
                 optimizer.step(lr)
+                if logged:
+                    blocks.observe_update()
+        if blocks is not None:
+            blocks.close()
+            result.blocks = blocks.rows()
     result.wall_s = time.perf_counter() - start
     return result

@@ -1,0 +1,124 @@
+"""Per-block training dynamics (`train.log_blocks`): what each block of a run sees, step by step.
+
+At every `train.log_every`-th recorded step, one row per block (numbered 1..N from the input):
+
+    fc1_grad, fc2_grad      ||dLoss/dW|| (Frobenius) of the block's fc1 and fc2 weight matrices
+    fc1_update, fc2_update  ||W_after - W_before|| / ||W_before|| of the optimizer step that follows
+                            (nan where none follows: the last step, or a run that stops there)
+    stream_rms              sqrt(mean(x^2)) of the residual stream at the block's output, over samples
+                            and features
+    norm_rms, norm_out_rms  the same RMS of the output of the block's norm (`Block.norm`) and of its
+                            branch-output norm (`Block.norm_out`, Sandwich and Peri-LN); nan where absent
+
+Activations are read with forward hooks on the model's own modules (no block is defined twice), so
+one `BlockRecorder` serves the reference engine (one `Net`) and the batched engine (one `Net` whose
+leaf layers hold R runs along a leading axis; its Linear weights stored transposed as `weight_t`).
+Every quantity is computed run by run from a contiguous tensor in the reference's memory order, with
+the same ops, so both engines write the same bits. Recording only reads the training's tensors (and
+copies the weights before a logged update): a run's metrics are the same bits with logging on or off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+BLOCK_COLUMNS = ("step", "block", "fc1_grad", "fc2_grad", "fc1_update", "fc2_update", "stream_rms", "norm_rms",
+                 "norm_out_rms")
+MATRICES = ("fc1", "fc2")
+WATCHED = {"stream_rms": None, "norm_rms": "norm", "norm_out_rms": "norm_out"}  # column -> Block attribute
+
+
+def rms(x: torch.Tensor) -> float:
+    """sqrt(mean(x^2)) over every element of one run's activation."""
+    return x.pow(2).mean().sqrt().item()
+
+
+def frobenius(x: torch.Tensor) -> float:
+    """The Frobenius norm of one run's matrix, taken from the reference's memory order."""
+    return torch.linalg.vector_norm(x.contiguous()).item()
+
+
+class BlockRecorder:
+    """Records the per-block rows of R runs trained as one model (R = 1: the reference engine).
+
+    Call `observe(step, runs, grads)` after a recorded step's backward (and before its update): it
+    reads the gradients (of the runs flagged in `grads`) and the activations of the last forward, and
+    keeps a copy of the weights. Call `observe_update()` after the optimizer step: it fills in the
+    update ratios. `rows(r)` gives run r's columns; `close()` removes the hooks."""
+
+    def __init__(self, model: nn.Module, every: int, n_runs: int = 1, stacked: bool = False) -> None:
+        self.blocks, self.every, self.stacked = list(model.blocks), every, stacked
+        self.columns: list[dict[str, list[float]]] = [{c: [] for c in BLOCK_COLUMNS} for _ in range(n_runs)]
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.hooks = [self._watch(module, column, i) for i, block in enumerate(self.blocks)
+                      for column, attr in WATCHED.items()
+                      if (module := block if attr is None else getattr(block, attr)) is not None]
+        self.before: list[torch.Tensor] = []  # the weights before the update being logged
+        self.pending: list[tuple[int, int]] = []  # (run, first row) of the rows waiting for their update
+
+    def _watch(self, module: nn.Module, column: str, i: int) -> torch.utils.hooks.RemovableHandle:
+        def hook(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
+            self.outputs[column, i] = output.detach()
+        return module.register_forward_hook(hook)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def _weights(self) -> list[torch.Tensor]:
+        """Each fc weight in block order (fc1, fc2 of block 1, ...), as the model holds it."""
+        return [getattr(block.ffn, name).weight_t if self.stacked else getattr(block.ffn, name).weight
+                for block in self.blocks for name in MATRICES]
+
+    def _per_run(self, tensor: torch.Tensor, r: int) -> torch.Tensor:
+        """Run r's slice of a weight-shaped tensor, as the reference holds it: (out, in)."""
+        return tensor[r].t() if self.stacked else tensor
+
+    def _activation(self, key: tuple[str, int], r: int) -> float:
+        output = self.outputs.get(key)
+        if output is None:
+            return math.nan
+        return rms(output[r] if self.stacked else output)
+
+    @torch.no_grad()
+    def observe(self, step: int, runs: Sequence[int], grads: Sequence[bool]) -> None:
+        """Record step `step` for `runs`; `grads[k]`: whether runs[k] has this step's gradients."""
+        weights = self._weights()
+        self.before = [w.detach().clone() for w in weights]
+        self.pending = []
+        for r, has_grads in zip(runs, grads):
+            columns = self.columns[r]
+            if has_grads:
+                self.pending.append((r, len(columns["step"])))
+            for i in range(len(self.blocks)):
+                columns["step"].append(step)
+                columns["block"].append(i + 1)
+                for j, name in enumerate(MATRICES):
+                    grad = weights[2 * i + j].grad
+                    columns[f"{name}_grad"].append(frobenius(self._per_run(grad, r)) if has_grads else math.nan)
+                    columns[f"{name}_update"].append(math.nan)
+                for column in WATCHED:
+                    columns[column].append(self._activation((column, i), r))
+
+    @torch.no_grad()
+    def observe_update(self) -> None:
+        """Fill in the update ratios of the rows `observe` just wrote, from the weights now."""
+        for k, after in enumerate(self._weights()):
+            i, name = divmod(k, 2)
+            before = self.before[k]
+            delta = after.detach() - before
+            for r, first in self.pending:
+                ratio = frobenius(self._per_run(delta, r)) / frobenius(self._per_run(before, r))
+                self.columns[r][f"{MATRICES[name]}_update"][first + i] = ratio
+        self.before, self.pending = [], []
+
+    def rows(self, r: int = 0) -> dict[str, list[float]]:
+        return self.columns[r]
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.outputs.clear()
