@@ -613,11 +613,34 @@ def cached_statuses(out_dir: Path) -> dict[str, str]:
             if isinstance(row.get("run_id"), str) and row.get("status") in CACHED_STATUSES}
 
 
+SWEEP_CHECKSUM = "# sha256 of the lines below: "
+
+
+def sweep_yaml(sweep: Sweep) -> str:
+    """sweep.yaml's text: the resolved sweep under a first line holding the checksum of the rest, so a
+    file cut at a line boundary (a sweep with fewer axes, still valid YAML) is caught, not obeyed."""
+    body = sweep.to_yaml()
+    return f"{SWEEP_CHECKSUM}{_sha256(body.encode())}\n{body}"
+
+
+def _check_sweep_yaml(path: Path) -> None:
+    """StoreError if sweep.yaml's checksum line does not match what follows it (a file without the line,
+    written by release 0.1, is read as it is)."""
+    try:
+        first, _, body = path.read_text(encoding="utf-8").partition("\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{path}: cannot be read: {exc}") from None
+    if first.startswith(SWEEP_CHECKSUM) and first[len(SWEEP_CHECKSUM):] != _sha256(body.encode()):
+        raise StoreError(f"{path}: damaged (its checksum does not match its content); rerun the sweep from its "
+                         "config to rewrite it (finished runs are kept)")
+
+
 def read_sweep(out_dir: Path) -> Sweep:
-    """The sweep whose output `out_dir` is, from its sweep.yaml. StoreError if it is not one."""
+    """The sweep whose output `out_dir` is, from its sweep.yaml. StoreError if it is not one, or damaged."""
     path = Path(out_dir) / SWEEP_FILE
     if not path.is_file():
         raise StoreError(f"{out_dir}: no {SWEEP_FILE} here; is this a sweep's output folder?")
+    _check_sweep_yaml(path)
     try:
         return load_sweep(path, max_runs=sys.maxsize)
     except ConfigError as exc:

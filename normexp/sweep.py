@@ -43,6 +43,7 @@ from normexp.store import (
     run_id,
     stamp_run,
     sweep_name,
+    sweep_yaml,
     write_failed,
     write_run,
     write_summary,
@@ -133,7 +134,7 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         _refuse_another_sweep(out_dir, sweep)
     _write_or_explain(recover_strays, out_dir)
     try:
-        _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep.to_yaml())
+        _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep_yaml(sweep))
         pending = [cfg for cfg in sweep.runs
                    if options.force or not _finished(cfg, out_dir, options, threads, outcome, emit)]
         _execute(pending, out_dir, options, executor, outcome, emit, threads)

@@ -65,6 +65,8 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "train.steps": st.integers(0, 50),
     "train.threads": _optional(st.integers(1, 4)),
     "train.stop_on_nonfinite": st.booleans(),
+    "train.log_blocks": st.booleans(),
+    "train.log_every": st.integers(0, 3),
 }
 GRID_KEYS = [k for k in run_keys() if k != "seed"]
 

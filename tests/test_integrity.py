@@ -464,3 +464,34 @@ def test_readers_see_every_run_while_force_rewrites_them(tmp_path):
     assert any(0 < n < 12 for n in reads)  # some reads came while runs were being replaced
     assert all(p.stat().st_mtime_ns != t for p, t in stamps.items())  # every run was redone
     assert len(load_metrics(out)) == 12 * 41
+
+
+@pytest.mark.parametrize("cut", ["lines", "bytes", "edit"])
+def test_a_damaged_sweep_yaml_is_refused_not_obeyed(sweep_dir, cut):
+    """sweep.yaml cut at a line boundary is still a valid sweep with fewer axes or seeds: read as it
+    stands it would silently drop finished runs from every table. Its checksum line refuses it."""
+    _, out = sweep_dir
+    path = out / "sweep.yaml"
+    text = path.read_text()
+    assert text.startswith(store.SWEEP_CHECKSUM)
+    damaged = {"lines": "".join(text.splitlines(True)[:-8]), "bytes": text[:len(text) // 2],
+               "edit": text.replace("0.02", "0.03")}[cut]
+    assert damaged != text
+    path.write_text(damaged)
+    before = snapshot(out)
+    for command in (["report", out], ["verify", out], ["verify", out, "--fix"], ["plot", out]):
+        result = normexp(*command)
+        assert result.exit_code == 2, (command, result.output)
+        assert "sweep.yaml" in result.output and "Traceback" not in result.output
+    assert snapshot(out) == before
+    with pytest.raises(ResultsError, match="sweep.yaml"):
+        load_summary(out)
+
+
+def test_a_sweep_yaml_without_a_checksum_line_is_read_as_release_0_1_wrote_it(sweep_dir):
+    _, out = sweep_dir
+    path = out / "sweep.yaml"
+    path.write_text(path.read_text().partition("\n")[2])
+    result = normexp("report", out)
+    assert result.exit_code == 0, result.output
+    assert len(load_summary(out)) == RUNS
