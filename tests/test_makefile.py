@@ -4,6 +4,7 @@ the torch it installed while installing normexp, and refuses an unknown TORCH= i
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -14,9 +15,11 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 
 def dry_run(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    """`make -n install ARGS` into a virtualenv that does not exist yet (so the torch step shows)."""
+    """`make -n install ARGS` into a virtualenv that does not exist yet (so the torch step shows), as a
+    top-level make: under `make test` the parent's MAKELEVEL/MAKEFLAGS would make it print its folder."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     return subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'venv'}", *args], cwd=REPO,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
 
 
 def pip_installs(output: str) -> list[str]:
