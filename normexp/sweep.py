@@ -141,7 +141,9 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
     except KeyboardInterrupt:
         outcome.interrupted = True
         for cfg in sweep.runs:  # a run whose done.json was written as the signal came is finished
-            outcome.statuses.setdefault(run_id(cfg), _finished_status(out_dir / run_id(cfg), cfg) or "interrupted")
+            rid = run_id(cfg)
+            if rid not in outcome.statuses:  # only runs not yet accounted for are inspected again
+                outcome.statuses[rid] = _finished_status(out_dir / rid, cfg) or "interrupted"
         _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
         raise SweepInterrupted(outcome) from None
     _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
