@@ -260,11 +260,17 @@ class StackedOptimizer:
         grad = param.grad
         if self.decay:
             grad = grad.addcmul(param, s("decay", param))
+        if all(o.momentum == 0 for o in self.optim):  # torch keeps no buffer then: the step is the gradient
+            param.addcmul_(grad, s("neg_lr", param))  # param.add_(grad, alpha=-lr)
+            return
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = grad.detach().clone()
         else:
             state["momentum_buffer"].mul_(s("momentum", param)).add_(grad)
-        param.addcmul_(state["momentum_buffer"], s("neg_lr", param))  # param.add_(buf, alpha=-lr)
+        step = state["momentum_buffer"]
+        if any(o.momentum == 0 for o in self.optim):  # those runs step by the gradient (0 * inf is no 0)
+            step = torch.where(s("momentum", param) != 0, step, grad)
+        param.addcmul_(step, s("neg_lr", param))  # param.add_(buf, alpha=-lr)
 
 
 # ----------------------------------------------------------------------------- the loop

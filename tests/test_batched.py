@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from normexp import batched
@@ -184,3 +185,38 @@ def test_sweep_engines_agree_through_the_cli(write_yaml, tmp_path):
     assert set(summary["engine"]) == {"batched"}  # radam too: each lr's 3 seeds share a batch
     ref, bat = load_metrics(outs["reference"]), load_metrics(outs["batched"])
     assert ref.drop(columns="status").equals(bat.drop(columns="status"))
+
+
+def _sgd_steps(momenta: list[float], grads: list[torch.Tensor]) -> tuple[torch.Tensor, batched.StackedOptimizer]:
+    """Two runs' (2,) parameters stepped by the stacked SGD with `grads` (each (2, 2)) in turn."""
+    cfgs = [RunConfig.model_validate({"optim": {"name": "sgd", "lr": 0.1, "momentum": m}}) for m in momenta]
+    param = torch.zeros(2, 2, requires_grad=True)
+    optimizer = batched.StackedOptimizer([param], cfgs)
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step([0.1, 0.1])
+    return param.detach(), optimizer
+
+
+def _torch_sgd(momentum: float, grads: list[torch.Tensor]) -> torch.Tensor:
+    param = torch.zeros(2, requires_grad=True)
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=momentum)
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+    return param.detach()
+
+
+@pytest.mark.parametrize("momenta", [[0.0, 0.0], [0.0, 0.9], [0.9, 0.0]])
+def test_sgd_without_momentum_steps_by_the_gradient_as_torch_does(momenta):
+    """torch's SGD keeps no momentum buffer at momentum 0: an infinite gradient once does not turn
+    the next steps into nan (0 * inf)."""
+    grads = [torch.tensor([[math.inf, 1.0], [0.5, 0.25]]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+             torch.tensor([[0.5, -1.0], [2.0, 0.125]])]
+    stacked, optimizer = _sgd_steps(momenta, grads)
+    for run, momentum in enumerate(momenta):
+        expected = _torch_sgd(momentum, [g[run] for g in grads])
+        assert stacked[run].tolist() == expected.tolist() or (
+            torch.equal(stacked[run].isnan(), expected.isnan())
+            and torch.equal(stacked[run].nan_to_num(), expected.nan_to_num())), (run, stacked, expected)
+    assert ("momentum_buffer" in optimizer.state[0]) == any(momenta)
