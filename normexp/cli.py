@@ -48,7 +48,7 @@ def _load(config: Path, overrides: list[str], max_runs: int | None = None) -> Sw
     try:
         return load_sweep(config, overrides, max_runs or DEFAULT_MAX_RUNS)
     except TooManyRuns as exc:
-        raise fail(str(TooManyRuns(exc.total, exc.limit, "--max-runs") if max_runs else exc)) from None
+        raise fail(str(TooManyRuns(exc.total, exc.limit, "--max-runs", exc.distinct) if max_runs else exc)) from None
     except ConfigError as exc:
         raise fail(str(exc)) from None
 
@@ -68,7 +68,7 @@ def sweep(
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed run.")] = False,
     workers: Annotated[int, typer.Option(help="Local worker processes (1: in this process).", min=1)] = 1,
     cluster: Annotated[str | None, typer.Option(help="Dask: local[:N] or tcp://HOST:PORT of a scheduler.")] = None,
-    max_runs: Annotated[int, typer.Option(help="Refuse grids larger than this.")] = DEFAULT_MAX_RUNS,
+    max_runs: Annotated[int, typer.Option(help="Refuse grids of more distinct runs.", min=1)] = DEFAULT_MAX_RUNS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""

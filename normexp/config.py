@@ -60,9 +60,10 @@ class ConfigError(ValueError):
 class TooManyRuns(ConfigError):
     """The grid expands to more runs than the limit (`normexp sweep --max-runs` sets it)."""
 
-    def __init__(self, total: int, limit: int, option: str = "the limit of") -> None:
-        super().__init__(f"grid: expands to {total} runs, more than {option} {limit}")
-        self.total, self.limit = total, limit
+    def __init__(self, total: int, limit: int, option: str = "the limit of", distinct: bool = True) -> None:
+        super().__init__(f"grid: expands to {total} runs, more than {option} {limit}" if distinct else
+                         f"grid: expands to more than {option} {limit} distinct runs ({total} combinations)")
+        self.total, self.limit, self.distinct = total, limit, distinct
 
 
 class _Section(BaseModel):
@@ -89,6 +90,33 @@ class NormConfig(_Section):
     prms_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.0625
     output_norm_init: Literal["ones", "zeros"] = "ones"  # respost: the branch norm's gain (zeros: Swin V2)
     dyt_alpha0: PositiveFloat = 0.5  # dyt: the initial alpha of tanh(alpha * x) (Zhu et al. 2025)
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> NormConfig:
+        """A key that this run's placement or kind does not use is put back to its default: runs that
+        train alike are one run, with one id. A sweep's base keeps what it was given (see build_sweep)."""
+        if (info.context or {}).get("keep_inert"):
+            return self
+        for key in inert_keys(self):
+            object.__setattr__(self, key, type(self).model_fields[key].default)
+        return self
+
+
+# Keys that act only under some placements or norm kinds: key -> (the key that decides, where it acts).
+ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
+    "peri_input_norm": ("placement", frozenset({"peri"})),
+    "mixln_fraction": ("placement", frozenset({"mixln"})),
+    "deepnorm_alpha": ("placement", frozenset({"deepnorm"})),
+    "deepnorm_beta": ("placement", frozenset({"deepnorm"})),
+    "output_norm_init": ("placement", frozenset({"respost"})),
+    "prms_fraction": ("kind", frozenset({"prmsnorm"})),
+    "dyt_alpha0": ("kind", frozenset({"dyt"})),
+}
+
+
+def inert_keys(norm: NormConfig) -> list[str]:
+    """The keys of ACTS_ONLY_UNDER that `norm`'s placement and kind leave unused."""
+    return [key for key, (decider, where) in ACTS_ONLY_UNDER.items() if getattr(norm, decider) not in where]
 
 
 class DataConfig(_Section):
@@ -163,7 +191,7 @@ class SweepFile(_Section):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     base: dict[str, Any] = Field(default_factory=dict)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
-    seeds: list[Annotated[int, Field(ge=0)]] | None = None
+    seeds: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = None  # RunConfig.seed's bounds
     report: ReportConfig = ReportConfig()
 
 
@@ -444,12 +472,13 @@ def _error_lines(lines: Sequence[str]) -> ConfigError:
     return ConfigError("\n".join(lines))
 
 
-def validate_run(data: dict, prefix: str = "") -> RunConfig:
-    """Validate one run's config mapping, naming bad keys under `prefix` (e.g. 'base')."""
+def validate_run(data: dict, prefix: str = "", keep_inert: bool = False) -> RunConfig:
+    """Validate one run's config mapping, naming bad keys under `prefix` (e.g. 'base'). `keep_inert`
+    keeps the keys its placement or kind does not use (a sweep's base: a grid run may use them)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: must be a mapping, got {type(data).__name__}")
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"keep_inert": keep_inert})
     except ValidationError as exc:
         raise _format_errors(exc, RunConfig, prefix) from None
 
@@ -525,13 +554,13 @@ def _open_mapping(cfg: RunConfig, open_keys: Sequence[str], mode: Literal["pytho
 
 def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: int) -> list[RunConfig]:
     """Each grid combination written into the base, then resolved alone (defaults that depend on
-    other keys, such as AdamW's weight decay, resolve with that run's own values)."""
+    other keys, such as AdamW's weight decay, resolve with that run's own values; keys the run does
+    not use go back to their defaults). Runs that resolve alike are one run; `max_runs` bounds the
+    distinct runs, counted as they come so that an absurd grid is refused without expanding it all."""
     total = math.prod(len(v) for v in sweep_file.grid.values()) * len(seeds)
-    if total > max_runs:
-        raise TooManyRuns(total, max_runs)
     base_data = _open_mapping(base, _open_keys(sweep_file.base), "python")
     runs: dict[RunConfig, None] = {}  # insertion-ordered set: a repeated grid value runs once
-    keys = list(sweep_file.grid)
+    keys, resolved = list(sweep_file.grid), 0
     for combo in itertools.product(*sweep_file.grid.values()):
         data = {section: dict(values) for section, values in base_data.items()}
         for key, value in zip(keys, combo):
@@ -541,6 +570,9 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
                 runs.setdefault(RunConfig.model_validate({**data, "seed": seed}))
             except ValidationError as exc:
                 raise _grid_error(exc, dict(zip(keys, combo))) from None
+            resolved += 1
+            if len(runs) > max_runs:
+                raise TooManyRuns(total, max_runs, distinct=len(runs) == resolved)
     return list(runs)
 
 
@@ -593,11 +625,25 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
         for column in sweep_file.report.columns:
             if column not in run_keys():
                 raise ConfigError(f"report.columns: unknown key '{column}'{_closest(column, run_keys())}")
-    base = validate_run(sweep_file.base, "base")
+    base = validate_run(sweep_file.base, "base", keep_inert=True)
     seeds = list(dict.fromkeys(sweep_file.seeds if sweep_file.seeds is not None else [base.seed]))
     runs = _expand(sweep_file, base, seeds, max_runs)
+    _refuse_unused_keys(base, sweep_file.grid, runs)
     open_keys = _open_keys(sweep_file.base)
     return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs, open_keys)
+
+
+def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Sequence[RunConfig]) -> None:
+    """A key of ACTS_ONLY_UNDER set away from its default where no run of the sweep uses it is a
+    mistake (it would change nothing): refused, naming where it was set."""
+    for key, (decider, where) in ACTS_ONLY_UNDER.items():
+        default = NormConfig.model_fields[key].default
+        set_in = [f"grid.norm.{key}"] if any(v != default for v in grid.get(f"norm.{key}", [])) else []
+        if f"norm.{key}" not in grid and getattr(base.norm, key) != default:
+            set_in.append(f"base.norm.{key}")
+        if set_in and all(key in inert_keys(run.norm) for run in runs):
+            raise ConfigError(f"{set_in[0]}: has no effect: only norm.{decider} {' or '.join(sorted(where))} "
+                              f"uses it, and no run of this sweep has that {decider}")
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:

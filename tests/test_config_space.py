@@ -13,15 +13,19 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from normexp.config import (
+    ACTS_ONLY_UNDER,
     ConfigError,
+    NormConfig,
     NormKind,
     Placement,
     RunConfig,
     build_sweep,
+    inert_keys,
     parse_yaml,
     run_keys,
     validate_run,
 )
+from normexp.store import run_id
 
 
 def _floats(low: float, high: float) -> st.SearchStrategy[float]:
@@ -125,7 +129,18 @@ def _alone(data: dict, options: list[str]) -> list[RunConfig]:
             for key, value in zip(grid, combo):
                 _write(run, key, value)
             runs.append(validate_run({**run, "seed": seed}))
+    _unused_anywhere(data["base"], grid, runs)
     return list(dict.fromkeys(runs))
+
+
+def _unused_anywhere(base: dict, grid: dict, runs: list[RunConfig]) -> None:
+    """A placement- or kind-specific key set off its default (in the grid, else in the base) that no
+    run uses is refused."""
+    for key in ACTS_ONLY_UNDER:
+        default = NormConfig.model_fields[key].default
+        values = grid.get(f"norm.{key}", [base.get("norm", {}).get(key, default)])
+        if any(value != default for value in values) and all(key in inert_keys(r.norm) for r in runs):
+            raise ConfigError(key)
 
 
 def _split(raw: str) -> list[str]:
@@ -209,3 +224,67 @@ def test_betas_of_one_in_the_grid_exit_2_and_write_nothing(write_yaml, tmp_path)
     result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--engine", "batched"])
     assert result.exit_code == 2 and "grid.optim.betas" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
+
+
+# A value of each placement- or kind-specific key other than its default.
+OTHER_VALUE = {"peri_input_norm": False, "mixln_fraction": 0.5, "deepnorm_alpha": 2.0, "deepnorm_beta": 0.5,
+               "output_norm_init": "zeros", "prms_fraction": 0.5, "dyt_alpha0": 1.5}
+
+
+def test_every_placement_specific_key_has_another_value():
+    assert sorted(OTHER_VALUE) == sorted(ACTS_ONLY_UNDER)
+    assert all(OTHER_VALUE[k] != NormConfig.model_fields[k].default for k in OTHER_VALUE)
+
+
+def _trained_alike(a: RunConfig, b: RunConfig) -> bool:
+    """Both configs build the same network from the same seed and it computes the same outputs."""
+    import torch
+
+    from normexp.model import Net
+
+    nets = []
+    for cfg in (a, b):
+        torch.manual_seed(cfg.seed)
+        nets.append(Net(cfg.model, cfg.norm))
+    x = torch.randn(3, a.model.width, generator=torch.Generator().manual_seed(1))
+    params = [[p.detach() for p in net.parameters()] for net in nets]
+    return (len(params[0]) == len(params[1]) and all(torch.equal(p, q) for p, q in zip(*params))
+            and torch.equal(nets[0](x), nets[1](x)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(placement=st.sampled_from(get_args(Placement)), kind=st.sampled_from(get_args(NormKind)),
+       key=st.sampled_from(sorted(ACTS_ONLY_UNDER)), seed=st.integers(0, 3))
+def test_configs_that_train_alike_share_one_id(placement: str, kind: str, key: str, seed: int):
+    """Setting a key that the run's placement or kind does not use gives the same run (same id, one
+    run in a sweep); setting one it uses gives another run, with another id."""
+    data = {"model": {"depth": 3, "width": 4}, "norm": {"placement": placement, "kind": kind}, "seed": seed}
+    plain = validate_run(data)
+    other = validate_run({**data, "norm": {**data["norm"], key: OTHER_VALUE[key]}})
+    literal = validate_run({**data, "norm": {**data["norm"], key: OTHER_VALUE[key]}}, keep_inert=True)
+    if key in inert_keys(plain.norm):
+        assert other == plain and run_id(other) == run_id(plain)
+        assert _trained_alike(plain, literal)  # the key truly changes nothing
+        sweep = {"name": "alike", "base": data, "grid": {f"norm.{key}": [NormConfig.model_fields[key].default,
+                                                                         OTHER_VALUE[key]]}}
+        with pytest.raises(ConfigError, match=f"grid.norm.{key}: has no effect"):
+            build_sweep(sweep)
+    else:
+        assert run_id(other) != run_id(plain)
+
+
+def test_a_grid_that_makes_a_key_apply_keeps_it_for_those_runs_only():
+    sweep = build_sweep({"name": "mix", "base": {"norm": {"mixln_fraction": 0.5, "output_norm_init": "zeros"}},
+                         "grid": {"norm.placement": ["pre", "mixln", "respost"]}})
+    norms = [(r.norm.placement, r.norm.mixln_fraction, r.norm.output_norm_init) for r in sweep.runs]
+    assert norms == [("pre", 0.25, "ones"), ("mixln", 0.5, "ones"), ("respost", 0.25, "zeros")]
+    again = build_sweep(parse_yaml(sweep.to_yaml()))
+    assert again.runs == sweep.runs
+
+
+def test_inert_values_in_a_grid_collapse_to_one_run():
+    sweep = build_sweep({"name": "dup", "grid": {"norm.placement": ["pre", "mixln"],
+                                                 "norm.mixln_fraction": [0.25, 0.5]}})
+    assert [(r.norm.placement, r.norm.mixln_fraction) for r in sweep.runs] == [
+        ("pre", 0.25), ("mixln", 0.25), ("mixln", 0.5)]
+    assert len({run_id(r) for r in sweep.runs}) == 3
