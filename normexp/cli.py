@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Sweep, TooManyRuns, load_sweep
 from normexp.sweep import SweepOptions, SweepOutcome
@@ -29,8 +30,10 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     help="Where and which normalization makes a deep residual network trainable without warmup.",
 )
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Printed text is taken literally: paths, values and options a user typed must not turn into markup
+# ("[x]") or emoji ("local:-1: ..." holds the emoji code ":-1:").
+out = Console(highlight=False, markup=False, emoji=False)
+err = Console(stderr=True, highlight=False, markup=False, emoji=False)
 
 
 class Exit:
@@ -39,7 +42,7 @@ class Exit:
 
 def fail(message: str, code: int = Exit.USAGE) -> typer.Exit:
     """Print `message` to stderr (no traceback) and return the Exit to raise."""
-    err.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -267,9 +270,26 @@ def _print_report(run_dir: Path) -> None:
         err.print(str(exc))
 
 
+def _folder(value: str) -> Path:
+    """A folder argument; an empty one would mean the current folder, so it is refused."""
+    if not value.strip():
+        raise typer.BadParameter("empty; name a sweep's output folder")
+    return Path(value)
+
+
+def _listed(option: str, value: str | None) -> list[str] | None:
+    """A comma-separated option's items; given but empty is refused (it would silently mean the default)."""
+    if value is None:
+        return None
+    items = [item.strip() for item in value.split(",")]
+    if not all(items):
+        raise fail(f"{option} {value!r}: empty item; give comma-separated values, or leave {option} out")
+    return items
+
+
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
     steps: Annotated[str | None, typer.Option(help="Comma-separated steps [default: the sweep's].")] = None,
     metric: Annotated[str | None, typer.Option(help="loss | acc | grad_norm | lr [default: the sweep's].")] = None,
     by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
@@ -294,11 +314,11 @@ def report(
     if lr_sensitivity:
         _print_sensitivity(run_dir, fmt)
         return
+    step_items, keys = _listed("--steps", steps), _listed("--by", by)
     try:
-        step_list = [int(s) for s in steps.split(",")] if steps else None
+        step_list = [int(s) for s in step_items] if step_items else None
     except ValueError:
         raise fail(f"--steps: expected comma-separated integers, got {steps!r}") from None
-    keys = [k.strip() for k in by.split(",")] if by else None
     try:
         table = build_report(run_dir, step_list, metric, keys)
     except ResultsError as exc:
@@ -337,7 +357,7 @@ def _print_sensitivity(run_dir: Path, fmt: str) -> None:
 
 @app.command()
 def plot(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="PNG [default: RUN_DIR/<metric>.png].")] = None,
     metric: Annotated[str, typer.Option(help="loss | acc | grad_norm | lr.")] = "loss",
     blocks: Annotated[bool, typer.Option("--blocks", help="Per-block dynamics of runs with train.log_blocks.")] = False,
@@ -385,7 +405,7 @@ def _print_missing(run_dir: Path) -> None:
 
 @app.command()
 def verify(
-    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A sweep's output folder.")],
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A sweep's output folder.", parser=_folder)],
     fix: Annotated[bool, typer.Option("--fix", help="Remove what can be redone, stamp old runs, rebuild "
                                                     "summary.csv.")] = False,
 ) -> None:

@@ -302,3 +302,34 @@ def test_max_runs_counts_distinct_runs(write_yaml, tmp_path):
 def test_a_seed_too_large_names_where_it_came_from(write_yaml, text, options, key):
     result = runner.invoke(app, ["validate", str(write_yaml("name: t\n" + text)), *options])
     assert result.exit_code == 2 and result.output.startswith(f"error: {key}: must be <="), result.output
+
+
+@pytest.mark.parametrize(("option", "shown"), [
+    (["--cluster", "local:-1"], "--cluster local:-1: N must be"),  # ":-1:" is an emoji code to Rich
+    (["--cluster", "[bold]x[/bold]"], "--cluster [bold]x[/bold]: expected"),  # markup to Rich
+    (["--engine", ":smile:"], "--engine: must be one of auto, reference, batched, fast, got ':smile:'"),
+])
+def test_errors_print_user_text_literally(write_yaml, tmp_path, option, shown):
+    result = runner.invoke(app, ["sweep", str(write_yaml(TINY)), "--out", str(tmp_path / "o"), *option])
+    assert result.exit_code == 2 and shown in result.output, result.output
+
+
+def test_a_path_in_brackets_prints_literally(tmp_path):
+    folder = tmp_path / "[bold]runs"
+    folder.mkdir()
+    result = runner.invoke(app, ["report", str(folder)])
+    assert result.exit_code == 2 and "[bold]runs" in result.output, result.output
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["report", "{out}", "--steps", ""], "--steps"),
+    (["report", "{out}", "--steps", "1,"], "--steps"),
+    (["report", "{out}", "--by", ""], "--by"),
+    (["report", "{out}", "--by", " , "], "--by"),
+    (["report", ""], "RUN_DIR"),
+    (["plot", " "], "RUN_DIR"),
+    (["verify", ""], "DIR"),
+])
+def test_empty_options_are_refused_by_name(finished, args, named):
+    result = runner.invoke(app, [arg.format(out=finished[1]) for arg in args])
+    assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output, result.output
