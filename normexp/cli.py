@@ -310,9 +310,11 @@ def report(
         raise fail("--pivot and --lr-sensitivity: choose one")
     if pivot is not None:
         _print_pivot(run_dir, pivot, fmt)
+        _exit_if_runs_missing(run_dir, shown=fmt != "csv")
         return
     if lr_sensitivity:
         _print_sensitivity(run_dir, fmt)
+        _exit_if_runs_missing(run_dir, shown=False)
         return
     step_items, keys = _listed("--steps", steps), _listed("--by", by)
     try:
@@ -324,6 +326,7 @@ def report(
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: to_rich(table), lambda: to_markdown(table), lambda: to_csv(table))
+    _exit_if_runs_missing(run_dir, shown=fmt != "csv")
 
 
 def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
@@ -389,10 +392,12 @@ def plot(
         raise fail(f"cannot write {exc.filename}: {exc.strerror}") from None
     for path in paths:
         out.print(f"wrote {path}")
-    _print_missing(run_dir)
+    _exit_if_runs_missing(run_dir, shown=False)
 
 
-def _print_missing(run_dir: Path) -> None:
+def _exit_if_runs_missing(run_dir: Path, shown: bool) -> None:
+    """Runs of the sweep missing, failed or corrupt: what exists was printed; name them (unless the
+    output did) and exit 1, so that a script notices."""
     from normexp.results import ResultsError, load_summary, missing_note
 
     try:
@@ -400,7 +405,9 @@ def _print_missing(run_dir: Path) -> None:
     except ResultsError:
         return
     if note:
-        err.print(note, markup=False, soft_wrap=True)
+        if not shown:
+            err.print(note, soft_wrap=True)
+        raise typer.Exit(Exit.FAILED)
 
 
 @app.command()
@@ -503,5 +510,5 @@ def doctor() -> None:
 
 
 def main() -> None:
-    """Entry point of the `normexp` script and `python -m normexp`."""
+    """Run the command line (normexp/__main__.py calls this once its Ctrl-C handler is in place)."""
     app()

@@ -35,6 +35,7 @@ from normexp.results import (
     load_metrics,
     load_summary,
     missing_note,
+    unfinished_runs,
     varying_keys,
 )
 from normexp.store import SWEEP_FILE
@@ -80,18 +81,22 @@ def variant_label(values: dict[str, object]) -> str:
     return " ".join(parts) or "run"
 
 
-def aggregate_cell(mean: float, std: float, finite: int, runs: int) -> str:
-    """One aggregate as text: `mean ± std` over the `finite` runs of the cell's `runs`, saying
-    "(k of n)" when some diverged, `diverged` when all did, and `—` only where there is no run."""
+def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int = 0) -> str:
+    """One aggregate as text: `mean ± std` over the `finite` runs of the cell's `runs` (`missing` of
+    them have no verified result), saying "(k of n)" when some diverged or are missing, `diverged`
+    when all that finished did, and `—` only where there is no run."""
     if runs == 0:
         return "—"
+    if finite == 0 and missing:
+        return f"— (0 of {runs})"
     if finite == 0:
         return "diverged" if runs == 1 else f"all {runs} diverged"
     value = number(mean) if finite == 1 else f"{number(mean)} ± {number(std)}"
     return value if finite == runs else f"{value} ({finite} of {runs})"
 
 
-PARTIAL_NOTE = "(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged."
+PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
+                "or are missing (named below).")
 
 
 def _is_null(value: object) -> bool:
@@ -114,6 +119,7 @@ class Column:
     runs: int
     unit: str  # "seeds" when the column's runs differ only by seed, else "runs"
     diverged: int = 0  # runs that diverged (they count as not trained)
+    missing: int = 0  # runs of the sweep in this column with no verified result (missing, failed, corrupt)
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ class Report:
     def cell(self, column: Column, step: int) -> str:
         if step not in column.cells:
             return "—"
-        return aggregate_cell(*column.cells[step])
+        return aggregate_cell(*column.cells[step], column.missing)
 
     @property
     def partial(self) -> bool:
@@ -136,24 +142,26 @@ class Report:
         return any(0 < c.cells[s][2] < c.cells[s][3] for c in self.columns for s in self.steps if s in c.cells)
 
     def verdict(self, column: Column) -> str:
-        if column.runs == 1:
+        if column.runs == 1 and not column.missing:
             return "trained" if column.trained else "diverged" if column.diverged else "did not train"
         diverged = f", {column.diverged} diverged" if column.diverged else ""
-        return f"trained in {column.trained} of {column.runs} {column.unit}{diverged}"
+        missing = f", {column.missing} missing" if column.missing else ""
+        return f"trained in {column.trained} of {column.runs + column.missing} {column.unit}{diverged}{missing}"
 
     def verdict_line(self) -> str:
         rule = ", ".join(f"ln({n})/10 = {trained_threshold(n):.3f}" for n in self.n_classes)
         if len(self.n_classes) > 1:
             rule = f"each run's ln(n_classes)/10: {rule}"
         rule = f"final loss < {rule}"
-        trained = [c.label for c in self.columns if c.trained == c.runs]
-        partly = [f"{c.label} ({c.trained}/{c.runs} {c.unit})" for c in self.columns if 0 < c.trained < c.runs]
+        trained = [c.label for c in self.columns if c.trained == c.runs and not c.missing]
+        partly = [f"{c.label} ({c.trained}/{c.runs + c.missing} {c.unit})" for c in self.columns
+                  if 0 < c.trained < c.runs + c.missing]
         failed = [c.label for c in self.columns if c.trained == 0]
         parts = [f"Trained ({rule}): {', '.join(trained) or 'none'}."]
         if partly:
             parts.append(f"Trained in some seeds: {', '.join(partly)}.")
         parts.append(f"Did not train: {', '.join(failed) or 'none'}.")
-        diverged = [f"{c.label} ({c.diverged} of {c.runs} {c.unit})" for c in self.columns if c.diverged]
+        diverged = [f"{c.label} ({c.diverged} of {c.runs + c.missing} {c.unit})" for c in self.columns if c.diverged]
         if diverged:
             parts.append(f"Diverged: {', '.join(diverged)}.")
         return "  ".join(parts)
@@ -190,9 +198,12 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     if missing:
         raise ResultsError(f"--steps {','.join(map(str, missing))}: not recorded by any run "
                            f"(steps {min(recorded)} to {max(recorded)})")
-    steps = [s for s in steps or section.steps if s in recorded]
+    if not steps and recorded:  # the sweep's report steps, and always the last step trained
+        steps = sorted({*(s for s in section.steps if s in recorded), max(recorded)})
     n_classes = tuple(int(n) for n in dict.fromkeys(tidy["model.n_classes"]))
-    columns = [_column(label, group, keys, steps, metric)
+    unfinished = summary[summary["run_id"].isin(unfinished_runs(summary))]
+    missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
+    columns = [_column(label, group, keys, steps, metric, missing.get(label, 0))
                for label, group in variant_groups(tidy, keys, everything="run")]
     return Report(_title(summary, metric), metric, steps, columns, n_classes, missing_note(summary, run_dir))
 
@@ -218,13 +229,15 @@ def is_trained(final_loss: pd.Series, status: pd.Series, n_classes: pd.Series | 
     return (status == "completed") & (final_loss < threshold)
 
 
-def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str) -> Column:
+def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
+            missing: int = 0) -> Column:
+    """One variant's column; its `missing` runs (no verified result) count in every cell's n."""
     values = {k: group[k].iloc[0] for k in keys}
     finals = group.sort_values("step").groupby("run_id").tail(1)
     cells = {}
     for step in steps:
         # the runs that reached this step, or would have but diverged (they stop at a non-finite loss)
-        runs = int(((finals["step"] >= step) | (finals["status"] == "diverged")).sum())
+        runs = int(((finals["step"] >= step) | (finals["status"] == "diverged")).sum()) + missing
         at_step = group[(group["step"] == step) & group["loss"].astype(float).map(math.isfinite)]
         series = at_step[metric].astype(float)
         std = float(series.std(ddof=1)) if len(series) > 1 else 0.0
@@ -233,7 +246,7 @@ def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], 
     trained = int(is_trained(finals["loss"], finals["status"], finals["model.n_classes"]).sum())
     unit = "seeds" if group["seed"].nunique() == len(finals) else "runs"
     diverged = int((finals["status"] == "diverged").sum())
-    return Column(label, values, cells, trained, len(finals), unit, diverged)
+    return Column(label, values, cells, trained, len(finals), unit, diverged, missing)
 
 
 def _title(summary: pd.DataFrame, metric: str) -> str:
@@ -243,7 +256,9 @@ def _title(summary: pd.DataFrame, metric: str) -> str:
     varying = set(varying_keys(summary))
     parts = [f"{name}={first[key]}" for name, key in fixed.items() if key not in varying and key in first]
     seeds = summary["seed"].nunique()
-    return f"{metric} per step · {' '.join(parts)} · {seeds} seed{'s' if seeds > 1 else ''}"
+    finished = len(finished_runs(summary))
+    covered = f" · {finished} of {len(summary)} runs finished" if finished < len(summary) else ""
+    return f"{metric} per step · {' '.join(parts)} · {seeds} seed{'s' if seeds > 1 else ''}{covered}"
 
 
 def grid_cells(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -321,7 +336,7 @@ def to_csv(report: Report) -> str:
 class Pivot:
     """Final loss (mean ± std over the seeds whose final loss is finite) with `rows` down and `cols`
     across, one panel per combination of the other varying keys; `n` counts the runs a mean covers,
-    `runs` every finished run of the cell (the difference diverged)."""
+    `runs` every run of the cell (the difference diverged or is missing)."""
 
     rows: str
     cols: str
@@ -339,15 +354,16 @@ class Pivot:
 def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
     summary = load_summary(run_dir)
     _check_keys([rows, cols], summary, "--pivot")
-    finished = finished_runs(summary).copy()
+    finished = finished_runs(summary)
     if finished.empty:
         note = missing_note(summary, run_dir)
         raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
-    finite = finished["final_loss"].astype(float).map(math.isfinite)
-    finished["final_loss"] = finished["final_loss"].astype(float).where(finite)  # inf counts as diverged too
+    planned = summary.copy()  # every run of the sweep: a missing one counts in its cell's n, not in its mean
+    loss = planned["final_loss"].astype(float)
+    planned["final_loss"] = loss.where(loss.map(math.isfinite) & planned.index.isin(finished.index))
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
     panels = []
-    for title, group in variant_groups(finished, others):
+    for title, group in variant_groups(planned, others):
         stats = group.groupby([rows, cols], sort=False, dropna=False)["final_loss"].agg(
             ["mean", "std", "count", "size"])
         mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))

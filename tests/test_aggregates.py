@@ -109,7 +109,7 @@ def test_curves_have_a_line_per_null_variant(tmp_path):
     ("train.threads", [None, 1], True),
 ])
 def test_sweep_varying_keys_count_distinct_values(key: str, values: list, varying: bool):
-    spec = build_sweep({"name": "v", "grid": {key: values}})
+    spec = build_sweep({"name": "v", "base": {"norm": {"placement": "deepnorm"}}, "grid": {key: values}})
     assert (key in spec.varying_keys) is varying
     assert len(spec.runs) == (2 if varying else 1)
 
@@ -201,3 +201,49 @@ def test_gradnorm_pools_seeds_only(tmp_path):
         for (mean, std), depth in zip(stats, [2, 4]):
             cfg = next(c for c in spec.runs if c.norm.kind == kind and c.model.depth == depth)
             assert std == 0.0 and mean == gradnorm_at_init(cfg)[-1]["fc2_grad"]
+
+
+# ----------------------------------------------------------------------------- missing runs
+
+
+LOST = {"name": "lost", "base": {"model": {"depth": 2, "width": 4}, "train": {"steps": 4}},
+        "grid": {"optim.lr": [0.01, 0.02]}, "seeds": [0, 1, 2, 3]}
+
+
+@pytest.fixture
+def lost(tmp_path) -> Path:
+    """Every run ends at 0.1 after 4 steps; lr 0.02's seed 3 lost its metrics.csv (corrupt)."""
+    out = make_folder(tmp_path, LOST, lambda cfg: [2.3, 1.0, 0.5, 0.2, 0.1])
+    victim = next(cfg for cfg in build_sweep(LOST).runs if cfg.optim.lr == 0.02 and cfg.seed == 3)
+    (out / run_id(victim) / "metrics.csv").unlink()
+    return out
+
+
+def test_a_missing_run_counts_in_every_aggregate(lost):
+    report = build_report(lost, steps=[0, 4])
+    whole, part = report.columns
+    assert report.cell(whole, 4) == "0.1000 ± 0.0000" and report.cell(part, 4) == "0.1000 ± 0.0000 (3 of 4)"
+    assert report.verdict(part) == "trained in 3 of 4 seeds, 1 missing"
+    assert report.title.endswith("4 seeds · 7 of 8 runs finished")
+    text = to_markdown(report)
+    assert "Trained in some seeds: lr=0.02 (3/4 seeds)" in text and "1 run missing, failed or corrupt" in text
+    pivot = pivot_to_markdown(build_pivot(lost, "optim.lr", "optim.name"))
+    assert "0.1000 ± 0.0000 (3 of 4)" in pivot and "or are missing" in pivot
+
+
+def test_the_default_steps_end_at_the_last_step_trained(lost):
+    assert build_report(lost).steps == [0, 1, 2, 3, 4]  # the default steps (0, 1, 2, 3, 5, ...) lack 4
+    assert build_report(lost, steps=[1]).steps == [1]  # steps asked for are shown as asked
+
+
+@pytest.mark.parametrize("args", [["report"], ["report", "--format", "csv"], ["report", "--pivot", "optim.lr,seed"],
+                                  ["plot"]])
+def test_report_and_plot_exit_1_when_runs_are_missing(lost, args):
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    result = CliRunner().invoke(app, [args[0], str(lost), *args[1:]])
+    assert result.exit_code == 1, result.output
+    assert "1 run missing, failed or corrupt" in " ".join(result.output.split())
+    assert result.output.count("missing, failed or corrupt") == 1
