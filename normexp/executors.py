@@ -309,6 +309,8 @@ class DaskExecutor:
     """Submit units to a Dask cluster: `local[:N]` (an embedded LocalCluster) or a scheduler address."""
 
     def __init__(self, address: str) -> None:
+        import logging
+
         workers = check_cluster_address(address)
         try:
             import dask
@@ -322,7 +324,9 @@ class DaskExecutor:
             with _signals_held({signal.SIGINT}):  # the cluster's processes leave Ctrl-C to the coordinator
                 if workers is not None:
                     self._cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                                 dashboard_address=None, env={"OMP_WAIT_POLICY": "PASSIVE"})
+                                                 dashboard_address=None, env={"OMP_WAIT_POLICY": "PASSIVE"},
+                                                 preload=[__name__],  # see dask_setup
+                                                 silence_logs=logging.ERROR)  # not "task cancelled" on a stop
                     self.client = Client(self._cluster)
                 else:
                     self.client = Client(address, timeout="10s")
@@ -356,6 +360,13 @@ class DaskExecutor:
             self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+
+def dask_setup(worker: object) -> None:
+    """Run by Dask in each worker process of `--cluster local[:N]` as it starts (this module is its
+    preload): a terminal's Ctrl-C reaches the whole process group, and the coordinator alone handles
+    it (it stops the cluster); a worker that took it would die printing tracebacks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})

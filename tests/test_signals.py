@@ -223,6 +223,29 @@ def test_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
     assert_no_process_left(proc.pid, timeout=60)
 
 
+def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2")
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the coordinator and every worker
+    _, stderr = proc.communicate(timeout=300)
+    assert_stopped_cleanly(proc, out, signal.SIGINT, stderr)
+    assert_no_process_left(proc.pid)
+
+
+@pytest.mark.slow
+def test_a_terminals_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
+    pytest.importorskip("distributed")
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--cluster", "local:2")
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    os.killpg(proc.pid, signal.SIGINT)  # Dask's worker processes too: they leave it to the coordinator
+    _, stderr = proc.communicate(timeout=300)
+    assert_stopped_cleanly(proc, out, signal.SIGINT, stderr)
+    assert f"{done_count(out)} of {RUNS} runs finished" in stderr
+    assert_no_process_left(proc.pid, timeout=60)
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_a_local_dask_cluster_starts(config, tmp_path):
     pytest.importorskip("distributed")
