@@ -72,3 +72,15 @@ def test_an_unimportable_torch_is_reported_not_raised():
         facts = dict(describe().lines)
     assert facts["torch"].startswith("not importable (ModuleNotFoundError")
     assert "torch build" not in facts
+
+
+def test_the_command_turns_off_mkls_own_thread_choice():
+    """MKL's dynamic mode may run a call on fewer threads than torch's count: the command turns it off
+    (unless the environment says otherwise), so a thread count always means the same kernels."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DYNAMIC"}
+    result = subprocess.run([sys.executable, "-m", "normexp", "doctor"], capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and "MKL_DYNAMIC: FALSE" in result.stdout, result.stdout + result.stderr

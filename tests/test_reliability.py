@@ -54,6 +54,10 @@ def losses_by_run(out: Path) -> dict[str, list[float]]:
     return {rid: list(run.sort_values("step")["loss"]) for rid, run in tidy.groupby("run_id")}
 
 
+def threads_by_run(out: Path) -> dict[str, int]:
+    return {run.name: json.loads((run / "done.json").read_text())["threads"] for run in out.glob("*-s*")}
+
+
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory) -> tuple[Path, Path]:
     """The same sweep, run once without interruption."""
@@ -114,6 +118,7 @@ def test_second_sweep_into_a_busy_folder_fails_at_once(clean_run, tmp_path):
     assert second.returncode == 2
     assert "another sweep is writing here" in stderr and f"pid={first.pid}" in stderr
     assert first.wait(timeout=120) == 0  # the first sweep is untouched
+    assert threads_by_run(out) == threads_by_run(clean_out)  # equal bits are promised for equal thread counts
     assert losses_by_run(out) == losses_by_run(clean_out)
 
 
