@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 from importlib import metadata
 from unittest import mock
 
@@ -72,3 +75,15 @@ def test_an_unimportable_torch_is_reported_not_raised():
         facts = dict(describe().lines)
     assert facts["torch"].startswith("not importable (ModuleNotFoundError")
     assert "torch build" not in facts
+
+
+@pytest.mark.parametrize("given_policy", [None, "ACTIVE"])
+def test_importing_normexp_first_makes_idle_openmp_threads_sleep_unless_the_environment_says(given_policy):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given_policy is not None:
+        env["OMP_WAIT_POLICY"] = given_policy
+    code = "import os, normexp, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == (given_policy or "PASSIVE")
+    assert f"OMP_WAIT_POLICY: {given_policy or 'PASSIVE'}\n" in subprocess.run(
+        [sys.executable, "-m", "normexp", "doctor"], env=env, capture_output=True, text=True, check=True).stdout
