@@ -13,7 +13,7 @@ by the batched engine in chunks. Timings are medians of `--repeats` alternating 
 both engines see the same machine state; nothing here asserts a number.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - normexp is imported before torch, on purpose
 
 import argparse
 import os
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import normexp  # noqa: F401 - before torch: torch's threads wait as under the normexp command
 import torch
 
 from normexp.batched import plan_batches, stack_nets, train_batch
