@@ -77,7 +77,7 @@ def test_an_unimportable_torch_is_reported_not_raised():
     assert "torch build" not in facts
 
 
-@pytest.mark.parametrize("given_policy", [None, "ACTIVE"])
+@pytest.mark.parametrize("given_policy", [None, "", "ACTIVE"])
 def test_importing_normexp_first_makes_idle_openmp_threads_sleep_unless_the_environment_says(given_policy):
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if given_policy is not None:
