@@ -13,8 +13,14 @@ DEV_STAMP := $(VENV)/.installed-dev
 TORCH ?= cpu
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-# never hang on an unreachable index: short socket timeouts, few retries
-PIP := $(PY) -m pip install -q --timeout 30 --retries 2
+# never hang on an unreachable index: short socket timeouts, few retries. No byte-compiling of every
+# file installed (half the install's time, mostly torch's modules that normexp never imports): see WARM.
+PIP := $(PY) -m pip install -q --no-compile --timeout 30 --retries 2
+# Byte-compile what normexp runs by importing it once (every normexp module, so torch, pandas, rich,
+# matplotlib's Agg backend), with bytecode writing on even where PYTHONDONTWRITEBYTECODE is set.
+WARM := env -u PYTHONDONTWRITEBYTECODE $(PY) -c "import importlib, pkgutil, normexp; \
+	[importlib.import_module(m.name) for m in pkgutil.walk_packages(normexp.__path__, 'normexp.') \
+	if m.name != 'normexp.__main__']"
 
 ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH=$(TORCH): must be cpu (the default) or cuda)
@@ -34,11 +40,12 @@ install-dev: $(DEV_STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(MAKE) --no-print-directory torch
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
-	$(PIP) -c $(VENV)/torch-constraint.txt -e .
-	$(PY) -c "import sys, torch; cuda = torch.version.cuda; \
+	$(PY) -c "import sys, torch; cuda = torch.version.cuda; print('torch==' + torch.__version__); \
 		sys.exit(0 if '$(TORCH)' == 'cuda' or cuda is None else \
-		f'error: .venv has torch {torch.__version__}, a CUDA {cuda} build: make clean, then make install, or make install TORCH=cuda')"
+		f'error: .venv has torch {torch.__version__}, a CUDA {cuda} build: make clean, then make install, or make install TORCH=cuda')" \
+		> $(VENV)/torch-constraint.txt
+	$(PIP) -c $(VENV)/torch-constraint.txt -e .
+	$(WARM)
 	touch $(STAMP)
 
 torch:
@@ -53,8 +60,12 @@ endif
 # Linux and Windows CPU wheels carry the `+cpu` label; macOS wheels are CPU builds without one.
 CPU_LABEL := $(if $(filter Darwin,$(shell uname -s)),,+cpu)
 
+# The test suite imports far more (torch.func, the compiler, Dask, hypothesis): compile it all, on every
+# core. As under pip, a file that fails to compile (torch ships one in Python 3.12 syntax) is skipped.
 $(DEV_STAMP): $(STAMP)
 	$(PIP) -c $(VENV)/torch-constraint.txt -e ".[dev,dask]"
+	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
+		> /dev/null 2>&1 || true
 	touch $(DEV_STAMP)
 
 test: install-dev

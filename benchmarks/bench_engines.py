@@ -13,7 +13,7 @@ by the batched engine in chunks. Timings are medians of `--repeats` alternating 
 both engines see the same machine state; nothing here asserts a number.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - normexp is imported before torch, on purpose
 
 import argparse
 import os
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import normexp  # noqa: F401 - before torch: torch's threads wait as under the normexp command
 import torch
 
 from normexp.batched import plan_batches, stack_nets, train_batch
@@ -112,7 +113,7 @@ def matmul_gflops(shape: tuple[int, ...], repeats: int = 20) -> float:
 def adam_ms_per_model_step(cfg: RunConfig, runs: int = 16, steps: int = 10) -> float:
     """ms per model-step of torch's single-tensor Adam (the reference's update, whose bits an exact
     engine must reproduce) stepping the stacked parameters of `runs` runs shaped like `cfg`."""
-    params = list(stack_nets([seeded_init(cfg)[0] for _ in range(runs)]).parameters())
+    params = list(stack_nets([seeded_init(cfg)[0] for _ in range(runs)], cfg.data.n_samples).parameters())
     for param in params:
         param.grad = torch.randn_like(param)
     optimizer = torch.optim.Adam(params, lr=cfg.optim.lr)

@@ -18,10 +18,6 @@ def _interrupted(signum: int, frame: object) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, _interrupted)
-    # MKL may otherwise pick fewer threads than torch's count for a call, on its own judgement (Intel
-    # lists this "dynamic" mode among its causes of run-to-run differences); the exact engines promise
-    # the same bits for the same thread count. Read when MKL first runs; workers inherit it.
-    os.environ.setdefault("MKL_DYNAMIC", "FALSE")
     from normexp.cli import main as run
 
     run()

@@ -74,17 +74,60 @@ def chunk_size(cfg: RunConfig) -> int:
 
 
 class StackedLinear(nn.Module):
-    """R Linear layers as one: x (R, n, in) -> baddbmm(bias, x, W^T), F.linear's kernel run by run.
+    """R Linear layers as one, x (R, n, in) -> (R, n, out), with F.linear's bits run by run.
 
-    The weights are stored transposed, (R, in, out), so that neither pass copies a transposed view."""
+    Where this machine's BLAS gives F.linear's bits for the shape (`stacks_exactly`: `bmm`), one
+    baddbmm(bias, x, W^T), the weights stored transposed as `weight_t` (R, in, out) so that neither
+    pass copies a transposed view. Elsewhere (MKL on an AVX2 CPU takes another kernel for outputs
+    narrower than 16 in its batched product: the head of a 10-class model) F.linear run by run on
+    `weight` (R, out, in), the reference's own call on the reference's own layout."""
 
-    def __init__(self, layers: Sequence[nn.Linear]) -> None:
+    def __init__(self, layers: Sequence[nn.Linear], rows: int) -> None:
         super().__init__()
-        self.weight_t = nn.Parameter(torch.stack([layer.weight.detach().t() for layer in layers]).contiguous())
+        out_features, in_features = layers[0].weight.shape
+        self.bmm = stacks_exactly(rows, in_features, out_features)
+        weights = torch.stack([layer.weight.detach().t() if self.bmm else layer.weight.detach() for layer in layers])
+        if self.bmm:
+            self.weight_t = nn.Parameter(weights.contiguous())
+        else:
+            self.weight = nn.Parameter(weights.contiguous())
         self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight_t)
+        if self.bmm:
+            return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight_t)
+        return torch.stack([F.linear(x[r], self.weight[r], self.bias[r]) for r in range(len(x))])
+
+
+_STACKS_EXACTLY: dict[tuple[int, int, int, int], bool] = {}
+
+
+def stacks_exactly(rows: int, in_features: int, out_features: int) -> bool:
+    """Whether baddbmm over runs gives F.linear's bits at this shape and thread count, forward and
+    backward, on this machine. BLAS libraries pick kernels by shape and CPU, and a batched product may
+    take another kernel than a single one; which shapes do is measured, once per process, on seeded
+    random data (a kernel's choice depends on shapes, not values)."""
+    key = (rows, in_features, out_features, torch.get_num_threads())
+    if key not in _STACKS_EXACTLY:
+        generator = torch.Generator().manual_seed(0)
+        x, w, b, g = (torch.randn(*shape, generator=generator) for shape in
+                      ((2, rows, in_features), (2, out_features, in_features), (2, out_features),
+                       (2, rows, out_features)))
+        single = [_linear_and_grads(lambda x, w, b: F.linear(x, w, b), x[r], w[r], b[r], g[r]) for r in range(2)]
+        stacked = _linear_and_grads(lambda x, w_t, b: torch.baddbmm(b.unsqueeze(1), x, w_t),
+                                    x, w.transpose(1, 2).contiguous(), b, g)
+        stacked[2] = stacked[2].transpose(1, 2)  # d weight_t -> d weight
+        _STACKS_EXACTLY[key] = all(torch.equal(torch.stack([one[i] for one in single]), stacked[i])
+                                   for i in range(4))
+    return _STACKS_EXACTLY[key]
+
+
+def _linear_and_grads(linear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    """[output, d x, d w, d b] of `linear(x, w, b)` under the output gradient g."""
+    x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
+    with torch.enable_grad():
+        out = linear(x, w, b)
+        return [out.detach(), *torch.autograd.grad(out, (x, w, b), g)]
 
 
 class StackedLayerNorm(nn.Module):
@@ -149,11 +192,11 @@ def stack_broadcasting(layers: Sequence[nn.Module]) -> nn.Module:
     return stacked
 
 
-def stack_module(layers: Sequence[nn.Module]) -> nn.Module:
-    """Stack R copies of one layer (same class, same shape) into a module that takes (R, n, ...)."""
+def stack_module(layers: Sequence[nn.Module], rows: int) -> nn.Module:
+    """Stack R copies of one layer (same class, same shape) into a module that takes (R, rows, ...)."""
     first = layers[0]
     if isinstance(first, nn.Linear):
-        return StackedLinear(layers)
+        return StackedLinear(layers, rows)
     if isinstance(first, nn.LayerNorm):
         return StackedLayerNorm(layers)
     if isinstance(first, nn.RMSNorm):
@@ -161,14 +204,15 @@ def stack_module(layers: Sequence[nn.Module]) -> nn.Module:
     return stack_broadcasting(layers)
 
 
-def stack_nets(nets: Sequence[Net]) -> Net:
-    """One Net whose leaf layers hold the parameters of all `nets`, stacked along a run axis."""
+def stack_nets(nets: Sequence[Net], rows: int) -> Net:
+    """One Net whose leaf layers hold the parameters of all `nets`, stacked along a run axis, for
+    inputs of `rows` samples per run."""
     stacked = copy.deepcopy(nets[0])
     for name, module in nets[0].named_modules():
         if name and not list(module.children()) and list(module.parameters()):
             parent, _, leaf = name.rpartition(".")
             owner = stacked.get_submodule(parent) if parent else stacked
-            setattr(owner, leaf, stack_module([net.get_submodule(name) for net in nets]))
+            setattr(owner, leaf, stack_module([net.get_submodule(name) for net in nets], rows))
     return stacked
 
 
@@ -287,7 +331,7 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
             nets.append(net)
             xs.append(task.x)
             ys.append(task.y)
-        model = stack_nets(nets).to(device)
+        model = stack_nets(nets, len(xs[0])).to(device)
         x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
         params = list(model.parameters())
         replayed = first.optim.name in REPLAYED_OPTIMIZERS

@@ -12,7 +12,7 @@ At every `train.log_every`-th recorded step, one row per block (numbered 1..N fr
 
 Activations are read with forward hooks on the model's own modules (no block is defined twice), so
 one `BlockRecorder` serves the reference engine (one `Net`) and the batched engine (one `Net` whose
-leaf layers hold R runs along a leading axis; its Linear weights stored transposed as `weight_t`).
+leaf layers hold R runs along a leading axis; its Linear weights (R, in, out) as `weight_t`, or (R, out, in)).
 Every quantity is computed run by run from a contiguous tensor in the reference's memory order, with
 the same ops, so both engines write the same bits. Recording only reads the training's tensors (and
 copies the weights before a logged update): a run's metrics are the same bits with logging on or off.
@@ -70,12 +70,19 @@ class BlockRecorder:
 
     def _weights(self) -> list[torch.Tensor]:
         """Each fc weight in block order (fc1, fc2 of block 1, ...), as the model holds it."""
-        return [getattr(block.ffn, name).weight_t if self.stacked else getattr(block.ffn, name).weight
-                for block in self.blocks for name in MATRICES]
+        return [linear.weight_t if self._transposed(linear) else linear.weight for linear in self._linears()]
 
-    def _per_run(self, tensor: torch.Tensor, r: int) -> torch.Tensor:
-        """Run r's slice of a weight-shaped tensor, as the reference holds it: (out, in)."""
-        return tensor[r].t() if self.stacked else tensor
+    def _linears(self) -> list[nn.Module]:
+        return [getattr(block.ffn, name) for block in self.blocks for name in MATRICES]
+
+    def _transposed(self, linear: nn.Module) -> bool:
+        return self.stacked and linear.bmm  # a StackedLinear holding (R, in, out)
+
+    def _per_run(self, tensor: torch.Tensor, k: int, r: int) -> torch.Tensor:
+        """Run r's slice of the k-th weight-shaped tensor, as the reference holds it: (out, in)."""
+        if not self.stacked:
+            return tensor
+        return tensor[r].t() if self._transposed(self._linears()[k]) else tensor[r]
 
     def _activation(self, key: tuple[str, int], r: int) -> float:
         output = self.outputs.get(key)
@@ -97,8 +104,9 @@ class BlockRecorder:
                 columns["step"].append(step)
                 columns["block"].append(i + 1)
                 for j, name in enumerate(MATRICES):
-                    grad = weights[2 * i + j].grad
-                    columns[f"{name}_grad"].append(frobenius(self._per_run(grad, r)) if has_grads else math.nan)
+                    k = 2 * i + j
+                    grad = frobenius(self._per_run(weights[k].grad, k, r)) if has_grads else math.nan
+                    columns[f"{name}_grad"].append(grad)
                     columns[f"{name}_update"].append(math.nan)
                 for column in WATCHED:
                     columns[column].append(self._activation((column, i), r))
@@ -111,7 +119,7 @@ class BlockRecorder:
             before = self.before[k]
             delta = after.detach() - before
             for r, first in self.pending:
-                ratio = frobenius(self._per_run(delta, r)) / frobenius(self._per_run(before, r))
+                ratio = frobenius(self._per_run(delta, k, r)) / frobenius(self._per_run(before, k, r))
                 self.columns[r][f"{MATRICES[name]}_update"][first + i] = ratio
         self.before, self.pending = [], []
 

@@ -6,10 +6,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
 from typer.testing import CliRunner
 
 from normexp import batched
-from normexp.batched import plan_batches, train_batch
+from normexp.batched import StackedLinear, plan_batches, train_batch
 from normexp.cli import app
 from normexp.config import RunConfig
 from normexp.results import load_metrics, load_summary
@@ -220,3 +224,25 @@ def test_sgd_without_momentum_steps_by_the_gradient_as_torch_does(momenta):
             torch.equal(stacked[run].isnan(), expected.isnan())
             and torch.equal(stacked[run].nan_to_num(), expected.nan_to_num())), (run, stacked, expected)
     assert ("momentum_buffer" in optimizer.state[0]) == any(momenta)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 80), d_in=st.sampled_from([3, 8, 32, 128]),
+       d_out=st.sampled_from([1, 3, 8, 10, 16, 32, 128]))
+def test_a_stacked_linear_gives_each_runs_linear_bits_at_every_shape(rows, d_in, d_out):
+    """Whatever kernel this machine's BLAS picks for a batched product (MKL on AVX2 CPUs takes another
+    one for outputs narrower than 16), forward and backward are F.linear's, run by run."""
+    torch.manual_seed(rows)
+    layers = [nn.Linear(d_in, d_out) for _ in range(3)]
+    x = torch.randn(3, rows, d_in)
+    g = torch.randn(3, rows, d_out)
+    stacked = StackedLinear(layers, rows)
+    out = stacked(x)
+    out.backward(g)
+    weight_grad = stacked.weight_t.grad.transpose(1, 2) if stacked.bmm else stacked.weight.grad
+    for r, layer in enumerate(layers):
+        expected = F.linear(x[r], layer.weight, layer.bias)
+        expected.backward(g[r])
+        assert torch.equal(out[r], expected)
+        assert torch.equal(weight_grad[r], layer.weight.grad)
+        assert torch.equal(stacked.bias.grad[r], layer.bias.grad)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 from importlib import metadata
 from unittest import mock
 
@@ -74,13 +77,15 @@ def test_an_unimportable_torch_is_reported_not_raised():
     assert "torch build" not in facts
 
 
-def test_the_command_turns_off_mkls_own_thread_choice():
-    """MKL's dynamic mode may run a call on fewer threads than torch's count: the command turns it off
-    (unless the environment says otherwise), so a thread count always means the same kernels."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "MKL_DYNAMIC"}
-    result = subprocess.run([sys.executable, "-m", "normexp", "doctor"], capture_output=True, text=True, env=env)
-    assert result.returncode == 0 and "MKL_DYNAMIC: FALSE" in result.stdout, result.stdout + result.stderr
+@pytest.mark.parametrize(("variable", "default"), [("OMP_WAIT_POLICY", "PASSIVE"), ("MKL_DYNAMIC", "FALSE")])
+@pytest.mark.parametrize("given", [None, "", "TRUE"])
+def test_importing_normexp_first_sets_the_threading_defaults_unless_the_environment_says(variable, default, given):
+    """Idle OpenMP threads sleep (PASSIVE); MKL never picks fewer threads on its own (MKL_DYNAMIC off)."""
+    env = {k: v for k, v in os.environ.items() if k != variable}
+    if given is not None:
+        env[variable] = given
+    code = f"import os, normexp, torch; print(os.environ[{variable!r}])"
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == (given or default)
+    assert f"{variable}: {given or default}\n" in subprocess.run(
+        [sys.executable, "-m", "normexp", "doctor"], env=env, capture_output=True, text=True, check=True).stdout

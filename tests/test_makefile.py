@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 from conftest import REPO
@@ -60,3 +61,17 @@ def test_every_pip_call_has_a_timeout_and_normexp_keeps_the_installed_torch(tmp_
     normexp = [line for line in installs if "-e ." in line]
     assert normexp and all("-c " in line and "torch-constraint.txt" in line for line in normexp)
     assert "--no-index" not in done.stdout  # it hides torch's dependencies
+
+
+def test_pip_skips_byte_compiling_and_normexp_s_own_imports_are_compiled_instead(tmp_path):
+    done = dry_run(tmp_path)
+    installs = pip_installs(done.stdout)
+    assert installs and all("--no-compile" in line for line in installs)
+    warm = [line for line in done.stdout.splitlines() if "PYTHONDONTWRITEBYTECODE" in line]
+    assert len(warm) == 1 and warm[0].startswith("env -u PYTHONDONTWRITEBYTECODE ")
+    # its code, run here: it imports every normexp module (so torch and pandas) and runs no command
+    code = warm[0].split(' -c "', 1)[1].removesuffix('"')
+    check = "; import sys; print(all(m in sys.modules for m in ('normexp.report', 'normexp.engines.fast', 'torch')))"
+    ran = subprocess.run([sys.executable, "-c", code + check], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "True\n"
