@@ -70,7 +70,7 @@ class BlockRecorder:
 
     def _weights(self) -> list[torch.Tensor]:
         """Each fc weight in block order (fc1, fc2 of block 1, ...), as the model holds it."""
-        return [getattr(block.ffn, name).weight_t if self.stacked else getattr(block.ffn, name).weight
+        return [getattr(block.branch, name).weight_t if self.stacked else getattr(block.branch, name).weight
                 for block in self.blocks for name in MATRICES]
 
     def _per_run(self, tensor: torch.Tensor, r: int) -> torch.Tensor:

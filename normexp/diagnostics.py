@@ -55,8 +55,8 @@ def gradnorm_at_init(cfg: RunConfig) -> list[dict[str, float | int | str]]:
         rows.append({
             "placement": cfg.norm.placement, "kind": cfg.norm.kind, "depth": cfg.model.depth, "seed": cfg.seed,
             "block": i + 1, "block_placement": block.placement,
-            "fc1_grad": block.ffn.fc1.weight.grad.norm().item(),
-            "fc2_grad": block.ffn.fc2.weight.grad.norm().item(),
+            "fc1_grad": block.branch.fc1.weight.grad.norm().item(),
+            "fc2_grad": block.branch.fc2.weight.grad.norm().item(),
             "stream_sq": _mean_sq(stream[i], d),
             "norm_in_sq": _mean_sq(norm_in[i], d) if i in norm_in else math.nan,
             "loss": loss.item(),
