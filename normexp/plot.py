@@ -33,7 +33,8 @@ from normexp.results import finished_runs, load_blocks, load_metrics, load_summa
 from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
-                 "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
+                 "grad_norm": "gradient norm (global L2)", "lr": "learning rate",
+                 "val_loss": "held-out loss (answer positions)", "val_acc": "held-out accuracy (answer positions)"}
 BLOCK_METRIC_LABELS = {  # the per-block columns of blocks.csv (normexp/blocklog.py)
     "fc1_grad": "||dLoss/dW|| of fc1", "fc2_grad": "||dLoss/dW|| of fc2",
     "fc1_update": "update ||ΔW|| / ||W|| of fc1", "fc2_update": "update ||ΔW|| / ||W|| of fc2",

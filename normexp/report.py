@@ -191,7 +191,9 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
         raise ResultsError(f"--steps {','.join(map(str, missing))}: not recorded by any run "
                            f"(steps {min(recorded)} to {max(recorded)})")
     steps = [s for s in steps or section.steps if s in recorded]
-    n_classes = tuple(int(n) for n in dict.fromkeys(tidy["model.n_classes"]))
+    if metric not in tidy:
+        raise ResultsError(f"--metric {metric}: not recorded by these runs (val_loss and val_acc: sequence tasks only)")
+    n_classes = tuple(int(n) for n in dict.fromkeys(n_choices(tidy)))
     columns = [_column(label, group, keys, steps, metric)
                for label, group in variant_groups(tidy, keys, everything="run")]
     return Report(_title(summary, metric), metric, steps, columns, n_classes, missing_note(summary, run_dir))
@@ -204,6 +206,16 @@ def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all 
         return [(everything, frame)]
     return [(variant_label(dict(zip(keys, values if isinstance(values, tuple) else (values,)))), group)
             for values, group in frame.groupby(keys, sort=False, dropna=False)]
+
+
+def n_choices(frame: pd.DataFrame) -> pd.Series:
+    """Per row, how many classes the run's loss chooses among: model.n_classes, or for a Transformer
+    (`model.arch: transformer`) its vocabulary, data.vocab. A folder from before the Transformer has
+    no model.arch column: every run is an FFN."""
+    classes = frame["model.n_classes"].astype(int)
+    if "model.arch" not in frame:
+        return classes
+    return classes.where(frame["model.arch"] != "transformer", frame["data.vocab"]).astype(int)
 
 
 def trained_threshold(n_classes: int) -> float:
@@ -230,7 +242,7 @@ def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], 
         std = float(series.std(ddof=1)) if len(series) > 1 else 0.0
         if runs:
             cells[step] = (float(series.mean()) if len(series) else math.nan, std, len(series), runs)
-    trained = int(is_trained(finals["loss"], finals["status"], finals["model.n_classes"]).sum())
+    trained = int(is_trained(finals["loss"], finals["status"], n_choices(finals)).sum())
     unit = "seeds" if group["seed"].nunique() == len(finals) else "runs"
     diverged = int((finals["status"] == "diverged").sum())
     return Column(label, values, cells, trained, len(finals), unit, diverged)

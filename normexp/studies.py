@@ -35,6 +35,7 @@ from normexp.report import (
     build_report,
     gradnorm_to_markdown,
     is_trained,
+    n_choices,
     properties_to_markdown,
     sensitivity_to_markdown,
     speed_to_markdown,
@@ -56,7 +57,7 @@ def _finished_summary(run_dir: Path) -> pd.DataFrame:
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
-    return is_trained(summary["final_loss"], summary["status"], summary["model.n_classes"])
+    return is_trained(summary["final_loss"], summary["status"], n_choices(summary))
 
 
 def _judged(run_dir: Path) -> pd.DataFrame:

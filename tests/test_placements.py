@@ -105,7 +105,8 @@ def test_admin_profiling_draws_nothing_and_leaves_the_seed_weights():
     assert torch.equal(after, torch.rand(3))
     assert torch.equal(admin_task.x, post_task.x) and torch.equal(admin_task.y, post_task.y)
     for a, b in zip(admin_net.blocks, post_net.blocks):
-        assert torch.equal(a.branch.fc1.weight, b.branch.fc1.weight) and torch.equal(a.branch.fc2.weight, b.branch.fc2.weight)
+        assert torch.equal(a.branch.fc1.weight, b.branch.fc1.weight)
+        assert torch.equal(a.branch.fc2.weight, b.branch.fc2.weight)
     assert torch.equal(admin_net.head.weight, post_net.head.weight)
 
 
