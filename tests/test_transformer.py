@@ -249,3 +249,27 @@ def test_a_bad_grid_value_is_blamed_on_the_grid_key(tmp_path):
     config.write_text(SWEEP.replace("norm.placement: [post, b2t]", "model.n_heads: [2, 3]"))
     result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out)])
     assert result.exit_code == 2 and "grid.model.n_heads" in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("placement", ["post", "b2t", "resdual", "admin"])
+@pytest.mark.parametrize("batch_size", [None, 8])
+def test_the_fast_engine_trains_a_batch_of_seeds_as_the_reference_does(placement, batch_size):
+    """Stacked runs of several seeds (vmap's position-embedding gradient comes back strided: the fused
+    Adam step must still read it right), within the reference's own 1- vs 2-thread spread (~1e-6 here)."""
+    from normexp.engines.fast import train_fast
+
+    runs = [tiny(placement, task="assoc_recall", batch_size=batch_size).model_copy(update={"seed": s})
+            for s in (0, 1, 2)]
+    runs = [validate_run({**cfg.model_dump(), "train": {"steps": 8, "threads": 1}}) for cfg in runs]
+    for fast, cfg in zip(train_fast(runs, compile=False), runs):
+        reference = train_run(cfg)
+        assert list(fast.metrics) == list(reference.metrics) and fast.engine == "fast"
+        for column in ("loss", "acc", "val_loss", "val_acc"):
+            assert fast.metrics[column] == pytest.approx(reference.metrics[column], abs=1e-4), column
+
+
+def test_the_batched_engine_hands_transformer_runs_to_the_reference():
+    from normexp.batched import plan_batches
+
+    runs = [tiny("post").model_copy(update={"seed": s}) for s in (0, 1)]
+    assert plan_batches(runs) == ([], runs)
