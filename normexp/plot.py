@@ -226,6 +226,26 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
     return fig
 
 
+def layer_gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.LayerGradnorm
+    """The Transformer's gradient norm at init against the layer index, one panel per sublayer's output
+    projection, one line per variant (mean ± std over seeds): Xiong et al. 2020, Figure 3."""
+    from normexp.diagnostics import SUBLAYERS
+
+    fig, axes = plt.subplots(1, len(SUBLAYERS), figsize=(12, 4.6), layout="constrained")
+    for ax, (column, label) in zip(axes, SUBLAYERS.items()):
+        for variant, grads in summary.grads.items():
+            stats = np.array(grads[column])
+            ax.errorbar(summary.layers, stats[:, 0], yerr=stats[:, 1], marker="o", capsize=3,
+                        label=f"{variant} (last/first {summary.ratio(variant, column):.2f})")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer l")
+        ax.set_ylabel(f"||dLoss / dW|| of the {label} projection, at init")
+        ax.set_title(f"{label}: Xiong Fig. 3 (Post grows with l, Pre flat)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig
+
+
 def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
     """Final loss against a numeric key (e.g. model.depth), one line per other variant: the mean over
     seeds, with the min–max band."""

@@ -425,6 +425,10 @@ def pivot_to_csv(pivot: Pivot) -> str:
 
 def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  # summary: GradnormSummary
     """Header, rows and closing lines of the gradnorm table (shared by Rich and markdown)."""
+    from normexp.diagnostics import LayerGradnorm
+
+    if isinstance(summary, LayerGradnorm):
+        return layer_gradnorm_tables(summary)
     placements = list(summary.last_grad)
     header = ["depth L", *(f"{_gradnorm_label(p)}: ||grad W2_L||" for p in placements)]
     rows = [[str(depth), *(f"{summary.last_grad[p][i][0]:.4f} ± {summary.last_grad[p][i][1]:.4f}" for p in placements)]
@@ -448,6 +452,23 @@ def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  #
     return header, rows, lines
 
 
+def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  # LayerGradnorm
+    """The Transformer's table: per layer, each variant's gradient of each sublayer's output projection;
+    then per variant the last/first ratio and its verdict."""
+    from normexp.diagnostics import GROWTH_FACTOR, SUBLAYERS
+
+    columns = [(v, c) for v in summary.grads for c in SUBLAYERS]
+    header = ["layer l", *(f"{_gradnorm_label(v)}: {SUBLAYERS[c]}" for v, c in columns)]
+    rows = [[str(layer), *(f"{summary.grads[v][c][i][0]:.4f} ± {summary.grads[v][c][i][1]:.4f}" for v, c in columns)]
+            for i, layer in enumerate(summary.layers)]
+    lines = [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
+        f"{SUBLAYERS[c]} {summary.ratio(v, c):.2f} ({summary.verdict(v, c)})" for c in SUBLAYERS)
+        for v in summary.grads]
+    lines.append(f"verdict: grows above {GROWTH_FACTOR}x, shrinks below 1/{GROWTH_FACTOR}, flat between "
+                 "(Xiong et al. Fig. 3: Post-LN grows with the layer index, Pre-LN flat)")
+    return header, rows, lines
+
+
 def _gradnorm_label(variant: str) -> str:
     """'post kind="rmsnorm"' -> 'Post kind="rmsnorm"': the placement's label, then the other axes."""
     placement, _, rest = variant.partition(" ")
@@ -465,7 +486,7 @@ def gradnorm_to_rich(summary):  # -> rich.console.Group
 
     header, rows, lines = gradnorm_tables(summary)
     table = _rich_table(header, rows, "l" + "r" * (len(header) - 1),
-                        title="gradient of the last block's fc2 weight at initialisation (mean ± std over seeds)")
+                        title="gradient norms at initialisation (mean ± std over seeds)")
     return Group(table, *(Text(line) for line in lines))
 
 

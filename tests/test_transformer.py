@@ -273,3 +273,22 @@ def test_the_batched_engine_hands_transformer_runs_to_the_reference():
 
     runs = [tiny("post").model_copy(update={"seed": s}) for s in (0, 1)]
     assert plan_batches(runs) == ([], runs)
+
+
+def test_gradnorm_on_the_transformer_measures_each_sublayers_output_projection(tmp_path):
+    from normexp.diagnostics import growth_verdict, layer_gradnorm_at_init
+
+    cfg = tiny("post", task="assoc_recall")
+    rows = layer_gradnorm_at_init(cfg)
+    model, task = seeded_init(cfg)
+    loss_and_acc(model(task.x), task.y, task.positions)[0].backward()
+    assert [r["layer"] for r in rows] == [1, 2, 3]
+    assert rows[2]["attn_out_grad"] == model.layers[2].attn.branch.out.weight.grad.norm().item()
+    assert rows[0]["ffn_out_grad"] == model.layers[0].ffn.branch.fc2.weight.grad.norm().item()
+    assert [growth_verdict(r) for r in (2.0, 1.0, 0.5, math.nan)] == ["grows", "flat", "shrinks", "undefined"]
+    config = tmp_path / "gn.yaml"
+    config.write_text(SWEEP.replace("[post, b2t]", "[post, pre]").replace("seeds: [0]", "seeds: [0, 1]"))
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["gradnorm", str(config), "--out", str(tmp_path / "gn"),
+                                                            "--format", "markdown"])
+    assert result.exit_code == 0, result.output
+    assert "Post: last/first layer attention out" in result.output and (tmp_path / "gn" / "gradnorm.png").is_file()
