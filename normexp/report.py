@@ -41,7 +41,7 @@ from normexp.store import SWEEP_FILE
 
 PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
                     "deepnorm": "DeepNorm", "mixln": "MixLN", "none": "NoNorm", "rezero": "ReZero",
-                    "respost": "ResPost", "resdual": "ResiDual", "admin": "Admin"}
+                    "respost": "ResPost", "resdual": "ResiDual", "admin": "Admin", "b2t": "B2T"}
 KIND_LABELS = {"layernorm": "LN", "rmsnorm": "RMS", "rmsnorm_torch": "RMSt", "rmsnorm_llama": "RMSl",
                "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale", "dyt": "DyT", "derf": "Derf"}
 TRAINED_FRACTION = 0.1  # trained: final loss under a tenth of chance, ln(n_classes) / 10
