@@ -209,6 +209,16 @@ def test_cli_sweep_report_and_load_metrics(tmp_path):
     report = CliRunner().invoke(app, ["report", str(out), "--metric", "val_acc"])
     assert report.exit_code == 0, report.output
     assert CliRunner().invoke(app, ["verify", str(out)]).exit_code == 0
+    plotted = CliRunner().invoke(app, ["plot", str(out), "-o", str(tmp_path / "val.png"), "--metric", "val_acc"])
+    assert plotted.exit_code == 0 and (tmp_path / "val.png").is_file(), plotted.output
+
+
+def test_held_out_metrics_of_an_ffn_sweep_are_refused_by_name(tmp_path):
+    config, out = tmp_path / "ffn.yaml", tmp_path / "out"
+    config.write_text("name: ffn\nbase:\n  model: {depth: 2, width: 8}\n  train: {steps: 2}\n")
+    assert CliRunner().invoke(app, ["sweep", str(config), "--out", str(out)]).exit_code == 0
+    result = CliRunner().invoke(app, ["report", str(out), "--metric", "val_acc"])
+    assert result.exit_code == 2 and "val_acc: not recorded" in result.output
 
 
 BAD = {
