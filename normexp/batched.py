@@ -388,11 +388,14 @@ def _grad_norms(model: nn.Module) -> list[float]:
 
 def plan_batches(runs: Sequence[RunConfig]) -> tuple[list[list[RunConfig]], list[RunConfig]]:
     """Group runs into batches, chunked to bound memory, and list the runs left to the reference
-    engine: groups of one (a batch of one gains nothing)."""
+    engine: groups of one (a batch of one gains nothing) and every Transformer run (this engine stacks
+    the FFN toy only; the reference gives a Transformer run its exact bits)."""
     groups: dict[tuple, list[RunConfig]] = {}
+    alone = [cfg for cfg in runs if cfg.model.arch == "transformer"]
     for cfg in runs:
-        groups.setdefault(batch_key(cfg), []).append(cfg)
-    batches, alone = [], []
+        if cfg.model.arch == "ffn":
+            groups.setdefault(batch_key(cfg), []).append(cfg)
+    batches = []
     for group in groups.values():
         if len(group) == 1:
             alone += group

@@ -73,7 +73,7 @@ class BlockRecorder:
         return [linear.weight_t if self._transposed(linear) else linear.weight for linear in self._linears()]
 
     def _linears(self) -> list[nn.Module]:
-        return [getattr(block.ffn, name) for block in self.blocks for name in MATRICES]
+        return [getattr(block.branch, name) for block in self.blocks for name in MATRICES]
 
     def _transposed(self, linear: nn.Module) -> bool:
         return self.stacked and linear.bmm  # a StackedLinear holding (R, in, out)

@@ -14,13 +14,13 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Sweep, TooManyRuns, load_sweep
+from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Metric, Sweep, TooManyRuns, load_sweep
 from normexp.sweep import SweepOptions, SweepOutcome
 
 app = typer.Typer(
@@ -323,7 +323,7 @@ def report(
     from normexp.results import ResultsError
 
     if metric is not None:
-        _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
+        _check_choice("--metric", metric, get_args(Metric))
     _check_choice("--format", fmt, ("table", "markdown", "csv"))
     if pivot is not None and lr_sensitivity:
         raise fail("--pivot and --lr-sensitivity: choose one")
@@ -393,7 +393,7 @@ def plot(
     from normexp.plot import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
     from normexp.results import ResultsError
 
-    _check_choice("--metric", metric, ("loss", "acc", "grad_norm", "lr"))
+    _check_choice("--metric", metric, get_args(Metric))
     if block_metric is not None:
         if not blocks:
             raise fail("--block-metric: only with --blocks")

@@ -27,9 +27,10 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Placement = Literal[
-    "post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none", "rezero", "respost", "resdual", "admin"
+    "post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none", "rezero", "respost", "resdual", "admin", "b2t"
 ]
 NormKind = Literal[
     "layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm",
@@ -38,7 +39,10 @@ NormKind = Literal[
 Init = Literal["xavier_uniform", "xavier_normal", "torch_default"]
 OptimName = Literal["adam", "adamw", "sgd", "radam"]
 ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
-Metric = Literal["loss", "acc", "grad_norm", "lr"]
+Arch = Literal["ffn", "transformer"]
+TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
+SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
+Metric = Literal["loss", "acc", "grad_norm", "lr", "val_loss", "val_acc"]
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -77,6 +81,14 @@ class ModelConfig(_Section):
     n_classes: int = Field(10, ge=2)
     final_norm: bool = True
     init: Init = "xavier_uniform"
+    arch: Arch = "ffn"  # transformer: the causal decoder of normexp/models/transformer.py
+    n_heads: int = Field(4, ge=1, le=1024)  # transformer only: attention heads, each width / n_heads wide
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.arch == "transformer" and self.width % self.n_heads:
+            raise cross_key_error("model.n_heads", f"must divide model.width {self.width}, got {self.n_heads}")
+        return self
 
 
 class NormConfig(_Section):
@@ -120,8 +132,78 @@ def inert_keys(norm: NormConfig) -> list[str]:
 
 
 class DataConfig(_Section):
-    task: Literal["random_labels"] = "random_labels"
-    n_samples: int = Field(64, ge=1, le=10_000_000)
+    task: TaskName = "random_labels"
+    n_samples: int = Field(64, ge=1, le=10_000_000)  # sequence tasks: the training split's size
+    vocab: int = Field(16, ge=2, le=65_536)  # sequence tasks: token count (modular_add: p + 2 tokens)
+    seq_len: int | None = Field(None, ge=2, le=4096)  # sequence tasks: tokens per sequence; None: the task's
+    n_val: int = Field(128, ge=1, le=10_000_000)  # sequence tasks: the held-out split's size
+    batch_size: int | None = Field(None, ge=1, le=10_000_000)  # sequence tasks: minibatch; None: full batch
+
+    @model_validator(mode="after")
+    def _task_shape(self) -> DataConfig:
+        if self.task == "random_labels":
+            for key in ("vocab", "seq_len", "n_val", "batch_size"):
+                if getattr(self, key) != DataConfig.model_fields[key].default:
+                    raise cross_key_error(f"data.{key}", "applies to the sequence tasks "
+                                          f"({', '.join(SEQUENCE_TASKS)}), not to random_labels")
+            return self
+        problem = sequence_problem(self)
+        if problem is not None:
+            raise cross_key_error(*problem)
+        return self
+
+
+@dataclass(frozen=True)
+class SequenceShape:
+    """The layout of a sequence task (normexp/data.py draws it): every sequence has `seq_len` tokens;
+    the model reads the first seq_len - 1 and is scored where its next token is an answer, at input
+    `positions`; `capacity` is how many distinct sequences the task has."""
+
+    seq_len: int
+    positions: tuple[int, ...]
+    capacity: int
+
+
+DEFAULT_SEQ_LEN = {"assoc_recall": 16, "copy": 17, "modular_add": 5}
+
+
+def sequence_shape(data: DataConfig) -> SequenceShape:
+    """assoc_recall: k1 v1 .. kP vP q1 a1 .. qP aP (P = seq_len / 4 distinct keys from the lower half of
+    the vocabulary, values from the upper half, the queries a permutation of the keys); copy: s1 .. sn 0
+    s1 .. sn (n = (seq_len - 1) / 2 tokens from 1..vocab-1, 0 the separator); modular_add: a + b = c
+    with p = vocab - 2 (tokens p and p + 1 are '+' and '=')."""
+    length = data.seq_len if data.seq_len is not None else DEFAULT_SEQ_LEN[data.task]
+    if data.task == "assoc_recall":
+        pairs, keys = length // 4, data.vocab // 2
+        positions = tuple(2 * pairs + 2 * j for j in range(pairs))
+        capacity = math.perm(keys, pairs) * (data.vocab - keys) ** pairs * math.factorial(pairs) if keys >= pairs else 0
+        return SequenceShape(length, positions, capacity)
+    if data.task == "copy":
+        n = (length - 1) // 2
+        return SequenceShape(length, tuple(range(n, 2 * n)), (data.vocab - 1) ** n)
+    return SequenceShape(length, (3,), max(data.vocab - 2, 0) ** 2)
+
+
+def sequence_problem(data: DataConfig) -> tuple[str, str] | None:
+    """(key, why) for the first data key a sequence task cannot work with, else None."""
+    shape, given = sequence_shape(data), data.seq_len
+    if data.task == "assoc_recall" and given is not None and (given % 4 or given < 8):
+        return "data.seq_len", f"assoc_recall needs a multiple of 4, at least 8 (2 pairs, 2 queries), got {given}"
+    if data.task == "copy" and given is not None and (given % 2 == 0 or given < 5):
+        return "data.seq_len", f"copy needs an odd length, at least 5 (2 tokens, separator, 2 copies), got {given}"
+    if data.task == "modular_add" and given is not None and given != 5:
+        return "data.seq_len", f"modular_add sequences are 'a + b = c', 5 tokens: leave it unset, got {given}"
+    smallest = {"assoc_recall": max(2 * (shape.seq_len // 4), 4), "copy": 3, "modular_add": 4}[data.task]
+    if data.vocab < smallest:
+        return "data.vocab", f"{data.task} at seq_len {shape.seq_len} needs >= {smallest} tokens, got {data.vocab}"
+    wanted = data.n_samples + data.n_val
+    # modular_add splits its p^2 sums exactly; the others draw at random, so keep them far from full
+    if shape.capacity < (wanted if data.task == "modular_add" else 2 * wanted):
+        return "data.vocab", (f"{data.task} has {shape.capacity} distinct sequences at vocab {data.vocab}, too few "
+                              f"for n_samples + n_val = {wanted} distinct ones: raise vocab or lower the counts")
+    if data.batch_size is not None and data.batch_size > data.n_samples:
+        return "data.batch_size", f"must be <= data.n_samples {data.n_samples}, got {data.batch_size}"
+    return None
 
 
 class OptimConfig(_Section):
@@ -179,6 +261,38 @@ class RunConfig(_Section):
     schedule: ScheduleConfig = ScheduleConfig()
     train: TrainConfig = TrainConfig()
     seed: int = Field(0, ge=0, le=2**63 - 1)
+
+    @model_validator(mode="after")
+    def _arch_fits(self) -> RunConfig:
+        problem = arch_problem(self)
+        if problem is not None:
+            raise cross_key_error(*problem)
+        return self
+
+
+def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
+    """(key, why) for the first key that does not fit `model.arch`, else None."""
+    if cfg.model.arch == "ffn":
+        if cfg.data.task != "random_labels":
+            return "data.task", f"{cfg.data.task} is a sequence task: it needs model.arch transformer"
+        if cfg.model.n_heads != ModelConfig.model_fields["n_heads"].default:
+            return "model.n_heads", "applies to model.arch transformer only (the FFN has no attention)"
+        if cfg.norm.placement == "b2t":
+            return "norm.placement", ("b2t skips from a layer's input to its second sublayer's norm: it needs "
+                                      "model.arch transformer (an FFN block has one sublayer)")
+        return None
+    if cfg.data.task == "random_labels":
+        return "data.task", f"model.arch transformer trains on a sequence task: one of {', '.join(SEQUENCE_TASKS)}"
+    if cfg.model.n_classes != ModelConfig.model_fields["n_classes"].default:
+        return "model.n_classes", "applies to model.arch ffn only (the transformer predicts data.vocab tokens)"
+    if cfg.train.log_blocks:
+        return "train.log_blocks", "records FFN blocks only: not supported with model.arch transformer"
+    return None
+
+
+def cross_key_error(key: str, why: str) -> PydanticCustomError:
+    """A check across keys, blamed on `key` (a dotted path): the error formatters put it in the path."""
+    return PydanticCustomError("cross_key", "{key}: {why}", {"key": key, "why": why})
 
 
 class ReportConfig(_Section):
@@ -444,6 +558,8 @@ def _describe(err: dict, model: type[BaseModel]) -> str:
         return "a key must be a string"
     if kind == "value_error":
         return str(ctx.get("error", err["msg"]))
+    if kind == "cross_key":
+        return ctx["why"]
     if kind in ("too_short", "too_long"):
         return err["msg"].replace("Tuple", "list").lower()
     return err["msg"]
@@ -453,8 +569,18 @@ MAX_ERROR_LINES = 8
 
 
 def _format_errors(exc: ValidationError, model: type[BaseModel], prefix: str) -> ConfigError:
-    lines = [f"{_key_path(prefix, err['loc'])}: {_describe(err, model)}" for err in exc.errors()]
+    lines = [f"{_key_path(prefix, _loc(err))}: {_describe(err, model)}" for err in exc.errors()]
     return _error_lines(lines)
+
+
+def _loc(err: dict) -> tuple[Any, ...]:
+    """Where an error lies: pydantic's location, or for a check across keys the key it blames
+    (a check on `model` that blames `model.n_heads` lies at ('model', 'n_heads'))."""
+    if err["type"] != "cross_key":
+        return tuple(err["loc"])
+    key = tuple(err["ctx"]["key"].split("."))
+    loc = tuple(err["loc"])
+    return loc + key[len(loc):] if key[:len(loc)] == loc else key
 
 
 def _key_path(prefix: str, loc: Sequence[Any]) -> str:
@@ -577,7 +703,7 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
 
 
 def _grid_error(exc: ValidationError, combo: dict[str, Any]) -> ConfigError:
-    lines = [f"{_blame(err['loc'], combo)}: {_describe(err, RunConfig)}" for err in exc.errors()]
+    lines = [f"{_blame(_loc(err), combo)}: {_describe(err, RunConfig)}" for err in exc.errors()]
     return _error_lines(lines)
 
 

@@ -1,7 +1,17 @@
-"""Seeded toy tasks. Drawn from torch's global generator right after the model is built (SPEC §1).
+"""Seeded tasks. Drawn from torch's global generator right after the model is built (SPEC §1).
 
 `random_labels` is the article's task: X ~ randn(n_samples, d), y ~ randint(0, n_classes), learnt
 full-batch. A model can only lower the loss below ln(n_classes) by memorising the 64 pairs.
+
+The sequence tasks (`model.arch: transformer`; layouts in `normexp.config.sequence_shape`) draw
+`n_samples` training and `n_val` held-out sequences, all distinct, so the two splits never share a
+sequence. The model reads each sequence but its last token and is scored at the answer positions only:
+
+- `assoc_recall`: k1 v1 .. kP vP q1 a1 .. qP aP, keys distinct, queries a permutation of the keys;
+  each answer is the value stored with its key (an induction-head task: it needs attention).
+- `copy`: s1 .. sn 0 s1 .. sn; the answers are the copied half.
+- `modular_add`: a + b = c with c = (a + b) mod p (Power et al. 2022, grokking): the p^2 sums shuffled,
+  the first n_samples for training and the next n_val held out.
 """
 
 from __future__ import annotations
@@ -10,17 +20,68 @@ from dataclasses import dataclass
 
 import torch
 
-from normexp.config import DataConfig, ModelConfig
+from normexp.config import DataConfig, ModelConfig, sequence_shape
 
 
 @dataclass(frozen=True)
 class Task:
-    x: torch.Tensor  # (n_samples, width) float32
-    y: torch.Tensor  # (n_samples,) int64 class labels
+    x: torch.Tensor  # random_labels: (n_samples, width) float32; sequence tasks: (n_samples, T) int64 tokens
+    y: torch.Tensor  # random_labels: (n_samples,) class labels; sequence tasks: (n_samples, A) answer tokens
+    positions: torch.Tensor | None = None  # (A,) input positions whose next token is an answer
+    val_x: torch.Tensor | None = None  # the held-out split, shaped like x and y
+    val_y: torch.Tensor | None = None
 
 
 def make_task(data: DataConfig, model: ModelConfig) -> Task:
-    """Draw the task from the global generator, X first, then y (the article's order)."""
+    """Draw the task from the global generator (random_labels: X first, then y, the article's order)."""
+    if data.task != "random_labels":
+        return make_sequence_task(data)
     x = torch.randn(data.n_samples, model.width)
     y = torch.randint(0, model.n_classes, (data.n_samples,))
     return Task(x, y)
+
+
+def make_sequence_task(data: DataConfig) -> Task:
+    """Draw n_samples + n_val distinct sequences, split them, and cut each into input and answers."""
+    shape = sequence_shape(data)
+    wanted = data.n_samples + data.n_val
+    sequences = _modular_add(data, wanted) if data.task == "modular_add" else _distinct(data, wanted)
+    positions = torch.tensor(shape.positions)
+    inputs, answers = sequences[:, :-1], sequences[:, positions + 1]
+    n = data.n_samples
+    return Task(inputs[:n], answers[:n], positions, inputs[n:], answers[n:])
+
+
+def _distinct(data: DataConfig, wanted: int) -> torch.Tensor:
+    """`wanted` distinct sequences, drawn in rounds (a repeat is dropped, its first draw kept); the
+    config guarantees at least twice as many exist, so few rounds are needed."""
+    draw = _assoc_recall if data.task == "assoc_recall" else _copy
+    kept: dict[tuple[int, ...], torch.Tensor] = {}
+    while len(kept) < wanted:
+        for row in draw(data, wanted - len(kept)):
+            kept.setdefault(tuple(row.tolist()), row)
+    return torch.stack(list(kept.values())[:wanted])
+
+
+def _assoc_recall(data: DataConfig, n: int) -> torch.Tensor:
+    pairs, keys = sequence_shape(data).seq_len // 4, data.vocab // 2
+    key = torch.argsort(torch.rand(n, keys), dim=1)[:, :pairs]  # P distinct keys per sequence
+    value = torch.randint(keys, data.vocab, (n, pairs))
+    order = torch.argsort(torch.rand(n, pairs), dim=1)  # the order of the queries
+    stored = torch.stack([key, value], dim=2).reshape(n, 2 * pairs)
+    queried = torch.stack([key.gather(1, order), value.gather(1, order)], dim=2).reshape(n, 2 * pairs)
+    return torch.cat([stored, queried], dim=1)
+
+
+def _copy(data: DataConfig, n: int) -> torch.Tensor:
+    half = (sequence_shape(data).seq_len - 1) // 2
+    tokens = torch.randint(1, data.vocab, (n, half))
+    return torch.cat([tokens, torch.zeros(n, 1, dtype=torch.long), tokens], dim=1)
+
+
+def _modular_add(data: DataConfig, wanted: int) -> torch.Tensor:
+    p = data.vocab - 2
+    pair = torch.randperm(p * p)[:wanted]
+    a, b = pair // p, pair % p
+    plus, equals = torch.full_like(a, p), torch.full_like(a, p + 1)
+    return torch.stack([a, plus, b, equals, (a + b) % p], dim=1)

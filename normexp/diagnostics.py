@@ -6,6 +6,9 @@
   block, and ||u_l||^2 / d of the input to the block's norm (Post-LN: u = x + F(x)). Theory:
   Post-LN's last-block gradient does not depend on the depth L, Pre-LN's shrinks like 1/sqrt(L);
   ||u||^2/d ~ 3/2 entering each Post-LN norm, ||x_l||^2/d ~ 1 + l/2 along the Pre-LN stream.
+- `layer_gradnorm_at_init(cfg)`: the same on the Transformer (Xiong et al.'s Fig. 3 proper): per
+  layer, the gradient norm of each sublayer's output projection (attention's `out`, the FFN's fc2)
+  at init, against the layer index. Xiong: growing with the layer index for Post-LN, flat for Pre-LN.
 - `norm_properties()`: the numerical facts of shared/seeds/001 measured live, each with its
   expectation and a pass/fail.
 - `norm_speed()`: forward and forward+backward time of LayerNorm and each RMSNorm kind.
@@ -28,7 +31,7 @@ from torch import nn
 
 from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep, flatten
 from normexp.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
-from normexp.train import seeded_init, torch_threads
+from normexp.train import loss_and_acc, seeded_init, torch_threads
 
 # ----------------------------------------------------------------------------- gradients at init
 
@@ -55,8 +58,8 @@ def gradnorm_at_init(cfg: RunConfig) -> list[dict[str, float | int | str]]:
         rows.append({
             "placement": cfg.norm.placement, "kind": cfg.norm.kind, "depth": cfg.model.depth, "seed": cfg.seed,
             "block": i + 1, "block_placement": block.placement,
-            "fc1_grad": block.ffn.fc1.weight.grad.norm().item(),
-            "fc2_grad": block.ffn.fc2.weight.grad.norm().item(),
+            "fc1_grad": block.branch.fc1.weight.grad.norm().item(),
+            "fc2_grad": block.branch.fc2.weight.grad.norm().item(),
             "stream_sq": _mean_sq(stream[i], d),
             "norm_in_sq": _mean_sq(norm_in[i], d) if i in norm_in else math.nan,
             "loss": loss.item(),
@@ -79,6 +82,64 @@ def fit_slope(depths: list[float], values: list[float]) -> float:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else math.nan
+
+
+def layer_gradnorm_at_init(cfg: RunConfig) -> list[dict[str, float | int | str]]:
+    """Transformer: one row per layer, the gradient norms of its attention's output projection and its
+    FFN's fc2 weight after one full-batch forward and backward of the answer loss at init."""
+    with torch_threads(cfg.train.threads):
+        model, task = seeded_init(cfg)
+        loss, _ = loss_and_acc(model(task.x), task.y, task.positions)
+        loss.backward()
+    return [{"placement": cfg.norm.placement, "kind": cfg.norm.kind, "depth": cfg.model.depth, "seed": cfg.seed,
+             "layer": i + 1, "attn_out_grad": layer.attn.branch.out.weight.grad.norm().item(),
+             "ffn_out_grad": layer.ffn.branch.fc2.weight.grad.norm().item(), "loss": loss.item()}
+            for i, layer in enumerate(model.layers)]
+
+
+GROWTH_FACTOR = 1.5  # last layer / first layer: above it "grows", below its inverse "shrinks", else "flat"
+SUBLAYERS = {"attn_out_grad": "attention out", "ffn_out_grad": "FFN fc2"}
+
+
+@dataclass(frozen=True)
+class LayerGradnorm:
+    """Per variant and sublayer: the gradient norm at each layer (mean, std over seeds), and the ratio
+    of the last layer's mean to the first's with its verdict (grows / flat / shrinks)."""
+
+    layers: list[int]
+    grads: dict[str, dict[str, list[tuple[float, float]]]]  # variant -> sublayer column -> [(mean, std)]
+
+    def ratio(self, variant: str, column: str) -> float:
+        stats = self.grads[variant][column]
+        return stats[-1][0] / stats[0][0] if stats[0][0] > 0 else math.nan
+
+    def verdict(self, variant: str, column: str) -> str:
+        return growth_verdict(self.ratio(variant, column))
+
+
+def growth_verdict(ratio: float) -> str:
+    """'grows', 'shrinks' or 'flat' for a last-to-first layer ratio (GROWTH_FACTOR either way)."""
+    if math.isnan(ratio):
+        return "undefined"
+    return "grows" if ratio > GROWTH_FACTOR else "shrinks" if ratio < 1 / GROWTH_FACTOR else "flat"
+
+
+def summarise_layer_gradnorm(rows: list[dict]) -> LayerGradnorm:
+    """Pool seeds per variant (rows' `variant`) and layer of the deepest model in the rows."""
+    depth = max(int(r["depth"]) for r in rows)
+    rows = [r for r in rows if int(r["depth"]) == depth]
+    layers = list(range(1, depth + 1))
+    grads: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for variant in dict.fromkeys(r.get("variant", r["placement"]) for r in rows):
+        mine = [r for r in rows if r.get("variant", r["placement"]) == variant]
+        grads[variant] = {}
+        for column in SUBLAYERS:
+            stats = []
+            for layer in layers:
+                values = [r[column] for r in mine if r["layer"] == layer]
+                stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
+            grads[variant][column] = stats
+    return LayerGradnorm(layers, grads)
 
 
 # ----------------------------------------------------------------------------- norm properties
@@ -297,18 +358,24 @@ def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> Gr
     return GradnormSummary(depths, last_grad, slopes, stream, norm_in, branch_gain(model) if model else None)
 
 
-def gradnorm_study(spec: Sweep, target: Path) -> GradnormSummary:
-    """Measure every run of `spec` at init; write target/gradnorm.csv (one row per block) and
-    target/gradnorm.png, and return the summary."""
-    from normexp.plot import gradnorm_figure
+def gradnorm_study(spec: Sweep, target: Path) -> GradnormSummary | LayerGradnorm:
+    """Measure every run of `spec` at init; write target/gradnorm.csv (one row per block, or per
+    Transformer layer) and target/gradnorm.png, and return the summary."""
+    from normexp.plot import gradnorm_figure, layer_gradnorm_figure
 
     keys = spec.varying_keys
-    rows = [{**row, "variant": gradnorm_variant(cfg, keys)} for cfg in spec.runs for row in gradnorm_at_init(cfg)]
+    transformer = spec.runs[0].model.arch == "transformer"  # a sweep cannot mix the two: data.task differs
+    measure = layer_gradnorm_at_init if transformer else gradnorm_at_init
+    rows = [{**row, "variant": gradnorm_variant(cfg, keys)} for cfg in spec.runs for row in measure(cfg)]
     target.mkdir(parents=True, exist_ok=True)
     with open(target / "gradnorm.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
+    if transformer:
+        layers = summarise_layer_gradnorm(rows)
+        layer_gradnorm_figure(layers).savefig(target / "gradnorm.png", dpi=120)
+        return layers
     models = {(cfg.model.init, cfg.model.hidden_mult): cfg.model for cfg in spec.runs}
     summary = summarise_gradnorm(rows, next(iter(models.values())) if len(models) == 1 else None)  # one init, or none
     gradnorm_figure(summary).savefig(target / "gradnorm.png", dpi=120)

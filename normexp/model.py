@@ -103,10 +103,10 @@ def _block_norm(placement: str, d: int, cfg: NormConfig) -> nn.Module | None:
 class Block(nn.Module):
     """One residual block; `placement` says where its norm goes (see the module docstring)."""
 
-    def __init__(self, placement: str, ffn: FFN, d: int, cfg: NormConfig, alpha: float = 1.0) -> None:
+    def __init__(self, placement: str, branch: nn.Module, d: int, cfg: NormConfig, alpha: float = 1.0) -> None:
         super().__init__()
         self.placement = placement
-        self.ffn = ffn
+        self.branch = branch  # F: the FFN here; the Transformer's sublayers are Blocks of attention or FFN
         self.norm = _block_norm(placement, d, cfg)
         self.norm_out = make_norm(d, cfg) if placement in ("sandwich", "peri") else None
         self.alpha = alpha
@@ -118,23 +118,23 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor | Streams) -> torch.Tensor | Streams:
         """x -> x; for `resdual`, the pair of streams (x_a, x_d) -> (x_a, x_d)."""
         if self.placement == "rezero":  # Bachlechner et al. 2020, "ReZero is All You Need"
-            return x + self.gate(self.ffn(x))
+            return x + self.gate(self.branch(x))
         if self.placement == "respost":  # Liu et al. 2022, Swin Transformer V2; OLMo 2 (2024)
-            return x + self.norm(self.ffn(x))
+            return x + self.norm(self.branch(x))
         if self.placement == "admin":  # Liu et al. 2020, "Understanding the Difficulty of Training Transformers"
-            return self.norm(self.omega(x) + self.ffn(x))
+            return self.norm(self.omega(x) + self.branch(x))
         if self.placement == "resdual":  # Xie et al. 2023, ResiDual: Post-LN stream and raw-branch stream
-            branch = self.ffn(x[0])
+            branch = self.branch(x[0])
             return self.norm(x[0] + branch), x[1] + branch
         if self.placement == "post":
-            return self.norm(x + self.ffn(x))
+            return self.norm(x + self.branch(x))
         if self.placement == "pre":
-            return x + self.ffn(self.norm(x))
+            return x + self.branch(self.norm(x))
         if self.placement in ("sandwich", "peri"):
-            return x + self.norm_out(self.ffn(self.norm(x)))
+            return x + self.norm_out(self.branch(self.norm(x)))
         if self.placement == "deepnorm":
-            return self.norm(self.alpha * x + self.ffn(x))
-        return x + self.ffn(x)  # none
+            return self.norm(self.alpha * x + self.branch(x))
+        return x + self.branch(x)  # none
 
     def extra_repr(self) -> str:
         return f"placement={self.placement!r}" + (f", alpha={self.alpha:.4g}" if self.alpha != 1.0 else "")
@@ -175,18 +175,25 @@ class Net(nn.Module):
 
     @torch.no_grad()
     def profile_at_init(self, x: torch.Tensor) -> None:
-        """Admin's profiling (Liu et al. 2020): one forward on the training inputs `x` with every w = 1
-        records Var[F_j] per block, then w_i = sqrt(1 + sum_{j<i} Var[F_j]). Other placements: nothing."""
-        if not all(block.placement == "admin" for block in self.blocks):
-            return
-        h, variances = self.input_norm(x), []
-        for block in self.blocks:
-            variances.append(block.ffn(h).var().item())
-            h = block(h)
-        total = 0.0
-        for block, variance in zip(self.blocks, variances):
-            block.omega.weight.fill_(math.sqrt(1.0 + total))
-            total += variance
+        """Admin's profiling on the training inputs `x` (see `profile_admin`)."""
+        profile_admin(list(self.blocks), self.input_norm(x))
+
+
+@torch.no_grad()
+def profile_admin(blocks: list[Block], h: torch.Tensor) -> None:
+    """Admin's profiling (Liu et al. 2020): one forward of `h` (the first block's input) through
+    `blocks` with every w = 1 records Var[F_j] per block, then w_i = sqrt(1 + sum_{j<i} Var[F_j]).
+    Blocks of other placements: nothing."""
+    if not all(block.placement == "admin" for block in blocks):
+        return
+    variances = []
+    for block in blocks:
+        variances.append(block.branch(h).var().item())
+        h = block(h)
+    total = 0.0
+    for block, variance in zip(blocks, variances):
+        block.omega.weight.fill_(math.sqrt(1.0 + total))
+        total += variance
 
 
 def chance_loss(n_classes: int) -> float:

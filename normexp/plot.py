@@ -33,7 +33,8 @@ from normexp.results import finished_runs, load_blocks, load_metrics, load_summa
 from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
-                 "grad_norm": "gradient norm (global L2)", "lr": "learning rate"}
+                 "grad_norm": "gradient norm (global L2)", "lr": "learning rate",
+                 "val_loss": "held-out loss (answer positions)", "val_acc": "held-out accuracy (answer positions)"}
 BLOCK_METRIC_LABELS = {  # the per-block columns of blocks.csv (normexp/blocklog.py)
     "fc1_grad": "||dLoss/dW|| of fc1", "fc2_grad": "||dLoss/dW|| of fc2",
     "fc1_update": "update ||ΔW|| / ||W|| of fc1", "fc2_update": "update ||ΔW|| / ||W|| of fc2",
@@ -222,6 +223,26 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
     right.set_title(f"hidden-state norms at init, L = {summary.depths[-1]}")
     right.grid(True, alpha=0.3)
     right.legend(fontsize="small")
+    return fig
+
+
+def layer_gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.LayerGradnorm
+    """The Transformer's gradient norm at init against the layer index, one panel per sublayer's output
+    projection, one line per variant (mean ± std over seeds): Xiong et al. 2020, Figure 3."""
+    from normexp.diagnostics import SUBLAYERS
+
+    fig, axes = plt.subplots(1, len(SUBLAYERS), figsize=(12, 4.6), layout="constrained")
+    for ax, (column, label) in zip(axes, SUBLAYERS.items()):
+        for variant, grads in summary.grads.items():
+            stats = np.array(grads[column])
+            ax.errorbar(summary.layers, stats[:, 0], yerr=stats[:, 1], marker="o", capsize=3,
+                        label=f"{variant} (last/first {summary.ratio(variant, column):.2f})")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer l")
+        ax.set_ylabel(f"||dLoss / dW|| of the {label} projection, at init")
+        ax.set_title(f"{label}: Xiong Fig. 3 (Post grows with l, Pre flat)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
     return fig
 
 

@@ -42,7 +42,7 @@ from normexp.store import SWEEP_FILE
 
 PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
                     "deepnorm": "DeepNorm", "mixln": "MixLN", "none": "NoNorm", "rezero": "ReZero",
-                    "respost": "ResPost", "resdual": "ResiDual", "admin": "Admin"}
+                    "respost": "ResPost", "resdual": "ResiDual", "admin": "Admin", "b2t": "B2T"}
 KIND_LABELS = {"layernorm": "LN", "rmsnorm": "RMS", "rmsnorm_torch": "RMSt", "rmsnorm_llama": "RMSl",
                "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale", "dyt": "DyT", "derf": "Derf"}
 TRAINED_FRACTION = 0.1  # trained: final loss under a tenth of chance, ln(n_classes) / 10
@@ -200,7 +200,9 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
                            f"(steps {min(recorded)} to {max(recorded)})")
     if not steps and recorded:  # the sweep's report steps, and always the last step trained
         steps = sorted({*(s for s in section.steps if s in recorded), max(recorded)})
-    n_classes = tuple(int(n) for n in dict.fromkeys(tidy["model.n_classes"]))
+    if metric not in tidy:
+        raise ResultsError(f"--metric {metric}: not recorded by these runs (val_loss and val_acc: sequence tasks only)")
+    n_classes = tuple(int(n) for n in dict.fromkeys(n_choices(tidy)))
     unfinished = summary[summary["run_id"].isin(unfinished_runs(summary))]
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
     columns = [_column(label, group, keys, steps, metric, missing.get(label, 0))
@@ -215,6 +217,16 @@ def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all 
         return [(everything, frame)]
     return [(variant_label(dict(zip(keys, values if isinstance(values, tuple) else (values,)))), group)
             for values, group in frame.groupby(keys, sort=False, dropna=False)]
+
+
+def n_choices(frame: pd.DataFrame) -> pd.Series:
+    """Per row, how many classes the run's loss chooses among: model.n_classes, or for a Transformer
+    (`model.arch: transformer`) its vocabulary, data.vocab. A folder from before the Transformer has
+    no model.arch column: every run is an FFN."""
+    classes = frame["model.n_classes"].astype(int)
+    if "model.arch" not in frame:
+        return classes
+    return classes.where(frame["model.arch"] != "transformer", frame["data.vocab"]).astype(int)
 
 
 def trained_threshold(n_classes: int) -> float:
@@ -243,7 +255,7 @@ def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], 
         std = float(series.std(ddof=1)) if len(series) > 1 else 0.0
         if runs:
             cells[step] = (float(series.mean()) if len(series) else math.nan, std, len(series), runs)
-    trained = int(is_trained(finals["loss"], finals["status"], finals["model.n_classes"]).sum())
+    trained = int(is_trained(finals["loss"], finals["status"], n_choices(finals)).sum())
     unit = "seeds" if group["seed"].nunique() == len(finals) else "runs"
     diverged = int((finals["status"] == "diverged").sum())
     return Column(label, values, cells, trained, len(finals), unit, diverged, missing)
@@ -429,6 +441,10 @@ def pivot_to_csv(pivot: Pivot) -> str:
 
 def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  # summary: GradnormSummary
     """Header, rows and closing lines of the gradnorm table (shared by Rich and markdown)."""
+    from normexp.diagnostics import LayerGradnorm
+
+    if isinstance(summary, LayerGradnorm):
+        return layer_gradnorm_tables(summary)
     placements = list(summary.last_grad)
     header = ["depth L", *(f"{_gradnorm_label(p)}: ||grad W2_L||" for p in placements)]
     rows = [[str(depth), *(f"{summary.last_grad[p][i][0]:.4f} ± {summary.last_grad[p][i][1]:.4f}" for p in placements)]
@@ -452,6 +468,23 @@ def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  #
     return header, rows, lines
 
 
+def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  # LayerGradnorm
+    """The Transformer's table: per layer, each variant's gradient of each sublayer's output projection;
+    then per variant the last/first ratio and its verdict."""
+    from normexp.diagnostics import GROWTH_FACTOR, SUBLAYERS
+
+    columns = [(v, c) for v in summary.grads for c in SUBLAYERS]
+    header = ["layer l", *(f"{_gradnorm_label(v)}: {SUBLAYERS[c]}" for v, c in columns)]
+    rows = [[str(layer), *(f"{summary.grads[v][c][i][0]:.4f} ± {summary.grads[v][c][i][1]:.4f}" for v, c in columns)]
+            for i, layer in enumerate(summary.layers)]
+    lines = [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
+        f"{SUBLAYERS[c]} {summary.ratio(v, c):.2f} ({summary.verdict(v, c)})" for c in SUBLAYERS)
+        for v in summary.grads]
+    lines.append(f"verdict: grows above {GROWTH_FACTOR}x, shrinks below 1/{GROWTH_FACTOR}, flat between "
+                 "(Xiong et al. Fig. 3: Post-LN grows with the layer index, Pre-LN flat)")
+    return header, rows, lines
+
+
 def _gradnorm_label(variant: str) -> str:
     """'post kind="rmsnorm"' -> 'Post kind="rmsnorm"': the placement's label, then the other axes."""
     placement, _, rest = variant.partition(" ")
@@ -469,7 +502,7 @@ def gradnorm_to_rich(summary):  # -> rich.console.Group
 
     header, rows, lines = gradnorm_tables(summary)
     table = _rich_table(header, rows, "l" + "r" * (len(header) - 1),
-                        title="gradient of the last block's fc2 weight at initialisation (mean ± std over seeds)")
+                        title="gradient norms at initialisation (mean ± std over seeds)")
     return Group(table, *(Text(line) for line in lines))
 
 

@@ -69,7 +69,8 @@ def lr_table(run_dir: str | Path) -> tuple[pd.DataFrame, list[str]]:
                            f"this sweep has {len(lrs)} ({shown})")
     tidy = load_metrics(run_dir, all_config=True)  # in the sweep's order, each run's steps in order
     runs = tidy.groupby("run_id", sort=False)
-    table = runs.head(1).set_index("run_id").drop(columns=["step", "loss", "acc", "lr", "grad_norm"])
+    metrics = ["step", "loss", "acc", "lr", "grad_norm", "val_loss", "val_acc"]  # val_*: sequence tasks only
+    table = runs.head(1).set_index("run_id").drop(columns=metrics, errors="ignore")
     table["initial"] = runs["loss"].first()
     table["final"] = runs["loss"].last()
     table["clipped"] = clipped_final(table["final"], table["initial"])

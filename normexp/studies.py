@@ -11,6 +11,8 @@ is computed from the numbers it just measured (nothing in a verdict is written i
 4. every placement x norm kind (configs/studies/placements.yaml);
 4b. learning-rate sensitivity of every placement, with and without warmup (configs/studies/lr_sensitivity.yaml);
 5. Xiong et al.'s gradients and hidden-state norms at init (configs/studies/gradnorm.yaml);
+5b. Xiong et al.'s warmup question on the tiny causal Transformer, assoc_recall
+   (configs/studies/transformer_warmup.yaml, fast engine);
 6. per-block dynamics over the first steps, Post-LN vs Pre-LN with and without warmup
    (configs/studies/blocks.yaml, `train.log_blocks`);
 7. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
@@ -35,6 +37,7 @@ from normexp.report import (
     build_report,
     gradnorm_to_markdown,
     is_trained,
+    n_choices,
     properties_to_markdown,
     sensitivity_to_markdown,
     speed_to_markdown,
@@ -42,7 +45,7 @@ from normexp.report import (
     variant_groups,
     variant_label,
 )
-from normexp.results import finished_runs, load_blocks, load_summary, missing_note
+from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note
 from normexp.sensitivity import build_sensitivity
 from normexp.sweep import SweepOptions, run_sweep
 
@@ -56,7 +59,7 @@ def _finished_summary(run_dir: Path) -> pd.DataFrame:
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
-    return is_trained(summary["final_loss"], summary["status"], summary["model.n_classes"])
+    return is_trained(summary["final_loss"], summary["status"], n_choices(summary))
 
 
 def _judged(run_dir: Path) -> pd.DataFrame:
@@ -87,12 +90,15 @@ def coverage(summary: pd.DataFrame, keys: list[str]) -> str:
             "covers only the runs of its cell that did not diverge.")
 
 
+FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
+
+
 def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, float]:
     """Run (or resume) one study's sweep; return its folder and its training time, the sum of the runs'
     recorded wall times (the same whether this call trained them or an earlier one did)."""
     config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
     spec = load_sweep(config, ["seeds=0,1"] if quick and name != "warmup" else [])
-    run_sweep(spec, out / name, SweepOptions(engine="batched"))
+    run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched"))
     return out / name, float(load_summary(out / name)["wall_s"].sum())
 
 
@@ -155,6 +161,34 @@ def lr_warmup_verdict(run_dir: Path) -> str:
                          + ".")
     return ". ".join(parts) + "." + contrast + " " + coverage(
         summary, ["norm.placement", "optim.lr", "schedule.warmup_steps"])
+
+
+def transformer_warmup_verdict(run_dir: Path) -> str:
+    """Per placement: the (lr, warmup) cells where every seed trains, where warmup rescues a learning
+    rate that fails without it, and the held-out accuracy of the trained runs."""
+    summary = _judged(run_dir)
+    finals = load_metrics(run_dir).sort_values("step").groupby("run_id").tail(1).set_index("run_id")
+    summary["val_acc"] = summary["run_id"].map(finals["val_acc"])
+    keys = ["norm.placement", "optim.lr", "schedule.warmup_steps"]
+    cells = summary.groupby(keys, sort=False)["trained"].mean()
+    parts = []
+    for placement in summary["norm.placement"].unique():
+        mine = cells[placement]
+        ok = [f"lr {lr:g} warmup {int(w)}" for (lr, w), frac in mine.items() if frac == 1.0]
+        rescued = sorted({f"lr {lr:g}" for (lr, w), frac in mine.items()
+                          if w > 0 and frac == 1.0 and mine.get((lr, 0), 1.0) < 1.0})
+        hurt = sorted({f"lr {lr:g}" for (lr, w), frac in mine.items()
+                       if w > 0 and frac < 1.0 and mine.get((lr, 0), 0.0) == 1.0})
+        trained = summary[(summary["norm.placement"] == placement) & summary["trained"]]
+        label = PLACEMENT_LABELS.get(placement, placement)
+        text = (f"{label} trains in every seed in {len(ok)} of {len(mine)} cells"
+                + (f" ({', '.join(ok)})" if ok else ""))
+        text += f"; warmup rescues it at {', '.join(rescued)}" if rescued else "; warmup rescues it nowhere"
+        text += f"; warmup stops it training in every seed at {', '.join(hurt)}" if hurt else ""
+        if len(trained):
+            text += f"; its trained runs reach held-out accuracy {trained['val_acc'].mean():.2f} on average"
+        parts.append(text)
+    return ". ".join(parts) + ". " + coverage(summary, keys)
 
 
 def depth_verdict(run_dir: Path) -> str:
@@ -338,6 +372,9 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         ("placements", "Every placement x every norm kind: which train without warmup?", None, placements_verdict),
         ("lr_sensitivity", "Which placement is least sensitive to the learning rate, with and without warmup? "
          "(Wortsman et al. 2023's yardstick: 7 learning rates 1e-4..1e-1, 60 steps)", None, lr_sensitivity_verdict),
+        ("transformer_warmup", "On a 16-layer causal Transformer (assoc_recall), where does Post-LN train, and "
+         "where does warmup rescue it? Post / Pre / B2T / DeepNorm x Adam lr x warmup, 3 seeds (fast engine)",
+         None, transformer_warmup_verdict),
         ("blocks", "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
                    "Post-LN vs Pre-LN, with and without warmup?", None, blocks_verdict),
     ]

@@ -28,12 +28,14 @@ from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
 from normexp.data import Task, make_task
 from normexp.model import Net
+from normexp.models.transformer import Transformer
 from normexp.optim import build_optimizer, lr_multiplier
 
 if TYPE_CHECKING:
     from normexp.batched import StackedOptimizer
 
 METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")
+VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
 
 
 @dataclass
@@ -61,9 +63,14 @@ class RunResult:
         self.diverged |= not finite
         return not finite and stop_on_nonfinite
 
-    def record(self, step: int, loss: float, acc: float, lr: float, grad_norm: float) -> None:
+    def record(self, step: int, loss: float, acc: float, lr: float, grad_norm: float,
+               val: tuple[float, float] | None = None) -> None:
+        """One recorded step; `val` (val_loss, val_acc) for a sequence task, whose columns then follow."""
         for column, value in zip(METRIC_COLUMNS, (step, loss, acc, lr, grad_norm)):
             self.metrics[column].append(value)
+        if val is not None:
+            for column, value in zip(VAL_COLUMNS, val):
+                self.metrics.setdefault(column, []).append(value)
 
 
 StepCallback = Callable[[int, float], None]
@@ -137,15 +144,53 @@ def flatten_parameters(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return flat
 
 
-def seeded_init(cfg: RunConfig) -> tuple[Net, Task]:
+def build_model(cfg: RunConfig) -> Net | Transformer:
+    """The run's model (`model.arch`): the article's FFN toy, or the causal Transformer."""
+    if cfg.model.arch == "transformer":
+        return Transformer(cfg.model, cfg.norm, cfg.data)
+    return Net(cfg.model, cfg.norm)
+
+
+def seeded_init(cfg: RunConfig) -> tuple[Net | Transformer, Task]:
     """The run's model and task, drawn in the article's order from `cfg.seed` (on the CPU, so every
     device and engine starts from the same weights); then Admin's profiling on the task's inputs."""
     with INIT_LOCK:
         torch.manual_seed(cfg.seed)
-        model = Net(cfg.model, cfg.norm)
+        model = build_model(cfg)
         task = make_task(cfg.data, cfg.model)
     model.profile_at_init(task.x)  # Admin only, after both draws; draws nothing itself
     return model, task
+
+
+def loss_and_acc(logits: torch.Tensor, y: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy and accuracy. Sequence tasks: logits (n, T, vocab) are read at the answer
+    `positions` only, against the answers y (n, A), every answer token counting once."""
+    if positions is not None:
+        logits, y = logits[:, positions].flatten(0, 1), y.flatten()
+    return F.cross_entropy(logits, y), (logits.argmax(-1) == y).float().mean()
+
+
+def batch_order(n_samples: int, batch_size: int, seed: int, steps: int) -> list[torch.Tensor]:
+    """The training indices of steps 0..steps with minibatches (`data.batch_size`): epochs of a fresh
+    permutation each, drawn from a generator seeded with the run's seed (not the global one, so the
+    model and task keep their draws); an epoch's incomplete last batch is dropped."""
+    generator = torch.Generator().manual_seed(seed)
+    per_epoch = n_samples // batch_size
+    order: list[torch.Tensor] = []
+    while len(order) < steps + 1:
+        perm = torch.randperm(n_samples, generator=generator)
+        order += [perm[i * batch_size:(i + 1) * batch_size] for i in range(per_epoch)]
+    return order[:steps + 1]
+
+
+@torch.no_grad()
+def validate(model: torch.nn.Module, task: Task) -> tuple[float, float] | None:
+    """(val_loss, val_acc) on the held-out split, or None for a task without one."""
+    if task.val_x is None:
+        return None
+    loss, acc = loss_and_acc(model(task.val_x), task.val_y, task.positions)
+    return loss.item(), acc.item()
 
 
 def step_lr(cfg: RunConfig, step: int) -> float:
@@ -160,26 +205,29 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         result = RunResult(threads=threads)
         model, task = seeded_init(cfg)
         model.to(device)
-        x, y = task.x.to(device), task.y.to(device)
+        task = Task(*(t.to(device) if t is not None else None for t in vars(task).values()))
+        batches = (batch_order(cfg.data.n_samples, cfg.data.batch_size, cfg.seed, cfg.train.steps)
+                   if cfg.data.batch_size is not None else None)
         params = list(model.parameters())
         optimizer = ReferenceOptimizer(params, cfg)
         blocks = BlockRecorder(model, cfg.train.log_every) if cfg.train.log_blocks else None
         steps = cfg.train.steps
         for step in range(steps + 1):
+            x, y = (task.x, task.y) if batches is None else (task.x[batches[step]], task.y[batches[step]])
             logits = model(x)
-            loss = F.cross_entropy(logits, y)
-            loss_value = loss.item()
-            acc = (logits.argmax(-1) == y).float().mean().item()
+            loss, acc_tensor = loss_and_acc(logits, y, task.positions)
+            loss_value, acc = loss.item(), acc_tensor.item()
+            val = validate(model, task)
             lr = step_lr(cfg, step)
             logged = blocks is not None and blocks.due(step)
             if result.check_loss(loss_value, cfg.train.stop_on_nonfinite):
-                result.record(step, loss_value, acc, lr, math.nan)
+                result.record(step, loss_value, acc, lr, math.nan, val)
                 if logged:
                     blocks.observe(step, [0], [False])  # activations only: no backward at this step
                 break
             optimizer.zero_grad()
             loss.backward()
-            result.record(step, loss_value, acc, lr, grad_norm(params))
+            result.record(step, loss_value, acc, lr, grad_norm(params), val)
             if logged:
                 blocks.observe(step, [0], [True])
             if on_step is not None:

@@ -122,7 +122,7 @@ def block_index(model, block) -> int:
 
 def rest_of_the_model(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Every parameter but the blocks' fc weight matrices."""
-    matrices = {id(getattr(block.ffn, name).weight) for block in model.blocks for name in ("fc1", "fc2")}
+    matrices = {id(getattr(block.branch, name).weight) for block in model.blocks for name in ("fc1", "fc2")}
     return [p for p in model.parameters() if id(p) not in matrices]
 
 
@@ -164,8 +164,8 @@ def test_update_ratio_matches_a_hand_computed_adam_step(monkeypatch):
     seen: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
 
     def on_step(step, loss):
-        seen.append({f"{i + 1}.{name}": (getattr(b.ffn, name).weight.detach().double().clone(),
-                                         getattr(b.ffn, name).weight.grad.double().clone())
+        seen.append({f"{i + 1}.{name}": (getattr(b.branch, name).weight.detach().double().clone(),
+                                         getattr(b.branch, name).weight.grad.double().clone())
                      for i, b in enumerate(models[0].blocks) for name in ("fc1", "fc2")})
 
     rows = pd.DataFrame(train_run(logging(cfg), on_step=on_step).blocks).set_index(["step", "block"])
@@ -193,7 +193,7 @@ def test_update_ratio_of_plain_sgd_is_lr_times_gradient_over_weight():
     model, _ = seeded_init(cfg)
     first = rows[rows.step == 0]
     for name in ("fc1", "fc2"):
-        weights = [getattr(b.ffn, name).weight.norm().item() for b in model.blocks]
+        weights = [getattr(b.branch, name).weight.norm().item() for b in model.blocks]
         expected = [0.5 * g / w for g, w in zip(first[f"{name}_grad"], weights)]
         assert list(first[f"{name}_update"]) == pytest.approx(expected, rel=1e-5)
 
@@ -373,7 +373,7 @@ def test_cross_entropy_is_what_the_rows_were_taken_from():
     rows = pd.DataFrame(train_run(logging(cfg)).blocks)
     model, task = seeded_init(cfg)
     F.cross_entropy(model(task.x), task.y).backward()
-    expected = torch.linalg.vector_norm(model.blocks[-1].ffn.fc2.weight.grad).item()
+    expected = torch.linalg.vector_norm(model.blocks[-1].branch.fc2.weight.grad).item()
     assert rows[(rows.step == 0) & (rows.block == 3)].fc2_grad.item() == expected
 
 

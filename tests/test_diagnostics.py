@@ -111,7 +111,8 @@ def test_studies_quick_writes_a_report(tmp_path):
 
     report = run_studies(tmp_path, quick=True, log=lambda _: None).read_text()
     for section in ("## warmup", "## lr_warmup", "## depth", "## placements", "## lr_sensitivity", "## gradnorm",
-                    "## norms"):
+                    "## norms", "## transformer_warmup"):
         assert section in report
-    assert report.count("**Verdict.**") == 7
+    assert report.count("**Verdict.**") == 9  # seven sweeps (the Transformer study among them), gradnorm, norms
+    assert "B2T trains in every seed in" in report
     assert "Ranking by LR sensitivity without warmup" in report and "LR sensitivity =" in report

@@ -42,10 +42,10 @@ def test_peri_with_input_norm_differs_from_sandwich():
 
 def test_same_seed_same_weights_whatever_the_norm():
     """Norms draw no random numbers, so every placement and kind starts from the same fc weights."""
-    reference = build("post").blocks[2].ffn.fc2.weight
+    reference = build("post").blocks[2].branch.fc2.weight
     for placement in ("pre", "sandwich", "peri", "mixln", "none"):
         for kind in ALL_KINDS:
-            assert torch.equal(build(placement, kind).blocks[2].ffn.fc2.weight, reference)
+            assert torch.equal(build(placement, kind).blocks[2].branch.fc2.weight, reference)
 
 
 def test_deepnorm_alpha_multiplies_the_residual():
@@ -53,23 +53,23 @@ def test_deepnorm_alpha_multiplies_the_residual():
     alpha, _ = deepnorm_constants(4, NormConfig(placement="deepnorm"))
     assert block.alpha == alpha == pytest.approx(8 ** 0.25)
     x = torch.randn(5, 8)
-    assert torch.equal(block(x), block.norm(alpha * x + block.ffn(x)))
+    assert torch.equal(block(x), block.norm(alpha * x + block.branch(x)))
     # not on the branch: Norm(x + alpha F(x)) is a different function
-    assert not torch.allclose(block(x), block.norm(x + alpha * block.ffn(x)), atol=1e-3)
+    assert not torch.allclose(block(x), block.norm(x + alpha * block.branch(x)), atol=1e-3)
 
 
 def test_deepnorm_beta_scales_fc_weights_at_init():
     _, beta = deepnorm_constants(4, NormConfig(placement="deepnorm"))
     assert beta == pytest.approx(32 ** -0.25)
     plain, deep = build("post"), build("deepnorm")
-    assert torch.allclose(deep.blocks[1].ffn.fc1.weight, beta * plain.blocks[1].ffn.fc1.weight)
+    assert torch.allclose(deep.blocks[1].branch.fc1.weight, beta * plain.blocks[1].branch.fc1.weight)
     assert torch.equal(deep.head.weight, plain.head.weight)  # the head is not scaled
 
 
 def test_deepnorm_overrides():
     net = build("deepnorm", deepnorm_alpha=2.0, deepnorm_beta=1.0)
     assert net.blocks[0].alpha == 2.0
-    assert torch.equal(net.blocks[0].ffn.fc1.weight, build("post").blocks[0].ffn.fc1.weight)
+    assert torch.equal(net.blocks[0].branch.fc1.weight, build("post").blocks[0].branch.fc1.weight)
 
 
 def test_mixln_is_post_then_pre():
@@ -79,7 +79,7 @@ def test_mixln_is_post_then_pre():
     x = torch.randn(3, 8)
     h = x
     for i, block in enumerate(net.blocks):
-        ffn, norm = block.ffn, block.norm
+        ffn, norm = block.branch, block.norm
         h = norm(h + ffn(h)) if i < 2 else h + ffn(norm(h))
     assert torch.equal(net(x), net.head(net.final_norm(h)))
 
@@ -87,10 +87,10 @@ def test_mixln_is_post_then_pre():
 def test_placement_forward_definitions():
     x = torch.randn(6, 8)
     for placement, expected in {
-        "post": lambda b, x: b.norm(x + b.ffn(x)),
-        "pre": lambda b, x: x + b.ffn(b.norm(x)),
-        "sandwich": lambda b, x: x + b.norm_out(b.ffn(b.norm(x))),
-        "none": lambda b, x: x + b.ffn(x),
+        "post": lambda b, x: b.norm(x + b.branch(x)),
+        "pre": lambda b, x: x + b.branch(b.norm(x)),
+        "sandwich": lambda b, x: x + b.norm_out(b.branch(b.norm(x))),
+        "none": lambda b, x: x + b.branch(x),
     }.items():
         block = build(placement).blocks[0]
         assert torch.equal(block(x), expected(block, x)), placement
@@ -106,7 +106,7 @@ def test_final_norm_off():
 def test_inits(init):
     torch.manual_seed(0)
     net = Net(ModelConfig(depth=2, width=64, init=init), NormConfig())
-    w, b = net.blocks[0].ffn.fc1.weight, net.blocks[0].ffn.fc1.bias
+    w, b = net.blocks[0].branch.fc1.weight, net.blocks[0].branch.fc1.bias
     xavier_std = math.sqrt(2 / (64 + 256))
     if init == "torch_default":
         assert b.abs().sum() > 0  # nn.Linear's own init draws biases

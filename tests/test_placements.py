@@ -42,7 +42,7 @@ def test_rezero_is_the_identity_at_init_and_scales_the_branch_by_its_scalar():
     block = net.blocks[1]
     with torch.no_grad():
         block.gate.weight.fill_(0.3)
-    assert torch.equal(block(x), x + 0.3 * block.ffn(x))
+    assert torch.equal(block(x), x + 0.3 * block.branch(x))
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -58,8 +58,8 @@ def test_respost_normalises_the_branch_only(kind):
     block = build("respost", kind).blocks[2]
     x = inputs()
     fresh = make_norm(8, NormConfig(kind=kind))  # ones: the norm's own init (OLMo 2)
-    assert torch.equal(block(x), x + fresh(block.ffn(x)))
-    assert not torch.allclose(block(x), block.norm(x + block.ffn(x)), atol=1e-3)  # not Post-LN
+    assert torch.equal(block(x), x + fresh(block.branch(x)))
+    assert not torch.allclose(block(x), block.norm(x + block.branch(x)), atol=1e-3)  # not Post-LN
 
 
 def test_resdual_output_is_the_two_stream_formula():
@@ -67,7 +67,7 @@ def test_resdual_output_is_the_two_stream_formula():
     x = inputs()
     x_a, x_d = x, torch.zeros_like(x)
     for block in net.blocks:
-        f = block.ffn(x_a)
+        f = block.branch(x_a)
         x_a, x_d = block.norm(x_a + f), x_d + f
     expected = net.head(net.final_norm(x_a + net.dual_norm(x_d)))
     assert torch.equal(net(x), expected)
@@ -83,7 +83,7 @@ def test_admin_omega_after_profiling_matches_the_variance_sum_by_hand():
     h, variances = task.x, []
     with torch.no_grad():
         for block in net.blocks:
-            f = block.ffn(h)
+            f = block.branch(h)
             variances.append(float(((f - f.mean()) ** 2).sum() / (f.numel() - 1)))
             h = block.norm(h + f)
     for i, block in enumerate(net.blocks):
@@ -93,7 +93,7 @@ def test_admin_omega_after_profiling_matches_the_variance_sum_by_hand():
     assert torch.equal(net.blocks[0].omega.weight, torch.ones(8))
     x = inputs()
     block = net.blocks[3]
-    assert torch.equal(block(x), block.norm(block.omega.weight * x + block.ffn(x)))
+    assert torch.equal(block(x), block.norm(block.omega.weight * x + block.branch(x)))
 
 
 def test_admin_profiling_draws_nothing_and_leaves_the_seed_weights():
@@ -105,7 +105,8 @@ def test_admin_profiling_draws_nothing_and_leaves_the_seed_weights():
     assert torch.equal(after, torch.rand(3))
     assert torch.equal(admin_task.x, post_task.x) and torch.equal(admin_task.y, post_task.y)
     for a, b in zip(admin_net.blocks, post_net.blocks):
-        assert torch.equal(a.ffn.fc1.weight, b.ffn.fc1.weight) and torch.equal(a.ffn.fc2.weight, b.ffn.fc2.weight)
+        assert torch.equal(a.branch.fc1.weight, b.branch.fc1.weight)
+        assert torch.equal(a.branch.fc2.weight, b.branch.fc2.weight)
     assert torch.equal(admin_net.head.weight, post_net.head.weight)
 
 
@@ -116,7 +117,7 @@ def test_new_placements_and_kinds_keep_the_seed_weights(placement, kind):
     placement or kind draws a random number. (DeepNorm rescales its fc weights by design.)"""
     reference, after_reference = build("pre"), torch.rand(4)
     net, after = build(placement, kind), torch.rand(4)
-    assert torch.equal(net.blocks[2].ffn.fc2.weight, reference.blocks[2].ffn.fc2.weight)
+    assert torch.equal(net.blocks[2].branch.fc2.weight, reference.blocks[2].branch.fc2.weight)
     assert torch.equal(net.head.weight, reference.head.weight)
     assert torch.equal(after, after_reference)
 

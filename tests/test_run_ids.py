@@ -51,7 +51,7 @@ def test_every_key_of_release_0_1_is_still_hashed() -> None:
 
 def _with_a_new_key() -> type[RunConfig]:
     """RunConfig as a later release might grow it: a defaulted key in a section and a new section."""
-    model = create_model("ModelWithArch", __base__=ModelConfig, arch=(str, "ffn"))
+    model = create_model("ModelWithActivation", __base__=ModelConfig, activation=(str, "relu"))
     extra = create_model("LoggingConfig", __base__=ModelConfig.__bases__[0], every=(int, 1))
     return create_model("RunConfigLater", __base__=RunConfig, model=(model, model()), logging=(extra, extra()))
 
@@ -65,7 +65,7 @@ def test_a_key_added_at_its_default_keeps_the_id() -> None:
 def test_a_key_added_and_set_away_from_its_default_changes_the_id() -> None:
     later = _with_a_new_key()
     base = config_hash(later())
-    assert config_hash(later.model_validate({"model": {"arch": "transformer"}})) != base
+    assert config_hash(later.model_validate({"model": {"activation": "gelu"}})) != base
     assert config_hash(later.model_validate({"logging": {"every": 5}})) != base
 
 
@@ -81,3 +81,14 @@ def test_the_placement_keys_enter_the_hash_only_off_their_declared_default() -> 
     zeros = base.model_copy(update={"norm": base.norm.model_copy(update={"output_norm_init": "zeros"})})
     alpha = base.model_copy(update={"norm": base.norm.model_copy(update={"dyt_alpha0": 1.0})})
     assert len({config_hash(base), config_hash(zeros), config_hash(alpha)}) == 3
+
+
+def test_the_transformer_keys_enter_the_hash_only_off_their_declared_default() -> None:
+    """model.arch, model.n_heads and the sequence tasks' data keys came after 0.1."""
+    added = {"model.arch", "model.n_heads", "data.vocab", "data.seq_len", "data.n_val", "data.batch_size"}
+    assert added.isdisjoint(HASHED_SINCE_0_1)
+    explicit = RunConfig.model_validate({"model": {"arch": "ffn", "n_heads": 4}})
+    assert config_hash(explicit) == config_hash(RunConfig())
+    transformer = RunConfig.model_validate({"model": {"arch": "transformer"}, "data": {"task": "copy"}})
+    assert hashed_config(transformer)["model"]["arch"] == "transformer"
+    assert "n_heads" not in hashed_config(transformer)["model"]

@@ -8,6 +8,9 @@
   `torch.func.functional_call` on a parameter-less copy, so every placement and norm kind trains here
   without a second definition.
 - Each run starts exactly as the reference starts it (`seeded_init`: same weights, same data).
+- The Transformer (`model.arch: transformer`) trains here the same way: token inputs, the loss read
+  at the answer positions, the held-out split evaluated every step (val_loss, val_acc), and
+  minibatches (`data.batch_size`) gathered per run from the reference's seeded order.
 - Adam, AdamW, RAdam and SGD (momentum) are written as a few element-wise tensor ops with per-run
   learning rate, betas, eps, weight decay and momentum; schedules vary per run. RAdam's rectification
   is decided per run per step.
@@ -39,11 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, stack_module_state, vmap
 
-from normexp.config import OptimConfig, RunConfig
-from normexp.train import RunResult, seeded_init, step_lr, torch_threads
+from normexp.config import OptimConfig, RunConfig, sequence_shape
+from normexp.train import RunResult, batch_order, loss_and_acc, seeded_init, step_lr, torch_threads
 
 MAX_CHUNK = 64  # runs per batch; larger batches gain little on a CPU and hold more activations
 COMPILE_ESTIMATE_S = 60.0  # a cold compile of the article's step on 2 CPU cores
@@ -71,6 +73,9 @@ def model_step_flops(cfg: RunConfig) -> float:
     """FLOPs of one training step of one run: the forward matmuls, times 3 (forward and backward)."""
     n, d, depth = cfg.data.n_samples, cfg.model.width, cfg.model.depth
     hidden = d * cfg.model.hidden_mult
+    if cfg.model.arch == "transformer":  # per token: FFN, q k v out, scores and mixing; the head
+        t = sequence_shape(cfg.data).seq_len - 1
+        return 3 * 2 * n * t * (depth * (2 * d * hidden + 4 * d * d + 2 * t * d) + d * cfg.data.vocab)
     return 3 * 2 * n * (2 * d * hidden * depth + d * cfg.model.n_classes)
 
 
@@ -206,43 +211,70 @@ def radam_rectification(beta2: float, t: int) -> tuple[float, float]:
 
 @dataclass
 class Batch:
-    """R runs stacked: parameters by name, (R, ...) each; data x (R, n, d) and y (R, n)."""
+    """R runs stacked: parameters by name, (R, ...) each; data x (R, n, d) and y (R, n), or for a
+    sequence task tokens x (R, n, T), answers y (R, n, A), the answer positions (A,), the held-out
+    split, and with minibatches each step's indices (steps + 1, R, batch_size)."""
 
     params: Tensors
     x: torch.Tensor
     y: torch.Tensor
+    positions: torch.Tensor | None = None
+    val_x: torch.Tensor | None = None
+    val_y: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    def step_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (x, y) each run trains on at `step`: everything, or its own minibatch."""
+        if self.order is None:
+            return self.x, self.y
+        runs = torch.arange(len(self.x), device=self.x.device)[:, None]
+        return self.x[runs, self.order[step]], self.y[runs, self.order[step]]
 
 
 def stack_runs(runs: Sequence[RunConfig], device: str) -> tuple[torch.nn.Module, Batch]:
     """Each run's model and task from `seeded_init` (the reference's draws), stacked on `device`;
     returns the parameter-less ("meta") model that `functional_call` runs, and the batch."""
-    nets, xs, ys = [], [], []
-    for cfg in runs:
-        net, task = seeded_init(cfg)
-        nets.append(net)
-        xs.append(task.x)
-        ys.append(task.y)
-    params, _ = stack_module_state(nets)  # the toy model has no buffers
+    nets, tasks = zip(*(seeded_init(cfg) for cfg in runs))
+    params, _ = stack_module_state(list(nets))  # neither model has buffers
     params = {k: p.detach().to(device) for k, p in params.items()}
     base = copy.deepcopy(nets[0]).to("meta")
-    return base, Batch(params, torch.stack(xs).to(device), torch.stack(ys).to(device))
+
+    def stacked(name: str) -> torch.Tensor | None:
+        values = [getattr(task, name) for task in tasks]
+        return None if values[0] is None else torch.stack(values).to(device)
+
+    first = runs[0]
+    order = None
+    if first.data.batch_size is not None:
+        per_run = [batch_order(cfg.data.n_samples, cfg.data.batch_size, cfg.seed, cfg.train.steps) for cfg in runs]
+        order = torch.stack([torch.stack(steps) for steps in zip(*per_run)]).to(device)
+    positions = tasks[0].positions.to(device) if tasks[0].positions is not None else None
+    return base, Batch(params, stacked("x"), stacked("y"), positions, stacked("val_x"), stacked("val_y"), order)
 
 
 GradStep = Callable[[Tensors, torch.Tensor, torch.Tensor], tuple[Tensors, torch.Tensor]]
+ValStep = Callable[[Tensors, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def make_grad_step(base: torch.nn.Module) -> GradStep:
-    """The batch's gradient step: (params, x, y) -> (grads by name, metrics (3, R): loss, acc, grad
-    norm per run). The model is `base`'s own forward(), vmapped over the run axis."""
+def make_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None) -> ValStep:
+    """One run's (loss, acc) from its parameters and data: `base`'s own forward(), the reference's loss."""
 
     def loss_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = functional_call(base, params, (x,))
-        return F.cross_entropy(logits, y), (logits.argmax(-1) == y).float().mean()
+        return loss_and_acc(functional_call(base, params, (x,)), y, positions)
 
-    grad_fn = vmap(grad_and_value(loss_fn, has_aux=True))
+    return loss_fn
+
+
+def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None) -> GradStep:
+    """The batch's gradient step: (params, x, y) -> (grads by name, metrics (3, R): loss, acc, grad
+    norm per run). The model is `base`'s own forward(), vmapped over the run axis."""
+    grad_fn = vmap(grad_and_value(make_loss_fn(base, positions), has_aux=True))
 
     def grad_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
         grads, (loss, acc) = grad_fn(params, x, y)
+        # vmap may hand back a strided gradient (the position embedding's is); the fused Adam kernel
+        # reads its tensors as contiguous, so give it contiguous ones (a no-op for the others)
+        grads = {name: g.contiguous() for name, g in grads.items()}
         per_tensor = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads.values()]
         norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)  # clip_grad_norm_'s norm
         return grads, torch.stack([loss, acc, norms])
@@ -283,18 +315,25 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunRe
     stop_on_nonfinite = first.train.stop_on_nonfinite
     with torch_threads(first.train.threads) as threads:
         base, batch = stack_runs(runs, device)
-        grad_step = _compiled(first, base, batch.x.device) if compiled else make_grad_step(base)
+        grad_step = (_compiled(first, base, batch.x.device, batch.positions) if compiled
+                     else make_grad_step(base, batch.positions))
+        val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
         results = [RunResult(threads=threads, engine="fast") for _ in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
         steps = first.train.steps
         for step in range(steps + 1):
-            grads, metrics = grad_step(batch.params, batch.x, batch.y)
+            grads, metrics = grad_step(batch.params, *batch.step_data(step))
             lrs = [step_lr(cfg, step) for cfg in runs]
+            vals = [None] * len(runs)
+            if val_step is not None:
+                with torch.no_grad():
+                    held_out = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
+                vals = [tuple(v) for v in held_out.t().tolist()]
             for r, (loss, acc, norm) in enumerate(metrics.t().tolist()):
                 if live[r]:
                     stop = results[r].check_loss(loss, stop_on_nonfinite)
-                    results[r].record(step, loss, acc, lrs[r], math.nan if stop else norm)
+                    results[r].record(step, loss, acc, lrs[r], math.nan if stop else norm, vals[r])
                     live[r] = not stop
             if not any(live):
                 break
@@ -311,12 +350,13 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunRe
 _COMPILED: dict[tuple, GradStep] = {}
 
 
-def _compiled(cfg: RunConfig, base: torch.nn.Module, device: torch.device) -> GradStep:
+def _compiled(cfg: RunConfig, base: torch.nn.Module, device: torch.device,
+              positions: torch.Tensor | None) -> GradStep:
     """The compiled gradient step of runs shaped like `cfg` on `device`, for batches of MAX_CHUNK runs
     (vmap specialises the run axis, so `train_fast` pads smaller batches). Compile errors surface at
     the first call."""
     key = (cfg.model, cfg.norm, cfg.data, str(device))
     if key not in _COMPILED:
         compile_cache_dir()
-        _COMPILED[key] = torch.compile(make_grad_step(base), dynamic=False)
+        _COMPILED[key] = torch.compile(make_grad_step(base, positions), dynamic=False)
     return _COMPILED[key]

@@ -1,0 +1,129 @@
+"""A tiny causal Transformer decoder (`model.arch: transformer`), built from the FFN toy's own `Block`.
+
+    tokens (n, T) -> token + learned position embedding -> [input norm, Peri-LN only]
+                  -> N x Layer -> final norm -> head -> logits (n, T, vocab)
+    Layer:  x -> Block(placement, attention) -> Block(placement, FFN)
+
+- Each sublayer is a `Block` of normexp/model.py with the run's placement, so every placement is
+  applied per sublayer exactly as `Block.forward` defines it (Post-LN: x = Norm(x + Attn(x));
+  x = Norm(x + FFN(x)); Pre-LN: x = x + Attn(Norm(x)); ...), with no second definition. Mix-LN picks
+  the placement per layer (both sublayers alike); ResiDual's (x_a, x_d) streams pass through every
+  sublayer, Norm_d at the end; Admin profiles every sublayer in order.
+- B2T (Takase et al. 2023, "B2T Connection") is the one layer-level placement: Post-LN sublayers plus
+  a skip from the layer's input to its last norm, `h = Norm(x + Attn(x)); out = Norm(x + h + FFN(h))`.
+- DeepNorm for a decoder of N layers (Wang et al. 2022): alpha = (2N)^(1/4), and beta = (8N)^(-1/4)
+  scales the FFN's weights and the attention's value and output projections (not queries and keys).
+- Attention is written out (scores, causal mask, softmax) so that torch.func's vmap (the fast
+  engine) sees plain tensor ops.
+
+Random draws, in order: token and position embeddings (N(0, 0.02^2), GPT-2's), then per layer the
+attention's q, k, v, out and the FFN's fc1, fc2 (`make_linear`: default init, then xavier), then the
+head. Norms draw nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from normexp.config import DataConfig, ModelConfig, NormConfig, sequence_shape
+from normexp.model import FFN, Block, block_placements, deepnorm_constants, make_linear, profile_admin
+from normexp.norms import make_norm
+
+EMBEDDING_STD = 0.02  # GPT-2's embedding init
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t sees positions <= t: (n, T, d) -> (n, T, d)."""
+
+    def __init__(self, d: int, n_heads: int, model: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v, self.out = (make_linear(d, d, model.init) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = (self._heads(proj(x)) for proj in (self.q, self.k, self.v))  # (n, heads, T, d / heads)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.n_heads)  # (n, heads, T, T)
+        future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(n, t, d))
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        return x.view(n, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+
+
+class Layer(nn.Module):
+    """One decoder layer: an attention sublayer, then an FFN sublayer, each a `Block`."""
+
+    def __init__(self, attn: Block, ffn: Block, b2t: bool) -> None:
+        super().__init__()
+        self.attn, self.ffn, self.b2t = attn, ffn, b2t
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | tuple:
+        if self.b2t:  # Takase et al. 2023: Post-LN, plus the layer input skipped to the last norm
+            h = self.attn.norm(x + self.attn.branch(x))
+            return self.ffn.norm(x + h + self.ffn.branch(h))
+        return self.ffn(self.attn(x))
+
+
+class Transformer(nn.Module):
+    """The causal decoder, from its model and norm config sections and the task's vocabulary and
+    sequence length (`data.vocab`, `sequence_shape(data)`)."""
+
+    def __init__(self, model: ModelConfig, norm: NormConfig, data: DataConfig) -> None:
+        super().__init__()
+        d, depth, vocab = model.width, model.depth, data.vocab
+        b2t = norm.placement == "b2t"
+        placements = ["post"] * depth if b2t else block_placements(depth, norm)
+        alpha, beta = deepnorm_constants(depth, norm) if norm.placement == "deepnorm" else (1.0, 1.0)
+        self.token = nn.Embedding(vocab, d)
+        self.position = nn.Embedding(sequence_shape(data).seq_len - 1, d)
+        for embedding in (self.token, self.position):
+            nn.init.normal_(embedding.weight, std=EMBEDDING_STD)
+        layers = []
+        for placement in placements:
+            attention = CausalSelfAttention(d, model.n_heads, model)
+            hidden = model.hidden_mult * d
+            ffn = FFN(make_linear(d, hidden, model.init), make_linear(hidden, d, model.init))
+            if beta != 1.0:  # DeepNet: v, out and the FFN, not q and k
+                with torch.no_grad():
+                    for linear in (attention.v, attention.out, ffn.fc1, ffn.fc2):
+                        linear.weight.mul_(beta)
+            attn_block = Block(placement, attention, d, norm, alpha)
+            ffn_block = Block(placement, ffn, d, norm, alpha)
+            layers.append(Layer(attn_block, ffn_block, b2t))
+        self.layers = nn.ModuleList(layers)
+        peri_input = norm.placement == "peri" and norm.peri_input_norm
+        self.input_norm = make_norm(d, norm) if peri_input else nn.Identity()
+        self.final_norm = make_norm(d, norm) if model.final_norm else nn.Identity()
+        self.head = make_linear(d, vocab, model.init)
+        self.dual_norm = make_norm(d, norm) if norm.placement == "resdual" else None  # ResiDual's Norm_d
+
+    @property
+    def sublayers(self) -> list[Block]:
+        """Every sublayer in order: layer 1's attention, layer 1's FFN, layer 2's attention, ..."""
+        return [block for layer in self.layers for block in (layer.attn, layer.ffn)]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(n, T) token ids -> (n, T, d): token plus position embedding, then Peri-LN's input norm."""
+        positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        return self.input_norm(self.token(tokens) + self.position(positions))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.dual_norm is not None:  # ResiDual: (x_a, x_d), x_d the sum of raw sublayer outputs
+            x = (x, torch.zeros_like(x))
+        for layer in self.layers:
+            x = layer(x)
+        if self.dual_norm is not None:
+            x = x[0] + self.dual_norm(x[1])
+        return self.head(self.final_norm(x))
+
+    @torch.no_grad()
+    def profile_at_init(self, tokens: torch.Tensor) -> None:
+        """Admin's profiling over every sublayer in order, on the training tokens (normexp/model.py)."""
+        profile_admin(self.sublayers, self.embed(tokens))
