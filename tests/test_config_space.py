@@ -258,8 +258,11 @@ def _trained_alike(a: RunConfig, b: RunConfig) -> bool:
             and torch.equal(nets[0](x), nets[1](x)))
 
 
+FFN_PLACEMENTS = [p for p in get_args(Placement) if p != "b2t"]  # b2t needs two sublayers: the Transformer's
+
+
 @settings(max_examples=60, deadline=None)
-@given(placement=st.sampled_from(get_args(Placement)), kind=st.sampled_from(get_args(NormKind)),
+@given(placement=st.sampled_from(FFN_PLACEMENTS), kind=st.sampled_from(get_args(NormKind)),
        key=st.sampled_from(sorted(ACTS_ONLY_UNDER)), seed=st.integers(0, 3))
 def test_configs_that_train_alike_share_one_id(placement: str, kind: str, key: str, seed: int):
     """Setting a key that the run's placement or kind does not use gives the same run (same id, one
