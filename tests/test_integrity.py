@@ -158,8 +158,8 @@ def test_report_pivot_and_plot_survive_damage_without_tracebacks(sweep_dir, tmp_
     shutil.rmtree(second)
     for args in (["report", out], ["report", out, "--pivot", "optim.lr,norm.placement"],
                  ["plot", out, "-o", tmp_path / "p.png"]):
-        result = normexp(*args)
-        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+        result = normexp(*args)  # what exists is printed; the exit code says runs are missing
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
         assert "2 runs missing, failed or corrupt" in result.output and "normexp verify" in result.output
 
 
