@@ -10,7 +10,9 @@ state); the headline is the median over repeats of each pair's ratio, and the sw
 most 0.6x the article script's time.
 Both sides print their losses; the sweep writes its run folders and prints its table as a user sees
 it (into a temporary folder, `--force`). The load average is printed next to the figures, since other
-work on the machine slows both sides. Nothing here asserts a number.
+work on the machine slows both sides. Both sides run with the threading defaults normexp sets
+(OMP_WAIT_POLICY, MKL_DYNAMIC): under load, a spinning OpenMP default would slow the article side alone.
+Nothing here asserts a number.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import normexp  # noqa: F401 - sets torch's threading defaults in os.environ, which both sides inherit
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.6
@@ -41,7 +45,7 @@ for placement in ("Post", "Pre"):
 
 def commands(out_dir: Path, also: Path | None) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Each side's command line and environment."""
-    env = dict(os.environ)
+    env = dict(os.environ)  # normexp's threading defaults included: both sides wait and thread alike
     sweep = [sys.executable, "-m", "normexp", "sweep", str(REPO / "configs" / "warmup.yaml"), "--force"]
     sides = {
         "article script": ([sys.executable, "-c", ARTICLE_SCRIPT.format(tests=str(REPO / "tests"))], env),
@@ -73,6 +77,7 @@ def main() -> None:
                 times[name].append(time_once(command, env))
         load_after = os.getloadavg()[0]
     article = statistics.median(times["article script"])
+    print(f"both sides with OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, MKL_DYNAMIC={os.environ['MKL_DYNAMIC']}")
     print(f"configs/warmup.yaml end to end, fresh processes, {args.repeats} alternated repeats "
           f"(load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} CPUs)")
     for name, values in times.items():
