@@ -28,9 +28,9 @@ from unittest import mock
 import normexp  # noqa: F401 - before torch: torch's threads wait as under the normexp command
 import torch
 
-from normexp.batched import plan_batches, stack_nets, train_batch
+from normexp.engines.batched import plan_batches, stack_nets, train_batch
 from normexp.config import OptimConfig, RunConfig
-from normexp.train import seeded_init, train_run
+from normexp.engines.reference import seeded_init, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,8 +73,8 @@ def max_loss_change(runs: list[RunConfig], reference: list[list[float]], variant
     for cfg, base in zip(runs, reference):
         if variant == "fused-adam":
             # no optimizer replayed: the reference engine then builds torch's (here fused) Adam
-            with mock.patch("normexp.batched.REPLAYED_OPTIMIZERS", ()), \
-                    mock.patch("normexp.train.build_optimizer", fused_adam):
+            with mock.patch("normexp.engines.batched.REPLAYED_OPTIMIZERS", ()), \
+                    mock.patch("normexp.engines.reference.build_optimizer", fused_adam):
                 other = train_run(cfg).losses
         else:
             other = train_run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": 1})})).losses
@@ -142,7 +142,7 @@ def rss_of_big_grid(n_runs: int) -> float:
     code = (
         "import resource\n"
         "from normexp.config import RunConfig\n"
-        "from normexp.batched import plan_batches, stack_nets, train_batch\n"
+        "from normexp.engines.batched import plan_batches, stack_nets, train_batch\n"
         f"runs = [RunConfig.model_validate({{'train': {{'steps': 2}}, 'seed': s}}) for s in range({n_runs})]\n"
         "batches, alone = plan_batches(runs)\n"
         "assert not alone\n"

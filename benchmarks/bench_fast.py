@@ -37,7 +37,7 @@ import torch
 
 from normexp.config import RunConfig
 from normexp.engines.fast import plan_fast, train_fast
-from normexp.train import RunResult, train_run
+from normexp.engines.reference import RunResult, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 CHANCE_TENTH = math.log(10) / 10  # the report's trained rule: final loss under a tenth of chance

@@ -176,8 +176,8 @@ def _import_engines(options: SweepOptions) -> None:
     """Load what the sweep will need (seconds for torch, and for Dask), while a signal simply exits."""
     import torch  # noqa: F401
 
-    import normexp.batched  # noqa: F401
-    import normexp.train  # noqa: F401
+    import normexp.engines.batched  # noqa: F401
+    import normexp.engines.reference  # noqa: F401
 
     if options.cluster:
         try:

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep, flatten
-from normexp.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
-from normexp.train import loss_and_acc, seeded_init, torch_threads
+from normexp.engines.reference import loss_and_acc, seeded_init, torch_threads
+from normexp.models.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
 
 # ----------------------------------------------------------------------------- gradients at init
 

@@ -77,7 +77,7 @@ def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int
         return [unit([cfg], False) for cfg in runs]
     if engine == "fast":
         return _plan_fast_units(runs, device, threads, compile)
-    from normexp.batched import plan_batches
+    from normexp.engines.batched import plan_batches
 
     batches, alone = plan_batches(runs)
     return [unit(batch, True) for batch in batches] + [unit([cfg], False) for cfg in alone]
@@ -107,7 +107,7 @@ def run_unit(unit: WorkUnit) -> UnitResult:
     torch.set_num_threads(unit.threads)
     runs = unit.runs
     if unit.batched:
-        from normexp.batched import train_batch
+        from normexp.engines.batched import train_batch
         from normexp.engines.fast import train_fast
 
         try:
@@ -123,7 +123,7 @@ def _run_alone(runs: Sequence[RunConfig], device: str) -> tuple[FinishedRun | st
     A batch that raised is retried this way: the reference engine gives the batched engine's bits,
     so the batch-mates of a bad run finish with the numbers they would have had, and only the
     culprit is recorded as failed."""
-    from normexp.train import train_run
+    from normexp.engines.reference import train_run
 
     outcomes: list[FinishedRun | str] = []
     for cfg in runs:

@@ -7,7 +7,7 @@ import torch
 from article_toy import ARTICLE_TABLE, train_losses
 
 from normexp.config import RunConfig
-from normexp.train import train_run
+from normexp.engines.reference import train_run
 
 ARTICLE_VARIANTS = [("Post", "LN"), ("Post", "RMS"), ("Pre", "LN"), ("Pre", "RMS")]
 KIND = {"LN": "layernorm", "RMS": "rmsnorm"}

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from torch import nn
 from typer.testing import CliRunner
 
-from normexp import batched
-from normexp.batched import StackedLinear, plan_batches, train_batch
 from normexp.cli import app
 from normexp.config import RunConfig
+from normexp.engines import batched
+from normexp.engines.batched import StackedLinear, plan_batches, train_batch
+from normexp.engines.reference import train_run
 from normexp.results import load_metrics, load_summary
-from normexp.train import train_run
 
 ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
 ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]

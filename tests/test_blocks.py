@@ -16,15 +16,15 @@ from test_batched import ALL_KINDS, ALL_PLACEMENTS, exact, runs
 from test_run_ids import PLACEMENT_IDS, WARMUP_IDS
 from typer.testing import CliRunner
 
-from normexp import train
-from normexp.batched import plan_batches, train_batch
 from normexp.blocklog import BLOCK_COLUMNS
 from normexp.cli import app
 from normexp.config import ConfigError, RunConfig, load_sweep
+from normexp.engines import reference
+from normexp.engines.batched import plan_batches, train_batch
+from normexp.engines.reference import seeded_init, train_run
 from normexp.plot import BLOCK_METRIC_LABELS
 from normexp.results import _EXACT, ResultsError, load_blocks, load_metrics
 from normexp.store import config_hash, run_id
-from normexp.train import seeded_init, train_run
 
 runner = CliRunner()
 
@@ -134,7 +134,7 @@ def capture_model(monkeypatch) -> list[torch.nn.Module]:
         models.append(model)
         return model, task
 
-    monkeypatch.setattr(train, "seeded_init", init)
+    monkeypatch.setattr(reference, "seeded_init", init)
     return models
 
 

@@ -246,7 +246,7 @@ def _trained_alike(a: RunConfig, b: RunConfig) -> bool:
     """Both configs build the same network from the same seed and it computes the same outputs."""
     import torch
 
-    from normexp.model import Net
+    from normexp.models.ffn import Net
 
     nets = []
     for cfg in (a, b):

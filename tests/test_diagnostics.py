@@ -17,7 +17,7 @@ from normexp.diagnostics import (
     norm_speed,
     summarise_gradnorm,
 )
-from normexp.train import train_run
+from normexp.engines.reference import train_run
 
 runner = CliRunner()
 

@@ -119,12 +119,12 @@ def _seeds_unit(threads: int = 1) -> WorkUnit:
 
 
 def test_a_failing_run_does_not_fail_its_batch_mates(monkeypatch):
-    import normexp.batched
-    import normexp.train
+    import normexp.engines.batched
+    import normexp.engines.reference
 
     unit = _seeds_unit()
     batched = run_unit(unit)  # the batch's own numbers, before anything fails
-    real_train_run = normexp.train.train_run
+    real_train_run = normexp.engines.reference.train_run
 
     def fail_batch(runs, device="cpu"):
         raise ZeroDivisionError("float division by zero")
@@ -134,8 +134,8 @@ def test_a_failing_run_does_not_fail_its_batch_mates(monkeypatch):
             raise ZeroDivisionError("float division by zero")
         return real_train_run(cfg, **kwargs)
 
-    monkeypatch.setattr(normexp.batched, "train_batch", fail_batch)
-    monkeypatch.setattr(normexp.train, "train_run", fail_seed_1)
+    monkeypatch.setattr(normexp.engines.batched, "train_batch", fail_batch)
+    monkeypatch.setattr(normexp.engines.reference, "train_run", fail_seed_1)
     result = run_unit(unit)
     assert isinstance(result.outcomes[1], str) and "ZeroDivisionError" in result.outcomes[1]
     for i in (0, 2):

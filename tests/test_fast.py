@@ -18,9 +18,9 @@ from normexp.cli import app
 from normexp.config import OptimConfig, RunConfig
 from normexp.engines import fast
 from normexp.engines.fast import FastOptimizer, compile_pays, hyper_groups, plan_fast, should_compile, train_fast
+from normexp.engines.reference import train_run
 from normexp.executors import plan_units
 from normexp.results import load_summary
-from normexp.train import train_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_fast import compare, contract_holds, stable_grid, unstable_grid, with_threads  # noqa: E402

@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from normexp import train
 from normexp.cli import app
 from normexp.config import MAX_ERROR_LINES, MAX_YAML_NODES, ConfigError, build_sweep, parse_yaml
+from normexp.engines import reference
 from normexp.report import number
 from normexp.results import load_metrics
 
@@ -218,14 +218,14 @@ def test_a_second_sweep_of_another_config_into_one_folder_is_refused(finished, w
 
 
 def test_quiet_still_prints_failed_runs(write_yaml, tmp_path, monkeypatch):
-    real = train.train_run
+    real = reference.train_run
 
     def train_run(cfg, **kwargs):
         if cfg.seed == 1:
             raise RuntimeError("boom")
         return real(cfg, **kwargs)
 
-    monkeypatch.setattr(train, "train_run", train_run)
+    monkeypatch.setattr(reference, "train_run", train_run)
     config = write_yaml(TINY + "seeds: [0, 1]\n")
     result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "-q", "--engine", "reference"])
     assert result.exit_code == 1

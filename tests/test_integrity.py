@@ -383,17 +383,17 @@ def test_any_truncation_or_byte_flip_of_a_run_file_is_detected(fake_sweep, tmp_p
 
 
 def test_force_keeps_a_finished_result_if_the_rerun_fails(sweep_dir, monkeypatch):
-    from normexp import train
+    from normexp.engines import reference
 
     config, out = sweep_dir
     before = snapshot(out)
-    real = train.train_run
-    monkeypatch.setattr(train, "train_run", lambda cfg, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+    real = reference.train_run
+    monkeypatch.setattr(reference, "train_run", lambda cfg, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
     result = normexp("sweep", config, "--out", out, "--force", "--engine", "reference")
     assert result.exit_code == 1 and "the earlier finished result is kept" in result.output
     assert {k: v for k, v in snapshot(out).items() if not k.startswith("summary")} == {
         k: v for k, v in before.items() if not k.startswith("summary")}
-    monkeypatch.setattr(train, "train_run", real)
+    monkeypatch.setattr(reference, "train_run", real)
     assert normexp("verify", out).exit_code == 0
 
 

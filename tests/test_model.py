@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from normexp.config import ModelConfig, NormConfig, RunConfig
-from normexp.model import Block, Net, block_placements, deepnorm_constants
-from normexp.norms import make_norm
-from normexp.train import train_run
+from normexp.engines.reference import train_run
+from normexp.models.ffn import Block, Net, block_placements, deepnorm_constants
+from normexp.models.norms import make_norm
 
 ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none", "rezero", "respost", "resdual",
                   "admin"]

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normexp.config import ModelConfig, NormConfig, RunConfig
-from normexp.model import Net
-from normexp.norms import Derf, DyT, make_norm
-from normexp.train import seeded_init
+from normexp.engines.reference import seeded_init
+from normexp.models.ffn import Net
+from normexp.models.norms import Derf, DyT, make_norm
 
 OLD_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
 NEW_PLACEMENTS = ["rezero", "respost", "resdual", "admin"]

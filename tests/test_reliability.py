@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from normexp import store, train
+from normexp import store
 from normexp.cli import app
+from normexp.engines import reference
 from normexp.results import load_metrics, load_summary
 
 SLOW_SWEEP = """\
@@ -152,7 +153,7 @@ def failing_for_seed_1(real):
 
 
 def test_a_failing_run_is_recorded_and_the_sweep_goes_on(write_yaml, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "train_run", failing_for_seed_1(train.train_run))
+    monkeypatch.setattr(reference, "train_run", failing_for_seed_1(reference.train_run))
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
     out = tmp_path / "out"
     result = runner.invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
@@ -169,7 +170,7 @@ def test_a_failing_run_is_recorded_and_the_sweep_goes_on(write_yaml, tmp_path, m
 
 def test_a_failing_batch_is_retried_run_by_run(write_yaml, tmp_path, monkeypatch):
     """A batch that raises is retried one run at a time on the reference engine: its runs finish."""
-    from normexp import batched
+    from normexp.engines import batched
 
     real = batched.train_batch
 
@@ -189,7 +190,7 @@ def test_a_failing_batch_is_retried_run_by_run(write_yaml, tmp_path, monkeypatch
 
 
 def test_fail_fast_stops_at_the_first_failure(write_yaml, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "train_run", failing_for_seed_1(train.train_run))
+    monkeypatch.setattr(reference, "train_run", failing_for_seed_1(reference.train_run))
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
     result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--fail-fast",
                                  "--engine", "reference"])

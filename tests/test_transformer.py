@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from normexp.cli import app
 from normexp.config import SEQUENCE_TASKS, NormKind, Placement, RunConfig, sequence_shape, validate_run
 from normexp.data import make_task
+from normexp.engines.reference import batch_order, loss_and_acc, seeded_init, train_run
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
-from normexp.train import batch_order, loss_and_acc, seeded_init, train_run
 
 PLACEMENTS = list(get_args(Placement))
 KINDS = list(get_args(NormKind))
@@ -279,7 +279,7 @@ def test_the_fast_engine_trains_a_batch_of_seeds_as_the_reference_does(placement
 
 
 def test_the_batched_engine_hands_transformer_runs_to_the_reference():
-    from normexp.batched import plan_batches
+    from normexp.engines.batched import plan_batches
 
     runs = [tiny("post").model_copy(update={"seed": s}) for s in (0, 1)]
     assert plan_batches(runs) == ([], runs)

@@ -45,7 +45,7 @@ import torch
 from torch.func import functional_call, grad_and_value, stack_module_state, vmap
 
 from normexp.config import OptimConfig, RunConfig, sequence_shape
-from normexp.train import RunResult, batch_order, loss_and_acc, seeded_init, step_lr, torch_threads
+from normexp.engines.reference import RunResult, batch_order, loss_and_acc, seeded_init, step_lr, torch_threads
 
 MAX_CHUNK = 64  # runs per batch; larger batches gain little on a CPU and hold more activations
 COMPILE_ESTIMATE_S = 60.0  # a cold compile of the article's step on 2 CPU cores

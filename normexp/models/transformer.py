@@ -4,7 +4,7 @@
                   -> N x Layer -> final norm -> head -> logits (n, T, vocab)
     Layer:  x -> Block(placement, attention) -> Block(placement, FFN)
 
-- Each sublayer is a `Block` of normexp/model.py with the run's placement, so every placement is
+- Each sublayer is a `Block` of normexp/models/ffn.py with the run's placement, so every placement is
   applied per sublayer exactly as `Block.forward` defines it (Post-LN: x = Norm(x + Attn(x));
   x = Norm(x + FFN(x)); Pre-LN: x = x + Attn(Norm(x)); ...), with no second definition. Mix-LN picks
   the placement per layer (both sublayers alike); ResiDual's (x_a, x_d) streams pass through every
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from normexp.config import DataConfig, ModelConfig, NormConfig, sequence_shape
-from normexp.model import FFN, Block, block_placements, deepnorm_constants, make_linear, profile_admin
-from normexp.norms import make_norm
+from normexp.models.ffn import FFN, Block, block_placements, deepnorm_constants, make_linear, profile_admin
+from normexp.models.norms import make_norm
 
 EMBEDDING_STD = 0.02  # GPT-2's embedding init
 
@@ -125,5 +125,5 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def profile_at_init(self, tokens: torch.Tensor) -> None:
-        """Admin's profiling over every sublayer in order, on the training tokens (normexp/model.py)."""
+        """Admin's profiling over every sublayer in order, on the training tokens (normexp/models/ffn.py)."""
         profile_admin(self.sublayers, self.embed(tokens))

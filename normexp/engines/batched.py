@@ -41,9 +41,9 @@ from torch import nn
 
 from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
-from normexp.model import Net
+from normexp.engines.reference import RunResult, seeded_init, step_lr, torch_threads
+from normexp.models.ffn import Net
 from normexp.optim import build_optimizer
-from normexp.train import RunResult, seeded_init, step_lr, torch_threads
 
 REPLAYED_OPTIMIZERS = ("adam", "adamw", "sgd")  # per-run hyper-parameters inside one batch
 CHUNK_BYTES = 2**30  # memory budget of one chunk of runs: parameters, optimizer state, activations

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
 from normexp.data import Task, make_task
-from normexp.model import Net
+from normexp.models.ffn import Net
 from normexp.models.transformer import Transformer
 from normexp.optim import build_optimizer, lr_multiplier
 
 if TYPE_CHECKING:
-    from normexp.batched import StackedOptimizer
+    from normexp.engines.batched import StackedOptimizer
 
 METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")
 VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
@@ -108,7 +108,7 @@ class ReferenceOptimizer:
     machinery (torch._dynamo, about a second). Other optimizers (RAdam): torch's own, per tensor."""
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig) -> None:
-        from normexp.batched import REPLAYED_OPTIMIZERS, StackedOptimizer  # batched imports this module
+        from normexp.engines.batched import REPLAYED_OPTIMIZERS, StackedOptimizer  # batched imports this module
 
         self.params = params
         self.torch_optimizer: torch.optim.Optimizer | None = None

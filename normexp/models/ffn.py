@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from normexp.config import Init, ModelConfig, NormConfig
-from normexp.norms import make_norm, silence
+from normexp.models.norms import make_norm, silence
 
 
 def make_linear(d_in: int, d_out: int, init: Init) -> nn.Linear:
