@@ -40,7 +40,7 @@ install-dev: $(DEV_STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(MAKE) --no-print-directory torch
-	$(PY) -c "import sys, torch; cuda = torch.version.cuda; print('torch==' + torch.__version__); \
+	$(PY) -W ignore::UserWarning -c "import sys, torch; cuda = torch.version.cuda; print('torch==' + torch.__version__); \
 		sys.exit(0 if '$(TORCH)' == 'cuda' or cuda is None else \
 		f'error: .venv has torch {torch.__version__}, a CUDA {cuda} build: make clean, then make install, or make install TORCH=cuda')" \
 		> $(VENV)/torch-constraint.txt
