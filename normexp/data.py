@@ -4,8 +4,9 @@
 full-batch. A model can only lower the loss below ln(n_classes) by memorising the 64 pairs.
 
 The sequence tasks (`model.arch: transformer`; layouts in `normexp.config.sequence_shape`) draw
-`n_samples` training and `n_val` held-out sequences, all distinct, so the two splits never share a
-sequence. The model reads each sequence but its last token and is scored at the answer positions only:
+`n_samples` training sequences, then `n_val` held-out ones, all distinct, so the two splits never
+share a sequence and the training split is the same whatever n_val. The model reads each sequence but
+its last token and is scored at the answer positions only:
 
 - `assoc_recall`: k1 v1 .. kP vP q1 a1 .. qP aP, keys distinct, queries a permutation of the keys;
   each answer is the value stored with its key (an induction-head task: it needs attention).
@@ -42,24 +43,28 @@ def make_task(data: DataConfig, model: ModelConfig) -> Task:
 
 
 def make_sequence_task(data: DataConfig) -> Task:
-    """Draw n_samples + n_val distinct sequences, split them, and cut each into input and answers."""
+    """Draw n_samples training sequences, then n_val held-out ones distinct from them (so the training
+    split never depends on n_val), and cut each into input and answers."""
     shape = sequence_shape(data)
-    wanted = data.n_samples + data.n_val
-    sequences = _modular_add(data, wanted) if data.task == "modular_add" else _distinct(data, wanted)
+    if data.task == "modular_add":
+        sums = _modular_add(data, data.n_samples + data.n_val)
+        train, held = sums[:data.n_samples], sums[data.n_samples:]
+    else:
+        train = _distinct(data, data.n_samples, taken=set())
+        held = _distinct(data, data.n_val, taken={tuple(row) for row in train.tolist()})
     positions = torch.tensor(shape.positions)
-    inputs, answers = sequences[:, :-1], sequences[:, positions + 1]
-    n = data.n_samples
-    return Task(inputs[:n], answers[:n], positions, inputs[n:], answers[n:])
+    return Task(train[:, :-1], train[:, positions + 1], positions, held[:, :-1], held[:, positions + 1])
 
 
-def _distinct(data: DataConfig, wanted: int) -> torch.Tensor:
-    """`wanted` distinct sequences, drawn in rounds (a repeat is dropped, its first draw kept); the
-    config guarantees at least twice as many exist, so few rounds are needed."""
+def _distinct(data: DataConfig, wanted: int, taken: set[tuple[int, ...]]) -> torch.Tensor:
+    """`wanted` distinct sequences none of which is in `taken`, drawn in rounds (a repeat is dropped,
+    its first draw kept); the config guarantees at least twice as many exist, so few rounds are needed."""
     draw = _assoc_recall if data.task == "assoc_recall" else _copy
     kept: dict[tuple[int, ...], torch.Tensor] = {}
     while len(kept) < wanted:
         for row in draw(data, wanted - len(kept)):
-            kept.setdefault(tuple(row.tolist()), row)
+            if (key := tuple(row.tolist())) not in taken:
+                kept.setdefault(key, row)
     return torch.stack(list(kept.values())[:wanted])
 
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import SEQUENCE_TASKS, NormKind, Placement, RunConfig, sequence_shape, validate_run
-from normexp.data import make_task
+from normexp.data import Task, make_task
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
 from normexp.train import batch_order, loss_and_acc, seeded_init, train_run
@@ -144,6 +144,22 @@ def test_tasks_are_determined_by_the_seed_and_their_splits_disjoint(task):
     train = {tuple(r) for r in torch.cat([first.x, first.y], 1).tolist()}
     held = {tuple(r) for r in torch.cat([first.val_x, first.val_y], 1).tolist()}
     assert len(train) == 16 and len(held) == 8 and not train & held
+
+
+@settings(max_examples=25, deadline=None)
+@given(task=st.sampled_from(SEQUENCE_TASKS), n_vals=st.lists(st.integers(1, 40), min_size=2, max_size=2),
+       n_samples=st.integers(1, 40), seed=st.integers(0, 2**32))
+def test_the_training_split_is_the_same_whatever_n_val(task, n_vals, n_samples, seed):
+    first, other = (task_drawn_at(tiny(task=task, vocab=12 if task == "modular_add" else 16,
+                                                   n_samples=n_samples, n_val=n_val), seed) for n_val in n_vals)
+    assert torch.equal(first.x, other.x) and torch.equal(first.y, other.y)
+    assert torch.equal(first.positions, other.positions)
+    assert len(first.val_x) == n_vals[0] and len(other.val_x) == n_vals[1]
+
+
+def task_drawn_at(cfg: RunConfig, seed: int) -> Task:
+    torch.manual_seed(seed)
+    return make_task(cfg.data, cfg.model)
 
 
 def test_the_answers_are_the_task_rule():
