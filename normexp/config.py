@@ -164,6 +164,7 @@ class SequenceShape:
     capacity: int
 
 
+MODULAR_ADD_MAX_VOCAB = 2050  # p = 2048: randperm(p^2) is 32 MiB (Power et al. use p = 97)
 DEFAULT_SEQ_LEN = {"assoc_recall": 16, "copy": 17, "modular_add": 5}
 
 
@@ -193,6 +194,9 @@ def sequence_problem(data: DataConfig) -> tuple[str, str] | None:
         return "data.seq_len", f"copy needs an odd length, at least 5 (2 tokens, separator, 2 copies), got {given}"
     if data.task == "modular_add" and given is not None and given != 5:
         return "data.seq_len", f"modular_add sequences are 'a + b = c', 5 tokens: leave it unset, got {given}"
+    if data.task == "modular_add" and data.vocab > MODULAR_ADD_MAX_VOCAB:
+        return "data.vocab", (f"modular_add shuffles all p^2 sums (p = vocab - 2): at most {MODULAR_ADD_MAX_VOCAB} "
+                              f"tokens ({(MODULAR_ADD_MAX_VOCAB - 2) ** 2} sums), got {data.vocab}")
     smallest = {"assoc_recall": max(2 * (shape.seq_len // 4), 4), "copy": 3, "modular_add": 4}[data.task]
     if data.vocab < smallest:
         return "data.vocab", f"{data.task} at seq_len {shape.seq_len} needs >= {smallest} tokens, got {data.vocab}"

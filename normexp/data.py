@@ -70,12 +70,22 @@ def _distinct(data: DataConfig, wanted: int, taken: set[tuple[int, ...]]) -> tor
 
 def _assoc_recall(data: DataConfig, n: int) -> torch.Tensor:
     pairs, keys = sequence_shape(data).seq_len // 4, data.vocab // 2
-    key = torch.argsort(torch.rand(n, keys), dim=1)[:, :pairs]  # P distinct keys per sequence
+    key = _distinct_keys(n, pairs, keys)
     value = torch.randint(keys, data.vocab, (n, pairs))
     order = torch.argsort(torch.rand(n, pairs), dim=1)  # the order of the queries
     stored = torch.stack([key, value], dim=2).reshape(n, 2 * pairs)
     queried = torch.stack([key.gather(1, order), value.gather(1, order)], dim=2).reshape(n, 2 * pairs)
     return torch.cat([stored, queried], dim=1)
+
+
+def _distinct_keys(n: int, pairs: int, keys: int) -> torch.Tensor:
+    """(n, pairs) keys from 0..keys-1, distinct within a row, uniform over ordered choices: Floyd's
+    sampling of a subset, then a shuffle; O(n * pairs) memory, never n * keys (up to 32768 keys)."""
+    chosen = torch.empty(n, 0, dtype=torch.long)
+    for top in range(keys - pairs, keys):
+        pick = torch.randint(0, top + 1, (n, 1))
+        chosen = torch.cat([chosen, torch.where((chosen == pick).any(1, keepdim=True), top, pick)], dim=1)
+    return chosen.gather(1, torch.argsort(torch.rand(n, pairs), dim=1))
 
 
 def _copy(data: DataConfig, n: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ minibatch order, and every bad input of the issue through the CLI (exit 2, key n
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import get_args
 
 import pytest
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import SEQUENCE_TASKS, NormKind, Placement, RunConfig, sequence_shape, validate_run
-from normexp.data import Task, make_task
+from normexp.data import Task, _distinct_keys, make_task
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
 from normexp.train import batch_order, loss_and_acc, seeded_init, train_run
@@ -162,6 +163,42 @@ def task_drawn_at(cfg: RunConfig, seed: int) -> Task:
     return make_task(cfg.data, cfg.model)
 
 
+@pytest.mark.parametrize("task", ["assoc_recall", "copy"])
+def test_no_draw_is_larger_than_the_sequences_it_makes(task, monkeypatch):
+    """A large vocabulary costs no memory: each random draw is at most n x seq_len numbers."""
+    cfg, sizes = tiny(task=task, vocab=65536), []
+
+    def spy(draw):
+        def measured(*args, **kwargs):
+            out = draw(*args, **kwargs)
+            sizes.append(out.numel())
+            return out
+        return measured
+
+    for name in ("rand", "randint", "randperm"):
+        monkeypatch.setattr(torch, name, spy(getattr(torch, name)))
+    task_drawn_at(cfg, 0)
+    assert sizes and max(sizes) <= 24 * sequence_shape(cfg.data).seq_len
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 20), pairs=st.integers(1, 6), spare=st.integers(0, 6), seed=st.integers(0, 2**32))
+def test_recall_keys_are_distinct_in_range_and_seeded(n, pairs, spare, seed):
+    keys = pairs + spare
+    torch.manual_seed(seed)
+    drawn = _distinct_keys(n, pairs, keys)
+    torch.manual_seed(seed)
+    assert torch.equal(drawn, _distinct_keys(n, pairs, keys))
+    assert drawn.shape == (n, pairs) and 0 <= drawn.min() and drawn.max() < keys
+    assert all(len(set(row)) == pairs for row in drawn.tolist())
+
+
+def test_recall_keys_are_uniform_over_ordered_choices():
+    torch.manual_seed(0)
+    counts = Counter(map(tuple, _distinct_keys(24_000, 2, 4).tolist()))  # 12 ordered pairs, 2000 each expected
+    assert len(counts) == 12 and all(1800 < c < 2200 for c in counts.values())
+
+
 def test_the_answers_are_the_task_rule():
     for task in SEQUENCE_TASKS:
         cfg = tiny(task=task, vocab=12 if task == "modular_add" else 16)
@@ -252,6 +289,7 @@ BAD = {
     "recall vocab": ("model: {arch: transformer}\n  data: {task: assoc_recall, seq_len: 32, vocab: 12}",
                      "base.data.vocab"),
     "add vocab": ("model: {arch: transformer}\n  data: {task: modular_add, vocab: 8}", "base.data.vocab"),
+    "add vocab too large": ("model: {arch: transformer}\n  data: {task: modular_add, vocab: 65536}", "base.data.vocab"),
     "batch larger than the data": ("model: {arch: transformer}\n  data: {task: copy, batch_size: 100}",
                                    "base.data.batch_size"),
     "log_blocks": ("model: {arch: transformer}\n  data: {task: copy}\n  train: {log_blocks: true}",
