@@ -699,16 +699,40 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
             try:
                 runs.setdefault(RunConfig.model_validate({**data, "seed": seed}))
             except ValidationError as exc:
-                raise _grid_error(exc, dict(zip(keys, combo))) from None
+                raise _grid_error(exc, dict(zip(keys, combo)), {**data, "seed": seed}, base_data) from None
             resolved += 1
             if len(runs) > max_runs:
                 raise TooManyRuns(total, max_runs, distinct=len(runs) == resolved)
     return list(runs)
 
 
-def _grid_error(exc: ValidationError, combo: dict[str, Any]) -> ConfigError:
-    lines = [f"{_blame(_loc(err), combo)}: {_describe(err, RunConfig)}" for err in exc.errors()]
+def _grid_error(exc: ValidationError, combo: dict[str, Any], point: dict, base_data: dict) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        loc, why = _loc(err), _describe(err, RunConfig)
+        culprits = [] if _blame(loc, combo).startswith("grid.") else _culprits(combo, point, base_data)
+        if culprits:
+            values = ", ".join(f"grid.{key} = {_brief(combo[key])}" for key in culprits)
+            lines.append(f"{values} makes {_key_path('base', loc)} invalid: {why}")
+        else:
+            lines.append(f"{_blame(loc, combo)}: {why}")
     return _error_lines(lines)
+
+
+def _culprits(combo: dict[str, Any], point: dict, base_data: dict) -> list[str]:
+    """The grid keys of `combo` whose value, put back to the base's, makes the grid point valid: the
+    grid values that broke a check across keys blamed on a key the grid does not set."""
+    culprits = []
+    for key in combo:
+        reverted = {section: dict(values) if isinstance(values, dict) else values for section, values in point.items()}
+        section, _, leaf = key.partition(".")
+        _set_dotted(reverted, key, base_data[section][leaf] if leaf else base_data[section])
+        try:
+            RunConfig.model_validate(reverted)
+        except ValidationError:
+            continue
+        culprits.append(key)
+    return culprits
 
 
 def _blame(loc: Sequence[Any], combo: dict[str, Any]) -> str:

@@ -315,6 +315,25 @@ def test_a_bad_grid_value_is_blamed_on_the_grid_key(tmp_path):
     assert result.exit_code == 2 and "grid.model.n_heads" in result.output and not out.exists()
 
 
+GRID_BREAKS_BASE = {  # a grid value that makes a base key invalid: (grid line, what the error must name)
+    "width": ("model.width: [8, 6]", "grid.model.width = 6 makes base.model.n_heads"),
+    "n_samples": ("data.n_samples: [16, 100]", "grid.data.n_samples = 100 makes base.data.vocab"),
+    "arch": ("model.arch: [transformer, ffn]", "grid.model.arch = 'ffn' makes base.data.task"),
+}
+
+
+@pytest.mark.parametrize("case", GRID_BREAKS_BASE)
+def test_a_grid_value_that_breaks_a_base_key_is_named(tmp_path, case):
+    grid, named = GRID_BREAKS_BASE[case]
+    config, out = tmp_path / "bad.yaml", tmp_path / "out"
+    sweep = SWEEP.replace("n_heads: 2", "n_heads: 4").replace("task: copy", "task: modular_add, vocab: 12"
+                                                             if case == "n_samples" else "task: copy")
+    config.write_text(sweep.replace("norm.placement: [post, b2t]", grid))
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert result.exit_code == 2 and named in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()
+
+
 @pytest.mark.parametrize("placement", ["post", "b2t", "resdual", "admin"])
 @pytest.mark.parametrize("batch_size", [None, 8])
 def test_the_fast_engine_trains_a_batch_of_seeds_as_the_reference_does(placement, batch_size):
