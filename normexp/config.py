@@ -150,6 +150,9 @@ class DataConfig(_Section):
         problem = sequence_problem(self)
         if problem is not None:
             raise cross_key_error(*problem)
+        if self.seq_len == DEFAULT_SEQ_LEN[self.task]:
+            # the task's own length written out is the same run as leaving it unset: one config, one run id
+            object.__setattr__(self, "seq_len", None)
         return self
 
 

@@ -17,10 +17,20 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from normexp.cli import app
-from normexp.config import SEQUENCE_TASKS, NormKind, Placement, RunConfig, sequence_shape, validate_run
+from normexp.config import (
+    DEFAULT_SEQ_LEN,
+    SEQUENCE_TASKS,
+    NormKind,
+    Placement,
+    RunConfig,
+    build_sweep,
+    sequence_shape,
+    validate_run,
+)
 from normexp.data import Task, _distinct_keys, make_task
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
+from normexp.store import run_id
 from normexp.train import batch_order, loss_and_acc, seeded_init, train_run
 
 PLACEMENTS = list(get_args(Placement))
@@ -197,6 +207,16 @@ def test_recall_keys_are_uniform_over_ordered_choices():
     torch.manual_seed(0)
     counts = Counter(map(tuple, _distinct_keys(24_000, 2, 4).tolist()))  # 12 ordered pairs, 2000 each expected
     assert len(counts) == 12 and all(1800 < c < 2200 for c in counts.values())
+
+
+@pytest.mark.parametrize("task", SEQUENCE_TASKS)
+def test_the_default_seq_len_written_out_is_the_same_run_as_left_unset(task):
+    vocab = 12 if task == "modular_add" else 16
+    unset, written = tiny(task=task, vocab=vocab), tiny(task=task, vocab=vocab, seq_len=DEFAULT_SEQ_LEN[task])
+    assert unset == written and run_id(unset) == run_id(written)
+    sweep = build_sweep({"name": "t", "base": unset.model_dump(mode="json"),
+                         "grid": {"data.seq_len": [None, DEFAULT_SEQ_LEN[task]]}})
+    assert len(sweep.runs) == 1
 
 
 def test_the_answers_are_the_task_rule():
