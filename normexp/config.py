@@ -150,6 +150,9 @@ class DataConfig(_Section):
         problem = sequence_problem(self)
         if problem is not None:
             raise cross_key_error(*problem)
+        if self.seq_len == DEFAULT_SEQ_LEN[self.task]:
+            # the task's own length written out is the same run as leaving it unset: one config, one run id
+            object.__setattr__(self, "seq_len", None)
         return self
 
 
@@ -164,6 +167,7 @@ class SequenceShape:
     capacity: int
 
 
+MODULAR_ADD_MAX_VOCAB = 2050  # p = 2048: randperm(p^2) is 32 MiB (Power et al. use p = 97)
 DEFAULT_SEQ_LEN = {"assoc_recall": 16, "copy": 17, "modular_add": 5}
 
 
@@ -193,6 +197,9 @@ def sequence_problem(data: DataConfig) -> tuple[str, str] | None:
         return "data.seq_len", f"copy needs an odd length, at least 5 (2 tokens, separator, 2 copies), got {given}"
     if data.task == "modular_add" and given is not None and given != 5:
         return "data.seq_len", f"modular_add sequences are 'a + b = c', 5 tokens: leave it unset, got {given}"
+    if data.task == "modular_add" and data.vocab > MODULAR_ADD_MAX_VOCAB:
+        return "data.vocab", (f"modular_add shuffles all p^2 sums (p = vocab - 2): at most {MODULAR_ADD_MAX_VOCAB} "
+                              f"tokens ({(MODULAR_ADD_MAX_VOCAB - 2) ** 2} sums), got {data.vocab}")
     smallest = {"assoc_recall": max(2 * (shape.seq_len // 4), 4), "copy": 3, "modular_add": 4}[data.task]
     if data.vocab < smallest:
         return "data.vocab", f"{data.task} at seq_len {shape.seq_len} needs >= {smallest} tokens, got {data.vocab}"
@@ -695,16 +702,40 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
             try:
                 runs.setdefault(RunConfig.model_validate({**data, "seed": seed}))
             except ValidationError as exc:
-                raise _grid_error(exc, dict(zip(keys, combo))) from None
+                raise _grid_error(exc, dict(zip(keys, combo)), {**data, "seed": seed}, base_data) from None
             resolved += 1
             if len(runs) > max_runs:
                 raise TooManyRuns(total, max_runs, distinct=len(runs) == resolved)
     return list(runs)
 
 
-def _grid_error(exc: ValidationError, combo: dict[str, Any]) -> ConfigError:
-    lines = [f"{_blame(_loc(err), combo)}: {_describe(err, RunConfig)}" for err in exc.errors()]
+def _grid_error(exc: ValidationError, combo: dict[str, Any], point: dict, base_data: dict) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        loc, why = _loc(err), _describe(err, RunConfig)
+        culprits = [] if _blame(loc, combo).startswith("grid.") else _culprits(combo, point, base_data)
+        if culprits:
+            values = ", ".join(f"grid.{key} = {_brief(combo[key])}" for key in culprits)
+            lines.append(f"{values} makes {_key_path('base', loc)} invalid: {why}")
+        else:
+            lines.append(f"{_blame(loc, combo)}: {why}")
     return _error_lines(lines)
+
+
+def _culprits(combo: dict[str, Any], point: dict, base_data: dict) -> list[str]:
+    """The grid keys of `combo` whose value, put back to the base's, makes the grid point valid: the
+    grid values that broke a check across keys blamed on a key the grid does not set."""
+    culprits = []
+    for key in combo:
+        reverted = {section: dict(values) if isinstance(values, dict) else values for section, values in point.items()}
+        section, _, leaf = key.partition(".")
+        _set_dotted(reverted, key, base_data[section][leaf] if leaf else base_data[section])
+        try:
+            RunConfig.model_validate(reverted)
+        except ValidationError:
+            continue
+        culprits.append(key)
+    return culprits
 
 
 def _blame(loc: Sequence[Any], combo: dict[str, Any]) -> str:

@@ -4,8 +4,9 @@
 full-batch. A model can only lower the loss below ln(n_classes) by memorising the 64 pairs.
 
 The sequence tasks (`model.arch: transformer`; layouts in `normexp.config.sequence_shape`) draw
-`n_samples` training and `n_val` held-out sequences, all distinct, so the two splits never share a
-sequence. The model reads each sequence but its last token and is scored at the answer positions only:
+`n_samples` training sequences, then `n_val` held-out ones, all distinct, so the two splits never
+share a sequence and the training split is the same whatever n_val. The model reads each sequence but
+its last token and is scored at the answer positions only:
 
 - `assoc_recall`: k1 v1 .. kP vP q1 a1 .. qP aP, keys distinct, queries a permutation of the keys;
   each answer is the value stored with its key (an induction-head task: it needs attention).
@@ -42,35 +43,49 @@ def make_task(data: DataConfig, model: ModelConfig) -> Task:
 
 
 def make_sequence_task(data: DataConfig) -> Task:
-    """Draw n_samples + n_val distinct sequences, split them, and cut each into input and answers."""
+    """Draw n_samples training sequences, then n_val held-out ones distinct from them (so the training
+    split never depends on n_val), and cut each into input and answers."""
     shape = sequence_shape(data)
-    wanted = data.n_samples + data.n_val
-    sequences = _modular_add(data, wanted) if data.task == "modular_add" else _distinct(data, wanted)
+    if data.task == "modular_add":
+        sums = _modular_add(data, data.n_samples + data.n_val)
+        train, held = sums[:data.n_samples], sums[data.n_samples:]
+    else:
+        train = _distinct(data, data.n_samples, taken=set())
+        held = _distinct(data, data.n_val, taken={tuple(row) for row in train.tolist()})
     positions = torch.tensor(shape.positions)
-    inputs, answers = sequences[:, :-1], sequences[:, positions + 1]
-    n = data.n_samples
-    return Task(inputs[:n], answers[:n], positions, inputs[n:], answers[n:])
+    return Task(train[:, :-1], train[:, positions + 1], positions, held[:, :-1], held[:, positions + 1])
 
 
-def _distinct(data: DataConfig, wanted: int) -> torch.Tensor:
-    """`wanted` distinct sequences, drawn in rounds (a repeat is dropped, its first draw kept); the
-    config guarantees at least twice as many exist, so few rounds are needed."""
+def _distinct(data: DataConfig, wanted: int, taken: set[tuple[int, ...]]) -> torch.Tensor:
+    """`wanted` distinct sequences none of which is in `taken`, drawn in rounds (a repeat is dropped,
+    its first draw kept); the config guarantees at least twice as many exist, so few rounds are needed."""
     draw = _assoc_recall if data.task == "assoc_recall" else _copy
     kept: dict[tuple[int, ...], torch.Tensor] = {}
     while len(kept) < wanted:
         for row in draw(data, wanted - len(kept)):
-            kept.setdefault(tuple(row.tolist()), row)
+            if (key := tuple(row.tolist())) not in taken:
+                kept.setdefault(key, row)
     return torch.stack(list(kept.values())[:wanted])
 
 
 def _assoc_recall(data: DataConfig, n: int) -> torch.Tensor:
     pairs, keys = sequence_shape(data).seq_len // 4, data.vocab // 2
-    key = torch.argsort(torch.rand(n, keys), dim=1)[:, :pairs]  # P distinct keys per sequence
+    key = _distinct_keys(n, pairs, keys)
     value = torch.randint(keys, data.vocab, (n, pairs))
     order = torch.argsort(torch.rand(n, pairs), dim=1)  # the order of the queries
     stored = torch.stack([key, value], dim=2).reshape(n, 2 * pairs)
     queried = torch.stack([key.gather(1, order), value.gather(1, order)], dim=2).reshape(n, 2 * pairs)
     return torch.cat([stored, queried], dim=1)
+
+
+def _distinct_keys(n: int, pairs: int, keys: int) -> torch.Tensor:
+    """(n, pairs) keys from 0..keys-1, distinct within a row, uniform over ordered choices: Floyd's
+    sampling of a subset, then a shuffle; O(n * pairs) memory, never n * keys (up to 32768 keys)."""
+    chosen = torch.empty(n, 0, dtype=torch.long)
+    for top in range(keys - pairs, keys):
+        pick = torch.randint(0, top + 1, (n, 1))
+        chosen = torch.cat([chosen, torch.where((chosen == pick).any(1, keepdim=True), top, pick)], dim=1)
+    return chosen.gather(1, torch.argsort(torch.rand(n, pairs), dim=1))
 
 
 def _copy(data: DataConfig, n: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ minibatch order, and every bad input of the issue through the CLI (exit 2, key n
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import get_args
 
 import pytest
@@ -16,11 +17,21 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from normexp.cli import app
-from normexp.config import SEQUENCE_TASKS, NormKind, Placement, RunConfig, sequence_shape, validate_run
-from normexp.data import make_task
+from normexp.config import (
+    DEFAULT_SEQ_LEN,
+    SEQUENCE_TASKS,
+    NormKind,
+    Placement,
+    RunConfig,
+    build_sweep,
+    sequence_shape,
+    validate_run,
+)
+from normexp.data import Task, _distinct_keys, make_task
 from normexp.engines.reference import batch_order, loss_and_acc, seeded_init, train_run
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
+from normexp.store import run_id
 
 PLACEMENTS = list(get_args(Placement))
 KINDS = list(get_args(NormKind))
@@ -146,6 +157,68 @@ def test_tasks_are_determined_by_the_seed_and_their_splits_disjoint(task):
     assert len(train) == 16 and len(held) == 8 and not train & held
 
 
+@settings(max_examples=25, deadline=None)
+@given(task=st.sampled_from(SEQUENCE_TASKS), n_vals=st.lists(st.integers(1, 40), min_size=2, max_size=2),
+       n_samples=st.integers(1, 40), seed=st.integers(0, 2**32))
+def test_the_training_split_is_the_same_whatever_n_val(task, n_vals, n_samples, seed):
+    first, other = (task_drawn_at(tiny(task=task, vocab=12 if task == "modular_add" else 16,
+                                                   n_samples=n_samples, n_val=n_val), seed) for n_val in n_vals)
+    assert torch.equal(first.x, other.x) and torch.equal(first.y, other.y)
+    assert torch.equal(first.positions, other.positions)
+    assert len(first.val_x) == n_vals[0] and len(other.val_x) == n_vals[1]
+
+
+def task_drawn_at(cfg: RunConfig, seed: int) -> Task:
+    torch.manual_seed(seed)
+    return make_task(cfg.data, cfg.model)
+
+
+@pytest.mark.parametrize("task", ["assoc_recall", "copy"])
+def test_no_draw_is_larger_than_the_sequences_it_makes(task, monkeypatch):
+    """A large vocabulary costs no memory: each random draw is at most n x seq_len numbers."""
+    cfg, sizes = tiny(task=task, vocab=65536), []
+
+    def spy(draw):
+        def measured(*args, **kwargs):
+            out = draw(*args, **kwargs)
+            sizes.append(out.numel())
+            return out
+        return measured
+
+    for name in ("rand", "randint", "randperm"):
+        monkeypatch.setattr(torch, name, spy(getattr(torch, name)))
+    task_drawn_at(cfg, 0)
+    assert sizes and max(sizes) <= 24 * sequence_shape(cfg.data).seq_len
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 20), pairs=st.integers(1, 6), spare=st.integers(0, 6), seed=st.integers(0, 2**32))
+def test_recall_keys_are_distinct_in_range_and_seeded(n, pairs, spare, seed):
+    keys = pairs + spare
+    torch.manual_seed(seed)
+    drawn = _distinct_keys(n, pairs, keys)
+    torch.manual_seed(seed)
+    assert torch.equal(drawn, _distinct_keys(n, pairs, keys))
+    assert drawn.shape == (n, pairs) and 0 <= drawn.min() and drawn.max() < keys
+    assert all(len(set(row)) == pairs for row in drawn.tolist())
+
+
+def test_recall_keys_are_uniform_over_ordered_choices():
+    torch.manual_seed(0)
+    counts = Counter(map(tuple, _distinct_keys(24_000, 2, 4).tolist()))  # 12 ordered pairs, 2000 each expected
+    assert len(counts) == 12 and all(1800 < c < 2200 for c in counts.values())
+
+
+@pytest.mark.parametrize("task", SEQUENCE_TASKS)
+def test_the_default_seq_len_written_out_is_the_same_run_as_left_unset(task):
+    vocab = 12 if task == "modular_add" else 16
+    unset, written = tiny(task=task, vocab=vocab), tiny(task=task, vocab=vocab, seq_len=DEFAULT_SEQ_LEN[task])
+    assert unset == written and run_id(unset) == run_id(written)
+    sweep = build_sweep({"name": "t", "base": unset.model_dump(mode="json"),
+                         "grid": {"data.seq_len": [None, DEFAULT_SEQ_LEN[task]]}})
+    assert len(sweep.runs) == 1
+
+
 def test_the_answers_are_the_task_rule():
     for task in SEQUENCE_TASKS:
         cfg = tiny(task=task, vocab=12 if task == "modular_add" else 16)
@@ -236,6 +309,7 @@ BAD = {
     "recall vocab": ("model: {arch: transformer}\n  data: {task: assoc_recall, seq_len: 32, vocab: 12}",
                      "base.data.vocab"),
     "add vocab": ("model: {arch: transformer}\n  data: {task: modular_add, vocab: 8}", "base.data.vocab"),
+    "add vocab too large": ("model: {arch: transformer}\n  data: {task: modular_add, vocab: 65536}", "base.data.vocab"),
     "batch larger than the data": ("model: {arch: transformer}\n  data: {task: copy, batch_size: 100}",
                                    "base.data.batch_size"),
     "log_blocks": ("model: {arch: transformer}\n  data: {task: copy}\n  train: {log_blocks: true}",
@@ -259,6 +333,25 @@ def test_a_bad_grid_value_is_blamed_on_the_grid_key(tmp_path):
     config.write_text(SWEEP.replace("norm.placement: [post, b2t]", "model.n_heads: [2, 3]"))
     result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out)])
     assert result.exit_code == 2 and "grid.model.n_heads" in result.output and not out.exists()
+
+
+GRID_BREAKS_BASE = {  # a grid value that makes a base key invalid: (grid line, what the error must name)
+    "width": ("model.width: [8, 6]", "grid.model.width = 6 makes base.model.n_heads"),
+    "n_samples": ("data.n_samples: [16, 100]", "grid.data.n_samples = 100 makes base.data.vocab"),
+    "arch": ("model.arch: [transformer, ffn]", "grid.model.arch = 'ffn' makes base.data.task"),
+}
+
+
+@pytest.mark.parametrize("case", GRID_BREAKS_BASE)
+def test_a_grid_value_that_breaks_a_base_key_is_named(tmp_path, case):
+    grid, named = GRID_BREAKS_BASE[case]
+    config, out = tmp_path / "bad.yaml", tmp_path / "out"
+    sweep = SWEEP.replace("n_heads: 2", "n_heads: 4").replace("task: copy", "task: modular_add, vocab: 12"
+                                                             if case == "n_samples" else "task: copy")
+    config.write_text(sweep.replace("norm.placement: [post, b2t]", grid))
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert result.exit_code == 2 and named in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()
 
 
 @pytest.mark.parametrize("placement", ["post", "b2t", "resdual", "admin"])
