@@ -119,8 +119,6 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> Sweep
 
     _import_engines(options)
     _on_stop_signals(_stop_cleanly)
-    if not quiet:
-        _preload("normexp.report")
     try:
         with _progress(len(spec.runs), quiet) as on_event:
             return run_sweep(spec, target, options, on_event)
@@ -184,23 +182,6 @@ def _import_engines(options: SweepOptions) -> None:
             import distributed  # noqa: F401
         except ImportError:
             pass  # the executor says how to install it
-
-
-def _preload(module: str) -> None:
-    """Import `module` (the report: pandas, a third of a second) in a background thread while the runs
-    train: their kernels release the GIL, so the import mostly overlaps them instead of following them.
-    Signals still reach the main thread only; a failed import fails again, visibly, where it is used."""
-    import importlib
-    import threading
-
-    threading.Thread(target=_quietly, args=(importlib.import_module, module), daemon=True).start()
-
-
-def _quietly(function: Callable[..., object], *args: object) -> None:
-    try:
-        function(*args)
-    except BaseException:  # noqa: BLE001 - the main thread's own import reports it
-        pass
 
 
 def _progress(total: int, quiet: bool):
