@@ -1,0 +1,63 @@
+"""Report and plot on small Transformer and FFN sweeps: chance levels, partial cells, missing runs,
+options that do not apply, and the gradnorm verdict's preconditions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.plot import curves_figure, final_loss_figure
+from normexp.results import load_metrics, load_summary
+
+T = """name: t
+base:
+  model: {arch: transformer, depth: 2, width: 8, n_heads: 2}
+  data: {task: copy, seq_len: 5, vocab: 8, n_samples: 16, n_val: 8}
+  train: {steps: 4}
+grid:
+  norm.placement: [post, pre]
+seeds: [0]
+"""
+FFN = "name: ffn\nbase:\n  model: {depth: 2, width: 8}\n  train: {steps: 2}\ngrid:\n  norm.placement: [post, pre]\n"
+
+
+def invoke(*args: str):
+    return CliRunner(env={"COLUMNS": "200"}).invoke(app, list(args))
+
+
+def sweep(tmp_path_factory, name: str, text: str, *sets: str):
+    folder = tmp_path_factory.mktemp(name)
+    config, out = folder / "sweep.yaml", folder / "out"
+    config.write_text(text)
+    result = invoke("sweep", str(config), "--out", str(out), "--engine", "reference", *sets)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def tf(tmp_path_factory):
+    return sweep(tmp_path_factory, "tf", T)
+
+
+@pytest.fixture(scope="module")
+def tf_steps(tmp_path_factory):
+    return sweep(tmp_path_factory, "tfsteps", T, "--set", "train.steps=4,7", "--set", "seeds=0,1")
+
+
+@pytest.fixture(scope="module")
+def ffn(tmp_path_factory):
+    return sweep(tmp_path_factory, "ffn", FFN)
+
+
+def chance_lines(ax) -> dict[str, float]:
+    return {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if line.get_label().startswith("chance")}
+
+
+def test_plot_draws_a_transformers_chance_at_ln_vocab(tf):
+    curves = curves_figure(load_metrics(tf, all_config=True), ["norm.placement"])
+    assert chance_lines(curves.axes[0]) == {"chance, ln 8": math.log(8)}
+    final = final_loss_figure(load_summary(tf), "model.depth")
+    assert chance_lines(final.axes[0]) == {"chance, ln 8": math.log(8)}
