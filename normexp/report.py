@@ -83,10 +83,12 @@ def variant_label(values: dict[str, object]) -> str:
 
 def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int = 0) -> str:
     """One aggregate as text: `mean ± std` over the `finite` runs of the cell's `runs` (`missing` of
-    them have no verified result), saying "(k of n)" when some diverged or are missing, `diverged`
-    when all that finished did, and `—` only where there is no run."""
+    them have no verified result), saying "(k of n)" when some diverged or are missing, `missing` when
+    all are, `diverged` when all that finished did, and `—` only where there is no run."""
     if runs == 0:
         return "—"
+    if finite == 0 and missing >= runs:
+        return "missing" if runs == 1 else f"all {runs} missing"
     if finite == 0 and missing:
         return f"— (0 of {runs})"
     if finite == 0:
@@ -353,10 +355,11 @@ class Pivot:
     rows: str
     cols: str
     panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # title, mean, std, n, runs
+    lost: list[pd.DataFrame]  # per panel: how many runs of each cell have no verified result
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
-    def cell(self, mean: float, std: float, n: int, runs: int) -> str:
-        return aggregate_cell(mean, std, 0 if pd.isna(n) else int(n), 0 if pd.isna(runs) else int(runs))
+    def cell(self, mean: float, std: float, n: int, runs: int, lost: int = 0) -> str:
+        return aggregate_cell(mean, std, _count(n), _count(runs), _count(lost))
 
     @property
     def partial(self) -> bool:
@@ -373,25 +376,32 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
     planned = summary.copy()  # every run of the sweep: a missing one counts in its cell's n, not in its mean
     loss = planned["final_loss"].astype(float)
     planned["final_loss"] = loss.where(loss.map(math.isfinite) & planned.index.isin(finished.index))
+    planned["lost"] = (~planned.index.isin(finished.index)).astype(int)
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
-    panels = []
+    panels, lost = [], []
     for title, group in variant_groups(planned, others):
-        stats = group.groupby([rows, cols], sort=False, dropna=False)["final_loss"].agg(
-            ["mean", "std", "count", "size"])
+        cells = group.groupby([rows, cols], sort=False, dropna=False)
+        stats = cells["final_loss"].agg(["mean", "std", "count", "size"])
         mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
         panels.append((title, mean, std.fillna(0.0), n.fillna(0), runs.fillna(0)))
-    return Pivot(rows, cols, panels, missing_note(summary, run_dir))
+        lost.append(cells["lost"].sum().unstack(cols).reindex_like(mean).fillna(0))
+    return Pivot(rows, cols, panels, lost, missing_note(summary, run_dir))
+
+
+def _count(value: float) -> int:
+    return 0 if pd.isna(value) else int(value)
 
 
 def _short(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
-def _pivot_cells(pivot: Pivot, corner: str, mean: pd.DataFrame, std: pd.DataFrame, n: pd.DataFrame,
-                 runs: pd.DataFrame) -> tuple[list[str], list[list[str]], str]:
+def _pivot_cells(pivot: Pivot, corner: str, panel: int) -> tuple[list[str], list[list[str]], str]:
     """One panel's header, rows and alignment; `corner` labels the row and column keys."""
+    _, mean, std, n, runs = pivot.panels[panel]
+    lost = pivot.lost[panel]
     header = [corner, *(str(c) for c in mean.columns)]
-    rows = [[str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c], runs.at[row, c])
+    rows = [[str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c], runs.at[row, c], lost.at[row, c])
                          for c in mean.columns)] for row in mean.index]
     return header, rows, "l" + "r" * len(mean.columns)
 
@@ -401,8 +411,8 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     from rich.text import Text
 
     corner = f"{_short(pivot.rows)} \\ {_short(pivot.cols)}"
-    parts = [_rich_table(*_pivot_cells(pivot, corner, *frames), title=f"final loss · {title}")
-             for title, *frames in pivot.panels]
+    parts = [_rich_table(*_pivot_cells(pivot, corner, i), title=f"final loss · {title}")
+             for i, (title, *_) in enumerate(pivot.panels)]
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
     if pivot.partial:
         parts.append(Text(PARTIAL_NOTE))
@@ -413,9 +423,9 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
 
 def pivot_to_markdown(pivot: Pivot) -> str:
     lines = []
-    for title, *frames in pivot.panels:
+    for i, (title, *_) in enumerate(pivot.panels):
         lines += [f"**final loss · {title}**", "",
-                  *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", *frames)), ""]
+                  *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", i)), ""]
     if pivot.partial:
         lines += [PARTIAL_NOTE, ""]
     if pivot.missing:
@@ -426,13 +436,13 @@ def pivot_to_markdown(pivot: Pivot) -> str:
 def pivot_to_csv(pivot: Pivot) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["panel", pivot.rows, pivot.cols, "final_loss_mean", "final_loss_std", "n", "runs"])
-    for title, mean, std, n, runs in pivot.panels:
+    writer.writerow(["panel", pivot.rows, pivot.cols, "final_loss_mean", "final_loss_std", "n", "runs", "missing"])
+    for (title, mean, std, n, runs), lost in zip(pivot.panels, pivot.lost):
         for row in mean.index:
             for col in mean.columns:
-                if runs.at[row, col] > 0:  # a cell whose runs all diverged is a row with n = 0
+                if runs.at[row, col] > 0:  # a cell whose runs all diverged or are missing is a row with n = 0
                     writer.writerow([title, row, col, repr(float(mean.at[row, col])), repr(float(std.at[row, col])),
-                                     int(n.at[row, col]), int(runs.at[row, col])])
+                                     int(n.at[row, col]), int(runs.at[row, col]), int(lost.at[row, col])])
     return buffer.getvalue()
 
 

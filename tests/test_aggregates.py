@@ -160,7 +160,7 @@ def test_the_pivot_says_how_many_seeds_each_cell_covers(diverged):
     assert "all 4 diverged" in text and "—" not in text
     assert "the other n - k diverged" in text
     rows = pivot_to_csv(build_pivot(diverged, "optim.lr", "optim.name")).splitlines()
-    assert rows[0].endswith(",n,runs") and rows[-1].split(",")[-2:] == ["0", "4"]
+    assert rows[0].endswith(",n,runs,missing") and rows[-1].split(",")[-3:] == ["0", "4", "0"]
 
 
 def test_plots_say_how_many_diverged(diverged):

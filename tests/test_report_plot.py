@@ -4,12 +4,14 @@ options that do not apply, and the gradnorm verdict's preconditions."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.plot import curves_figure, final_loss_figure
+from normexp.report import build_pivot, pivot_to_csv, pivot_to_markdown
 from normexp.results import load_metrics, load_summary
 
 T = """name: t
@@ -61,3 +63,21 @@ def test_plot_draws_a_transformers_chance_at_ln_vocab(tf):
     assert chance_lines(curves.axes[0]) == {"chance, ln 8": math.log(8)}
     final = final_loss_figure(load_summary(tf), "model.depth")
     assert chance_lines(final.axes[0]) == {"chance, ln 8": math.log(8)}
+
+
+@pytest.fixture
+def tf_lost(tf, tmp_path):
+    """The Transformer sweep with Pre's run folder gone."""
+    out = tmp_path / "out"
+    shutil.copytree(tf, out)
+    summary = load_summary(out)
+    shutil.rmtree(out / summary.loc[summary["norm.placement"] == "pre", "run_id"].iloc[0])
+    return out
+
+
+def test_the_pivot_reads_a_missing_run_as_missing_never_diverged(tf_lost):
+    pivot = build_pivot(tf_lost, "norm.placement", "model.depth")
+    text = pivot_to_markdown(pivot)
+    assert "| pre | missing |" in text.replace("  ", " ") and "diverged |" not in text
+    rows = {r.split(",")[1]: r.split(",")[-3:] for r in pivot_to_csv(pivot).splitlines()[1:]}
+    assert rows["pre"] == ["0", "1", "1"] and rows["post"] == ["1", "1", "0"]
