@@ -98,7 +98,7 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
 
 
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
-                "or are missing (named below).")
+                "or are missing (named below), or, in the table, ended before that step (a shorter train.steps).")
 
 
 def _is_null(value: object) -> bool:
@@ -134,14 +134,17 @@ class Report:
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
     def cell(self, column: Column, step: int) -> str:
+        """The cell's aggregate; a mean over fewer than the column's runs says "(k of n)" with n every
+        run of the column, whether the others diverged, are missing or ended before this step."""
         if step not in column.cells:
             return "—"
-        return aggregate_cell(*column.cells[step], column.missing)
+        mean, std, finite, reached = column.cells[step]
+        return aggregate_cell(mean, std, finite, column.runs + column.missing if finite else reached, column.missing)
 
     @property
     def partial(self) -> bool:
-        """Some cell's mean covers only part of its runs (the others diverged)."""
-        return any(0 < c.cells[s][2] < c.cells[s][3] for c in self.columns for s in self.steps if s in c.cells)
+        """Some cell's mean covers only part of its column's runs."""
+        return any(0 < c.cells[s][2] < c.runs + c.missing for c in self.columns for s in self.steps if s in c.cells)
 
     def verdict(self, column: Column) -> str:
         if column.runs == 1 and not column.missing:
@@ -200,8 +203,9 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     if missing:
         raise ResultsError(f"--steps {','.join(map(str, missing))}: not recorded by any run "
                            f"(steps {min(recorded)} to {max(recorded)})")
-    if not steps and recorded:  # the sweep's report steps, and always the last step trained
-        steps = sorted({*(s for s in section.steps if s in recorded), max(recorded)})
+    if not steps and recorded:  # the sweep's report steps, and always each run's last step
+        steps = sorted({*(s for s in section.steps if s in recorded), max(recorded),
+                        *(recorded & set(tidy["train.steps"]))})
     if metric not in tidy:
         raise ResultsError(f"--metric {metric}: not recorded by these runs (val_loss and val_acc: sequence tasks only)")
     n_classes = tuple(int(n) for n in dict.fromkeys(n_choices(tidy)))

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.plot import curves_figure, final_loss_figure
-from normexp.report import build_pivot, pivot_to_csv, pivot_to_markdown
+from normexp.report import build_pivot, build_report, pivot_to_csv, pivot_to_markdown, to_markdown
 from normexp.results import load_metrics, load_summary
 
 T = """name: t
@@ -81,3 +81,15 @@ def test_the_pivot_reads_a_missing_run_as_missing_never_diverged(tf_lost):
     assert "| pre | missing |" in text.replace("  ", " ") and "diverged |" not in text
     rows = {r.split(",")[1]: r.split(",")[-3:] for r in pivot_to_csv(pivot).splitlines()[1:]}
     assert rows["pre"] == ["0", "1", "1"] and rows["post"] == ["1", "1", "0"]
+
+
+def test_a_cell_over_part_of_its_columns_runs_says_k_of_n(tf_steps):
+    report = build_report(tf_steps, by=["norm.placement"])
+    assert {4, 7} <= set(report.steps)
+    for column in report.columns:
+        assert column.runs == 4
+        for step in report.steps:
+            cell = report.cell(column, step)
+            assert cell.endswith("(2 of 4)") if step > 4 else "of" not in cell, (step, cell)
+    text = to_markdown(report)
+    assert "(2 of 4)" in text and "ended before that step" in text
