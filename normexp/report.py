@@ -158,10 +158,10 @@ class Report:
         if len(self.n_classes) > 1:
             rule = f"each run's ln(n_classes)/10: {rule}"
         rule = f"final loss < {rule}"
-        trained = [c.label for c in self.columns if c.trained == c.runs and not c.missing]
-        partly = [f"{c.label} ({c.trained}/{c.runs + c.missing} {c.unit})" for c in self.columns
-                  if 0 < c.trained < c.runs + c.missing]
-        failed = [c.label for c in self.columns if c.trained == 0]
+        # a variant is judged by its finished runs; a missing run is evidence of nothing, so it is named, not counted
+        trained = [_verdict_label(c) for c in self.columns if c.trained == c.runs]
+        partly = [_verdict_label(c) for c in self.columns if 0 < c.trained < c.runs]
+        failed = [_verdict_label(c) for c in self.columns if c.trained == 0 < c.runs]
         parts = [f"Trained ({rule}): {', '.join(trained) or 'none'}."]
         if partly:
             parts.append(f"Trained in some seeds: {', '.join(partly)}.")
@@ -170,6 +170,14 @@ class Report:
         if diverged:
             parts.append(f"Diverged: {', '.join(diverged)}.")
         return "  ".join(parts)
+
+
+def _verdict_label(column: Column) -> str:
+    """'Pre', 'Pre (1/2 seeds)' when only some trained, 'Pre (1 of 2 seeds; 1 missing)' when some are missing."""
+    c = column
+    if c.missing:
+        return f"{c.label} ({c.trained} of {c.runs + c.missing} {c.unit}; {c.missing} missing)"
+    return c.label if c.trained in (0, c.runs) else f"{c.label} ({c.trained}/{c.runs} {c.unit})"
 
 
 def sweep_report_section(run_dir: Path) -> ReportConfig:

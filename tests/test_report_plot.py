@@ -7,11 +7,13 @@ import math
 import shutil
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.plot import curves_figure, final_loss_figure
-from normexp.report import build_pivot, build_report, pivot_to_csv, pivot_to_markdown, to_markdown
+from normexp.report import Column, Report, build_pivot, build_report, pivot_to_csv, pivot_to_markdown, to_markdown
 from normexp.results import load_metrics, load_summary
 
 T = """name: t
@@ -93,3 +95,23 @@ def test_a_cell_over_part_of_its_columns_runs_says_k_of_n(tf_steps):
             assert cell.endswith("(2 of 4)") if step > 4 else "of" not in cell, (step, cell)
     text = to_markdown(report)
     assert "(2 of 4)" in text and "ended before that step" in text
+
+
+@given(trained=st.integers(0, 4), failed=st.integers(0, 4), missing=st.integers(0, 4))
+def test_a_verdict_names_missing_runs_and_judges_only_finished_ones(trained, failed, missing):
+    runs = trained + failed
+    if runs == 0:
+        return  # a column exists only for a finished run
+    column = Column("Pre", {}, {}, trained, runs, "seeds", 0, missing)
+    line = Report("t", "loss", [], [column], (8,)).verdict_line()
+    sections = dict(part.split(": ", 1) for part in line.split(".  "))
+    said = {k.split(" (")[0]: v for k, v in sections.items()}
+    assert ("Pre" in said["Trained"]) == (failed == 0)
+    assert ("Pre" in said.get("Trained in some seeds", "")) == (trained > 0 < failed)
+    assert ("Pre" in said["Did not train"]) == (trained == 0)
+    assert (f"{missing} missing" in line) == (missing > 0)
+
+
+def test_one_missing_seed_beside_a_trained_one_reads_trained():
+    line = Report("t", "loss", [], [Column("Pre", {}, {}, 1, 1, "seeds", 0, 1)], (8,)).verdict_line()
+    assert "): Pre (1 of 2 seeds; 1 missing)." in line and "Did not train: none." in line and "some" not in line
