@@ -30,7 +30,15 @@ from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from normexp.report import n_choices, trained_threshold, variant_groups  # noqa: E402
-from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note, varying_keys  # noqa: E402
+from normexp.results import (  # noqa: E402
+    check_metric,
+    finished_runs,
+    load_blocks,
+    load_metrics,
+    load_summary,
+    missing_note,
+    varying_keys,
+)
 from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
@@ -165,6 +173,7 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     output = Path(output) if output else run_dir / f"{metric}.png"
     summary = load_summary(run_dir)
     tidy = load_metrics(run_dir, all_config=True)
+    check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]
     note = missing_note(summary, run_dir)
     paths = []

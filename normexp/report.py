@@ -30,6 +30,7 @@ import yaml
 from normexp.config import ReportConfig
 from normexp.results import (
     ResultsError,
+    check_metric,
     config_columns,
     finished_runs,
     load_metrics,
@@ -214,8 +215,7 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     if not steps and recorded:  # the sweep's report steps, and always each run's last step
         steps = sorted({*(s for s in section.steps if s in recorded), max(recorded),
                         *(recorded & set(tidy["train.steps"]))})
-    if metric not in tidy:
-        raise ResultsError(f"--metric {metric}: not recorded by these runs (val_loss and val_acc: sequence tasks only)")
+    check_metric(tidy, metric)
     n_classes = tuple(int(n) for n in dict.fromkeys(n_choices(tidy)))
     unfinished = summary[summary["run_id"].isin(unfinished_runs(summary))]
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}

@@ -115,3 +115,10 @@ def test_a_verdict_names_missing_runs_and_judges_only_finished_ones(trained, fai
 def test_one_missing_seed_beside_a_trained_one_reads_trained():
     line = Report("t", "loss", [], [Column("Pre", {}, {}, 1, 1, "seeds", 0, 1)], (8,)).verdict_line()
     assert "): Pre (1 of 2 seeds; 1 missing)." in line and "Did not train: none." in line and "some" not in line
+
+
+def test_plot_refuses_a_metric_the_runs_did_not_record(ffn, tmp_path):
+    result = invoke("plot", str(ffn), "-o", str(tmp_path / "v.png"), "--metric", "val_acc")
+    assert result.exit_code == 2, result.output  # an uncaught KeyError exits 1
+    assert "--metric val_acc: not recorded by these runs" in result.output
+    assert not (tmp_path / "v.png").exists()
