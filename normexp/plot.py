@@ -312,9 +312,9 @@ def lr_figure(table: pd.DataFrame, keys: list[str]) -> Figure:
         ax.set_title(panel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="x-small" if len(variants) > 8 else "small")
-    axes.flat[0].set_ylabel("final loss, min(final, loss at init)")
-    fig.suptitle("final loss vs learning rate (line: mean over seeds, band: min–max; a diverged run counts "
-                 "as its loss at init)")
+    axes.flat[0].set_ylabel("final training loss, min(final, loss at init)")
+    fig.suptitle("final training loss vs learning rate (whatever plot --metric)\n"  # two lines: one panel is narrow
+                 "line: mean over seeds, band: min–max; a diverged run counts as its loss at init", fontsize="medium")
     return fig
 
 

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from normexp.cli import app
-from normexp.plot import curves_figure, final_loss_figure
+from normexp.plot import curves_figure, final_loss_figure, lr_figure
 from normexp.report import Column, Report, build_pivot, build_report, pivot_to_csv, pivot_to_markdown, to_markdown
 from normexp.results import load_metrics, load_summary
+from normexp.sensitivity import lr_table
 
 T = """name: t
 base:
@@ -25,7 +26,8 @@ grid:
   norm.placement: [post, pre]
 seeds: [0]
 """
-FFN = "name: ffn\nbase:\n  model: {depth: 2, width: 8}\n  train: {steps: 2}\ngrid:\n  norm.placement: [post, pre]\n"
+FFN = ("name: ffn\nbase:\n  model: {depth: 2, width: 8}\n  train: {steps: 2}\n"
+       "grid:\n  norm.placement: [post, pre]\n  optim.lr: [0.01, 0.02, 0.05]\n")
 
 
 def invoke(*args: str):
@@ -122,3 +124,22 @@ def test_plot_refuses_a_metric_the_runs_did_not_record(ffn, tmp_path):
     assert result.exit_code == 2, result.output  # an uncaught KeyError exits 1
     assert "--metric val_acc: not recorded by these runs" in result.output
     assert not (tmp_path / "v.png").exists()
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--pivot", "norm.placement,optim.lr", "--metric", "acc"], "--metric and --pivot"),
+    (["--pivot", "norm.placement,optim.lr", "--steps", "1"], "--steps and --pivot"),
+    (["--pivot", "norm.placement,optim.lr", "--by", "optim.lr"], "--by and --pivot"),
+    (["--lr-sensitivity", "--metric", "acc"], "--metric and --lr-sensitivity"),
+])
+def test_report_refuses_an_option_its_mode_would_ignore(ffn, args, named):
+    result = invoke("report", str(ffn), *args)
+    assert result.exit_code == 2 and named in result.output, result.output
+
+
+def test_the_lr_figure_says_it_shows_the_final_loss_in_a_title_that_fits(ffn):
+    fig = lr_figure(*lr_table(ffn))
+    fig.canvas.draw()
+    title = fig._suptitle
+    assert title.get_text().startswith("final training loss vs learning rate (whatever plot --metric)")
+    assert 0 <= title.get_window_extent().x0 and title.get_window_extent().x1 <= fig.bbox.width
