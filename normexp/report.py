@@ -475,7 +475,8 @@ def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  #
     slopes = ", ".join(f"{_gradnorm_label(p)} {summary.slopes[p]:+.2f}" for p in placements)
     if len(summary.depths) < 2:
         slopes = "needs two depths or more (e.g. --set model.depth=8,16,32)"
-    lines = [f"fitted slope of log ||grad W2_L|| against log L: {slopes} (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
+    lines = [f"each cell: {_over_seeds(summary.seeds)}",
+             f"fitted slope of log ||grad W2_L|| against log L: {slopes} (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
     for p in placements:
         stream, norm_in = summary.stream_sq[p], summary.norm_in_sq[p]
         lines.append(f"{_gradnorm_label(p)}, L={deepest}: ||x_l||^2/d entering blocks 1, L/2, L = "
@@ -499,12 +500,18 @@ def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str
     header = ["layer l", *(f"{_gradnorm_label(v)}: {SUBLAYERS[c]}" for v, c in columns)]
     rows = [[str(layer), *(f"{summary.grads[v][c][i][0]:.4f} ± {summary.grads[v][c][i][1]:.4f}" for v, c in columns)]
             for i, layer in enumerate(summary.layers)]
-    lines = [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
+    lines = [f"each cell: {_over_seeds(summary.seeds)}"]
+    lines += [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
         f"{SUBLAYERS[c]} {summary.ratio(v, c):.2f} ({summary.verdict(v, c)})" for c in SUBLAYERS)
         for v in summary.grads]
     lines.append(f"verdict: grows above {GROWTH_FACTOR}x, shrinks below 1/{GROWTH_FACTOR}, flat between "
                  "(Xiong et al. Fig. 3: Post-LN grows with the layer index, Pre-LN flat)")
     return header, rows, lines
+
+
+def _over_seeds(seeds: int) -> str:
+    return f"mean ± std over {seeds} seed{'s' if seeds > 1 else ''}" + (
+        " (one seed: std 0; add --set seeds=0,1,2)" if seeds == 1 else "")
 
 
 def _gradnorm_label(variant: str) -> str:
@@ -524,7 +531,7 @@ def gradnorm_to_rich(summary):  # -> rich.console.Group
 
     header, rows, lines = gradnorm_tables(summary)
     table = _rich_table(header, rows, "l" + "r" * (len(header) - 1),
-                        title="gradient norms at initialisation (mean ± std over seeds)")
+                        title=f"gradient norms at initialisation ({_over_seeds(summary.seeds)})")
     return Group(table, *(Text(line) for line in lines))
 
 

@@ -143,3 +143,12 @@ def test_the_lr_figure_says_it_shows_the_final_loss_in_a_title_that_fits(ffn):
     title = fig._suptitle
     assert title.get_text().startswith("final training loss vs learning rate (whatever plot --metric)")
     assert 0 <= title.get_window_extent().x0 and title.get_window_extent().x1 <= fig.bbox.width
+
+
+def test_gradnorm_gives_no_verdict_on_one_layer_and_says_how_many_seeds(tmp_path):
+    config = tmp_path / "gn.yaml"
+    config.write_text(T.replace("depth: 2", "depth: 1").replace("seeds: [0]", "seeds: [0, 1, 2]"))
+    result = invoke("gradnorm", str(config), "--out", str(tmp_path / "gn"), "--format", "markdown")
+    assert result.exit_code == 0, result.output
+    assert "no verdict: needs 2 layers or more" in result.output and "(flat)" not in result.output
+    assert "each cell: mean ± std over 3 seeds" in result.output
