@@ -308,6 +308,11 @@ def report(
     _check_choice("--format", fmt, ("table", "markdown", "csv"))
     if pivot is not None and lr_sensitivity:
         raise fail("--pivot and --lr-sensitivity: choose one")
+    for mode, on, table_only in (("--pivot", pivot is not None, {"--metric": metric, "--steps": steps, "--by": by}),
+                                 ("--lr-sensitivity", lr_sensitivity, {"--metric": metric})):
+        given = [option for option, value in table_only.items() if on and value is not None]
+        if given:  # the pivot and the sensitivity are of the final loss, over every varying key
+            raise fail(f"{given[0]} and {mode}: {given[0]} applies to the step table only")
     if pivot is not None:
         _print_pivot(run_dir, pivot, fmt)
         _exit_if_runs_missing(run_dir, shown=fmt != "csv")

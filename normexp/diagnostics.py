@@ -108,12 +108,15 @@ class LayerGradnorm:
 
     layers: list[int]
     grads: dict[str, dict[str, list[tuple[float, float]]]]  # variant -> sublayer column -> [(mean, std)]
+    seeds: int = 1  # the seeds each mean pools
 
     def ratio(self, variant: str, column: str) -> float:
         stats = self.grads[variant][column]
         return stats[-1][0] / stats[0][0] if stats[0][0] > 0 else math.nan
 
     def verdict(self, variant: str, column: str) -> str:
+        if len(self.layers) < 2:  # last/first is 1 by construction
+            return "no verdict: needs 2 layers or more"
         return growth_verdict(self.ratio(variant, column))
 
 
@@ -139,7 +142,7 @@ def summarise_layer_gradnorm(rows: list[dict]) -> LayerGradnorm:
                 values = [r[column] for r in mine if r["layer"] == layer]
                 stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
             grads[variant][column] = stats
-    return LayerGradnorm(layers, grads)
+    return LayerGradnorm(layers, grads, len({r["seed"] for r in rows}))
 
 
 # ----------------------------------------------------------------------------- norm properties
@@ -305,6 +308,7 @@ class GradnormSummary:
     stream_sq: dict[str, list[float]]  # placement -> ||x_l||^2/d per block, deepest model, mean over seeds
     norm_in_sq: dict[str, list[float]]  # placement -> ||u_l||^2/d entering each block's norm
     branch_gain: float | None  # c = E||F(x)||^2/d for unit-variance input, from the init; None if unknown
+    seeds: int = 1  # the seeds each mean pools
 
     def measured_gain(self, placement: str) -> float:
         """c as the data show it: Post-LN, mean ||u||^2/d - 1; otherwise the per-block growth of ||x_l||^2/d."""
@@ -355,7 +359,8 @@ def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> Gr
         blocks = sorted({r["block"] for r in deepest})
         stream[placement] = [statistics.fmean(r["stream_sq"] for r in deepest if r["block"] == b) for b in blocks]
         norm_in[placement] = [statistics.fmean(r["norm_in_sq"] for r in deepest if r["block"] == b) for b in blocks]
-    return GradnormSummary(depths, last_grad, slopes, stream, norm_in, branch_gain(model) if model else None)
+    return GradnormSummary(depths, last_grad, slopes, stream, norm_in, branch_gain(model) if model else None,
+                           len({r["seed"] for r in rows}))
 
 
 def gradnorm_study(spec: Sweep, target: Path) -> GradnormSummary | LayerGradnorm:

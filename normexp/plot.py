@@ -1,8 +1,9 @@
 """Figures from a sweep's output folder (matplotlib, Agg backend: no display needed).
 
 - `curves_figure`: one line per variant (the mean over seeds), a shaded min–max band over seeds,
-  log y for the loss, chance level ln(n_classes) as a dotted line. Each legend entry says how many
-  runs its line covers and how many of them diverged (their curves stop, so later means cover fewer).
+  log y for the loss, chance level ln(n) as a dotted line (n: n_classes, or a Transformer's vocab).
+  Each legend entry says how many runs its line covers and how many of them diverged (their curves
+  stop, so later means cover fewer).
 - `phase_figure`: for two numeric grid axes (e.g. optim.lr x schedule.warmup_steps), a heatmap of
   the final loss per placement (one panel each, one shared log colour scale): where does each
   placement train?
@@ -28,8 +29,16 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from normexp.report import trained_threshold, variant_groups  # noqa: E402
-from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note, varying_keys  # noqa: E402
+from normexp.report import n_choices, trained_threshold, variant_groups  # noqa: E402
+from normexp.results import (  # noqa: E402
+    check_metric,
+    finished_runs,
+    load_blocks,
+    load_metrics,
+    load_summary,
+    missing_note,
+    varying_keys,
+)
 from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
@@ -75,12 +84,18 @@ def _draw_curves(ax, tidy: pd.DataFrame, keys: list[str], metric: str) -> None:
     if metric in ("loss", "grad_norm"):
         ax.set_yscale("log")
     if metric == "loss" and "model.n_classes" in tidy:
-        for n_classes in dict.fromkeys(int(n) for n in tidy["model.n_classes"]):
-            ax.axhline(math.log(n_classes), color="grey", linestyle=":", linewidth=1, label=f"chance, ln {n_classes}")
+        for n in _chances(tidy):
+            ax.axhline(math.log(n), color="grey", linestyle=":", linewidth=1, label=f"chance, ln {n}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(METRIC_LABELS.get(metric, metric))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="x-small" if len(variants) > 8 else "small")
+
+
+def _chances(frame: pd.DataFrame) -> list[int]:
+    """Each distinct number of choices among the runs (`report.n_choices`: n_classes, or a Transformer's
+    vocabulary): one chance line, ln(n), per value."""
+    return list(dict.fromkeys(int(n) for n in n_choices(frame)))
 
 
 def _coverage(runs: pd.DataFrame) -> str:
@@ -158,6 +173,7 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     output = Path(output) if output else run_dir / f"{metric}.png"
     summary = load_summary(run_dir)
     tidy = load_metrics(run_dir, all_config=True)
+    check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]
     note = missing_note(summary, run_dir)
     paths = []
@@ -257,11 +273,11 @@ def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
         stats = group.groupby(x_key)["final_loss"].agg(["mean", "min", "max"])
         line, = ax.plot(stats.index, stats["mean"], marker="o", label=f"{label}{_coverage(group)}")
         ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.15, linewidth=0)
-    classes = list(dict.fromkeys(int(n) for n in finished["model.n_classes"]))
-    for n_classes in classes:
-        ax.axhline(math.log(n_classes), color="grey", linestyle=":", label=f"chance, ln {n_classes}")
-        ax.axhline(trained_threshold(n_classes), color="grey", linestyle="--", linewidth=0.8,
-                   label="trained below" + (f", n_classes={n_classes}" if len(classes) > 1 else ""))
+    classes = _chances(finished)
+    for n in classes:
+        ax.axhline(math.log(n), color="grey", linestyle=":", label=f"chance, ln {n}")
+        ax.axhline(trained_threshold(n), color="grey", linestyle="--", linewidth=0.8,
+                   label="trained below" + (f", {n} choices" if len(classes) > 1 else ""))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(x_key)
@@ -296,9 +312,9 @@ def lr_figure(table: pd.DataFrame, keys: list[str]) -> Figure:
         ax.set_title(panel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="x-small" if len(variants) > 8 else "small")
-    axes.flat[0].set_ylabel("final loss, min(final, loss at init)")
-    fig.suptitle("final loss vs learning rate (line: mean over seeds, band: min–max; a diverged run counts "
-                 "as its loss at init)")
+    axes.flat[0].set_ylabel("final training loss, min(final, loss at init)")
+    fig.suptitle("final training loss vs learning rate (whatever plot --metric)\n"  # two lines: one panel is narrow
+                 "line: mean over seeds, band: min–max; a diverged run counts as its loss at init", fontsize="medium")
     return fig
 
 

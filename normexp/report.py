@@ -30,6 +30,7 @@ import yaml
 from normexp.config import ReportConfig
 from normexp.results import (
     ResultsError,
+    check_metric,
     config_columns,
     finished_runs,
     load_metrics,
@@ -83,10 +84,12 @@ def variant_label(values: dict[str, object]) -> str:
 
 def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int = 0) -> str:
     """One aggregate as text: `mean ± std` over the `finite` runs of the cell's `runs` (`missing` of
-    them have no verified result), saying "(k of n)" when some diverged or are missing, `diverged`
-    when all that finished did, and `—` only where there is no run."""
+    them have no verified result), saying "(k of n)" when some diverged or are missing, `missing` when
+    all are, `diverged` when all that finished did, and `—` only where there is no run."""
     if runs == 0:
         return "—"
+    if finite == 0 and missing >= runs:
+        return "missing" if runs == 1 else f"all {runs} missing"
     if finite == 0 and missing:
         return f"— (0 of {runs})"
     if finite == 0:
@@ -96,7 +99,7 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
 
 
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
-                "or are missing (named below).")
+                "or are missing (named below), or, in the table, ended before that step (a shorter train.steps).")
 
 
 def _is_null(value: object) -> bool:
@@ -132,14 +135,17 @@ class Report:
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
     def cell(self, column: Column, step: int) -> str:
+        """The cell's aggregate; a mean over fewer than the column's runs says "(k of n)" with n every
+        run of the column, whether the others diverged, are missing or ended before this step."""
         if step not in column.cells:
             return "—"
-        return aggregate_cell(*column.cells[step], column.missing)
+        mean, std, finite, reached = column.cells[step]
+        return aggregate_cell(mean, std, finite, column.runs + column.missing if finite else reached, column.missing)
 
     @property
     def partial(self) -> bool:
-        """Some cell's mean covers only part of its runs (the others diverged)."""
-        return any(0 < c.cells[s][2] < c.cells[s][3] for c in self.columns for s in self.steps if s in c.cells)
+        """Some cell's mean covers only part of its column's runs."""
+        return any(0 < c.cells[s][2] < c.runs + c.missing for c in self.columns for s in self.steps if s in c.cells)
 
     def verdict(self, column: Column) -> str:
         if column.runs == 1 and not column.missing:
@@ -153,10 +159,10 @@ class Report:
         if len(self.n_classes) > 1:
             rule = f"each run's ln(n_classes)/10: {rule}"
         rule = f"final loss < {rule}"
-        trained = [c.label for c in self.columns if c.trained == c.runs and not c.missing]
-        partly = [f"{c.label} ({c.trained}/{c.runs + c.missing} {c.unit})" for c in self.columns
-                  if 0 < c.trained < c.runs + c.missing]
-        failed = [c.label for c in self.columns if c.trained == 0]
+        # a variant is judged by its finished runs; a missing run is evidence of nothing, so it is named, not counted
+        trained = [_verdict_label(c) for c in self.columns if c.trained == c.runs]
+        partly = [_verdict_label(c) for c in self.columns if 0 < c.trained < c.runs]
+        failed = [_verdict_label(c) for c in self.columns if c.trained == 0 < c.runs]
         parts = [f"Trained ({rule}): {', '.join(trained) or 'none'}."]
         if partly:
             parts.append(f"Trained in some seeds: {', '.join(partly)}.")
@@ -165,6 +171,14 @@ class Report:
         if diverged:
             parts.append(f"Diverged: {', '.join(diverged)}.")
         return "  ".join(parts)
+
+
+def _verdict_label(column: Column) -> str:
+    """'Pre', 'Pre (1/2 seeds)' when only some trained, 'Pre (1 of 2 seeds; 1 missing)' when some are missing."""
+    c = column
+    if c.missing:
+        return f"{c.label} ({c.trained} of {c.runs + c.missing} {c.unit}; {c.missing} missing)"
+    return c.label if c.trained in (0, c.runs) else f"{c.label} ({c.trained}/{c.runs} {c.unit})"
 
 
 def sweep_report_section(run_dir: Path) -> ReportConfig:
@@ -198,10 +212,10 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     if missing:
         raise ResultsError(f"--steps {','.join(map(str, missing))}: not recorded by any run "
                            f"(steps {min(recorded)} to {max(recorded)})")
-    if not steps and recorded:  # the sweep's report steps, and always the last step trained
-        steps = sorted({*(s for s in section.steps if s in recorded), max(recorded)})
-    if metric not in tidy:
-        raise ResultsError(f"--metric {metric}: not recorded by these runs (val_loss and val_acc: sequence tasks only)")
+    if not steps and recorded:  # the sweep's report steps, and always each run's last step
+        steps = sorted({*(s for s in section.steps if s in recorded), max(recorded),
+                        *(recorded & set(tidy["train.steps"]))})
+    check_metric(tidy, metric)
     n_classes = tuple(int(n) for n in dict.fromkeys(n_choices(tidy)))
     unfinished = summary[summary["run_id"].isin(unfinished_runs(summary))]
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
@@ -353,10 +367,11 @@ class Pivot:
     rows: str
     cols: str
     panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # title, mean, std, n, runs
+    lost: list[pd.DataFrame]  # per panel: how many runs of each cell have no verified result
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
 
-    def cell(self, mean: float, std: float, n: int, runs: int) -> str:
-        return aggregate_cell(mean, std, 0 if pd.isna(n) else int(n), 0 if pd.isna(runs) else int(runs))
+    def cell(self, mean: float, std: float, n: int, runs: int, lost: int = 0) -> str:
+        return aggregate_cell(mean, std, _count(n), _count(runs), _count(lost))
 
     @property
     def partial(self) -> bool:
@@ -373,25 +388,32 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
     planned = summary.copy()  # every run of the sweep: a missing one counts in its cell's n, not in its mean
     loss = planned["final_loss"].astype(float)
     planned["final_loss"] = loss.where(loss.map(math.isfinite) & planned.index.isin(finished.index))
+    planned["lost"] = (~planned.index.isin(finished.index)).astype(int)
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
-    panels = []
+    panels, lost = [], []
     for title, group in variant_groups(planned, others):
-        stats = group.groupby([rows, cols], sort=False, dropna=False)["final_loss"].agg(
-            ["mean", "std", "count", "size"])
+        cells = group.groupby([rows, cols], sort=False, dropna=False)
+        stats = cells["final_loss"].agg(["mean", "std", "count", "size"])
         mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
         panels.append((title, mean, std.fillna(0.0), n.fillna(0), runs.fillna(0)))
-    return Pivot(rows, cols, panels, missing_note(summary, run_dir))
+        lost.append(cells["lost"].sum().unstack(cols).reindex_like(mean).fillna(0))
+    return Pivot(rows, cols, panels, lost, missing_note(summary, run_dir))
+
+
+def _count(value: float) -> int:
+    return 0 if pd.isna(value) else int(value)
 
 
 def _short(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
-def _pivot_cells(pivot: Pivot, corner: str, mean: pd.DataFrame, std: pd.DataFrame, n: pd.DataFrame,
-                 runs: pd.DataFrame) -> tuple[list[str], list[list[str]], str]:
+def _pivot_cells(pivot: Pivot, corner: str, panel: int) -> tuple[list[str], list[list[str]], str]:
     """One panel's header, rows and alignment; `corner` labels the row and column keys."""
+    _, mean, std, n, runs = pivot.panels[panel]
+    lost = pivot.lost[panel]
     header = [corner, *(str(c) for c in mean.columns)]
-    rows = [[str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c], runs.at[row, c])
+    rows = [[str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c], runs.at[row, c], lost.at[row, c])
                          for c in mean.columns)] for row in mean.index]
     return header, rows, "l" + "r" * len(mean.columns)
 
@@ -401,8 +423,8 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     from rich.text import Text
 
     corner = f"{_short(pivot.rows)} \\ {_short(pivot.cols)}"
-    parts = [_rich_table(*_pivot_cells(pivot, corner, *frames), title=f"final loss · {title}")
-             for title, *frames in pivot.panels]
+    parts = [_rich_table(*_pivot_cells(pivot, corner, i), title=f"final loss · {title}")
+             for i, (title, *_) in enumerate(pivot.panels)]
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
     if pivot.partial:
         parts.append(Text(PARTIAL_NOTE))
@@ -413,9 +435,9 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
 
 def pivot_to_markdown(pivot: Pivot) -> str:
     lines = []
-    for title, *frames in pivot.panels:
+    for i, (title, *_) in enumerate(pivot.panels):
         lines += [f"**final loss · {title}**", "",
-                  *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", *frames)), ""]
+                  *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", i)), ""]
     if pivot.partial:
         lines += [PARTIAL_NOTE, ""]
     if pivot.missing:
@@ -426,13 +448,13 @@ def pivot_to_markdown(pivot: Pivot) -> str:
 def pivot_to_csv(pivot: Pivot) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["panel", pivot.rows, pivot.cols, "final_loss_mean", "final_loss_std", "n", "runs"])
-    for title, mean, std, n, runs in pivot.panels:
+    writer.writerow(["panel", pivot.rows, pivot.cols, "final_loss_mean", "final_loss_std", "n", "runs", "missing"])
+    for (title, mean, std, n, runs), lost in zip(pivot.panels, pivot.lost):
         for row in mean.index:
             for col in mean.columns:
-                if runs.at[row, col] > 0:  # a cell whose runs all diverged is a row with n = 0
+                if runs.at[row, col] > 0:  # a cell whose runs all diverged or are missing is a row with n = 0
                     writer.writerow([title, row, col, repr(float(mean.at[row, col])), repr(float(std.at[row, col])),
-                                     int(n.at[row, col]), int(runs.at[row, col])])
+                                     int(n.at[row, col]), int(runs.at[row, col]), int(lost.at[row, col])])
     return buffer.getvalue()
 
 
@@ -453,7 +475,8 @@ def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  #
     slopes = ", ".join(f"{_gradnorm_label(p)} {summary.slopes[p]:+.2f}" for p in placements)
     if len(summary.depths) < 2:
         slopes = "needs two depths or more (e.g. --set model.depth=8,16,32)"
-    lines = [f"fitted slope of log ||grad W2_L|| against log L: {slopes} (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
+    lines = [f"each cell: {_over_seeds(summary.seeds)}",
+             f"fitted slope of log ||grad W2_L|| against log L: {slopes} (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
     for p in placements:
         stream, norm_in = summary.stream_sq[p], summary.norm_in_sq[p]
         lines.append(f"{_gradnorm_label(p)}, L={deepest}: ||x_l||^2/d entering blocks 1, L/2, L = "
@@ -477,12 +500,18 @@ def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str
     header = ["layer l", *(f"{_gradnorm_label(v)}: {SUBLAYERS[c]}" for v, c in columns)]
     rows = [[str(layer), *(f"{summary.grads[v][c][i][0]:.4f} ± {summary.grads[v][c][i][1]:.4f}" for v, c in columns)]
             for i, layer in enumerate(summary.layers)]
-    lines = [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
+    lines = [f"each cell: {_over_seeds(summary.seeds)}"]
+    lines += [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
         f"{SUBLAYERS[c]} {summary.ratio(v, c):.2f} ({summary.verdict(v, c)})" for c in SUBLAYERS)
         for v in summary.grads]
     lines.append(f"verdict: grows above {GROWTH_FACTOR}x, shrinks below 1/{GROWTH_FACTOR}, flat between "
                  "(Xiong et al. Fig. 3: Post-LN grows with the layer index, Pre-LN flat)")
     return header, rows, lines
+
+
+def _over_seeds(seeds: int) -> str:
+    return f"mean ± std over {seeds} seed{'s' if seeds > 1 else ''}" + (
+        " (one seed: std 0; add --set seeds=0,1,2)" if seeds == 1 else "")
 
 
 def _gradnorm_label(variant: str) -> str:
@@ -502,7 +531,7 @@ def gradnorm_to_rich(summary):  # -> rich.console.Group
 
     header, rows, lines = gradnorm_tables(summary)
     table = _rich_table(header, rows, "l" + "r" * (len(header) - 1),
-                        title="gradient norms at initialisation (mean ± std over seeds)")
+                        title=f"gradient norms at initialisation ({_over_seeds(summary.seeds)})")
     return Group(table, *(Text(line) for line in lines))
 
 

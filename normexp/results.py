@@ -117,6 +117,12 @@ def load_blocks(run_dir: str | Path, all_config: bool = False) -> pd.DataFrame:
     return _attach(run_dir, summary, finished, BLOCKS_FILE, all_config)
 
 
+def check_metric(tidy: pd.DataFrame, metric: str) -> None:
+    """Refuse a metric the runs did not record (the held-out columns exist for sequence tasks only)."""
+    if metric not in tidy:
+        raise ResultsError(f"--metric {metric}: not recorded by these runs (val_loss and val_acc: sequence tasks only)")
+
+
 def _attach(run_dir: str | Path, summary: pd.DataFrame, finished: pd.DataFrame, file: str,
             all_config: bool) -> pd.DataFrame:
     """Read `file` of each finished run and attach run_id, the config keys, seed and status in front."""

@@ -160,7 +160,7 @@ def test_the_pivot_says_how_many_seeds_each_cell_covers(diverged):
     assert "all 4 diverged" in text and "—" not in text
     assert "the other n - k diverged" in text
     rows = pivot_to_csv(build_pivot(diverged, "optim.lr", "optim.name")).splitlines()
-    assert rows[0].endswith(",n,runs") and rows[-1].split(",")[-2:] == ["0", "4"]
+    assert rows[0].endswith(",n,runs,missing") and rows[-1].split(",")[-3:] == ["0", "4", "0"]
 
 
 def test_plots_say_how_many_diverged(diverged):
@@ -226,7 +226,8 @@ def test_a_missing_run_counts_in_every_aggregate(lost):
     assert report.verdict(part) == "trained in 3 of 4 seeds, 1 missing"
     assert report.title.endswith("4 seeds · 7 of 8 runs finished")
     text = to_markdown(report)
-    assert "Trained in some seeds: lr=0.02 (3/4 seeds)" in text and "1 run missing, failed or corrupt" in text
+    assert "lr=0.02 (3 of 4 seeds; 1 missing)" in text and "Trained in some seeds" not in text
+    assert "1 run missing, failed or corrupt" in text
     pivot = pivot_to_markdown(build_pivot(lost, "optim.lr", "optim.name"))
     assert "0.1000 ± 0.0000 (3 of 4)" in pivot and "or are missing" in pivot
 

@@ -125,7 +125,7 @@ def test_pivot_and_report_through_the_cli(fake_sweep):
                                  "--format", "csv"])
     assert result.exit_code == 0
     assert result.output.splitlines()[0] == ("panel,optim.lr,schedule.warmup_steps,final_loss_mean,final_loss_std,n,"
-                                         "runs")
+                                         "runs,missing")
     assert len(result.output.splitlines()) == 1 + 8
     bad = runner.invoke(app, ["report", str(fake_sweep), "--pivot", "optim.lr"])
     assert bad.exit_code == 2 and "--pivot: expected ROW_KEY,COL_KEY" in bad.output
