@@ -24,8 +24,11 @@ command line turns SIGTERM and SIGHUP into the same KeyboardInterrupt).
 
 from __future__ import annotations
 
+import contextlib
 import errno
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -214,7 +217,38 @@ def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, exe
 
 def _record(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
             emit: EventCallback) -> None:
-    """Write one run's result (or its error) into its folder and report it."""
+    """Write one run's result (or its error) into its folder and report it. A stop signal that arrives
+    while the folder is written takes effect once it is in place (a write takes milliseconds), so an
+    interrupted sweep leaves no half-built folder behind."""
+    with _stop_signals_deferred():
+        _record_now(cfg, run, error_status, out_dir, outcome, emit)
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """Stop signals (Ctrl-C, SIGTERM, SIGHUP) that arrive in the block are raised again when it ends,
+    for the handlers in place before it. (A thread's signal mask cannot do this: the kernel may hand a
+    process-wide signal to any thread, torch's own among them.) Outside the main thread, which alone
+    runs Python's signal handlers, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from normexp.executors import STOP_SIGNALS
+
+    pending: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
+                for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
+
+
+def _record_now(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
+                emit: EventCallback) -> None:
     rid = run_id(cfg)
     if isinstance(run, str):
         kept = not _write_or_explain(write_failed, out_dir / rid, cfg, error_status, run)

@@ -284,3 +284,36 @@ def test_ctrl_c_while_the_cli_loads_is_one_line(config, tmp_path, command):
             continue  # the interpreter's start-up, before any normexp code ran
         assert proc.returncode in (0, 130) and "Traceback" not in stderr, (delay, stderr)
         assert len(stderr.strip().splitlines()) <= 3, (delay, stderr)
+
+
+def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_place(tmp_path, monkeypatch):
+    """A Ctrl-C that lands while the coordinator writes a run folder waits for the folder: no half-built
+    `.RUN.tmp-PID` is left behind, and the run is recorded whole."""
+    from normexp import store, sweep
+    from normexp.config import RunConfig
+    from normexp.engines.reference import train_run
+    from normexp.store import FinishedRun, inspect_run, run_id, stray_paths
+
+    cfg = RunConfig.model_validate({"model": {"depth": 2, "width": 4}, "train": {"steps": 2}})
+    result = train_run(cfg)
+    run = FinishedRun(result.metrics, result.status, result.wall_s, result.threads, "reference", "cpu")
+    real_write = store.atomic_write
+
+    def write_and_get_interrupted(path, text):
+        os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C, in the middle of the folder's files
+        real_write(path, text)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "atomic_write", write_and_get_interrupted)
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        outcome = sweep.SweepOutcome(tmp_path, total=1)
+        with pytest.raises(KeyboardInterrupt):
+            sweep._record(cfg, run, "failed", tmp_path, outcome, lambda event: None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert stray_paths(tmp_path) == []
+    assert inspect_run(tmp_path / run_id(cfg), cfg).finished
+    assert outcome.statuses == {run_id(cfg): "completed"}
