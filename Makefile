@@ -77,18 +77,21 @@ test-all: install-dev
 reproduce: install
 	$(NORMEXP) sweep configs/warmup.yaml --force
 
-# every study in configs/studies (batched engine), then runs/REPORT.md with computed verdicts
+# every study in configs/studies (the FFN ones on the batched engine, the Transformer's on the fast one,
+# a worker process per core), then runs/REPORT.md with computed verdicts
 studies: install
 	$(PY) -m normexp.studies --out runs
 
 lint: install-dev
 	$(VENV)/bin/ruff check normexp tests benchmarks examples
 
+# engines and executors side by side, then the norm speed table at the article's (64, 512, 4096)
 bench: install-dev
 	$(PY) benchmarks/bench_sweep.py
 	$(PY) benchmarks/bench_engines.py
 	$(PY) benchmarks/bench_workers.py
 	$(PY) benchmarks/bench_fast.py
+	$(PY) -m normexp norms bench --repeats 3
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,16 +91,23 @@ def coverage(summary: pd.DataFrame, keys: list[str]) -> str:
             "covers only the runs of its cell that did not diverge.")
 
 
+# The speed table's big shape: the article's hidden size 4096 over 8 x 512 tokens (its (64, 512, 4096)
+# takes 8x longer; `normexp norms bench` and `make bench` time that one).
+SPEED_SHAPE = (8, 512, 4096)
 FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
 
 
-def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, float]:
-    """Run (or resume) one study's sweep; return its folder and its training time, the sum of the runs'
-    recorded wall times (the same whether this call trained them or an earlier one did)."""
+def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, int]:
+    """Run (or resume) one study's sweep on one worker process per core (the studies' configs ask for
+    one torch thread per run: their runs are small enough that N single-thread processes train more
+    of them per second than one N-thread process). Return the folder and how many of its runs an
+    earlier call had already finished."""
     config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
     spec = load_sweep(config, ["seeds=0,1"] if quick and name != "warmup" else [])
-    run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched"))
-    return out / name, float(load_summary(out / name)["wall_s"].sum())
+    workers = os.cpu_count() or 1
+    outcome = run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched",
+                                                       workers=workers if workers > 1 else None))
+    return out / name, outcome.count("skipped")
 
 
 def _figures(run_dir: Path, x_key: str | None = None) -> list[str]:
@@ -380,8 +388,8 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     ]
     for name, question, x_key, verdict in studies:
         log(f"study {name} ...")
-        run_dir, seconds = _sweep(name, out, quick)
-        times[name] = seconds
+        start = time.perf_counter()
+        run_dir, resumed = _sweep(name, out, quick)
         figures = _figures(run_dir, x_key)
         sensitivity = sensitivity_to_markdown(build_sensitivity(run_dir)) if name.startswith("lr_") else ""
         table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(run_dir))
@@ -391,8 +399,10 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
             table += "\n" + pivot_to_markdown(build_pivot(run_dir, "optim.lr", "schedule.warmup_steps"))
             table += "\n" + sensitivity
         note = missing_note(load_summary(run_dir), run_dir)
-        sections.append(_section(question, name, table, figures, verdict(run_dir) + (f" {note}." if note else ""),
-                                 seconds))
+        verdict_text = verdict(run_dir) + (f" {note}." if note else "")
+        times[name] = time.perf_counter() - start
+        sections.append(_section(question, name, table, figures, verdict_text, times[name],
+                                 f"{resumed} of its runs were done by an earlier call" if resumed else ""))
 
     log("study gradnorm ...")
     start = time.perf_counter()
@@ -406,7 +416,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     log("norm facts and speed ...")
     start = time.perf_counter()
     props = norm_properties()
-    timings = norm_speed([(64, 32)] + ([] if quick else [(64, 512, 4096)]), repeats=3)
+    timings = norm_speed([(64, 32)] + ([] if quick else [SPEED_SHAPE]), repeats=3)
     times["norms"] = time.perf_counter() - start
     sections.append(_section("The RMSNorm facts of shared/seeds/001, measured here; and LayerNorm vs RMSNorm speed",
                              "norms", properties_to_markdown(props) + "\n" + speed_to_markdown(timings), [],
@@ -421,10 +431,11 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     return report
 
 
-def _section(question: str, name: str, table: str, figures: list[str], verdict: str, seconds: float) -> str:
+def _section(question: str, name: str, table: str, figures: list[str], verdict: str, seconds: float,
+             resumed: str = "") -> str:
     images = "\n".join(f"![{Path(f).stem}]({f})" for f in figures)
     return f"\n## {name}\n\n**Question.** {question}\n\n{table}\n{images}\n\n**Verdict.** {verdict}\n\n" \
-           f"_Runtime: {seconds:.0f} s._\n"
+           f"_Runtime: {seconds:.0f} s{f' ({resumed})' if resumed else ''}._\n"
 
 
 def main() -> None:
