@@ -13,7 +13,8 @@ Grids: the article's Pre-LN runs (stable: S = 0, so F must be ~0) and a Post-LN 
 grid of 256 runs, 60 steps (unstable: single trajectories are chaotic).
 
 Speed: ms per model-step at 64 runs, reference vs fast uncompiled and compiled (with the compile
-time, cold and warm cache, in fresh processes); `normexp sweep` of the 256-run grid end to end with
+time, cold and warm cache, in fresh processes), both as the marginal cost of a training step and as a
+whole call that builds the models too; `normexp sweep` of the 256-run grid end to end with
 each engine; peak RSS of a 4096-run grid. Timings are medians of alternating repeats in one process;
 nothing here asserts a number (the tests do: tests/test_fast.py).
 """
@@ -138,13 +139,26 @@ def print_contract(name: str, configs: Sequence[RunConfig], compile: bool) -> No
               f"{f.max_dloss:>10.3g} / {s.max_dloss:<10.3g}  {'holds' if contract_holds(f, s) else 'BROKEN'}")
 
 
-def ms_per_model_step(train, configs: Sequence[RunConfig], repeats: int) -> float:
-    times = []
+def with_steps(configs: Sequence[RunConfig], steps: int) -> list[RunConfig]:
+    return [c.model_copy(update={"train": c.train.model_copy(update={"steps": steps})}) for c in configs]
+
+
+def ms_per_model_step(train, configs: Sequence[RunConfig], repeats: int, short: int = 10) -> tuple[float, float]:
+    """(per model-step of a training step, per model-step of a whole call) in ms. The first is the
+    marginal cost, (T(steps) - T(short)) / (runs x (steps - short)): building and stacking the models,
+    the same work for every engine, cancels. The second divides a whole call by runs x (steps + 1).
+    Medians of `repeats` alternating calls."""
+    steps = configs[0].train.steps
+    shorter = with_steps(configs, short)
+    long_times, short_times = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        train(configs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / (len(configs) * (configs[0].train.steps + 1)) * 1e3
+        for runs, times in ((configs, long_times), (shorter, short_times)):
+            start = time.perf_counter()
+            train(runs)
+            times.append(time.perf_counter() - start)
+    long_s, short_s = statistics.median(long_times), statistics.median(short_times)
+    return ((long_s - short_s) / (len(configs) * (steps - short)) * 1e3,
+            long_s / (len(configs) * (steps + 1)) * 1e3)
 
 
 def compile_seconds(cache: Path, runs: int) -> float:
@@ -192,6 +206,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small grids; every measurement, smoke-sized")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled measurements")
+    parser.add_argument("--speed-only", action="store_true", help="skip the contract and the memory measurement")
     args = parser.parse_args()
     quick, compiled = args.quick, not args.no_compile
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
@@ -201,20 +216,22 @@ def main() -> None:
     runs = stable_grid(n, kinds=("layernorm",))  # one structure: one batch of n runs
     ref_runs = runs[:: max(1, n // 16)]  # the reference's time per model-step does not depend on the count
     run_fast(stable_grid(1, steps=1))  # warm-up
-    ref_ms = ms_per_model_step(lambda c: [train_run(x) for x in c], ref_runs, args.repeats)
-    eager_ms = ms_per_model_step(lambda c: train_fast(c, compile=False), runs, args.repeats)
-    print(f"\nper model-step at {n} runs (article model, 30 steps):")
-    print(f"  reference        {ref_ms:8.3f} ms")
-    print(f"  fast, eager      {eager_ms:8.3f} ms   {ref_ms / eager_ms:6.2f}x")
+    ref_ms, ref_call = ms_per_model_step(lambda c: [train_run(x) for x in c], ref_runs, args.repeats)
+    eager_ms, eager_call = ms_per_model_step(lambda c: train_fast(c, compile=False), runs, args.repeats)
+    print(f"\nper model-step at {n} runs (article model, 30 steps): a training step (models built and stacked "
+          f"beforehand), and a whole call")
+    print(f"  reference        {ref_ms:8.3f} ms            {ref_call:8.3f} ms")
+    print(f"  fast, eager      {eager_ms:8.3f} ms {ref_ms / eager_ms:6.2f}x    {eager_call:8.3f} ms "
+          f"{ref_call / eager_call:6.2f}x")
     if compiled:
         with tempfile.TemporaryDirectory() as cache:
             cold = compile_seconds(Path(cache), n)
             warm = compile_seconds(Path(cache), n)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "normexp" / "inductor"))
         train_fast(runs, compile=True)  # compiles (or loads) in this process
-        compiled_ms = ms_per_model_step(lambda c: train_fast(c, compile=True), runs, args.repeats)
-        print(f"  fast, compiled   {compiled_ms:8.3f} ms   {ref_ms / compiled_ms:6.2f}x   "
-              f"(compile {cold:.1f} s cold, {warm:.1f} s warm cache)")
+        compiled_ms, compiled_call = ms_per_model_step(lambda c: train_fast(c, compile=True), runs, args.repeats)
+        print(f"  fast, compiled   {compiled_ms:8.3f} ms {ref_ms / compiled_ms:6.2f}x    {compiled_call:8.3f} ms "
+              f"{ref_call / compiled_call:6.2f}x   (compile {cold:.1f} s cold, {warm:.1f} s warm cache)")
 
     seeds = 2 if quick else 16
     steps = 10 if quick else 60
@@ -226,6 +243,8 @@ def main() -> None:
     for engine, seconds in wall.items():
         print(f"  --engine {engine:<16} {seconds:8.2f} s   {wall['reference'] / seconds:6.2f}x")
 
+    if args.speed_only:
+        return
     print_contract("stable grid (article, Pre-LN)", stable_grid(2 if quick else 16), compile=False)
     print_contract("unstable grid (Post-LN, lr x warmup x seeds)",
                    unstable_grid(max(1, seeds // 2), steps),

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +50,7 @@ from normexp.report import (
 )
 from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note
 from normexp.sensitivity import build_sensitivity
-from normexp.sweep import SweepOptions, run_sweep
+from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -443,7 +445,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs"))
     parser.add_argument("--quick", action="store_true", help="2 seeds, no big-shape speed table (a smoke test)")
     args = parser.parse_args()
-    run_studies(args.out, args.quick)
+    stopping: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:  # the first stop signal stops the sweeps cleanly; a second exits
+        if stopping:
+            os._exit(128 + signum)
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+    try:
+        run_studies(args.out, args.quick)
+    except (SweepInterrupted, KeyboardInterrupt):
+        signum = stopping[0] if stopping else signal.SIGINT
+        print(f"{signal.Signals(signum).name}: studies stopped; every finished run is kept in {args.out}. "
+              "Run the same command again to resume.", file=sys.stderr)
+        sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

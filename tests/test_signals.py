@@ -317,3 +317,24 @@ def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_pl
     assert stray_paths(tmp_path) == []
     assert inspect_run(tmp_path / run_id(cfg), cfg).finished
     assert outcome.statuses == {run_id(cfg): "completed"}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_make_studies_stops_cleanly_and_resumes_what_it_kept(tmp_path, signum):
+    """`make studies` (one worker per core) under a terminal's Ctrl-C or a SIGTERM to its whole process
+    group while the first study trains: one line, exit 128 + signal, no process left, finished runs kept."""
+    out = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "normexp.studies", "--quick", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    STARTED.append(proc)
+    wait_for(lambda: done_count(out / "warmup") >= 1, "a finished run of the first study")
+    os.killpg(proc.pid, signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, stderr
+    assert "Traceback" not in stderr and "studies stopped" in stderr and "Run the same command again" in stderr
+    assert_no_process_left(proc.pid)
+    kept = done_count(out / "warmup")
+    assert kept >= 1 and not list(out.glob("**/.*.tmp-*"))
+    with SweepLock(out / "warmup"):  # released
+        pass
