@@ -13,8 +13,9 @@ Grids: the article's Pre-LN runs (stable: S = 0, so F must be ~0) and a Post-LN 
 grid of 256 runs, 60 steps (unstable: single trajectories are chaotic).
 
 Speed: ms per model-step at 64 runs, reference vs fast uncompiled and compiled (with the compile
-time, cold and warm cache, in fresh processes), both as the marginal cost of a training step and as a
-whole call that builds the models too; `normexp sweep` of the 256-run grid end to end with
+time, cold and warm cache, in fresh processes), both for the training steps alone (each run's
+`seeded_init`, the same model building and data drawing for every engine, timed and left out) and for a
+whole call; `normexp sweep` of the 256-run grid end to end with
 each engine; peak RSS of a 4096-run grid. Timings are medians of alternating repeats in one process;
 nothing here asserts a number (the tests do: tests/test_fast.py).
 """
@@ -22,6 +23,7 @@ nothing here asserts a number (the tests do: tests/test_fast.py).
 from __future__ import annotations  # noqa: I001 - normexp is imported before torch, on purpose
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -32,13 +34,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import normexp  # noqa: F401 - before torch: torch's threads wait as under the normexp command
 import torch
 
 from normexp.config import RunConfig
+from normexp.engines import fast, reference
 from normexp.engines.fast import plan_fast, train_fast
-from normexp.engines.reference import RunResult, train_run
+from normexp.engines.reference import RunResult, seeded_init, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 CHANCE_TENTH = math.log(10) / 10  # the report's trained rule: final loss under a tenth of chance
@@ -139,26 +143,37 @@ def print_contract(name: str, configs: Sequence[RunConfig], compile: bool) -> No
               f"{f.max_dloss:>10.3g} / {s.max_dloss:<10.3g}  {'holds' if contract_holds(f, s) else 'BROKEN'}")
 
 
-def with_steps(configs: Sequence[RunConfig], steps: int) -> list[RunConfig]:
-    return [c.model_copy(update={"train": c.train.model_copy(update={"steps": steps})}) for c in configs]
+def timed_init(seconds: list[float]) -> contextlib.AbstractContextManager:
+    """Within: `seeded_init` (each run's model and task, the same draws for every engine) adds its time
+    to seconds[0], in the reference and the fast engine alike."""
+    def timed(cfg: RunConfig):
+        start = time.perf_counter()
+        try:
+            return seeded_init(cfg)
+        finally:
+            seconds[0] += time.perf_counter() - start
+
+    stack = contextlib.ExitStack()
+    for module in (reference, fast):
+        stack.enter_context(mock.patch.object(module, "seeded_init", timed))
+    return stack
 
 
-def ms_per_model_step(train, configs: Sequence[RunConfig], repeats: int, short: int = 10) -> tuple[float, float]:
-    """(per model-step of a training step, per model-step of a whole call) in ms. The first is the
-    marginal cost, (T(steps) - T(short)) / (runs x (steps - short)): building and stacking the models,
-    the same work for every engine, cancels. The second divides a whole call by runs x (steps + 1).
-    Medians of `repeats` alternating calls."""
-    steps = configs[0].train.steps
-    shorter = with_steps(configs, short)
-    long_times, short_times = [], []
+def ms_per_model_step(train, configs: Sequence[RunConfig], repeats: int) -> tuple[float, float]:
+    """(per model-step of the training steps, per model-step of a whole call) in ms, medians of
+    `repeats` calls: a whole call over runs x (steps + 1), and the same without the time its runs'
+    `seeded_init` took (building the models and drawing the data: the same work for both engines)."""
+    steps_ms, call_ms = [], []
+    per = len(configs) * (configs[0].train.steps + 1) / 1e3
     for _ in range(repeats):
-        for runs, times in ((configs, long_times), (shorter, short_times)):
+        init = [0.0]
+        with timed_init(init):
             start = time.perf_counter()
-            train(runs)
-            times.append(time.perf_counter() - start)
-    long_s, short_s = statistics.median(long_times), statistics.median(short_times)
-    return ((long_s - short_s) / (len(configs) * (steps - short)) * 1e3,
-            long_s / (len(configs) * (steps + 1)) * 1e3)
+            train(configs)
+            seconds = time.perf_counter() - start
+        steps_ms.append((seconds - init[0]) / per)
+        call_ms.append(seconds / per)
+    return statistics.median(steps_ms), statistics.median(call_ms)
 
 
 def compile_seconds(cache: Path, runs: int) -> float:
@@ -218,8 +233,8 @@ def main() -> None:
     run_fast(stable_grid(1, steps=1))  # warm-up
     ref_ms, ref_call = ms_per_model_step(lambda c: [train_run(x) for x in c], ref_runs, args.repeats)
     eager_ms, eager_call = ms_per_model_step(lambda c: train_fast(c, compile=False), runs, args.repeats)
-    print(f"\nper model-step at {n} runs (article model, 30 steps): a training step (models built and stacked "
-          f"beforehand), and a whole call")
+    print(f"\nper model-step at {n} runs (article model, 30 steps): the training steps (without "
+          f"building the models), and a whole call")
     print(f"  reference        {ref_ms:8.3f} ms            {ref_call:8.3f} ms")
     print(f"  fast, eager      {eager_ms:8.3f} ms {ref_ms / eager_ms:6.2f}x    {eager_call:8.3f} ms "
           f"{ref_call / eager_call:6.2f}x")

@@ -33,6 +33,7 @@ running twice, the executor, resuming. Tests hold it to the reference within the
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import time
@@ -234,7 +235,13 @@ class Batch:
 def stack_runs(runs: Sequence[RunConfig], device: str) -> tuple[torch.nn.Module, Batch]:
     """Each run's model and task from `seeded_init` (the reference's draws), stacked on `device`;
     returns the parameter-less ("meta") model that `functional_call` runs, and the batch."""
-    nets, tasks = zip(*(seeded_init(cfg) for cfg in runs))
+    collecting = gc.isenabled()
+    gc.disable()  # R models are ~10^4 modules: the cyclic collector would rescan them (and, once
+    try:  # torch.compile has loaded, dynamo's module registry) many times over while they are built
+        nets, tasks = zip(*(seeded_init(cfg) for cfg in runs))
+    finally:
+        if collecting:
+            gc.enable()
     params, _ = stack_module_state(list(nets))  # neither model has buffers
     params = {k: p.detach().to(device) for k, p in params.items()}
     base = copy.deepcopy(nets[0]).to("meta")
