@@ -96,17 +96,20 @@ def coverage(summary: pd.DataFrame, keys: list[str]) -> str:
 # The speed table's big shape: the article's hidden size 4096 over 8 x 512 tokens (its (64, 512, 4096)
 # takes 8x longer; `normexp norms bench` and `make bench` time that one).
 SPEED_SHAPE = (8, 512, 4096)
+# Workers for the studies' sweeps: one per usable core, at most 8 (each holds torch and a batch of up
+# to ~1 GiB; the studies have ~10-100 batches each, so more would wait anyway).
+MAX_STUDY_WORKERS = 8
 FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
 
 
 def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, int]:
-    """Run (or resume) one study's sweep on one worker process per core (the studies' configs ask for
+    """Run (or resume) one study's sweep on a worker process per core (the studies' configs ask for
     one torch thread per run: their runs are small enough that N single-thread processes train more
     of them per second than one N-thread process). Return the folder and how many of its runs an
     earlier call had already finished."""
     config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
     spec = load_sweep(config, ["seeds=0,1"] if quick and name != "warmup" else [])
-    workers = os.cpu_count() or 1
+    workers = min(len(os.sched_getaffinity(0)), MAX_STUDY_WORKERS)
     outcome = run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched",
                                                        workers=workers if workers > 1 else None))
     return out / name, outcome.count("skipped")
@@ -427,7 +430,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     total = sum(times.values())
     header = (f"# normexp studies\n\nWritten by `make studies` (`python -m normexp.studies`"
               f"{' --quick' if quick else ''}); every verdict below is computed from these runs. "
-              f"Total {total / 60:.1f} min on {__import__('os').cpu_count()} cores.\n")
+              f"Total {total / 60:.1f} min on {len(os.sched_getaffinity(0))} cores.\n")
     report.write_text(header + "\n".join(sections))
     log(f"wrote {report}")
     return report
