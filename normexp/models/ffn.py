@@ -31,6 +31,7 @@ head; each Linear runs its default init before the xavier re-init, exactly as th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -140,6 +141,16 @@ class Block(nn.Module):
         return f"placement={self.placement!r}" + (f", alpha={self.alpha:.4g}" if self.alpha != 1.0 else "")
 
 
+def residual_stack(blocks: Iterable[nn.Module], x: torch.Tensor, dual_norm: nn.Module | None) -> torch.Tensor:
+    """x through `blocks` in order. With ResiDual's `dual_norm` the blocks carry the pair of streams
+    (x_a, x_d), x_d starting at 0 as the sum of raw branch outputs, and the result is x_a + Norm_d(x_d)."""
+    if dual_norm is not None:
+        x = (x, torch.zeros_like(x))
+    for block in blocks:
+        x = block(x)
+    return x if dual_norm is None else x[0] + dual_norm(x[1])
+
+
 class Net(nn.Module):
     """The toy residual network of SPEC §1, built from its model and norm config sections."""
 
@@ -164,14 +175,7 @@ class Net(nn.Module):
         self.dual_norm = make_norm(d, norm) if norm.placement == "resdual" else None  # ResiDual's Norm_d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.input_norm(x)
-        if self.dual_norm is not None:  # ResiDual: (x_a, x_d), x_d the sum of raw branch outputs
-            x = (x, torch.zeros_like(x))
-        for block in self.blocks:
-            x = block(x)
-        if self.dual_norm is not None:
-            x = x[0] + self.dual_norm(x[1])
-        return self.head(self.final_norm(x))
+        return self.head(self.final_norm(residual_stack(self.blocks, self.input_norm(x), self.dual_norm)))
 
     @torch.no_grad()
     def profile_at_init(self, x: torch.Tensor) -> None:

@@ -29,7 +29,15 @@ import torch
 from torch import nn
 
 from normexp.config import DataConfig, ModelConfig, NormConfig, sequence_shape
-from normexp.models.ffn import FFN, Block, block_placements, deepnorm_constants, make_linear, profile_admin
+from normexp.models.ffn import (
+    FFN,
+    Block,
+    block_placements,
+    deepnorm_constants,
+    make_linear,
+    profile_admin,
+    residual_stack,
+)
 from normexp.models.norms import make_norm
 
 EMBEDDING_STD = 0.02  # GPT-2's embedding init
@@ -114,14 +122,7 @@ class Transformer(nn.Module):
         return self.input_norm(self.token(tokens) + self.position(positions))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        if self.dual_norm is not None:  # ResiDual: (x_a, x_d), x_d the sum of raw sublayer outputs
-            x = (x, torch.zeros_like(x))
-        for layer in self.layers:
-            x = layer(x)
-        if self.dual_norm is not None:
-            x = x[0] + self.dual_norm(x[1])
-        return self.head(self.final_norm(x))
+        return self.head(self.final_norm(residual_stack(self.layers, self.embed(tokens), self.dual_norm)))
 
     @torch.no_grad()
     def profile_at_init(self, tokens: torch.Tensor) -> None:
