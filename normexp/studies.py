@@ -23,19 +23,29 @@ a study with runs missing, failed or corrupt says which under its verdict.
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import signal
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 
-import pandas as pd
+if __name__ == "__main__":  # python -m normexp.studies: a stop signal while the modules below load (pandas,
+    # pydantic: about a second) ends the process at once, with one line and 128 + signal, not a traceback
+    def _exit_at_once(signum: int, frame: object) -> None:
+        os.write(2, f"{signal.Signals(signum).name}: studies stopped before anything was written\n".encode())
+        os._exit(128 + signum)
 
-from normexp.config import load_sweep
-from normexp.report import (
+    for _signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_signum, _exit_at_once)
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pandas as pd  # noqa: E402
+
+from normexp.config import load_sweep  # noqa: E402
+from normexp.report import (  # noqa: E402
     PLACEMENT_LABELS,
     build_report,
     gradnorm_to_markdown,
@@ -48,9 +58,9 @@ from normexp.report import (
     variant_groups,
     variant_label,
 )
-from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note
-from normexp.sensitivity import build_sensitivity
-from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note  # noqa: E402
+from normexp.sensitivity import build_sensitivity  # noqa: E402
+from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -458,8 +468,17 @@ def main() -> None:
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
+    from normexp.executors import ExecutorError
+    from normexp.store import StoreError
+
     try:
         run_studies(args.out, args.quick)
+    except (StoreError, ExecutorError) as exc:  # another sweep in a study's folder, a lock held, a disk full
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as exc:  # --out names a file, or a folder that cannot be written
+        print(f"error: {args.out}: cannot use as the output folder: {exc.strerror} ({exc.filename})", file=sys.stderr)
+        sys.exit(1)
     except (SweepInterrupted, KeyboardInterrupt):
         signum = stopping[0] if stopping else signal.SIGINT
         print(f"{signal.Signals(signum).name}: studies stopped; every finished run is kept in {args.out}. "
