@@ -116,3 +116,17 @@ def test_studies_quick_writes_a_report(tmp_path):
     assert report.count("**Verdict.**") == 9  # seven sweeps (the Transformer study among them), gradnorm, norms
     assert "B2T trains in every seed in" in report
     assert "Ranking by LR sensitivity without warmup" in report and "LR sensitivity =" in report
+
+
+def test_the_speed_verdict_ranks_only_shapes_where_a_call_is_more_than_overhead():
+    from normexp.diagnostics import Timing
+    from normexp.studies import speed_verdict
+
+    def timings(shape, ln_ms, rms_ms):
+        return [Timing("layernorm", shape, ln_ms, 2 * ln_ms), Timing("rmsnorm_torch", shape, rms_ms, 2 * rms_ms)]
+
+    tiny = speed_verdict(timings((64, 32), 0.04, 0.08))
+    assert "no ranking at this shape" in tiny and "nn.RMSNorm is" not in tiny
+    big = speed_verdict(timings((8, 512, 4096), 40.0, 110.0))
+    assert "nn.RMSNorm is slower than LayerNorm here" in big
+    assert "nn.RMSNorm is not slower" in speed_verdict(timings((8, 512, 4096), 40.0, 30.0))

@@ -358,9 +358,11 @@ def test_make_studies_ctrl_c_while_it_loads_and_a_bad_out_are_one_line(tmp_path)
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     other = tmp_path / "other"
-    (other / "warmup").mkdir(parents=True)
-    (other / "warmup" / "sweep.yaml").write_text("name: not-warmup\nbase: {}\ngrid: {}\nseeds: [0]\n")
+    (other / "depth").mkdir(parents=True)  # the third study's folder: refused before the first trains
+    (other / "depth" / "sweep.yaml").write_text("name: not-depth\nbase: {}\ngrid: {}\nseeds: [0]\n")
     for out in (a_file, other):
         proc = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "--force" not in proc.stderr  # the studies have no --force
+    assert not (other / "warmup").exists()
