@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from normexp.config import load_sweep
+from normexp.config import Sweep, load_sweep
 from normexp.report import (
     PLACEMENT_LABELS,
     build_report,
@@ -60,7 +60,7 @@ from normexp.report import (
 )
 from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note
 from normexp.sensitivity import build_sensitivity
-from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -112,29 +112,16 @@ MAX_STUDY_WORKERS = 8
 FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
 
 
-def _spec(name: str, quick: bool):
+def _spec(name: str, quick: bool) -> Sweep:
     config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
     return load_sweep(config, ["seeds=0,1"] if quick and name != "warmup" else [])
 
 
-def _check_folders(out: Path, names: list[str], quick: bool) -> None:
-    """Before anything trains: a study's folder under `out` that holds another sweep is an error
-    (a sweep never writes over another's folder), raised now rather than after the studies before it."""
-    from normexp.store import StoreError, sweep_name
-
-    for name in names:
-        expected, found = _spec(name, quick).name, sweep_name(out / name)
-        if found is not None and found != expected:
-            raise StoreError(f"{out / name}: holds sweep '{found}', not the study '{expected}'; "
-                             "choose another --out")
-
-
-def _sweep(name: str, out: Path, quick: bool) -> tuple[Path, int]:
+def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
     """Run (or resume) one study's sweep on a worker process per core (the studies' configs ask for
     one torch thread per run: their runs are small enough that N single-thread processes train more
     of them per second than one N-thread process). Return the folder and how many of its runs an
     earlier call had already finished."""
-    spec = _spec(name, quick)
     workers = min(len(os.sched_getaffinity(0)), MAX_STUDY_WORKERS)
     outcome = run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched",
                                                        workers=workers if workers > 1 else None))
@@ -424,11 +411,13 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         ("blocks", "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
                    "Post-LN vs Pre-LN, with and without warmup?", None, blocks_verdict),
     ]
-    _check_folders(out, [name for name, *_ in studies], quick)
+    specs = {name: _spec(name, quick) for name, *_ in studies}
+    for name, spec in specs.items():  # before anything trains, not after the studies before it
+        refuse_another_sweep(out / name, spec, remedy="choose another --out")
     for name, question, x_key, verdict in studies:
         log(f"study {name} ...")
         start = time.perf_counter()
-        run_dir, resumed = _sweep(name, out, quick)
+        run_dir, resumed = _sweep(name, specs[name], out)
         figures = _figures(run_dir, x_key)
         sensitivity = sensitivity_to_markdown(build_sensitivity(run_dir)) if name.startswith("lr_") else ""
         table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(run_dir))

@@ -134,7 +134,7 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
                 emit: EventCallback, threads: int) -> None:
     """Steps 3-5 of the module docstring, under the folder's lock."""
     if not options.force:
-        _refuse_another_sweep(out_dir, sweep)
+        refuse_another_sweep(out_dir, sweep)
     _write_or_explain(recover_strays, out_dir)
     try:
         _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep_yaml(sweep))
@@ -192,14 +192,15 @@ def _finished_status(run_dir: Path, cfg: RunConfig) -> str | None:
     return (state.done or {}).get("status", "completed") if state.finished else None
 
 
-def _refuse_another_sweep(out_dir: Path, sweep: Sweep) -> None:
+def refuse_another_sweep(out_dir: Path, sweep: Sweep,
+                         remedy: str = "choose another --out, or add --force to replace its sweep.yaml "
+                                       "and summary.csv") -> None:
     """A folder that holds a sweep of another name holds another config's runs: writing this sweep's
     sweep.yaml and summary.csv over its own would silently take them out of view. (The same sweep
     with changed values may rerun here: its changed runs are new runs, its summary says so.)"""
     other = sweep_name(out_dir)
     if other is not None and other != sweep.name:
-        raise StoreError(f"{out_dir}: holds sweep '{other}', not '{sweep.name}'; choose another --out, "
-                         "or add --force to replace its sweep.yaml and summary.csv")
+        raise StoreError(f"{out_dir}: holds sweep '{other}', not '{sweep.name}'; {remedy}")
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
