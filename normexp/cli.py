@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from normexp import stopping
 from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Metric, Sweep, TooManyRuns, load_sweep
 from normexp.sweep import SweepOptions, SweepOutcome
 
@@ -110,15 +111,14 @@ def _integrity_counts(outcome: SweepOutcome) -> str:
 
 
 def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> SweepOutcome:
-    global _stopping
-    _stopping = None
-    previous = _on_stop_signals(_exit_at_once)  # nothing is written yet: a signal simply ends the process
+    stopping.received = None
+    previous = stopping.on_stop_signals(_exit_at_once)  # nothing is written yet: a signal simply ends the process
     from normexp.executors import ExecutorError
     from normexp.store import StoreError
     from normexp.sweep import SweepInterrupted, run_sweep
 
     _import_engines(options)
-    _on_stop_signals(_stop_cleanly)
+    stopping.on_stop_signals(stopping.stop_cleanly)
     try:
         with _progress(len(spec.runs), quiet) as on_event:
             return run_sweep(spec, target, options, on_event)
@@ -127,47 +127,24 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> Sweep
     except SweepInterrupted as exc:
         done = exc.outcome.count("completed", "diverged", "skipped")
         resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
-        err.print(f"{_signal_name(_stopping)}: {done} of {exc.outcome.total} runs finished and kept in {target}.\n"
+        name = stopping.signal_name(stopping.received)
+        err.print(f"{name}: {done} of {exc.outcome.total} runs finished and kept in {target}.\n"
                   f"Resume with: {resume}", soft_wrap=True)  # one line each, to copy whole
-        raise typer.Exit(128 + (_stopping or signal.SIGINT)) from None
+        raise typer.Exit(128 + (stopping.received or signal.SIGINT)) from None
     except KeyboardInterrupt:  # while the executor started, before the folder was touched
-        err.print(f"{_signal_name(_stopping)} before any run started: nothing was written", soft_wrap=True)
-        raise typer.Exit(128 + (_stopping or signal.SIGINT)) from None
+        name = stopping.signal_name(stopping.received)
+        err.print(f"{name} before any run started: nothing was written", soft_wrap=True)
+        raise typer.Exit(128 + (stopping.received or signal.SIGINT)) from None
     finally:
-        if _stopping is None:  # else the handlers stay till the process ends: a second signal exits at once
-            _on_stop_signals(previous)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; timeout, Slurm, docker; a closed terminal
-_stopping: int | None = None  # the signal that is stopping the sweep
-
-
-def _on_stop_signals(handler: object) -> dict[int, object]:
-    """Install `handler` (or a mapping of signal -> handler) for STOP_SIGNALS; return the previous ones."""
-    previous = {}
-    for signum in STOP_SIGNALS:
-        previous[signum] = signal.signal(signum, handler[signum] if isinstance(handler, dict) else handler)
-    return previous
-
-
-def _stop_cleanly(signum: int, frame: object) -> None:
-    """First stop signal: stop the sweep cleanly (KeyboardInterrupt). A second: exit at once."""
-    global _stopping
-    if _stopping is not None:
-        os._exit(128 + signum)
-    _stopping = signum
-    raise KeyboardInterrupt
+        if stopping.received is None:  # else the handlers stay till the process ends: a second signal exits at once
+            stopping.on_stop_signals(previous)
 
 
 def _exit_at_once(signum: int, frame: object) -> None:
     """A stop signal while modules load: exit now. Raising there could be swallowed by an import that
     catches too much, and leave a half-imported numpy behind."""
-    os.write(2, f"{_signal_name(signum)} before any run started: nothing was written\n".encode())
+    os.write(2, f"{stopping.signal_name(signum)} before any run started: nothing was written\n".encode())
     os._exit(128 + signum)
-
-
-def _signal_name(signum: int | None) -> str:
-    return {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(signum, "interrupted")
 
 
 def _import_engines(options: SweepOptions) -> None:

@@ -29,13 +29,14 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from normexp.config import RunConfig
+from normexp.stopping import STOP_SIGNALS
 from normexp.store import FinishedRun
 
 CRASHED = "crashed"
@@ -369,11 +370,8 @@ def dask_setup(worker: object) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-
-
 @contextlib.contextmanager
-def _signals_held(signals: frozenset[int] | set[int] = STOP_SIGNALS) -> Iterator[None]:
+def _signals_held(signals: Iterable[int] = STOP_SIGNALS) -> Iterator[None]:
     """Hold `signals` (Ctrl-C, SIGTERM, SIGHUP) in this thread for the block; they arrive when it ends.
     Threads and processes started in the block inherit the mask, so a terminal's Ctrl-C to the whole
     group reaches the coordinator only."""

@@ -26,14 +26,15 @@ from __future__ import annotations
 import os
 import signal
 
+from normexp import stopping
+
 if __name__ == "__main__":  # python -m normexp.studies: a stop signal while the modules below load (pandas,
     # pydantic: about a second) ends the process at once, with one line and 128 + signal, not a traceback
     def _exit_at_once(signum: int, frame: object) -> None:
         os.write(2, f"{signal.Signals(signum).name}: studies stopped before anything was written\n".encode())
         os._exit(128 + signum)
 
-    for _signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(_signum, _exit_at_once)
+    stopping.on_stop_signals(_exit_at_once)
 
 import argparse
 import math
@@ -473,16 +474,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test: 2 seeds per sweep (gradnorm 3, "
                         "the article's table its 1), no big-shape speed table")
     args = parser.parse_args()
-    stopping: list[int] = []
-
-    def stop(signum: int, frame: object) -> None:  # the first stop signal stops the sweeps cleanly; a second exits
-        if stopping:
-            os._exit(128 + signum)
-        stopping.append(signum)
-        raise KeyboardInterrupt
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, stop)
+    stopping.on_stop_signals(stopping.stop_cleanly)
     from normexp.executors import ExecutorError
     from normexp.store import StoreError
 
@@ -495,7 +487,7 @@ def main() -> None:
         print(f"error: {args.out}: cannot use as the output folder: {exc.strerror} ({exc.filename})", file=sys.stderr)
         sys.exit(1)
     except (SweepInterrupted, KeyboardInterrupt):
-        signum = stopping[0] if stopping else signal.SIGINT
+        signum = stopping.received or signal.SIGINT
         print(f"{signal.Signals(signum).name}: studies stopped; every finished run is kept in {args.out}. "
               "Run the same command again to resume.", file=sys.stderr)
         sys.exit(128 + signum)

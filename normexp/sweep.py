@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
+from normexp.stopping import STOP_SIGNALS
 from normexp.store import (
     SWEEP_FILE,
     FinishedRun,
@@ -234,8 +235,6 @@ def _stop_signals_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    from normexp.executors import STOP_SIGNALS
-
     pending: list[int] = []
     previous = {signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
                 for signum in STOP_SIGNALS}
