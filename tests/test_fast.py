@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from normexp.cli import app
 from normexp.config import OptimConfig, RunConfig
 from normexp.engines import fast
-from normexp.engines.fast import FastOptimizer, compile_pays, hyper_groups, plan_fast, should_compile, train_fast
+from normexp.engines.fast import FastOptimizer, compile_pays, plan_fast, should_compile, stretches, train_fast
 from normexp.engines.reference import train_run
 from normexp.executors import plan_units
 from normexp.results import load_summary
@@ -94,7 +94,17 @@ def test_diverged_run_stops_at_its_first_nonfinite_loss_and_its_batch_mates_go_o
         assert results[i].losses == pytest.approx(train_run(configs[i]).losses, rel=1e-4, abs=1e-4)
 
 
-def test_frozen_run_keeps_its_parameters_even_with_a_nan_gradient():
+@pytest.mark.parametrize("optim", ["adam", "adamw"])
+def test_adam_through_a_scratch_direction_matches_the_reference_too(optim, monkeypatch):
+    """With more stretches of equal learning rates than MAX_STRETCHES, Adam writes each run's update
+    direction first and scales it by the run's learning rate: the same formulas."""
+    monkeypatch.setattr(fast, "MAX_STRETCHES", 1)
+    assert_close_to_reference(runs("pre", "rmsnorm", optim, n=4, steps=12))
+
+
+@pytest.mark.parametrize("max_stretches", [1, 16])
+def test_frozen_run_keeps_its_parameters_even_with_a_nan_gradient(max_stretches, monkeypatch):
+    monkeypatch.setattr(fast, "MAX_STRETCHES", max_stretches)
     params = [torch.ones(3, 4), torch.ones(3)]
     optimizer = FastOptimizer("adamw", [OptimConfig(name="adamw")] * 3, params)
     grads = [torch.full((3, 4), float("nan")), torch.full((3,), float("nan"))]
@@ -104,15 +114,13 @@ def test_frozen_run_keeps_its_parameters_even_with_a_nan_gradient():
     assert (params[0][0] < 1).all() and params[1][0] < 1
 
 
-@given(st.lists(st.tuples(st.sampled_from([(0.9, 0.999), (0.8, 0.99)]), st.sampled_from([1e-8, 1e-6])),
-                min_size=1, max_size=12))
-def test_hyper_groups_cover_every_run_in_stretches_of_equal_betas_and_eps(settings):
-    optims = [OptimConfig(betas=b, eps=e) for b, e in settings]
-    groups = hyper_groups(optims)
-    assert [r for start, stop, _, _ in groups for r in range(start, stop)] == list(range(len(optims)))
-    for start, stop, betas, eps in groups:
-        assert all((tuple(o.betas), o.eps) == (betas, eps) for o in optims[start:stop])
-    assert all(a[2:] != b[2:] for a, b in zip(groups, groups[1:]))  # maximal stretches
+@given(st.lists(st.sampled_from(["a", "b", "c"]), max_size=12))
+def test_stretches_cover_every_run_in_maximal_stretches_of_equal_keys(keys):
+    found = stretches(keys)
+    assert [r for start, stop, _ in found for r in range(start, stop)] == list(range(len(keys)))
+    for start, stop, key in found:
+        assert all(k == key for k in keys[start:stop])
+    assert all(a[2] != b[2] for a, b in zip(found, found[1:]))  # maximal
 
 
 def test_compile_pays_when_the_saving_exceeds_the_compile_time():

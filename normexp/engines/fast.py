@@ -1,6 +1,6 @@
 """The fast engine: runs of one structure trained together through torch.func; close, not bit-exact.
 
-    params = stack_module_state(each run's Net, built by seeded_init)   # (R, ...) per parameter
+    params = each run's Net (built by seeded_init), stacked            # (R, ...) per parameter
     grads, (loss, acc) = vmap(grad_and_value(functional_call(Net on "meta", ...)))(params, x, y)
     one vectorised optimizer update of every run, hyper-parameters as (R, 1, ...) tensors
 
@@ -38,12 +38,12 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.func import functional_call, grad_and_value, stack_module_state, vmap
+from torch.func import functional_call, grad_and_value, vmap
 
 from normexp.config import OptimConfig, RunConfig, sequence_shape
 from normexp.engines.reference import RunResult, batch_order, loss_and_acc, seeded_init, step_lr, torch_threads
@@ -51,6 +51,7 @@ from normexp.engines.reference import RunResult, batch_order, loss_and_acc, seed
 MAX_CHUNK = 64  # runs per batch; larger batches gain little on a CPU and hold more activations
 COMPILE_ESTIMATE_S = 60.0  # a cold compile of the article's step on 2 CPU cores
 COMPILE_SPEEDUP = 2.4  # compiled vs eager step, measured on the article's model (CPU)
+MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, and a scratch pass is cheaper
 EAGER_FLOP_RATE = 40e9  # FLOP/s the eager step reaches on the article's model (CPU), for the estimate
 
 Tensors = dict[str, torch.Tensor]
@@ -109,20 +110,24 @@ class FastOptimizer:
     with its own learning rate, betas, eps, weight decay and momentum.
 
     Per-run numbers are (R,) tensors viewed as (R, 1, ...), applied with `torch._foreach_*` ops over
-    every parameter at once. Adam and AdamW use torch's fused kernel for their one long update: it
-    takes one learning rate, so it writes the update direction -m_hat / (sqrt(v_hat) + eps) (lr 1)
-    into a scratch tensor, and each run's learning rate multiplies it afterwards; it takes one beta1,
-    beta2 and eps, so it runs once per stretch of runs that share them (`hyper_groups`). Weight
-    decay is applied outside the kernel (L2 into the gradient, or AdamW's decoupled shrink). State
-    starts at zero, which equals torch's first-step initialisation. A frozen run (`live` False) gets a
-    zero gradient and a zero learning rate: its parameters stay as they are."""
+    every parameter at once. Adam and AdamW use torch's fused kernel for their one long update. It
+    takes one learning rate, beta1, beta2 and eps, so it runs once per stretch of consecutive runs
+    that share them at this step (`stretches`; a sweep's seeds of one variant are such a stretch),
+    updating the parameters in place. When the runs' learning rates differ so much that the stretches
+    would be short (more than MAX_STRETCHES), it instead runs once per stretch of equal betas and eps
+    with learning rate 1, writing the update direction -m_hat / (sqrt(v_hat) + eps) into a scratch
+    tensor, and each run's learning rate multiplies that afterwards. Weight decay is applied outside
+    the kernel (L2 into the gradient, or AdamW's decoupled shrink). State starts at zero, which equals
+    torch's first-step initialisation. A frozen run (`live` False) gets a zero gradient and a zero
+    learning rate: its parameters stay as they are."""
 
     def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor]) -> None:
         self.name, self.optims, self.params, self.t = name, list(optims), params, 0
         self.decay = any(o.weight_decay != 0 for o in optims)  # torch skips weight decay at 0
-        self.groups = hyper_groups(optims)
-        slots = ("momentum",) if name == "sgd" else ("exp_avg", "exp_avg_sq", "direction")
+        self.kernel_hypers = [(tuple(o.betas), o.eps) for o in optims]  # what the fused kernel takes as one
+        slots = ("momentum",) if name == "sgd" else ("exp_avg", "exp_avg_sq")
         self.state = {slot: [torch.zeros_like(p) for p in params] for slot in slots}
+        self.direction: list[torch.Tensor] | None = None  # Adam's scratch, made when first needed
         self._step = torch.zeros((), dtype=torch.float32, device=params[0].device)  # the fused kernel's t
 
     def per_run(self, values: Sequence[float]) -> list[torch.Tensor]:
@@ -150,16 +155,27 @@ class FastOptimizer:
     def _adam(self, grads: list[torch.Tensor], lrs: Sequence[float]) -> None:
         if self.decay and self.name == "adamw":  # decoupled: param * (1 - lr * weight_decay)
             torch._foreach_mul_(self.params, self.per_run([1 - lr * o.weight_decay for lr, o in zip(lrs, self.optims)]))
-        direction, exp_avg, exp_avg_sq = self.state["direction"], self.state["exp_avg"], self.state["exp_avg_sq"]
-        torch._foreach_zero_(direction)
         self._step.fill_(self.t)
-        whole = len(self.groups) == 1
-        for start, stop, (beta1, beta2), eps in self.groups:
-            part = [tensors if whole else [t[start:stop] for t in tensors]
-                    for tensors in (direction, grads, exp_avg, exp_avg_sq)]
-            torch._fused_adam_(*part, [], [self._step] * len(grads), lr=1.0, beta1=beta1, beta2=beta2,
-                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
-        torch._foreach_addcmul_(self.params, direction, self.per_run(lrs))
+        moments = (self.state["exp_avg"], self.state["exp_avg_sq"])
+        each_lr = stretches([(*hypers, lr) for hypers, lr in zip(self.kernel_hypers, lrs)])
+        if len(each_lr) <= MAX_STRETCHES:  # the kernel updates the parameters, at each stretch's lr
+            for start, stop, ((beta1, beta2), eps, lr) in each_lr:
+                self._fused_adam(start, stop, (self.params, grads, *moments), lr, beta1, beta2, eps)
+            return
+        if self.direction is None:
+            self.direction = [torch.empty_like(p) for p in self.params]
+        torch._foreach_zero_(self.direction)
+        for start, stop, ((beta1, beta2), eps) in stretches(self.kernel_hypers):
+            self._fused_adam(start, stop, (self.direction, grads, *moments), 1.0, beta1, beta2, eps)
+        torch._foreach_addcmul_(self.params, self.direction, self.per_run(lrs))
+
+    def _fused_adam(self, start: int, stop: int, tensors: tuple[list[torch.Tensor], ...], lr: float,
+                    beta1: float, beta2: float, eps: float) -> None:
+        """torch's fused Adam on runs [start, stop) of (params, grads, exp_avg, exp_avg_sq)."""
+        whole = stop - start == len(self.optims)
+        part = [ts if whole else [t[start:stop] for t in ts] for ts in tensors]
+        torch._fused_adam_(*part, [], [self._step] * len(part[0]), lr=lr, beta1=beta1, beta2=beta2,
+                           weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
 
     def _radam(self, grads: list[torch.Tensor], lrs: Sequence[float]) -> None:
         o, t = self.optims, self.t
@@ -186,15 +202,15 @@ class FastOptimizer:
         torch._foreach_addcmul_(self.params, momentum, self.per_run([-lr for lr in lrs]))
 
 
-def hyper_groups(optims: Sequence[OptimConfig]) -> list[tuple[int, int, tuple[float, float], float]]:
-    """Stretches [start, stop) of consecutive runs with equal betas and eps: (start, stop, betas, eps)."""
-    groups: list[tuple[int, int, tuple[float, float], float]] = []
-    for r, o in enumerate(optims):
-        if groups and groups[-1][2:] == (tuple(o.betas), o.eps):
-            groups[-1] = (groups[-1][0], r + 1, *groups[-1][2:])
+def stretches(keys: Sequence[Hashable]) -> list[tuple[int, int, Hashable]]:
+    """Maximal stretches [start, stop) of consecutive runs with equal keys: (start, stop, key)."""
+    found: list[tuple[int, int, Hashable]] = []
+    for r, key in enumerate(keys):
+        if found and found[-1][2] == key:
+            found[-1] = (found[-1][0], r + 1, key)
         else:
-            groups.append((r, r + 1, tuple(o.betas), o.eps))
-    return groups
+            found.append((r, r + 1, key))
+    return found
 
 
 def radam_rectification(beta2: float, t: int) -> tuple[float, float]:
@@ -239,12 +255,13 @@ def stack_runs(runs: Sequence[RunConfig], device: str) -> tuple[torch.nn.Module,
     gc.disable()  # R models are ~10^4 modules: the cyclic collector would rescan them (and, once
     try:  # torch.compile has loaded, dynamo's module registry) many times over while they are built
         nets, tasks = zip(*(seeded_init(cfg) for cfg in runs))
+        named = [dict(net.named_parameters()) for net in nets]  # neither model has buffers
+        with torch.no_grad():
+            params = {name: torch.stack([run[name] for run in named]).to(device) for name in named[0]}
+        base = copy.deepcopy(nets[0]).to("meta")
     finally:
         if collecting:
             gc.enable()
-    params, _ = stack_module_state(list(nets))  # neither model has buffers
-    params = {k: p.detach().to(device) for k, p in params.items()}
-    base = copy.deepcopy(nets[0]).to("meta")
 
     def stacked(name: str) -> torch.Tensor | None:
         values = [getattr(task, name) for task in tasks]
