@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from normexp import executors
 from normexp.cli import app
 from normexp.config import RunConfig
-from normexp.executors import DaskExecutor, PoolExecutor, WorkUnit, crashed, plan_units, run_unit
+from normexp.engines.reference import train_run
+from normexp.executors import (
+    DaskExecutor,
+    InProcessExecutor,
+    PoolExecutor,
+    WorkUnit,
+    crashed,
+    pairs_well,
+    plan_units,
+    run_unit,
+)
 from normexp.results import load_metrics, load_summary
 
 GRID = """\
@@ -190,3 +203,64 @@ def test_resume_redoes_a_run_trained_with_other_threads(tmp_path):
     assert f"{torch.get_num_threads() + 1} torch threads" in redone[0].error
     assert outcome.count("skipped") == 1 and outcome.count("completed") == 1
     assert set(load_summary(out)["threads"]) == {torch.get_num_threads()}
+
+
+def small_runs(threads: int, steps: int = 5) -> list[RunConfig]:
+    return [RunConfig.model_validate({"model": {"depth": 6, "width": 16}, "norm": {"placement": p, "kind": k},
+                                      "train": {"steps": steps, "threads": threads}, "seed": s})
+            for p in ("post", "pre") for k in ("layernorm", "rmsnorm") for s in (0, 1)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paired_runs_give_the_bits_of_runs_one_after_another(threads, monkeypatch):
+    """The in-process executor trains small reference runs two at a time, in threads: same bits."""
+    configs = small_runs(threads)
+    units = plan_units(configs, "reference", "cpu", threads)
+    assert all(pairs_well(unit) for unit in units)
+    where = []
+
+    def recording(unit, stop=None):
+        where.append(threading.current_thread().name)
+        return run_unit(unit, stop)
+
+    monkeypatch.setattr(executors, "run_unit", recording)
+    paired_outcome = {id(r.unit): r.outcomes[0] for r in InProcessExecutor().run(units)}
+    assert len(paired_outcome) == len(units) and len(set(where)) == 2 and threading.main_thread().name not in where
+    for cfg, unit in zip(configs, units):
+        alone = train_run(cfg)
+        paired = paired_outcome[id(unit)]
+        assert paired.threads == alone.threads == threads
+        assert paired.metrics == alone.metrics  # every step's loss, acc, lr and grad norm, bit for bit
+
+
+def test_only_small_reference_runs_of_one_thread_count_are_paired(monkeypatch):
+    small = plan_units(small_runs(1), "reference", "cpu", 1)
+    big = plan_units([RunConfig.model_validate({"model": {"width": 512}})], "reference", "cpu", 1)
+    batched = plan_units(small_runs(1), "batched", "cpu", 1)
+    assert all(pairs_well(u) for u in small) and not pairs_well(big[0]) and not any(pairs_well(u) for u in batched)
+    where = []
+    monkeypatch.setattr(executors, "run_unit", lambda unit, stop=None: where.append(threading.current_thread())
+                        or crashed(unit, "not trained"))
+    mixed = plan_units(small_runs(1)[:2], "reference", "cpu", 1) + plan_units(small_runs(2)[:2], "reference", "cpu", 2)
+    assert len(list(InProcessExecutor().run(mixed))) == 4
+    assert where == [threading.main_thread()] * 4  # two thread counts: one after another
+
+
+def test_closing_the_executor_stops_paired_runs_at_their_next_step():
+    units = plan_units(small_runs(1, steps=100_000)[:2], "reference", "cpu", 1)  # minutes each
+    executor = InProcessExecutor()
+    outcome = []
+
+    def consume():
+        try:
+            outcome.extend(executor.run(units))
+        except executors.Stopped:
+            outcome.append("stopped")
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    time.sleep(1.0)
+    start = time.perf_counter()
+    executor.close()
+    consumer.join(timeout=30)
+    assert not consumer.is_alive() and outcome == ["stopped"] and time.perf_counter() - start < 10

@@ -195,7 +195,9 @@ def test_fail_fast_stops_at_the_first_failure(write_yaml, tmp_path, monkeypatch)
     result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--fail-fast",
                                  "--engine", "reference"])
     assert result.exit_code == 1
-    assert list(load_summary(tmp_path / "out")["status"]) == ["completed", "failed", "pending"]
+    # these small runs train two at a time: seed 0 beside seed 1 finishes or is stopped with the sweep
+    first, failed, last = load_summary(tmp_path / "out")["status"]
+    assert first in ("completed", "pending") and failed == "failed" and last == "pending"
 
 
 def test_full_disk_is_explained_and_resumable(write_yaml, tmp_path, monkeypatch):
