@@ -183,8 +183,15 @@ def pairs_well(unit: WorkUnit) -> bool:
     MFLOP a step), on a machine with more than one core."""
     from normexp.engines.fast import model_step_flops
 
-    return (not unit.batched and unit.device == "cpu" and len(os.sched_getaffinity(0)) > 1
+    return (not unit.batched and unit.device == "cpu" and usable_cores() > 1
             and all(model_step_flops(cfg) < PAIR_FLOPS for cfg in unit.runs))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (os.sched_getaffinity, Linux); elsewhere (macOS) os.cpu_count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class InProcessExecutor:
