@@ -206,6 +206,8 @@ class InProcessExecutor:
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._pool: Any = None
+        self.unreported: list[UnitResult] = []  # paired units that finished but were not yielded: the
+        # consumer stopped taking results (Ctrl-C) while they trained; the sweep records them
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
         paired = [unit for unit in units if pairs_well(unit)]
@@ -221,12 +223,20 @@ class InProcessExecutor:
             return
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
+        self.unreported = []
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="normexp-run")
+        futures: list[Any] = []
+        waiting: set[Any] = set()
         try:
-            for future in as_completed([self._pool.submit(run_unit, unit, self._stop) for unit in units]):
+            futures = [self._pool.submit(run_unit, unit, self._stop) for unit in units]
+            waiting = set(futures)
+            for future in as_completed(futures):
+                waiting.discard(future)
                 yield future.result()
         finally:
             self.close()
+            self.unreported = [f.result() for f in futures
+                               if f in waiting and f.done() and not f.cancelled() and f.exception() is None]
 
     def close(self) -> None:
         """Stop the paired runs at their next step, drop those not started, and wait for the threads."""

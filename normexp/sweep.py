@@ -144,6 +144,9 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         _execute(pending, out_dir, options, executor, outcome, emit, threads)
     except KeyboardInterrupt:
         outcome.interrupted = True
+        for result in getattr(executor, "unreported", ()):  # finished while the executor was stopped
+            for cfg, run in zip(result.unit.runs, result.outcomes):
+                _record(cfg, run, result.status, out_dir, outcome, emit)
         for cfg in sweep.runs:  # a run whose done.json was written as the signal came is finished
             rid = run_id(cfg)
             if rid not in outcome.statuses:  # only runs not yet accounted for are inspected again

@@ -85,3 +85,34 @@ def test_paired_runs_of_mixed_thread_counts_and_optimizers_give_the_bits_of_a_fr
     for cfg, unit, metrics in zip(configs, units, alone):
         assert paired[id(unit)].threads == cfg.train.threads
         assert paired[id(unit)].metrics == metrics, (cfg.optim.name, cfg.train.threads, cfg.seed)
+
+
+def test_a_paired_run_that_finishes_while_the_sweep_is_interrupted_is_kept(write_yaml, tmp_path, monkeypatch):
+    """Ctrl-C while one paired run is recorded and the other finishes: the other run's training is
+    done, so the interrupted sweep records it instead of throwing it away (one after another, the
+    sweep never held a finished run it had not written)."""
+    import threading
+    import time
+
+    real = reference.train_run
+    first_recorded = threading.Event()
+
+    def train_run(cfg, **kwargs):
+        result = real(cfg, **kwargs)
+        if cfg.seed == 0:  # trained; returns while the sweep is being interrupted
+            first_recorded.wait(10)
+            time.sleep(0.05)
+        return result
+
+    monkeypatch.setattr(reference, "train_run", train_run)
+
+    def on_event(event):
+        if event.kind == "finished" and not first_recorded.is_set():
+            first_recorded.set()
+            raise KeyboardInterrupt  # the Ctrl-C, right after seed 1's folder is written
+
+    sweep = load_sweep(write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\n"
+                                  "seeds: [0, 1]\n"))
+    with pytest.raises(SweepInterrupted):
+        run_sweep(sweep, tmp_path / "out", SweepOptions(engine="reference"), on_event)
+    assert list(load_summary(tmp_path / "out")["status"]) == ["completed", "completed"]
