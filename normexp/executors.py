@@ -183,8 +183,15 @@ def pairs_well(unit: WorkUnit) -> bool:
     MFLOP a step), on a machine with more than one core."""
     from normexp.engines.fast import model_step_flops
 
-    return (not unit.batched and unit.device == "cpu" and len(os.sched_getaffinity(0)) > 1
+    return (not unit.batched and unit.device == "cpu" and usable_cores() > 1
             and all(model_step_flops(cfg) < PAIR_FLOPS for cfg in unit.runs))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (os.sched_getaffinity, Linux); elsewhere (macOS) os.cpu_count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class InProcessExecutor:
@@ -199,6 +206,8 @@ class InProcessExecutor:
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._pool: Any = None
+        self.unreported: list[UnitResult] = []  # paired units that finished but were not yielded: the
+        # consumer stopped taking results (Ctrl-C) while they trained; the sweep records them
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
         paired = [unit for unit in units if pairs_well(unit)]
@@ -214,12 +223,20 @@ class InProcessExecutor:
             return
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
+        self.unreported = []
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="normexp-run")
+        futures: list[Any] = []
+        waiting: set[Any] = set()
         try:
-            for future in as_completed([self._pool.submit(run_unit, unit, self._stop) for unit in units]):
+            futures = [self._pool.submit(run_unit, unit, self._stop) for unit in units]
+            waiting = set(futures)
+            for future in as_completed(futures):
+                waiting.discard(future)
                 yield future.result()
         finally:
             self.close()
+            self.unreported = [f.result() for f in futures
+                               if f in waiting and f.done() and not f.cancelled() and f.exception() is None]
 
     def close(self) -> None:
         """Stop the paired runs at their next step, drop those not started, and wait for the threads."""

@@ -144,6 +144,9 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         _execute(pending, out_dir, options, executor, outcome, emit, threads)
     except KeyboardInterrupt:
         outcome.interrupted = True
+        for result in getattr(executor, "unreported", ()):  # finished while the executor was stopped
+            for cfg, run in zip(result.unit.runs, result.outcomes):
+                _record(cfg, run, result.status, out_dir, outcome, emit)
         for cfg in sweep.runs:  # a run whose done.json was written as the signal came is finished
             rid = run_id(cfg)
             if rid not in outcome.statuses:  # only runs not yet accounted for are inspected again
@@ -210,11 +213,15 @@ def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, exe
 
     engine = options.engine if options.engine in ("reference", "fast") else "batched"
     units = plan_units(pending, engine, options.device, threads, options.compile)
-    for result in executor.run(units):
-        for cfg, run in zip(result.unit.runs, result.outcomes):
-            _record(cfg, run, result.status, out_dir, outcome, emit)
-        if options.fail_fast and outcome.failed:
-            return
+    # closed here, not by the garbage collector when --fail-fast leaves the loop: the executor then
+    # stops the runs still training, and a Ctrl-C while it waits for them must interrupt the sweep,
+    # not be printed as an "Exception ignored" and lost
+    with contextlib.closing(executor.run(units)) as results:
+        for result in results:
+            for cfg, run in zip(result.unit.runs, result.outcomes):
+                _record(cfg, run, result.status, out_dir, outcome, emit)
+            if options.fail_fast and outcome.failed:
+                return
 
 
 def _record(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,

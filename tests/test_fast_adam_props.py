@@ -1,0 +1,117 @@
+"""Property tests of the fast engine's Adam and AdamW (FastOptimizer._adam): for any per-run learning
+rates (zero included), betas, eps, weight decay and frozen runs, the in-place update per stretch of
+equal hyper-parameters and the scratch-direction update agree, and both are torch.optim's update of
+each run alone; a frozen run's parameters do not move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from normexp.config import OptimConfig
+from normexp.engines import fast
+from normexp.engines.fast import FastOptimizer
+
+SHAPES = [(3, 4), (5,), (2, 2, 3)]
+STEPS = 4
+
+run_settings = st.fixed_dictionaries({
+    "lr": st.sampled_from([0.0, 1e-3, 1e-2, 0.1]),
+    "betas": st.sampled_from([(0.9, 0.999), (0.8, 0.99), (0.0, 0.5)]),
+    "eps": st.sampled_from([1e-8, 1e-6, 1e-3]),
+    "weight_decay": st.sampled_from([0.0, 0.01, 0.5]),
+    "freeze_at": st.sampled_from([None, 1, 3]),  # the update from which the run is frozen (diverged)
+    "lr_scale": st.sampled_from([(1.0,) * STEPS, (0.0, 0.5, 1.0, 1.0), (1.0, 0.3, 0.3, 2.0)]),  # schedules
+})
+
+
+def problem(settings_: list[dict], seed: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Stacked parameters (R, ...) and STEPS gradients for them, drawn from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    r = len(settings_)
+    params = [torch.randn(r, *shape, generator=generator) for shape in SHAPES]
+    grads = [[torch.randn(r, *shape, generator=generator) * 3 for shape in SHAPES] for _ in range(STEPS)]
+    return params, grads
+
+
+def schedule(s: dict, t: int) -> tuple[float, bool]:
+    return s["lr"] * s["lr_scale"][t], s["freeze_at"] is None or t < s["freeze_at"]
+
+
+def fast_steps(name: str, settings_: list[dict], params: list[torch.Tensor], grads: list[list[torch.Tensor]],
+               nan_when_frozen: bool = False, steps: int = STEPS) -> list[torch.Tensor]:
+    params = [p.clone() for p in params]
+    optims = [OptimConfig(name=name, lr=max(s["lr"], 1e-9), betas=s["betas"], eps=s["eps"],
+                          weight_decay=s["weight_decay"]) for s in settings_]
+    optimizer = FastOptimizer(name, optims, params)
+    for t in range(steps):
+        lrs, live = zip(*(schedule(s, t) for s in settings_))
+        step_grads = [g.clone() for g in grads[t]]
+        if nan_when_frozen:  # a diverged run's gradient is nan
+            for g in step_grads:
+                g[[not a for a in live]] = float("nan")
+        optimizer.step(step_grads, list(lrs), list(live))
+    return params
+
+
+def torch_steps(name: str, settings_: list[dict], params: list[torch.Tensor],
+                grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each run alone through torch.optim (single-tensor), stepped until it is frozen."""
+    result = [p.clone() for p in params]
+    for r, s in enumerate(settings_):
+        own = [torch.nn.Parameter(p[r].clone()) for p in params]
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        optimizer = cls(own, lr=1.0, betas=s["betas"], eps=s["eps"], weight_decay=s["weight_decay"], foreach=False)
+        for t in range(STEPS):
+            lr, live = schedule(s, t)
+            if not live:
+                break
+            for p, g in zip(own, grads[t]):
+                p.grad = g[r].clone()
+            optimizer.param_groups[0]["lr"] = lr
+            optimizer.step()
+        for whole, p in zip(result, own):
+            whole[r] = p.detach()
+    return result
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+@settings(max_examples=40, deadline=None)
+@given(settings_=st.lists(run_settings, min_size=1, max_size=9), seed=st.integers(0, 2**16))
+def test_stretch_and_scratch_adam_agree_and_equal_torch_per_run(name, settings_, seed):
+    params, grads = problem(settings_, seed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast, "MAX_STRETCHES", 10**6)
+        in_place = fast_steps(name, settings_, params, grads)
+        patch.setattr(fast, "MAX_STRETCHES", 0)
+        scratch = fast_steps(name, settings_, params, grads)
+    expected = torch_steps(name, settings_, params, grads)
+    for a, b, want in zip(in_place, scratch, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_stretches", [0, 10**6])
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+@settings(max_examples=25, deadline=None)
+@given(settings_=st.lists(run_settings, min_size=1, max_size=9), seed=st.integers(0, 2**16))
+def test_frozen_runs_keep_their_parameters_bit_for_bit_and_the_rest_is_deterministic(
+        name, max_stretches, settings_, seed):
+    """A run frozen from update f keeps, bit for bit, its parameters after update f - 1, even when
+    its gradient is nan; the same steps twice give the same bits."""
+    params, grads = problem(settings_, seed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast, "MAX_STRETCHES", max_stretches)
+        got = fast_steps(name, settings_, params, grads, nan_when_frozen=True)
+        again = fast_steps(name, settings_, params, grads, nan_when_frozen=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
+        for r, s in enumerate(settings_):
+            if s["freeze_at"] is None:
+                continue
+            before = fast_steps(name, settings_, params, grads, steps=s["freeze_at"])  # its last live update
+            for a, b in zip(got, before):
+                assert torch.equal(a[r], b[r]), (r, s)
+                assert torch.isfinite(a[r]).all()
