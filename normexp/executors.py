@@ -211,8 +211,8 @@ class InProcessExecutor:
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
         paired = [unit for unit in units if pairs_well(unit)]
-        if len(paired) < 2 or len({unit.threads for unit in paired}) > 1:
-            paired = []
+        if len(paired) < 2 or len({cfg.train.threads or unit.threads for unit in paired for cfg in unit.runs}) > 1:
+            paired = []  # runs of several thread counts: one after another, as each count's bits were measured
         yield from self._two_at_a_time(paired)
         for unit in units:
             if not any(unit is p for p in paired):

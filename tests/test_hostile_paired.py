@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -73,15 +74,32 @@ print(json.dumps([train_run(RunConfig.model_validate(c)).metrics for c in json.l
 
 
 def test_paired_runs_of_mixed_thread_counts_and_optimizers_give_the_bits_of_a_fresh_process_one_by_one():
-    """Runs whose `train.threads` differ share one unit thread count, so they are paired: each still
-    trains with its own count (torch's is per thread), and RAdam's lazy torch.optim import in two
-    threads at once changes nothing. Bits equal those of the runs one after another, in a fresh process."""
+    """Each thread count's runs, and RAdam's lazy torch.optim import in two threads at once: bits equal
+    those of the runs one after another, in a fresh process. Runs whose `train.threads` differ are not
+    paired (they train one after another); runs of one count are."""
     configs = [RunConfig.model_validate(c) for c in MIXED]
-    units = plan_units(configs, "reference", "cpu", 2)
-    assert all(pairs_well(u) for u in units) or pytest.skip("one core: nothing is paired")
-    paired = {id(r.unit): r.outcomes[0] for r in InProcessExecutor().run(units)}
-    alone = json.loads(subprocess.run([sys.executable, "-c", ALONE, json.dumps(MIXED)], capture_output=True,
-                                      text=True, check=True).stdout)
+    for threads in (1, 2, None):
+        chosen = [c for c in configs if threads in (None, c.train.threads)]
+        units = plan_units(chosen, "reference", "cpu", 2)
+        assert all(pairs_well(u) for u in units) or pytest.skip("one core: nothing is paired")
+        where = []
+        real = executors.run_unit
+
+        def recording(unit, stop=None, real=real, where=where):
+            where.append(threading.current_thread() is threading.main_thread())
+            return real(unit, stop)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(executors, "run_unit", recording)
+            paired = {id(r.unit): r.outcomes[0] for r in InProcessExecutor().run(units)}
+        assert all(where) == (threads is None) and any(where) == (threads is None)  # mixed: in the main thread
+        check_alone(chosen, units, paired)
+
+
+def check_alone(configs, units, paired) -> None:
+    alone = json.loads(subprocess.run([sys.executable, "-c", ALONE, json.dumps([c.model_dump(mode="json")
+                                                                               for c in configs])],
+                                      capture_output=True, text=True, check=True).stdout)
     for cfg, unit, metrics in zip(configs, units, alone):
         assert paired[id(unit)].threads == cfg.train.threads
         assert paired[id(unit)].metrics == metrics, (cfg.optim.name, cfg.train.threads, cfg.seed)
