@@ -46,6 +46,7 @@ from pathlib import Path
 import pandas as pd
 
 from normexp.config import Sweep, load_sweep
+from normexp.executors import usable_cores
 from normexp.report import (
     PLACEMENT_LABELS,
     build_report,
@@ -123,7 +124,7 @@ def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
     one torch thread per run: their runs are small enough that N single-thread processes train more
     of them per second than one N-thread process). Return the folder and how many of its runs an
     earlier call had already finished."""
-    workers = min(len(os.sched_getaffinity(0)), MAX_STUDY_WORKERS)
+    workers = min(usable_cores(), MAX_STUDY_WORKERS)
     outcome = run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched",
                                                        workers=workers if workers > 1 else None))
     return out / name, outcome.count("skipped")
@@ -455,7 +456,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     total = sum(times.values())
     header = (f"# normexp studies\n\nWritten by `make studies` (`python -m normexp.studies"
               f"{' --quick' if quick else ''}`); every verdict below is computed from these runs. "
-              f"Total {total / 60:.1f} min on {len(os.sched_getaffinity(0))} cores.\n")
+              f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
     report.write_text(header + "\n".join(sections))
     log(f"wrote {report}")
     return report

@@ -54,7 +54,7 @@ from normexp.store import (
 )
 
 if TYPE_CHECKING:
-    from normexp.executors import Executor
+    from normexp.executors import Executor, UnitResult
 
 T = TypeVar("T")
 EngineName = Literal["auto", "reference", "batched", "fast"]
@@ -145,8 +145,7 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
     except KeyboardInterrupt:
         outcome.interrupted = True
         for result in getattr(executor, "unreported", ()):  # finished while the executor was stopped
-            for cfg, run in zip(result.unit.runs, result.outcomes):
-                _record(cfg, run, result.status, out_dir, outcome, emit)
+            _record_unit(result, out_dir, outcome, emit)
         for cfg in sweep.runs:  # a run whose done.json was written as the signal came is finished
             rid = run_id(cfg)
             if rid not in outcome.statuses:  # only runs not yet accounted for are inspected again
@@ -218,10 +217,14 @@ def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, exe
     # not be printed as an "Exception ignored" and lost
     with contextlib.closing(executor.run(units)) as results:
         for result in results:
-            for cfg, run in zip(result.unit.runs, result.outcomes):
-                _record(cfg, run, result.status, out_dir, outcome, emit)
+            _record_unit(result, out_dir, outcome, emit)
             if options.fail_fast and outcome.failed:
                 return
+
+
+def _record_unit(result: UnitResult, out_dir: Path, outcome: SweepOutcome, emit: EventCallback) -> None:
+    for cfg, run in zip(result.unit.runs, result.outcomes):
+        _record(cfg, run, result.status, out_dir, outcome, emit)
 
 
 def _record(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
