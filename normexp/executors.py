@@ -214,8 +214,9 @@ class InProcessExecutor:
         if len(paired) < 2 or len({cfg.train.threads or unit.threads for unit in paired for cfg in unit.runs}) > 1:
             paired = []  # runs of several thread counts: one after another, as each count's bits were measured
         yield from self._two_at_a_time(paired)
+        taken = {id(unit) for unit in paired}
         for unit in units:
-            if not any(unit is p for p in paired):
+            if id(unit) not in taken:
                 yield run_unit(unit)
 
     def _two_at_a_time(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:

@@ -10,6 +10,7 @@ import sys
 import threading
 
 import pytest
+from test_reliability import failing_for_seed_1
 
 from normexp import executors
 from normexp.config import RunConfig, load_sweep
@@ -17,14 +18,6 @@ from normexp.engines import reference
 from normexp.executors import InProcessExecutor, pairs_well, plan_units
 from normexp.results import load_summary
 from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
-
-
-def failing_for_seed_1(real):
-    def train_run(cfg, **kwargs):
-        if cfg.seed == 1:
-            raise RuntimeError("boom")
-        return real(cfg, **kwargs)
-    return train_run
 
 
 def test_a_stop_signal_while_fail_fast_stops_the_paired_runs_interrupts_the_sweep(write_yaml, tmp_path, monkeypatch):

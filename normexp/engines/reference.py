@@ -76,7 +76,8 @@ class RunResult:
 StepCallback = Callable[[int, float], None]
 
 # Seeding and drawing use torch's global generator: runs started from several threads of one process
-# (a Dask worker with several threads) take turns, so each run sees exactly its own draws.
+# (a Dask worker with several threads, the sweep's paired runs) take turns, so each run sees exactly
+# its own draws.
 INIT_LOCK = threading.Lock()
 
 
