@@ -5,10 +5,13 @@ Only `os` and `signal` load before a Ctrl-C handler is in place: a Ctrl-C while 
 with one line and exit code 130. Raised as KeyboardInterrupt inside an import it would print a
 traceback, or be swallowed by code that catches too much. Commands that write install their own
 handlers (`normexp sweep` stops cleanly and keeps finished runs).
+
+A command that loaded torch ends without the interpreter's teardown (`end_now`).
 """
 
 import os
 import signal
+import sys
 
 
 def _interrupted(signum: int, frame: object) -> None:
@@ -20,7 +23,35 @@ def main() -> None:
     signal.signal(signal.SIGINT, _interrupted)
     from normexp.cli import main as run
 
-    run()
+    try:
+        run()
+    except SystemExit as exc:
+        if "torch" in sys.modules:
+            end_now(exc.code)
+        raise
+
+
+def end_now(code: object) -> None:
+    """Exit with `code` (as `sys.exit` takes it), skipping the interpreter's teardown once torch is
+    loaded: about a second on a 2-core machine, for nothing (the cyclic collector walks every object
+    torch made, then torch's operator registry unwinds). What teardown does that matters is done
+    first: atexit handlers run and standard output is flushed. While another (non-daemon) thread
+    still runs, or output cannot be flushed, the usual exit does both as usual."""
+    import atexit
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
+        sys.exit(code)  # the interpreter waits for them
+    status = code if isinstance(code, int) else 0 if code is None else 1
+    if not isinstance(code, int | None):
+        print(code, file=sys.stderr)  # what sys.exit does with a message
+    atexit._run_exitfuncs()  # noqa: SLF001 - what teardown runs first (CPython, every version since 3.0)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe: the interpreter reports it, as always
+        sys.exit(code)
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""How the `normexp` process ends: once torch is loaded, without the interpreter's teardown (about a
+second), yet with its exit code, its flushed output and its atexit handlers; otherwise as usual."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+# A module-level object whose __del__ runs only in the interpreter's teardown.
+TEARDOWN_WITNESS = ("class Witness:\n    def __del__(self):\n        print('teardown ran', flush=True)\n"
+                    "witness = Witness()\n")
+
+
+def python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize(("code", "status", "stderr"), [(None, 0, ""), (0, 0, ""), (3, 3, ""), (130, 130, ""),
+                                                        ("a message", 1, "a message\n")])
+def test_end_now_exits_like_sys_exit_with_output_flushed_and_atexit_run(code, status, stderr):
+    result = python("import atexit, sys, torch\nfrom normexp.__main__ import end_now\n"
+                    f"{TEARDOWN_WITNESS}"
+                    "atexit.register(lambda: print(' and atexit ran', end=''))\n"
+                    f"print('buffered output', end='')\nend_now({code!r})\n")
+    assert result.returncode == status
+    assert result.stdout == "buffered output and atexit ran"  # flushed, handlers run, no teardown
+    assert result.stderr == stderr
+
+
+def test_end_now_waits_for_a_running_thread_as_the_interpreter_does():
+    result = python("import threading, time, torch\nfrom normexp.__main__ import end_now\n"
+                    "threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished'))).start()\n"
+                    "end_now(4)\n")
+    assert (result.returncode, result.stdout) == (4, "thread finished\n")
+
+
+@pytest.mark.parametrize(("imports", "teardown"), [("import torch", False), ("pass", True)])
+def test_the_command_skips_teardown_only_once_torch_is_loaded(imports, teardown):
+    """`normexp doctor` after torch was imported ends at once; `--help` (no torch) ends as usual."""
+    command = "doctor" if imports != "pass" else "--help"
+    result = python(f"{imports}\nimport sys\n{TEARDOWN_WITNESS}sys.argv = ['normexp', {command!r}]\n"
+                    "from normexp.__main__ import main\nmain()\n")
+    assert result.returncode == 0, result.stderr
+    assert ("teardown ran" in result.stdout) == teardown
+    assert ("torch build:" if command == "doctor" else "Usage:") in result.stdout  # the command's output, whole
