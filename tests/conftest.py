@@ -20,6 +20,12 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/article_toy.py
 REPO = Path(__file__).resolve().parents[1]
 
 
+def done_markers(out: Path) -> list[Path]:
+    """The done.json of every run folder swapped in, while a sweep may still be writing: a folder
+    being built (hidden, `.<run_id>.tmp-<pid>`) is not a finished run yet."""
+    return [p for p in out.glob("*/done.json") if not p.parent.name.startswith(".")]
+
+
 @pytest.fixture
 def write_yaml(tmp_path: Path):
     """Write a YAML string to a file under tmp_path and return its path."""

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import done_markers
 from typer.testing import CliRunner
 
 from normexp import store
@@ -45,7 +46,7 @@ def start_sweep(config: Path, out: Path, *extra: str, engine: str = "reference")
 
 def wait_for_done(out: Path, count: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while len(list(out.glob("*/done.json"))) < count:
+    while len(done_markers(out)) < count:
         assert time.monotonic() < deadline, "the sweep made no progress"
         time.sleep(0.02)
 
@@ -78,7 +79,7 @@ def test_sigkill_then_resume_equals_a_clean_run(clean_run, tmp_path, engine):
     wait_for_done(out, 5)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    finished = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("*/done.json")}
+    finished = {p.parent.name: p.stat().st_mtime_ns for p in done_markers(out)}
     assert 5 <= len(finished) < 16
     resumed = start_sweep(config, out, engine=engine)  # the dead sweep's lock is taken over
     stdout, stderr = resumed.communicate(timeout=120)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import done_markers
 
 from normexp.results import load_summary
 from normexp.store import SweepLock
@@ -67,7 +68,7 @@ def wait_for(condition, what: str, timeout: float = 300) -> None:
 
 
 def done_count(out: Path) -> int:
-    return len(list(out.glob("*/done.json")))
+    return len(done_markers(out))
 
 
 def stat_fields(pid: int) -> list[str] | None:
