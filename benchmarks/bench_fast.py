@@ -199,14 +199,18 @@ def sweep_seconds(engine: str, grid_yaml: str, *extra: str) -> float:
 
 
 def peak_rss_mb(n_runs: int) -> float:
-    """Peak RSS (MB) of a child process that trains `n_runs` article runs (2 steps) with the fast engine."""
-    code = ("import resource\nfrom normexp.config import RunConfig\nfrom normexp.engines.fast import plan_fast, "
-            "train_fast\n"
-            f"runs = [RunConfig.model_validate({{'train': {{'steps': 2}}, 'seed': s}}) for s in range({n_runs})]\n"
-            "for batch in plan_fast(runs):\n    train_fast(batch, compile=False)\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n")
-    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                text=True).stdout.split()[-1])
+    """Peak RSS (MB) of `normexp sweep --engine fast --no-compile` training `n_runs` article runs (2 steps
+    each) as a user runs it: batches of 64, two at a time, every run's folder written."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "rss.yaml"
+        config.write_text(f"name: rss\nbase: {{train: {{steps: 2}}}}\nseeds: {list(range(n_runs))}\n")
+        sweep = [sys.executable, "-m", "normexp", "sweep", str(config), "--out", str(Path(tmp) / "out"),
+                 "--engine", "fast", "--no-compile", "--quiet"]
+        code = ("import resource, subprocess, sys\n"
+                f"subprocess.run({sweep!r}, check=True)\n"
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n")
+        return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                    cwd=REPO).stdout.split()[-1])
 
 
 UNSTABLE_YAML = """name: bench
@@ -265,7 +269,8 @@ def main() -> None:
                    unstable_grid(max(1, seeds // 2), steps),
                    compile=False)
     big = 256 if quick else 4096
-    print(f"\n{big}-run grid, fast engine in chunks of 64: peak RSS {peak_rss_mb(big):.0f} MB")
+    print(f"\n{big}-run grid, normexp sweep --engine fast (chunks of 64, two at a time): "
+          f"peak RSS {peak_rss_mb(big):.0f} MB")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from normexp import executors
 from normexp.cli import app
 from normexp.config import RunConfig
+from normexp.engines.fast import train_fast
 from normexp.engines.reference import train_run
 from normexp.executors import (
     DaskExecutor,
@@ -233,11 +234,33 @@ def test_paired_runs_give_the_bits_of_runs_one_after_another(threads, monkeypatc
         assert paired.metrics == alone.metrics  # every step's loss, acc, lr and grad norm, bit for bit
 
 
-def test_only_small_reference_runs_of_one_thread_count_are_paired(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paired_fast_batches_give_the_bits_of_batches_one_after_another(threads, monkeypatch):
+    configs = small_runs(threads)
+    units = plan_units(configs, "fast", "cpu", threads, compile=False)
+    assert len(units) == 4 and all(len(unit.configs) == 2 and pairs_well(unit) for unit in units)
+    where = []
+
+    def recording(unit, stop=None):
+        where.append(threading.current_thread().name)
+        return run_unit(unit, stop)
+
+    monkeypatch.setattr(executors, "run_unit", recording)
+    paired = {id(r.unit): r.outcomes for r in InProcessExecutor().run(units)}
+    assert len(paired) == len(units) and len(set(where)) == 2 and threading.main_thread().name not in where
+    for unit in units:
+        alone = train_fast(unit.runs, "cpu", compile=False)
+        assert [o.threads for o in paired[id(unit)]] == [r.threads for r in alone] == [threads] * 2
+        assert [o.metrics for o in paired[id(unit)]] == [r.metrics for r in alone]  # bit for bit
+
+
+def test_only_small_reference_runs_and_eager_fast_batches_of_one_thread_count_are_paired(monkeypatch):
     small = plan_units(small_runs(1), "reference", "cpu", 1)
     big = plan_units([RunConfig.model_validate({"model": {"width": 512}})], "reference", "cpu", 1)
     batched = plan_units(small_runs(1), "batched", "cpu", 1)
+    compiled = plan_units(small_runs(1), "fast", "cpu", 1, compile=True)
     assert all(pairs_well(u) for u in small) and not pairs_well(big[0]) and not any(pairs_well(u) for u in batched)
+    assert not any(pairs_well(u) for u in compiled)  # a compiled step is not shared between threads
     where = []
     monkeypatch.setattr(executors, "run_unit", lambda unit, stop=None: where.append(threading.current_thread())
                         or crashed(unit, "not trained"))
@@ -246,8 +269,10 @@ def test_only_small_reference_runs_of_one_thread_count_are_paired(monkeypatch):
     assert where == [threading.main_thread()] * 4  # two thread counts: one after another
 
 
-def test_closing_the_executor_stops_paired_runs_at_their_next_step():
-    units = plan_units(small_runs(1, steps=100_000)[:2], "reference", "cpu", 1)  # minutes each
+@pytest.mark.parametrize("engine", ["reference", "fast"])
+def test_closing_the_executor_stops_paired_runs_at_their_next_step(engine):
+    units = plan_units(small_runs(1, steps=100_000)[:4:2], engine, "cpu", 1, compile=False)  # minutes each
+    assert len(units) == 2 and all(pairs_well(unit) for unit in units)
     executor = InProcessExecutor()
     outcome = []
 

@@ -36,6 +36,7 @@ import copy
 import gc
 import math
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -248,20 +249,24 @@ class Batch:
         return self.x[runs, self.order[step]], self.y[runs, self.order[step]]
 
 
+_STACKING = threading.Lock()
+
+
 def stack_runs(runs: Sequence[RunConfig], device: str) -> tuple[torch.nn.Module, Batch]:
     """Each run's model and task from `seeded_init` (the reference's draws), stacked on `device`;
     returns the parameter-less ("meta") model that `functional_call` runs, and the batch."""
-    collecting = gc.isenabled()
-    gc.disable()  # R models are ~10^4 modules: the cyclic collector would rescan them (and, once
-    try:  # torch.compile has loaded, dynamo's module registry) many times over while they are built
-        nets, tasks = zip(*(seeded_init(cfg) for cfg in runs))
-        named = [dict(net.named_parameters()) for net in nets]  # neither model has buffers
-        with torch.no_grad():
-            params = {name: torch.stack([run[name] for run in named]).to(device) for name in named[0]}
-        base = copy.deepcopy(nets[0]).to("meta")
-    finally:
-        if collecting:
-            gc.enable()
+    with _STACKING:  # one batch at a time (paired batches): the collector's pause is process-wide
+        collecting = gc.isenabled()
+        gc.disable()  # R models are ~10^4 modules: the cyclic collector would rescan them (and, once
+        try:  # torch.compile has loaded, dynamo's module registry) many times over while they are built
+            nets, tasks = zip(*(seeded_init(cfg) for cfg in runs))
+            named = [dict(net.named_parameters()) for net in nets]  # neither model has buffers
+            with torch.no_grad():
+                params = {name: torch.stack([run[name] for run in named]).to(device) for name in named[0]}
+            base = copy.deepcopy(nets[0]).to("meta")
+        finally:
+            if collecting:
+                gc.enable()
 
     def stacked(name: str) -> torch.Tensor | None:
         values = [getattr(task, name) for task in tasks]
@@ -306,33 +311,36 @@ def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None)
     return grad_step
 
 
-def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | None = None) -> list[RunResult]:
+def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | None = None,
+               on_step: Callable[[int], None] | None = None) -> list[RunResult]:
     """Train `runs` (equal `fast_key`) together; one RunResult per run, recorded as `train_run` records.
-    `compile`: compile the gradient step, or None to decide from this batch's model-steps."""
+    `compile`: compile the gradient step, or None to decide from this batch's model-steps. `on_step` is
+    called after each recorded step (what it raises ends the batch)."""
     use_compile = should_compile(runs[0], len(runs) * (runs[0].train.steps + 1)) if compile is None else compile
     if use_compile:
         try:
-            return _train_padded(runs, device)
+            return _train_padded(runs, device, on_step)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
             for key in [k for k in _COMPILED if k[:3] == (runs[0].model, runs[0].norm, runs[0].data)]:
                 del _COMPILED[key]  # the next batch tries again
             first_line = (str(exc).strip().splitlines() or [""])[0][:200]
             warnings.warn(f"torch.compile failed ({type(exc).__name__}: {first_line}); training these runs "
                           "uncompiled", RuntimeWarning, stacklevel=2)
-    return _train(runs, device, compiled=False)
+    return _train(runs, device, False, on_step)
 
 
-def _train_padded(runs: Sequence[RunConfig], device: str) -> list[RunResult]:
+def _train_padded(runs: Sequence[RunConfig], device: str, on_step: Callable[[int], None] | None) -> list[RunResult]:
     """The compiled loop on a batch padded to MAX_CHUNK runs with copies of its first run (one compiled
     shape for every batch); the copies' results are dropped."""
     padded = list(runs) + [runs[0]] * (MAX_CHUNK - len(runs))
-    results = _train(padded, device, compiled=True)[:len(runs)]
+    results = _train(padded, device, True, on_step)[:len(runs)]
     for result in results:
         result.wall_s *= len(padded) / len(runs)
     return results
 
 
-def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunResult]:
+def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
+           on_step: Callable[[int], None] | None = None) -> list[RunResult]:
     """The loop of `train_fast`: record each step's metrics per run, stop when no run is recording."""
     start = time.perf_counter()
     first = runs[0]
@@ -361,6 +369,8 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool) -> list[RunRe
                     live[r] = not stop
             if not any(live):
                 break
+            if on_step is not None:
+                on_step(step)
             if step < steps:
                 optimizer.step(list(grads.values()), lrs, live)
     wall = (time.perf_counter() - start) / len(runs)
