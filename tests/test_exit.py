@@ -13,10 +13,14 @@ from conftest import REPO
 # A module-level object whose __del__ runs only in the interpreter's teardown.
 TEARDOWN_WITNESS = ("class Witness:\n    def __del__(self):\n        print('teardown ran', flush=True)\n"
                     "witness = Witness()\n")
+# Output buffered as a user's is: with PYTHONUNBUFFERED set (as some shells and CI images do) every print
+# reaches the pipe at once, and a missing flush could not fail a test.
+BUFFERED = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
 
 
 def python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=BUFFERED)
 
 
 @pytest.mark.parametrize(("code", "status", "stderr"), [(None, 0, ""), (0, 0, ""), (3, 3, ""), (130, 130, ""),
@@ -58,7 +62,7 @@ def test_a_sweep_run_with_an_output_stream_closed_ends_as_before(tmp_path, close
     ends with 0, its run written and the other stream whole, as it did before `end_now`."""
     (tmp_path / "one.yaml").write_text(ONE_RUN)
     result = subprocess.run([sys.executable, "-m", "normexp", "sweep", "one.yaml", "--out", "out"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120, env=BUFFERED,
                             preexec_fn=lambda: os.close(closed))
     shown = result.stderr if closed == 1 else result.stdout
     assert result.returncode == 0, result.stderr
@@ -72,5 +76,6 @@ def test_end_now_with_stderr_closed_keeps_its_message_off_stdout():
     """sys.exit('a message') with no stderr drops the message; print(file=None) would write it to stdout."""
     result = subprocess.run([sys.executable, "-c", "import torch\nfrom normexp.__main__ import end_now\n"
                              "print('output', end='')\nend_now('a message')\n"],
-                            capture_output=True, text=True, cwd=REPO, timeout=120, preexec_fn=lambda: os.close(2))
+                            capture_output=True, text=True, cwd=REPO, timeout=120, env=BUFFERED,
+                            preexec_fn=lambda: os.close(2))
     assert (result.returncode, result.stdout) == (1, "output")
