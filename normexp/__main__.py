@@ -43,12 +43,13 @@ def end_now(code: object) -> None:
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
         sys.exit(code)  # the interpreter waits for them
     status = code if isinstance(code, int) else 0 if code is None else 1
-    if not isinstance(code, int | None):
+    if not isinstance(code, int | None) and sys.stderr is not None:
         print(code, file=sys.stderr)  # what sys.exit does with a message
     atexit._run_exitfuncs()  # noqa: SLF001 - what teardown runs first (CPython, every version since 3.0)
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None: its descriptor was closed when the process started (`>&-`)
+                stream.flush()
     except (OSError, ValueError):  # a closed pipe: the interpreter reports it, as always
         sys.exit(code)
     os._exit(status)

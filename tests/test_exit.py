@@ -3,6 +3,7 @@ second), yet with its exit code, its flushed output and its atexit handlers; oth
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,10 +13,14 @@ from conftest import REPO
 # A module-level object whose __del__ runs only in the interpreter's teardown.
 TEARDOWN_WITNESS = ("class Witness:\n    def __del__(self):\n        print('teardown ran', flush=True)\n"
                     "witness = Witness()\n")
+# Output buffered as a user's is: with PYTHONUNBUFFERED set (as some shells and CI images do) every print
+# reaches the pipe at once, and a missing flush could not fail a test.
+BUFFERED = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
 
 
 def python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=BUFFERED)
 
 
 @pytest.mark.parametrize(("code", "status", "stderr"), [(None, 0, ""), (0, 0, ""), (3, 3, ""), (130, 130, ""),
@@ -46,3 +51,31 @@ def test_the_command_skips_teardown_only_once_torch_is_loaded(imports, teardown)
     assert result.returncode == 0, result.stderr
     assert ("teardown ran" in result.stdout) == teardown
     assert ("torch build:" if command == "doctor" else "Usage:") in result.stdout  # the command's output, whole
+
+
+ONE_RUN = "name: one\nbase:\n  model: {depth: 2, width: 4}\n  train: {steps: 2}\ngrid: {}\nseeds: [0]\n"
+
+
+@pytest.mark.parametrize("closed", [1, 2])
+def test_a_sweep_run_with_an_output_stream_closed_ends_as_before(tmp_path, closed):
+    """`normexp sweep ... >&-` (or `2>&-`): Python starts with that stream as None; the sweep still
+    ends with 0, its run written and the other stream whole, as it did before `end_now`."""
+    (tmp_path / "one.yaml").write_text(ONE_RUN)
+    result = subprocess.run([sys.executable, "-m", "normexp", "sweep", "one.yaml", "--out", "out"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120, env=BUFFERED,
+                            preexec_fn=lambda: os.close(closed))
+    shown = result.stderr if closed == 1 else result.stdout
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in shown
+    assert closed == 1 or "1 ran, 0 already done, 0 failed" in shown
+    assert closed == 2 or shown == ""
+    assert (tmp_path / "out" / "summary.csv").is_file()
+
+
+def test_end_now_with_stderr_closed_keeps_its_message_off_stdout():
+    """sys.exit('a message') with no stderr drops the message; print(file=None) would write it to stdout."""
+    result = subprocess.run([sys.executable, "-c", "import torch\nfrom normexp.__main__ import end_now\n"
+                             "print('output', end='')\nend_now('a message')\n"],
+                            capture_output=True, text=True, cwd=REPO, timeout=120, env=BUFFERED,
+                            preexec_fn=lambda: os.close(2))
+    assert (result.returncode, result.stdout) == (1, "output")
