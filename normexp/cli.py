@@ -488,7 +488,8 @@ def doctor() -> None:
     """Print this installation's versions, torch build, threads and devices, for a bug report."""
     from normexp.environment import describe
 
-    sys.stdout.write(describe().as_text())
+    if sys.stdout is not None:  # None: closed when the process started (`>&-`), nowhere to print
+        sys.stdout.write(describe().as_text())
 
 
 def main() -> None:

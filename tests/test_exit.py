@@ -79,3 +79,9 @@ def test_end_now_with_stderr_closed_keeps_its_message_off_stdout():
                             capture_output=True, text=True, cwd=REPO, timeout=120, env=BUFFERED,
                             preexec_fn=lambda: os.close(2))
     assert (result.returncode, result.stdout) == (1, "output")
+
+
+def test_doctor_with_stdout_closed_ends_with_0():
+    result = subprocess.run([sys.executable, "-m", "normexp", "doctor"], capture_output=True, text=True, cwd=REPO,
+                            timeout=120, env=BUFFERED, preexec_fn=lambda: os.close(1))
+    assert (result.returncode, result.stderr) == (0, "")
