@@ -43,23 +43,24 @@ for placement in ("Post", "Pre"):
 """
 
 
-def commands(out_dir: Path, also: Path | None) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """Each side's command line and environment."""
+def commands(out_dir: Path, also: Path | None) -> dict[str, tuple[list[str], dict[str, str], Path]]:
+    """Each side's command line, environment and working folder."""
     env = dict(os.environ)  # normexp's threading defaults included: both sides wait and thread alike
     sweep = [sys.executable, "-m", "normexp", "sweep", str(REPO / "configs" / "warmup.yaml"), "--force"]
     sides = {
-        "article script": ([sys.executable, "-c", ARTICLE_SCRIPT.format(tests=str(REPO / "tests"))], env),
-        "normexp sweep": ([*sweep, "--out", str(out_dir / "sweep")], env),
+        "article script": ([sys.executable, "-c", ARTICLE_SCRIPT.format(tests=str(REPO / "tests"))], env, REPO),
+        "normexp sweep": ([*sweep, "--out", str(out_dir / "sweep")], env, REPO),
     }
-    if also is not None:
-        old_env = {**env, "PYTHONPATH": str(also.resolve())}
-        sides[f"normexp sweep ({also})"] = ([*sweep, "--out", str(out_dir / "also")], old_env)
+    if also is not None:  # run from that checkout: `python -m` puts the working folder first on sys.path
+        also = also.resolve()
+        sides[f"normexp sweep ({also})"] = ([*sweep, "--out", str(out_dir / "also")],
+                                            {**env, "PYTHONPATH": str(also)}, also)
     return sides
 
 
-def time_once(command: list[str], env: dict[str, str]) -> float:
+def time_once(command: list[str], env: dict[str, str], cwd: Path) -> float:
     start = time.perf_counter()
-    subprocess.run(command, env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, env=env, cwd=cwd, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
 
 
@@ -73,8 +74,8 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in sides}
         load_before = os.getloadavg()[0]
         for _ in range(args.repeats):
-            for name, (command, env) in sides.items():
-                times[name].append(time_once(command, env))
+            for name, (command, env, cwd) in sides.items():
+                times[name].append(time_once(command, env, cwd))
         load_after = os.getloadavg()[0]
     article = statistics.median(times["article script"])
     print(f"both sides with OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, MKL_DYNAMIC={os.environ['MKL_DYNAMIC']}")
