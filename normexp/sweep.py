@@ -223,17 +223,12 @@ def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, exe
 
 
 def _record_unit(result: UnitResult, out_dir: Path, outcome: SweepOutcome, emit: EventCallback) -> None:
-    for cfg, run in zip(result.unit.runs, result.outcomes):
-        _record(cfg, run, result.status, out_dir, outcome, emit)
-
-
-def _record(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
-            emit: EventCallback) -> None:
-    """Write one run's result (or its error) into its folder and report it. A stop signal that arrives
-    while the folder is written takes effect once it is in place (a write takes milliseconds), so an
-    interrupted sweep leaves no half-built folder behind."""
+    """Write each run of a unit into its folder and report it. A stop signal that arrives meanwhile
+    takes effect once the unit's folders are in place (a write takes milliseconds), so an interrupted
+    sweep leaves no half-built folder behind, nor a trained batch-mate unwritten."""
     with _stop_signals_deferred():
-        _record_now(cfg, run, error_status, out_dir, outcome, emit)
+        for cfg, run in zip(result.unit.runs, result.outcomes):
+            _record_now(cfg, run, result.status, out_dir, outcome, emit)
 
 
 @contextlib.contextmanager

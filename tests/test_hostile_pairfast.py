@@ -5,6 +5,7 @@ many paired batches leaves behind (the collector, torch's thread count, threads)
 from __future__ import annotations
 
 import gc
+import signal
 import threading
 
 import pytest
@@ -83,3 +84,24 @@ def test_a_sweep_of_many_paired_fast_batches_leaves_the_process_as_it_found_it(t
     thread.start()
     thread.join()
     assert fresh == [before[1]]  # torch's count for threads started later
+
+
+def test_a_stop_while_a_batch_is_written_keeps_the_whole_batch(tmp_path):
+    """A batch's runs are trained together and written one by one: a Ctrl-C right after its first
+    run's folder is in place must not throw the rest of the trained batch away (they would be
+    retrained on resume). The stop takes effect once the whole batch is written."""
+    from normexp.sweep import SweepInterrupted
+
+    spec = build_sweep({"name": "w", "base": {"model": {"depth": 2, "width": 8}, "train": {"steps": 2}},
+                        "grid": {"norm.placement": ["post", "pre"]}, "seeds": [0, 1, 2]})
+    interrupted = []
+
+    def on_event(event):
+        if event.kind == "finished" and not interrupted:
+            interrupted.append(event.run_id)
+            signal.raise_signal(signal.SIGINT)  # a Ctrl-C as the first run's folder is written
+
+    with pytest.raises(SweepInterrupted):
+        run_sweep(spec, tmp_path / "out", SweepOptions(engine="fast", compile=False), on_event)
+    statuses = list(load_summary(tmp_path / "out")["status"])
+    assert statuses.count("completed") in (3, 6), statuses  # whole batches: seeds 0-2 of a placement

@@ -293,6 +293,7 @@ def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_pl
     from normexp import store, sweep
     from normexp.config import RunConfig
     from normexp.engines.reference import train_run
+    from normexp.executors import UnitResult, plan_units
     from normexp.store import FinishedRun, inspect_run, run_id, stray_paths
 
     cfg = RunConfig.model_validate({"model": {"depth": 2, "width": 4}, "train": {"steps": 2}})
@@ -312,7 +313,8 @@ def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_pl
     try:
         outcome = sweep.SweepOutcome(tmp_path, total=1)
         with pytest.raises(KeyboardInterrupt):
-            sweep._record(cfg, run, "failed", tmp_path, outcome, lambda event: None)
+            sweep._record_unit(UnitResult(plan_units([cfg], "reference", "cpu", 1)[0], (run,)), tmp_path,
+                               outcome, lambda event: None)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert stray_paths(tmp_path) == []
