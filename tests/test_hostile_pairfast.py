@@ -101,7 +101,11 @@ def test_a_stop_while_a_batch_is_written_keeps_the_whole_batch(tmp_path):
             interrupted.append(event.run_id)
             signal.raise_signal(signal.SIGINT)  # a Ctrl-C as the first run's folder is written
 
-    with pytest.raises(SweepInterrupted):
-        run_sweep(spec, tmp_path / "out", SweepOptions(engine="fast", compile=False), on_event)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as the command line has it
+    try:
+        with pytest.raises(SweepInterrupted):
+            run_sweep(spec, tmp_path / "out", SweepOptions(engine="fast", compile=False), on_event)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     statuses = list(load_summary(tmp_path / "out")["status"])
     assert statuses.count("completed") in (3, 6), statuses  # whole batches: seeds 0-2 of a placement
