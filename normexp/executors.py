@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from normexp.config import RunConfig
+from normexp.config import RunConfig, model_step_flops
 from normexp.stopping import STOP_SIGNALS
 from normexp.store import FinishedRun
 
@@ -191,8 +191,6 @@ def pairs_well(unit: WorkUnit) -> bool:
     once: about 12% less time). Compiled steps are not shared between threads. Batches of bigger runs
     train one after another: a pair holds two batches' memory at once (two 64-run batches of width
     512: 22 GB of peak RSS, against 11 GB one after another) for little time saved."""
-    from normexp.engines.fast import model_step_flops
-
     if unit.device != "cpu" or usable_cores() < 2 or (unit.fast and unit.compile):
         return False
     return (unit.fast or not unit.batched) and all(model_step_flops(cfg) < PAIR_FLOPS for cfg in unit.runs)

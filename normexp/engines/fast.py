@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
-from normexp.config import OptimConfig, RunConfig, sequence_shape
+from normexp.config import OptimConfig, RunConfig, model_step_flops
 from normexp.engines.reference import RunResult, batch_order, loss_and_acc, seeded_init, step_lr, torch_threads
 
 MAX_CHUNK = 64  # runs per batch; larger batches gain little on a CPU and hold more activations
@@ -70,16 +70,6 @@ def plan_fast(runs: Sequence[RunConfig]) -> list[list[RunConfig]]:
     for cfg in runs:
         groups.setdefault(fast_key(cfg), []).append(cfg)
     return [group[i:i + MAX_CHUNK] for group in groups.values() for i in range(0, len(group), MAX_CHUNK)]
-
-
-def model_step_flops(cfg: RunConfig) -> float:
-    """FLOPs of one training step of one run: the forward matmuls, times 3 (forward and backward)."""
-    n, d, depth = cfg.data.n_samples, cfg.model.width, cfg.model.depth
-    hidden = d * cfg.model.hidden_mult
-    if cfg.model.arch == "transformer":  # per token: FFN, q k v out, scores and mixing; the head
-        t = sequence_shape(cfg.data).seq_len - 1
-        return 3 * 2 * n * t * (depth * (2 * d * hidden + 4 * d * d + 2 * t * d) + d * cfg.data.vocab)
-    return 3 * 2 * n * (2 * d * hidden * depth + d * cfg.model.n_classes)
 
 
 def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,
