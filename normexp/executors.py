@@ -126,10 +126,13 @@ def run_unit(unit: WorkUnit, stop: threading.Event | None = None) -> UnitResult:
     return UnitResult(unit, _run_alone(runs, unit.device, stop))
 
 
-def _stop_check(stop: threading.Event | None) -> Callable[..., None]:
-    """A step callback that raises `Stopped` once `stop` is set."""
+def _stop_check(stop: threading.Event | None) -> Callable[..., None] | None:
+    """A step callback that raises `Stopped` once `stop` is set; None where nothing can stop the run."""
+    if stop is None:
+        return None
+
     def check(*step: object) -> None:
-        if stop is not None and stop.is_set():
+        if stop.is_set():
             raise Stopped
 
     return check
