@@ -1,6 +1,8 @@
 """The `normexp` command: `python -m normexp`, and the console script pyproject.toml installs.
 
-Only `os` and `signal` load before a Ctrl-C handler is in place: a Ctrl-C while the CLI's modules load
+No file is read before a Ctrl-C handler is in place: `os`, `sys` and `_signal` (the interpreter's own
+signal module, under `signal`) are loaded at its start-up, while importing `signal` would read a file,
+a moment in which a Ctrl-C printed a traceback from this module. A Ctrl-C while the CLI's modules load
 (typer, rich, pydantic: about a second) or while the command line is read ends the process at once,
 with one line and exit code 130. Raised as KeyboardInterrupt inside an import it would print a
 traceback, or be swallowed by code that catches too much. Commands that write install their own
@@ -9,8 +11,8 @@ handlers (`normexp sweep` stops cleanly and keeps finished runs).
 A command that loaded torch ends without the interpreter's teardown (`end_now`).
 """
 
+import _signal
 import os
-import signal
 import sys
 
 
@@ -20,7 +22,7 @@ def _interrupted(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, _interrupted)
+    _signal.signal(_signal.SIGINT, _interrupted)
     from normexp.cli import main as run
 
     try:

@@ -5,6 +5,7 @@ every process it started can be found afterwards."""
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import done_markers
+from conftest import REPO, done_markers
 
 from normexp.results import load_summary
 from normexp.store import SweepLock
@@ -285,6 +286,18 @@ def test_ctrl_c_while_the_cli_loads_is_one_line(config, tmp_path, command):
             continue  # the interpreter's start-up, before any normexp code ran
         assert proc.returncode in (0, 130) and "Traceback" not in stderr, (delay, stderr)
         assert len(stderr.strip().splitlines()) <= 3, (delay, stderr)
+
+
+def test_the_command_reads_no_file_before_its_ctrl_c_handler():
+    """What normexp/__main__.py imports at its top is what the interpreter loaded at start-up (a
+    builtin such as `_signal`, or `os`): a Ctrl-C before the handler goes in can only land in Python's
+    own start-up. (Importing `signal` there read a file first, and a Ctrl-C in it printed a traceback.)"""
+    tree = ast.parse((REPO / "normexp" / "__main__.py").read_text())
+    top = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+    top += [node.module for node in tree.body if isinstance(node, ast.ImportFrom)]
+    started = subprocess.run([sys.executable, "-c", "import sys; print(' '.join(sys.modules))"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert "_signal" in top and set(top) <= set(started), (top, started)
 
 
 def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_place(tmp_path, monkeypatch):
