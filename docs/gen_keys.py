@@ -1,0 +1,179 @@
+"""The keys table of docs/configs.md, derived from normexp/config.py's pydantic models.
+
+The key names, types, allowed values, bounds and defaults come from the code; only the "meaning" column is
+written here (MEANINGS). tests/test_docs.py fails when a key of the code has no meaning, when a meaning names
+a key the code no longer has, or when docs/configs.md's table is not what this script writes.
+
+    python docs/gen_keys.py           rewrite the table in docs/configs.md (between the two markers)
+    python docs/gen_keys.py --check   exit 1 if it is stale
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import typing
+from pathlib import Path
+
+import annotated_types as at
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from normexp.config import ReportConfig, RunConfig  # noqa: E402
+
+PAGE = ROOT / "docs" / "configs.md"
+BEGIN, END = "<!-- keys:begin (docs/gen_keys.py writes this table) -->", "<!-- keys:end -->"
+
+MEANINGS = {
+    "model.depth": "number of residual blocks N (Transformer: layers)",
+    "model.width": "hidden size d",
+    "model.hidden_mult": "FFN inner size = hidden_mult * d",
+    "model.n_classes": "classes of the toy task (`arch: ffn` only)",
+    "model.final_norm": "a norm before the head (the article keeps one; Xiong's Post-LN has none)",
+    "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's",
+    "model.arch": "`ffn` (the article's toy) or `transformer` ([The Transformer](transformer.md))",
+    "model.n_heads": "transformer only: attention heads; must divide `model.width`",
+    "norm.placement": "where the norm goes ([placements](#placements-and-kinds)); `b2t` is transformer only",
+    "norm.kind": "which norm ([kinds](#placements-and-kinds))",
+    "norm.eps": "epsilon of every norm",
+    "norm.peri_input_norm": "peri: the extra norm on the model input (off: Peri == Sandwich)",
+    "norm.mixln_fraction": "mixln: the first round(f * N) blocks are Post-LN, the rest Pre-LN",
+    "norm.deepnorm_alpha": "deepnorm: the residual multiplier; unset: (2N)^(1/4)",
+    "norm.deepnorm_beta": "deepnorm: the init scale of fc1/fc2 weights; unset: (8N)^(-1/4)",
+    "norm.prms_fraction": "prmsnorm: the RMS is taken over the first max(1, int(d * p)) features",
+    "norm.output_norm_init": "respost: the branch norm's gain at init; `zeros` (Swin V2) starts every block as the "
+                             "identity",
+    "norm.dyt_alpha0": "dyt: the initial alpha of tanh(alpha x)",
+    "data.task": "`random_labels`: X ~ randn(n, d), y ~ randint(n_classes), memorisation (ffn); the sequence tasks "
+                 "are the Transformer's",
+    "data.n_samples": "full-batch size; sequence tasks: the training split",
+    "data.vocab": "sequence tasks: tokens (modular_add: p = vocab - 2, vocab at most 2050)",
+    "data.seq_len": "sequence tasks: tokens per sequence; unset: the task's (assoc_recall 16, a multiple of 4; "
+                    "copy 17, odd; modular_add 5), and the task's length written out is the same run as unset",
+    "data.n_val": "sequence tasks: the held-out split",
+    "data.batch_size": "sequence tasks: minibatch size, epochs in a seeded order; unset: the full batch",
+    "optim.name": "`sgd` is SGD with momentum",
+    "optim.lr": "peak learning rate",
+    "optim.betas": "Adam-family betas",
+    "optim.eps": "Adam-family eps",
+    "optim.weight_decay": "unset: the optimizer's own, 0.01 for adamw and 0 otherwise, resolved per run after the "
+                          "grid and `--set`",
+    "optim.momentum": "sgd only",
+    "schedule.kind": "the learning-rate schedule ([schedules](#schedules))",
+    "schedule.warmup_steps": "linear warmup length (0 = none; must be 0 with `constant`)",
+    "schedule.min_lr_ratio": "cosine's final multiplier",
+    "train.steps": "optimizer steps S; losses are recorded at steps 0..S",
+    "train.threads": "torch intra-op threads for the run (recorded in done.json); unset: torch's default",
+    "train.stop_on_nonfinite": "stop a run at its first nan/inf loss (it is marked `diverged`)",
+    "train.log_blocks": "also write `<run_id>/blocks.csv`: per-block gradients, updates and activations (ffn only)",
+    "train.log_every": "blocks.csv keeps steps 0, k, 2k, ... (needs `log_blocks: true`)",
+    "seed": "set by the sweep's `seeds` list",
+    "report.steps": "rows of the table (each run's last step is always one)",
+    "report.columns": "keys that make the table's columns; unset: the keys that vary",
+    "report.metric": "the table's metric; `val_loss`, `val_acc` for sequence tasks",
+}
+
+
+def keys() -> dict[str, tuple[object, object]]:
+    """Every dotted key of a run config (and of a sweep file's `report:`) -> (annotation with its field's
+    constraints, default), in the models' own order."""
+    found: dict[str, tuple[object, object]] = {}
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, f"{prefix}{name}.")
+                continue
+            if field.metadata:
+                annotation = _constrained(annotation, field.metadata)
+            found[prefix + name] = (annotation, field.get_default(call_default_factory=True))
+
+    walk(RunConfig, "")
+    walk(ReportConfig, "report.")
+    return found
+
+
+def _constrained(annotation: object, metadata: list) -> object:
+    """`annotation` with a field's constraints, put on the value's type (`int | None` -> `int (>= 1) or unset`)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [arg for arg in args if arg is not type(None)]
+        return typing.Optional[typing.Annotated[(inner[0], *metadata)]] if len(inner) == 1 else annotation
+    return typing.Annotated[(annotation, *metadata)]
+
+
+def describe_type(annotation: object) -> str:
+    """`int, 1..10000`, `float > 0`, a Literal's values, ... from an annotation and its constraints."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _bounded(describe_type(args[0]), args[1:])
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{value}`" for value in args)
+    if origin in (typing.Union, types.UnionType):
+        shown = [describe_type(arg) for arg in args if arg is not type(None)]
+        return " or ".join(shown) + (" or unset" if type(None) in args else "")
+    if origin is tuple:
+        return "[" + ", ".join(describe_type(arg) for arg in args) + "]"
+    if origin is list:
+        return f"list of {describe_type(args[0])}"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounded(base: str, metadata: tuple) -> str:
+    lower = upper = None
+    for item in metadata:
+        for constraint in getattr(item, "metadata", [item]):  # a FieldInfo holds its constraints
+            if isinstance(constraint, at.Gt):
+                lower = f"> {constraint.gt}"
+            elif isinstance(constraint, at.Ge):
+                lower = f">= {constraint.ge}"
+            elif isinstance(constraint, at.Lt):
+                upper = f"< {constraint.lt}"
+            elif isinstance(constraint, at.Le):
+                upper = "<= 2^63 - 1" if constraint.le == 2**63 - 1 else f"<= {constraint.le:,}".replace(",", "_")
+    bounds = ", ".join(bound for bound in (lower, upper) if bound)
+    return f"{base} ({bounds})" if bounds else base
+
+
+def describe_default(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(str(item) for item in value) + "]"
+    return str(value)
+
+
+def table() -> str:
+    rows = ["| key | type and range | default | meaning |", "|---|---|---|---|"]
+    for key, (annotation, default) in keys().items():
+        rows.append(f"| `{key}` | {describe_type(annotation)} | {describe_default(default)} | "
+                    f"{MEANINGS.get(key, '(no meaning written: add it to docs/gen_keys.py MEANINGS)')} |")
+    return "\n".join(rows)
+
+
+def rewritten(text: str) -> str:
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+
+
+def main(argv: list[str]) -> int:
+    text = PAGE.read_text(encoding="utf-8")
+    new = rewritten(text)
+    if "--check" in argv:
+        if new != text:
+            print("docs/configs.md: the keys table is stale: run python docs/gen_keys.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(new, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
