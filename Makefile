@@ -3,7 +3,8 @@
 #
 #   make install               CPU torch $(TORCH_VERSION), then normexp (what `make reproduce` needs)
 #   make install TORCH=cuda    torch's default (CUDA) build from the package index instead
-#   make install-dev           install, plus the test tools and the Dask extra (`make test`, CI)
+#   make install-dev           install, plus the test tools, the Dask extra and MkDocs (`make test`, CI)
+#   make docs                  build the documentation site into site/, strictly (CI runs it after the tests)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -26,7 +27,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH=$(TORCH): must be cpu (the default) or cuda)
 endif
 
-.PHONY: install install-dev torch test test-all reproduce lint bench studies clean
+.PHONY: install install-dev torch test test-all reproduce lint bench studies docs clean
 
 install: $(STAMP)
 
@@ -62,8 +63,9 @@ CPU_LABEL := $(if $(filter Darwin,$(shell uname -s)),,+cpu)
 
 # The test suite imports far more (torch.func, the compiler, Dask, hypothesis): compile it all, on every
 # core. As under pip, a file that fails to compile (torch ships one in Python 3.12 syntax) is skipped.
+# MkDocs comes too (the docs extra), so that `make docs` and tests/test_docs.py build the site.
 $(DEV_STAMP): $(STAMP)
-	$(PIP) -c $(VENV)/torch-constraint.txt -e ".[dev,dask]"
+	$(PIP) -c $(VENV)/torch-constraint.txt -e ".[dev,dask,docs]"
 	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
 		> /dev/null 2>&1 || true
 	touch $(DEV_STAMP)
@@ -83,7 +85,7 @@ studies: install
 	$(PY) -m normexp.studies --out runs
 
 lint: install-dev
-	$(VENV)/bin/ruff check normexp tests benchmarks examples
+	$(VENV)/bin/ruff check normexp tests benchmarks examples docs
 
 # engines and executors side by side, then the norm speed table at the article's (64, 512, 4096)
 bench: install-dev
@@ -93,5 +95,9 @@ bench: install-dev
 	$(PY) benchmarks/bench_fast.py
 	$(PY) -m normexp norms bench --repeats 3
 
+# the documentation site (mkdocs.yml): a broken link, a missing anchor or a page left out of the nav fails
+docs: install-dev
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

@@ -102,7 +102,7 @@ def _constrained(annotation: object, metadata: list) -> object:
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
         inner = [arg for arg in args if arg is not type(None)]
-        return typing.Optional[typing.Annotated[(inner[0], *metadata)]] if len(inner) == 1 else annotation
+        return typing.Annotated[(inner[0], *metadata)] | None if len(inner) == 1 else annotation
     return typing.Annotated[(annotation, *metadata)]
 
 
