@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -440,3 +441,95 @@ def test_sequence_shape_is_what_the_transcriptions_read() -> None:
     cfg = config("transformer", "post", depth=3)
     _, task = raw_draws(cfg)
     assert task.x.shape[1] == sequence_shape(cfg.data).seq_len - 1
+
+
+# ----------------------------------------------------------------------------- every engine
+
+
+REVISED_CASES = [("transformer", "b2t", 3), ("ffn", "resdual", 3), ("transformer", "resdual", 3),
+                 ("ffn", "admin", 3), ("transformer", "admin", 3), ("transformer", "rezero", 3),
+                 ("ffn", "deepnorm", 4), ("ffn", "mixln", 6), ("transformer", "mixln", 6)]
+
+
+def test_the_cases_cover_every_revised_placement() -> None:
+    assert {placement for _, placement, _ in REVISED_CASES} == set(REVISED_DEFINITIONS)
+
+
+@pytest.mark.parametrize(("arch", "placement", "depth"), REVISED_CASES)
+def test_every_engine_trains_the_revised_definition(arch: str, placement: str, depth: int) -> None:
+    """The batched engine (FFN toy) bit for bit as the reference, the fast engine within its contract,
+    both from the model's own modules: the authors' definition reaches every engine."""
+    from normexp.engines.batched import train_batch
+    from normexp.engines.fast import train_fast
+
+    seeds = [config(arch, placement, depth).model_copy(update={"seed": s}) for s in (3, 4)]
+    reference = [train_run(cfg).losses for cfg in seeds]
+    if arch == "ffn":
+        assert [r.losses for r in train_batch(seeds)] == reference
+    for result, want in zip(train_fast(seeds, compile=False), reference):
+        assert result.losses == pytest.approx(want, rel=2e-4, abs=2e-4)
+
+
+# ----------------------------------------------------------------------------- runs of the earlier definition
+
+EARLIER_SWEEP = """\
+name: earlier
+base: {model: {depth: 4, width: 8}, data: {n_samples: 16}, train: {steps: 3, threads: 1}}
+grid: {norm.placement: [deepnorm, pre]}
+"""
+
+
+def _cli(*args: object):
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def earlier_folder(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A sweep trained before DeepNorm's FFN revision: its deepnorm run sits under its earlier id."""
+    from normexp import store
+
+    (tmp_path / "sweep.yaml").write_text(EARLIER_SWEEP)
+    with monkeypatch.context() as patch:  # the earlier release: no revision in the hashed view
+        patch.setattr(store, "revised_definition", lambda cfg: None)
+        result = _cli("sweep", tmp_path / "sweep.yaml", "--out", tmp_path / "out", "-q")
+        assert result.exit_code == 0, result.output
+    return tmp_path / "sweep.yaml", tmp_path / "out"
+
+
+def test_verify_and_report_name_runs_of_the_earlier_definition(earlier_folder) -> None:
+    from normexp.config import load_sweep
+    from normexp.store import earlier_run_id, inspect_run, run_id
+
+    config_file, out = earlier_folder
+    deepnorm = next(cfg for cfg in load_sweep(config_file).runs if cfg.norm.placement == "deepnorm")
+    old = out / earlier_run_id(deepnorm)
+    assert old.is_dir() and not (out / run_id(deepnorm)).exists()
+    state = inspect_run(old, thorough=True)
+    assert state.kind == "superseded" and not state.finished
+    assert "trained under normexp's earlier definition of deepnorm" in state.problem
+
+    from normexp.verify import verify_sweep
+
+    assert _cli("verify", out).exit_code == 1
+    found = {f.path: f for f in verify_sweep(out).findings}
+    assert "trained under normexp's earlier definition of deepnorm" in found[old.name].problem
+    assert found[old.name].severity == "problem" and "corrupt" not in found[old.name].problem
+    fixed = verify_sweep(out, fix=True)
+    assert old.is_dir() and fixed.verified == 1 and not fixed.clean  # kept, never counted as this sweep's run
+    assert _cli("verify", out, "--fix").exit_code == 1 and old.is_dir()
+    summary = (out / "summary.csv").read_text()
+    assert run_id(deepnorm) in summary and "superseded" in summary
+
+    report = _cli("report", out)
+    assert "trained under normexp's earlier definition of deepnorm" in " ".join(report.output.split())
+
+    rerun = _cli("sweep", config_file, "--out", out, "-q")  # retrains it under its new id
+    assert rerun.exit_code == 0, rerun.output
+    assert inspect_run(out / run_id(deepnorm), deepnorm).finished and old.is_dir()
+    after = verify_sweep(out)
+    assert after.clean and after.verified == 2
+    assert [f.severity for f in after.findings if f.path == old.name] == ["note"]  # left in place
