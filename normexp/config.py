@@ -155,7 +155,7 @@ ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
 }
 DYT_SITES = ("dyt_alpha0_attn", "dyt_alpha0_ffn", "dyt_alpha0_final")
 # Keys of ACTS_ONLY_UNDER that act on one architecture only: key -> the model.arch where it acts
-ARCH_ONLY = {"rezero_gate": "transformer", "deepnorm_count": "ffn"}
+ARCH_ONLY = {"rezero_gate": "transformer", "deepnorm_count": "ffn", "dyt_alpha0_attn": "transformer"}
 
 
 def mixln_post_count(depth: int, fraction: float) -> int:
@@ -348,7 +348,8 @@ def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
 def _arch_only_problem(cfg: RunConfig) -> tuple[str, str] | None:
     """(key, why) for a key of ARCH_ONLY set away from its default under the other architecture."""
     why = {"rezero_gate": "an FFN block is one sublayer, so its gate is the layer's",
-           "deepnorm_count": "the Transformer's layer has two sublayers, so both readings give M = 2N"}
+           "deepnorm_count": "the Transformer's layer has two sublayers, so both readings give M = 2N",
+           "dyt_alpha0_attn": "the FFN toy has no attention sublayer"}
     for key, arch in ARCH_ONLY.items():
         if cfg.model.arch != arch and getattr(cfg.norm, key) != NormConfig.model_fields[key].default:
             return f"norm.{key}", f"applies to model.arch {arch} only ({why[key]})"
