@@ -308,10 +308,13 @@ class RunConfig(_Section):
     seed: int = Field(0, ge=0, le=2**63 - 1)
 
     @model_validator(mode="after")
-    def _arch_fits(self) -> RunConfig:
+    def _arch_fits(self, info: ValidationInfo) -> RunConfig:
         problem = arch_problem(self)
         if problem is not None:
             raise cross_key_error(*problem)
+        if self.norm.placement == "resdual" and not self.norm.resdual_final_norm and not self.model.final_norm:
+            if not (info.context or {}).get("keep_inert"):  # ResiDual ends without a final norm either way
+                object.__setattr__(self, "model", self.model.model_copy(update={"final_norm": True}))
         return self
 
 

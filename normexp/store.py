@@ -579,8 +579,11 @@ def _check_config(text: str, done: dict[str, Any], folder: str) -> RunConfig:
     except ConfigError as exc:
         raise Corrupt(f"{CONFIG_FILE}: not a valid run config: {str(exc).splitlines()[0]}") from None
     if run_id(on_disk) != folder or config_hash(on_disk) != done["config_hash"]:
-        if earlier_run_id(on_disk) == folder and config_hash(on_disk, revised=False) == done["config_hash"]:
-            raise Superseded(superseded_problem(on_disk))
+        # as written: a key the revision made inert (model.final_norm under resdual) is kept
+        as_written = validate_run(parse_yaml(text, CONFIG_FILE), keep_inert=True)
+        for earlier in (on_disk, as_written):
+            if earlier_run_id(earlier) == folder and config_hash(earlier, revised=False) == done["config_hash"]:
+                raise Superseded(superseded_problem(earlier))
         raise Corrupt(f"{CONFIG_FILE}: its run id is {run_id(on_disk)}, not the folder's")
     return on_disk
 

@@ -533,3 +533,17 @@ def test_verify_and_report_name_runs_of_the_earlier_definition(earlier_folder) -
     after = verify_sweep(out)
     assert after.clean and after.verified == 2
     assert [f.severity for f in after.findings if f.path == old.name] == ["note"]  # left in place
+
+
+def test_resdual_without_its_final_norm_is_one_run_whatever_model_final_norm_says() -> None:
+    """ResiDual ends with x_a + Norm_d(x_d): model.final_norm changes nothing unless resdual_final_norm."""
+    from normexp.store import run_id
+
+    on, off = config("ffn", "resdual"), with_keys(config("ffn", "resdual"), resdual_final_norm=False)
+    off = validate_run({**off.model_dump(mode="json"), "model": {**off.model.model_dump(mode="json"),
+                                                                 "final_norm": False}})
+    assert off == on and run_id(off) == run_id(on)
+    kept = with_keys(config("ffn", "resdual"), resdual_final_norm=True)
+    no_final = validate_run({**kept.model_dump(mode="json"), "model": {**kept.model.model_dump(mode="json"),
+                                                                       "final_norm": False}})
+    assert run_id(no_final) != run_id(kept)
