@@ -83,7 +83,8 @@ def ln(p: Params, name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def ffn(p: Params, i: int, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.relu(F.linear(x, p[f"{i}.fc1.weight"], p[f"{i}.fc1.bias"])), p[f"{i}.fc2.weight"], p[f"{i}.fc2.bias"])
+    hidden = F.relu(F.linear(x, p[f"{i}.fc1.weight"], p[f"{i}.fc1.bias"]))
+    return F.linear(hidden, p[f"{i}.fc2.weight"], p[f"{i}.fc2.bias"])
 
 
 def self_attn(p: Params, i: int, x: torch.Tensor, heads: int = 2) -> torch.Tensor:
@@ -123,7 +124,10 @@ def inputs(cfg: RunConfig, p: Params, task) -> torch.Tensor:
     return task.x.double() if cfg.model.arch == "ffn" else embed(p, task.x)
 
 
-def adam_losses(cfg: RunConfig, p: Params, task, forward: Callable[[Params, torch.Tensor], torch.Tensor]) -> list[float]:
+Forward = Callable[[Params, torch.Tensor], torch.Tensor]
+
+
+def adam_losses(cfg: RunConfig, p: Params, task, forward: Forward) -> list[float]:
     """The transcription trained as normexp trains: full batch, torch's Adam with the run's settings."""
     params = {k: v.clone().requires_grad_(True) for k, v in p.items()}
     optim = torch.optim.Adam(params.values(), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)

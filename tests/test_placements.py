@@ -80,7 +80,8 @@ def test_admin_omega_after_profiling_matches_the_variance_sum_by_hand():
     cfg = RunConfig.model_validate({"norm": {"placement": "admin", "kind": "rmsnorm", "admin_profile": "closed_form"},
                                     "model": {"depth": 5, "width": 8}, "seed": 3})
     net, task = seeded_init(cfg)
-    # normexp's earlier closed form (the default, Transformer-Clinic's measured profile: test_fidelity.py); by hand: a Post-LN forward (w = 1) records Var[F_j] over every entry of block j's branch output
+    # normexp's earlier closed form (the default, the measured profile: test_fidelity.py);
+    # by hand: a Post-LN forward (w = 1) records Var[F_j] over every entry of block j's branch output
     h, variances = task.x, []
     with torch.no_grad():
         for block in net.blocks:
