@@ -97,16 +97,34 @@ class NormConfig(_Section):
     eps: PositiveFloat = 1e-5
     peri_input_norm: bool = True
     mixln_fraction: Fraction = 0.25
-    deepnorm_alpha: PositiveFloat | None = None  # None: (2N)^(1/4), DeepNet's encoder-only value
-    deepnorm_beta: PositiveFloat | None = None  # None: (8N)^(-1/4)
+    deepnorm_alpha: PositiveFloat | None = None  # None: M^(1/4), M residual sublayers (DeepNet)
+    deepnorm_beta: PositiveFloat | None = None  # None: (4M)^(-1/4)
+    # FFN toy: what DeepNet's M counts. sublayers: a block is one residual sublayer, M = N (DeepNet's
+    # rule); two_per_block: M = 2N, (2N)^(1/4) and (8N)^(-1/4) (normexp's earlier reading)
+    deepnorm_count: Literal["sublayers", "two_per_block"] = "sublayers"
     prms_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.0625
     output_norm_init: Literal["ones", "zeros"] = "ones"  # respost: the branch norm's gain (zeros: Swin V2)
     dyt_alpha0: PositiveFloat = 0.5  # dyt: the initial alpha of tanh(alpha * x) (Zhu et al. 2025)
+    # dyt, per site as in DyT's LLaMA runs: the attention sublayers' norms, the FFN's (the FFN toy's
+    # blocks), the final norm. None: dyt_alpha0 (a value equal to dyt_alpha0 is folded to None)
+    dyt_alpha0_attn: PositiveFloat | None = None
+    dyt_alpha0_ffn: PositiveFloat | None = None
+    dyt_alpha0_final: PositiveFloat | None = None
+    dyt_bias: bool = True  # dyt: the learnable bias (false: none, as in DyT's LLaMA runs)
+    derf_alpha0: PositiveFloat = 0.5  # derf: the initial alpha of erf(alpha * x + shift) (Chen et al. 2025)
+    b2t_rescale: bool = True  # b2t: every layer weight (q, k, v, out, fc1, fc2) * N^(-1/2) at init, as shipped
+    resdual_stream: Literal["input", "zeros"] = "input"  # resdual: x_d starts as the first block's input (authors)
+    resdual_final_norm: bool = False  # resdual: also model.final_norm on x_a + Norm_d(x_d) (normexp's earlier reading)
+    admin_profile: Literal["measured", "closed_form"] = "measured"  # admin: how omega is profiled (models/ffn.py)
+    rezero_gate: Literal["layer", "sublayer"] = "layer"  # rezero, transformer: one gate per layer (authors)
 
     @model_validator(mode="after")
     def _inert_keys_at_default(self, info: ValidationInfo) -> NormConfig:
         """A key that this run's placement or kind does not use is put back to its default: runs that
         train alike are one run, with one id. A sweep's base keeps what it was given (see build_sweep)."""
+        for site in DYT_SITES:  # a site's alpha0 written out equal to dyt_alpha0 is the same run as unset
+            if getattr(self, site) == self.dyt_alpha0:
+                object.__setattr__(self, site, None)
         if (info.context or {}).get("keep_inert"):
             return self
         for key in inert_keys(self):
@@ -123,7 +141,27 @@ ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
     "output_norm_init": ("placement", frozenset({"respost"})),
     "prms_fraction": ("kind", frozenset({"prmsnorm"})),
     "dyt_alpha0": ("kind", frozenset({"dyt"})),
+    "dyt_alpha0_attn": ("kind", frozenset({"dyt"})),
+    "dyt_alpha0_ffn": ("kind", frozenset({"dyt"})),
+    "dyt_alpha0_final": ("kind", frozenset({"dyt"})),
+    "dyt_bias": ("kind", frozenset({"dyt"})),
+    "derf_alpha0": ("kind", frozenset({"derf"})),
+    "deepnorm_count": ("placement", frozenset({"deepnorm"})),
+    "b2t_rescale": ("placement", frozenset({"b2t"})),
+    "resdual_stream": ("placement", frozenset({"resdual"})),
+    "resdual_final_norm": ("placement", frozenset({"resdual"})),
+    "admin_profile": ("placement", frozenset({"admin"})),
+    "rezero_gate": ("placement", frozenset({"rezero"})),
 }
+DYT_SITES = ("dyt_alpha0_attn", "dyt_alpha0_ffn", "dyt_alpha0_final")
+# Keys of ACTS_ONLY_UNDER that act on one architecture only: key -> the model.arch where it acts
+ARCH_ONLY = {"rezero_gate": "transformer", "deepnorm_count": "ffn", "dyt_alpha0_attn": "transformer"}
+
+
+def mixln_post_count(depth: int, fraction: float) -> int:
+    """How many of Mix-LN's first layers are Post-LN: floor(f * N), an integer count (Li et al.:
+    "3 of 12, 6 of 24" at f = 0.25)."""
+    return math.floor(fraction * depth)
 
 
 def inert_keys(norm: NormConfig) -> list[str]:
@@ -270,10 +308,13 @@ class RunConfig(_Section):
     seed: int = Field(0, ge=0, le=2**63 - 1)
 
     @model_validator(mode="after")
-    def _arch_fits(self) -> RunConfig:
+    def _arch_fits(self, info: ValidationInfo) -> RunConfig:
         problem = arch_problem(self)
         if problem is not None:
             raise cross_key_error(*problem)
+        if self.norm.placement == "resdual" and not self.norm.resdual_final_norm and not self.model.final_norm:
+            if not (info.context or {}).get("keep_inert"):  # ResiDual ends without a final norm either way
+                object.__setattr__(self, "model", self.model.model_copy(update={"final_norm": True}))
         return self
 
 
@@ -297,13 +338,24 @@ def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
         if cfg.norm.placement == "b2t":
             return "norm.placement", ("b2t skips from a layer's input to its second sublayer's norm: it needs "
                                       "model.arch transformer (an FFN block has one sublayer)")
-        return None
+        return _arch_only_problem(cfg)
     if cfg.data.task == "random_labels":
         return "data.task", f"model.arch transformer trains on a sequence task: one of {', '.join(SEQUENCE_TASKS)}"
     if cfg.model.n_classes != ModelConfig.model_fields["n_classes"].default:
         return "model.n_classes", "applies to model.arch ffn only (the transformer predicts data.vocab tokens)"
     if cfg.train.log_blocks:
         return "train.log_blocks", "records FFN blocks only: not supported with model.arch transformer"
+    return _arch_only_problem(cfg)
+
+
+def _arch_only_problem(cfg: RunConfig) -> tuple[str, str] | None:
+    """(key, why) for a key of ARCH_ONLY set away from its default under the other architecture."""
+    why = {"rezero_gate": "an FFN block is one sublayer, so its gate is the layer's",
+           "deepnorm_count": "the Transformer's layer has two sublayers, so both readings give M = 2N",
+           "dyt_alpha0_attn": "the FFN toy has no attention sublayer"}
+    for key, arch in ARCH_ONLY.items():
+        if cfg.model.arch != arch and getattr(cfg.norm, key) != NormConfig.model_fields[key].default:
+            return f"norm.{key}", f"applies to model.arch {arch} only ({why[key]})"
     return None
 
 

@@ -73,7 +73,12 @@ def missing_note(summary: pd.DataFrame, run_dir: str | Path) -> str:
     named = [f"{rid} ({status})" for rid, status in list(missing.items())[:MISSING_LISTED]]
     more = f" and {len(missing) - MISSING_LISTED} more" if len(missing) > MISSING_LISTED else ""
     runs = "run" if len(missing) == 1 else "runs"
-    return (f"{len(missing)} {runs} missing, failed or corrupt, not counted: {', '.join(named)}{more} "
+    superseded = summary[summary["status"] == "superseded"]
+    why = ""
+    if len(superseded):  # the earlier definition's folder is there, but it is not this run
+        reasons = sorted({error.split(": ", 1)[1] for error in superseded["error"]})
+        why = f"; {len(superseded)} of them {'; '.join(reasons)}"
+    return (f"{len(missing)} {runs} missing, failed or corrupt, not counted: {', '.join(named)}{more}{why} "
             f"(normexp verify {run_dir})")
 
 

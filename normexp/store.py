@@ -49,7 +49,16 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from normexp.config import ConfigError, RunConfig, Sweep, flatten, load_sweep, parse_yaml, validate_run
+from normexp.config import (
+    ConfigError,
+    RunConfig,
+    Sweep,
+    flatten,
+    load_sweep,
+    mixln_post_count,
+    parse_yaml,
+    validate_run,
+)
 
 SWEEP_FILE = "sweep.yaml"
 SUMMARY_FILE = "summary.csv"
@@ -90,8 +99,39 @@ def _declared_default(model: type[BaseModel], name: str) -> Any:
     return to_jsonable_python(model.model_fields[name].get_default(call_default_factory=True))
 
 
-def hashed_config(cfg: RunConfig) -> dict[str, Any]:
-    """The part of a resolved config that its run id covers: every 0.1 key, and later keys off their default."""
+# Placements whose definition normexp revised to the authors' own (docs/sources.md), with what changed.
+# A run that the revision changes hashes {"definition": {placement: 2}} as well, so it gets a new id and
+# no run trained under the earlier definition is reused or reported as the new one; every other run
+# keeps its id. A folder of the earlier definition is recognised (`earlier_run_id`) and named as such.
+REVISED_DEFINITIONS = {
+    "b2t": "B2T now rescales the layer weights by N^(-1/2) at init (the authors' rescaling_init)",
+    "resdual": "ResiDual's dual stream now starts at the embedding and has no final norm after it",
+    "admin": "Admin now profiles omega from measured variances, sublayer by sublayer (Transformer-Clinic)",
+    "rezero": "ReZero's Transformer layers now share one gate between attention and FFN",
+    "deepnorm": "DeepNorm on the FFN toy now counts one sublayer per block: N^(1/4), (4N)^(-1/4)",
+    "mixln": "Mix-LN now makes floor(f * N) layers Post-LN, not round(f * N)",
+}
+
+
+def revised_definition(cfg: RunConfig) -> str | None:
+    """The placement of REVISED_DEFINITIONS whose revision changes how `cfg` trains, else None."""
+    norm, arch, placement = cfg.norm, cfg.model.arch, cfg.norm.placement
+    if placement in ("b2t", "resdual", "admin"):
+        return placement
+    if placement == "rezero" and arch == "transformer":  # an FFN block had one gate already
+        return placement
+    if placement == "deepnorm" and arch == "ffn" and (norm.deepnorm_alpha is None or norm.deepnorm_beta is None):
+        return placement
+    depth, fraction = cfg.model.depth, norm.mixln_fraction
+    if placement == "mixln" and mixln_post_count(depth, fraction) != round(fraction * depth):
+        return placement
+    return None
+
+
+def hashed_config(cfg: RunConfig, revised: bool = True) -> dict[str, Any]:
+    """The part of a resolved config that its run id covers: every 0.1 key, and later keys off their
+    default; and, for a run whose placement's definition was revised, the revision (`revised` False:
+    the view before it, the one normexp's earlier definition hashed)."""
     view: dict[str, Any] = {}
     for section, values in cfg.model_dump(mode="json").items():
         if not isinstance(values, dict):
@@ -103,18 +143,33 @@ def hashed_config(cfg: RunConfig) -> dict[str, Any]:
                 if f"{section}.{key}" in HASHED_SINCE_0_1 or value != _declared_default(model, key)}
         if kept or any(key.startswith(f"{section}.") for key in HASHED_SINCE_0_1):
             view[section] = kept
+    placement = revised_definition(cfg)
+    if revised and placement is not None:
+        view["definition"] = {placement: 2}
     return view
 
 
-def config_hash(cfg: RunConfig) -> str:
+def config_hash(cfg: RunConfig, revised: bool = True) -> str:
     """A stable hash of the resolved config (see `hashed_config`): equal configs, equal hashes, anywhere."""
-    canonical = json.dumps(hashed_config(cfg), sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(hashed_config(cfg, revised), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def run_id(cfg: RunConfig) -> str:
+def run_id(cfg: RunConfig, revised: bool = True) -> str:
     """A readable, unique folder name: `post-layernorm-s0-1a2b3c4d5e`."""
-    return f"{cfg.norm.placement}-{cfg.norm.kind}-s{cfg.seed}-{config_hash(cfg)[:10]}"
+    return f"{cfg.norm.placement}-{cfg.norm.kind}-s{cfg.seed}-{config_hash(cfg, revised)[:10]}"
+
+
+def earlier_run_id(cfg: RunConfig) -> str | None:
+    """The id `cfg` had under normexp's earlier definition of its placement, if its revision changed it."""
+    return run_id(cfg, revised=False) if revised_definition(cfg) is not None else None
+
+
+def superseded_problem(cfg: RunConfig) -> str:
+    """What a folder trained under the earlier definition of `cfg`'s placement is, for verify and report."""
+    placement = revised_definition(cfg)
+    return (f"trained under normexp's earlier definition of {placement} ({REVISED_DEFINITIONS[placement]}): "
+            f"rerun to retrain")
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -357,7 +412,7 @@ def recover_strays(out_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- verifying a run folder
 
 
-RunStateKind = Literal["finished", "unstamped", "absent", "failed", "unfinished", "corrupt"]
+RunStateKind = Literal["finished", "unstamped", "absent", "failed", "unfinished", "corrupt", "superseded"]
 
 
 @dataclass(frozen=True)
@@ -367,7 +422,9 @@ class RunState:
     finished: done.json's checksums and numbers hold. unstamped: a done.json of release 0.1 (no
     checksums) whose files re-read consistently. absent: no folder. failed: failed.json (retried by
     the next sweep). unfinished: a folder without a done marker. corrupt: `problem` says what does not
-    hold. Only finished and unstamped runs have results."""
+    hold. superseded: intact, but trained under normexp's earlier definition of its placement (its
+    folder has the id that definition gave; `problem` says which). Only finished and unstamped runs
+    have results."""
 
     kind: RunStateKind
     problem: str = ""
@@ -381,6 +438,10 @@ class RunState:
 
 class Corrupt(Exception):
     """Raised inside the checks of `inspect_run`: the message says which file and what is wrong."""
+
+
+class Superseded(Exception):
+    """Raised inside the checks of `inspect_run`: a run of normexp's earlier definition (the message says so)."""
 
 
 def inspect_run(run_dir: Path, cfg: RunConfig | None = None, thorough: bool = False) -> RunState:
@@ -430,6 +491,8 @@ def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunSt
         _check_metrics(texts[METRICS_FILE], done, cfg.train.steps)
     except Corrupt as exc:
         return RunState("corrupt", str(exc))
+    except Superseded as exc:
+        return RunState("superseded", str(exc), done=done)
     return RunState("finished" if stamped else "unstamped", done=done)
 
 
@@ -516,6 +579,11 @@ def _check_config(text: str, done: dict[str, Any], folder: str) -> RunConfig:
     except ConfigError as exc:
         raise Corrupt(f"{CONFIG_FILE}: not a valid run config: {str(exc).splitlines()[0]}") from None
     if run_id(on_disk) != folder or config_hash(on_disk) != done["config_hash"]:
+        # as written: a key the revision made inert (model.final_norm under resdual) is kept
+        as_written = validate_run(parse_yaml(text, CONFIG_FILE), keep_inert=True)
+        for earlier in (on_disk, as_written):
+            if earlier_run_id(earlier) == folder and config_hash(earlier, revised=False) == done["config_hash"]:
+                raise Superseded(superseded_problem(earlier))
         raise Corrupt(f"{CONFIG_FILE}: its run id is {run_id(on_disk)}, not the folder's")
     return on_disk
 
@@ -578,11 +646,22 @@ def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending") 
     state = inspect_run(out_dir / rid, cfg)
     if state.finished:
         return {**row, **{k: state.done[k] for k in SUMMARY_STATS}, "error": ""}
+    earlier = superseded_folder(out_dir, cfg) if state.kind == "absent" else None
+    if earlier is not None:
+        return {**row, "status": "superseded", "error": f"{earlier.name}: {superseded_problem(cfg)}"}
     if state.kind == "failed":
         return {**row, "status": state.failed.get("status", "failed"), "error": state.problem}
     if state.kind == "corrupt":
         return {**row, "status": "corrupt", "error": state.problem}
     return {**row, "status": pending_status, "error": ""}
+
+
+def superseded_folder(out_dir: Path, cfg: RunConfig) -> Path | None:
+    """The folder of `out_dir` holding `cfg` as trained under normexp's earlier definition, if there is one."""
+    earlier = earlier_run_id(cfg)
+    if earlier is None or not (out_dir / earlier).is_dir():
+        return None
+    return out_dir / earlier if inspect_run(out_dir / earlier).kind == "superseded" else None
 
 
 def summary_csv(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> str:

@@ -5,7 +5,9 @@ What is checked, each problem one `Finding`:
 - every run of the sweep (listed by its sweep.yaml), with `store.inspect_run`: done.json's own
   checksum, the SHA-256 and row counts of config.yaml and metrics.csv, config.yaml against the run
   id, the metrics against done.json's numbers; runs missing, failed or left unfinished;
-- folders holding runs of no run of this sweep (another sweep's, or an earlier grid's);
+- folders holding runs of no run of this sweep (another sweep's, or an earlier grid's), and runs
+  trained under normexp's earlier definition of a placement (`store.REVISED_DEFINITIONS`): named as
+  such, never counted as results and never removed (rerunning the sweep retrains them under new ids);
 - temporary files and folders that only a killed writer leaves (`store.stray_paths`);
 - summary.csv against the table rebuilt from the verified run folders.
 
@@ -41,6 +43,8 @@ from normexp.store import (
     stamp_run,
     stray_paths,
     summary_csv,
+    superseded_folder,
+    superseded_problem,
     write_summary,
 )
 
@@ -99,12 +103,19 @@ def _check(out_dir: Path, sweep: Sweep, fix: bool) -> tuple[list[Finding], int]:
     """Every finding, in folder order (fixing each as it goes with `fix`), and the verified runs."""
     findings = _strays(out_dir, fix)
     ids = {run_id(cfg): cfg for cfg in sweep.runs}
-    verified = 0
+    verified, earlier = 0, set()
     for rid, cfg in ids.items():
-        finding = _run_finding(out_dir / rid, inspect_run(out_dir / rid, cfg, thorough=True), fix)
+        state = inspect_run(out_dir / rid, cfg, thorough=True)
+        old = superseded_folder(out_dir, cfg) if state.kind == "absent" else None
+        if old is not None:
+            earlier.add(old.name)
+            findings.append(Finding(old.name, f"{superseded_problem(cfg)} (not counted as a result; this "
+                                    f"sweep's run is {rid})", f"left in place; {REDO} under the new definition"))
+            continue
+        finding = _run_finding(out_dir / rid, state, fix)
         verified += finding is None or finding.severity == "note"
         findings += [finding] if finding else []
-    findings += _foreign(out_dir, set(ids), fix)
+    findings += _foreign(out_dir, set(ids) | earlier, fix)
     findings += _summary(out_dir, sweep, fix)
     return findings, verified
 
@@ -134,6 +145,8 @@ def _run_finding(run_dir: Path, state: RunState, fix: bool) -> Finding | None:
         return Finding(name, "missing", REDO)
     if state.kind == "failed":
         return Finding(name, f"failed: {state.problem.splitlines()[-1] if state.problem else ''}", REDO)
+    if state.kind == "superseded":  # never removed: it is a result, of the earlier definition
+        return Finding(name, state.problem, f"left in place; {REDO} under the new definition")
     if fix:
         shutil.rmtree(run_dir)
     what = f"corrupt: {state.problem}" if state.kind == "corrupt" else f"unfinished: {state.problem}"
@@ -150,6 +163,10 @@ def _foreign(out_dir: Path, ids: set[str], fix: bool) -> list[Finding]:
         if state.finished:
             findings.append(Finding(folder.name, "a verified run of another sweep (not in this sweep's results)",
                                     "left in place", "note"))
+            continue
+        if state.kind == "superseded":
+            findings.append(Finding(folder.name, f"{state.problem} (a run of another sweep, not in this "
+                                    "sweep's results)", "left in place", "note"))
             continue
         if fix:
             shutil.rmtree(folder)

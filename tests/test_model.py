@@ -50,8 +50,8 @@ def test_same_seed_same_weights_whatever_the_norm():
 
 def test_deepnorm_alpha_multiplies_the_residual():
     block = build("deepnorm").blocks[0]
-    alpha, _ = deepnorm_constants(4, NormConfig(placement="deepnorm"))
-    assert block.alpha == alpha == pytest.approx(8 ** 0.25)
+    alpha, _ = deepnorm_constants(4, NormConfig(placement="deepnorm"))  # 4 blocks: 4 residual sublayers
+    assert block.alpha == alpha == pytest.approx(4 ** 0.25)
     x = torch.randn(5, 8)
     assert torch.equal(block(x), block.norm(alpha * x + block.branch(x)))
     # not on the branch: Norm(x + alpha F(x)) is a different function
@@ -60,7 +60,7 @@ def test_deepnorm_alpha_multiplies_the_residual():
 
 def test_deepnorm_beta_scales_fc_weights_at_init():
     _, beta = deepnorm_constants(4, NormConfig(placement="deepnorm"))
-    assert beta == pytest.approx(32 ** -0.25)
+    assert beta == pytest.approx(16 ** -0.25)
     plain, deep = build("post"), build("deepnorm")
     assert torch.allclose(deep.blocks[1].branch.fc1.weight, beta * plain.blocks[1].branch.fc1.weight)
     assert torch.equal(deep.head.weight, plain.head.weight)  # the head is not scaled

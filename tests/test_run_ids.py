@@ -13,7 +13,7 @@ import pytest
 from pydantic import create_model
 
 from normexp.config import ModelConfig, RunConfig, load_sweep
-from normexp.store import HASHED_SINCE_0_1, config_hash, hashed_config, run_id
+from normexp.store import HASHED_SINCE_0_1, config_hash, earlier_run_id, hashed_config, run_id
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,10 @@ PLACEMENT_IDS = {  # {"norm": {"placement": p}, "model": {"depth": 4, "width": 8
     "pre": "pre-layernorm-s0-cdb85b88c7",
     "sandwich": "sandwich-layernorm-s0-07a6999c98",
     "peri": "peri-layernorm-s0-bb618540e8",
-    "deepnorm": "deepnorm-layernorm-s0-0a8a95ac65",
+    # DeepNorm's FFN constants were revised to DeepNet's sublayer count (N^(1/4), (4N)^(-1/4) for N
+    # blocks, docs/sources.md): the run trains differently, so it has a new id; its release 0.1 id,
+    # "deepnorm-layernorm-s0-0a8a95ac65", is still its `earlier_run_id` (test below).
+    "deepnorm": "deepnorm-layernorm-s0-7ed454694b",
     "mixln": "mixln-layernorm-s0-b3b0e24d14",
     "none": "none-layernorm-s0-9bac816e28",
 }
@@ -92,3 +95,15 @@ def test_the_transformer_keys_enter_the_hash_only_off_their_declared_default() -
     transformer = RunConfig.model_validate({"model": {"arch": "transformer"}, "data": {"task": "copy"}})
     assert hashed_config(transformer)["model"]["arch"] == "transformer"
     assert "n_heads" not in hashed_config(transformer)["model"]
+
+
+EARLIER_IDS = {"deepnorm": "deepnorm-layernorm-s0-0a8a95ac65"}  # release 0.1's, before the revision
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENT_IDS))
+def test_a_revised_definition_keeps_the_earlier_id_as_its_earlier_run_id(placement: str) -> None:
+    """A placement whose definition was revised (DeepNorm on the FFN toy) names the folder it had before,
+    so verify and report can say what that folder is; the others have no earlier id."""
+    cfg = RunConfig.model_validate({"norm": {"placement": placement}, "model": {"depth": 4, "width": 8},
+                                    "train": {"steps": 5}})
+    assert earlier_run_id(cfg) == EARLIER_IDS.get(placement)

@@ -9,19 +9,24 @@ Where the norm sits is `Block.forward`, one line per placement:
     pre       x = x + F(Norm(x))                     Xiong et al. 2020
     sandwich  x = x + Norm_out(F(Norm_in(x)))         CogView (Ding et al. 2021)
     peri      sandwich, plus a norm on the model input Peri-LN (Kim et al. 2025)
-    deepnorm  x = Norm(alpha * x + F(x))              DeepNet (Wang et al. 2022), fc weights * beta
-    mixln     post for the first round(f * N) blocks, pre after (Li et al. 2024)
+    deepnorm  x = Norm(alpha * x + F(x))              DeepNet (Wang et al. 2022), fc weights * beta;
+                                                     alpha = M^(1/4), beta = (4M)^(-1/4) for M residual
+                                                     sublayers: M = N blocks here
+    mixln     post for the first floor(f * N) blocks, pre after (Li et al. 2024)
     none      x = x + F(x)
     rezero    x = x + a * F(x)                        ReZero (Bachlechner et al. 2020): a scalar a, 0 at
                                                      init, and no norm in the block
     respost   x = x + Norm(F(x))                      res-post-norm: Swin V2 (Liu et al. 2022), OLMo 2
-    resdual   x_a = Norm(x_a + F(x_a)), x_d = x_d + F(x_a); output x_a + Norm_d(x_d)
-                                                     ResiDual (Xie et al. 2023); x_d starts at 0
+    resdual   x_a = Norm(x_a + F(x_a)), x_d = x_d + F(x_a); output x_a + Norm_d(x_d), no final norm
+                                                     ResiDual (Xie et al. 2023); x_d starts as the
+                                                     first block's input, as x_a does
     admin     x = Norm(w * x + F(x)), w per channel, profiled at init (Liu et al. 2020, Admin)
 
 Admin's w is set by `Net.profile_at_init` on the run's own training data, after the model and the data
-are drawn (SPEC §1's order), with no random draw: one forward with w = 1 records Var[F_j] (over every
-entry of block j's branch output) and sets w_i = sqrt(1 + sum_{j<i} Var[F_j]) for every channel.
+are drawn (SPEC §1's order), with no random draw, as Transformer-Clinic profiles: one forward, block by
+block, where block i runs with w_i = r (r = 1 before the first block) and then r <- sqrt(Var[w_i * x_i]
++ Var[F_i(x_i)]), x_i the block's input and Var the population variance over every entry
+(`profile_admin`; `norm.admin_profile: closed_form` gives normexp's earlier sqrt(1 + sum_{j<i} Var F_j)).
 
 Random draws happen in the article's order, so that the same seed gives the same weights bit for
 bit: all norms (which draw nothing), then every fc1, then every fc2, then the final norm, then the
@@ -36,7 +41,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from normexp.config import Init, ModelConfig, NormConfig
+from normexp.config import Init, ModelConfig, NormConfig, mixln_post_count
 from normexp.models.norms import make_norm, silence
 
 
@@ -56,14 +61,15 @@ def block_placements(depth: int, cfg: NormConfig) -> list[str]:
     """The placement of each block: Mix-LN resolves to post then pre, others are uniform."""
     if cfg.placement != "mixln":
         return [cfg.placement] * depth
-    n_post = round(cfg.mixln_fraction * depth)
+    n_post = mixln_post_count(depth, cfg.mixln_fraction)
     return ["post"] * n_post + ["pre"] * (depth - n_post)
 
 
-def deepnorm_constants(depth: int, cfg: NormConfig) -> tuple[float, float]:
-    """DeepNet's (alpha, beta) for an N-block encoder: (2N)^(1/4), (8N)^(-1/4), unless overridden."""
-    alpha = cfg.deepnorm_alpha if cfg.deepnorm_alpha is not None else (2 * depth) ** 0.25
-    beta = cfg.deepnorm_beta if cfg.deepnorm_beta is not None else (8 * depth) ** -0.25
+def deepnorm_constants(sublayers: int, cfg: NormConfig) -> tuple[float, float]:
+    """DeepNet's (alpha, beta) for M residual sublayers (torchscale: a decoder-only layer has 2, so
+    N layers give (2N)^(1/4), (8N)^(-1/4)): M^(1/4) and (4M)^(-1/4), unless overridden."""
+    alpha = cfg.deepnorm_alpha if cfg.deepnorm_alpha is not None else sublayers ** 0.25
+    beta = cfg.deepnorm_beta if cfg.deepnorm_beta is not None else (4 * sublayers) ** -0.25
     return alpha, beta
 
 
@@ -93,23 +99,24 @@ class Scale(nn.Module):
         return self.weight * x
 
 
-def _block_norm(placement: str, d: int, cfg: NormConfig) -> nn.Module | None:
+def _block_norm(placement: str, d: int, cfg: NormConfig, site: str) -> nn.Module | None:
     """The block's main norm: none for `none` and `rezero`; respost's may start silenced (Swin V2)."""
     if placement in ("none", "rezero"):
         return None
-    norm = make_norm(d, cfg)
+    norm = make_norm(d, cfg, site)
     return silence(norm) if placement == "respost" and cfg.output_norm_init == "zeros" else norm
 
 
 class Block(nn.Module):
     """One residual block; `placement` says where its norm goes (see the module docstring)."""
 
-    def __init__(self, placement: str, branch: nn.Module, d: int, cfg: NormConfig, alpha: float = 1.0) -> None:
+    def __init__(self, placement: str, branch: nn.Module, d: int, cfg: NormConfig, alpha: float = 1.0,
+                 site: str = "ffn") -> None:
         super().__init__()
         self.placement = placement
         self.branch = branch  # F: the FFN here; the Transformer's sublayers are Blocks of attention or FFN
-        self.norm = _block_norm(placement, d, cfg)
-        self.norm_out = make_norm(d, cfg) if placement in ("sandwich", "peri") else None
+        self.norm = _block_norm(placement, d, cfg, site)
+        self.norm_out = make_norm(d, cfg, site) if placement in ("sandwich", "peri") else None
         self.alpha = alpha
         if placement == "rezero":
             self.gate = Scale((), 0.0)  # the official code's `resweight`: one scalar per block
@@ -141,11 +148,13 @@ class Block(nn.Module):
         return f"placement={self.placement!r}" + (f", alpha={self.alpha:.4g}" if self.alpha != 1.0 else "")
 
 
-def residual_stack(blocks: Iterable[nn.Module], x: torch.Tensor, dual_norm: nn.Module | None) -> torch.Tensor:
+def residual_stack(blocks: Iterable[nn.Module], x: torch.Tensor, dual_norm: nn.Module | None,
+                   dual_start: str = "input") -> torch.Tensor:
     """x through `blocks` in order. With ResiDual's `dual_norm` the blocks carry the pair of streams
-    (x_a, x_d), x_d starting at 0 as the sum of raw branch outputs, and the result is x_a + Norm_d(x_d)."""
+    (x_a, x_d), x_d starting as x (`dual_start` input, the authors' `res = x`) or at 0 (zeros) and
+    summing the raw branch outputs, and the result is x_a + Norm_d(x_d)."""
     if dual_norm is not None:
-        x = (x, torch.zeros_like(x))
+        x = (x, x if dual_start == "input" else torch.zeros_like(x))
     for block in blocks:
         x = block(x)
     return x if dual_norm is None else x[0] + dual_norm(x[1])
@@ -158,7 +167,8 @@ class Net(nn.Module):
         super().__init__()
         d, hidden, depth = model.width, model.hidden_mult * model.width, model.depth
         placements = block_placements(depth, norm)
-        alpha, beta = deepnorm_constants(depth, norm) if norm.placement == "deepnorm" else (1.0, 1.0)
+        sublayers = depth if norm.deepnorm_count == "sublayers" else 2 * depth  # a block is one sublayer
+        alpha, beta = deepnorm_constants(sublayers, norm) if norm.placement == "deepnorm" else (1.0, 1.0)
         fc1 = [make_linear(d, hidden, model.init) for _ in range(depth)]
         fc2 = [make_linear(hidden, d, model.init) for _ in range(depth)]
         if beta != 1.0:
@@ -168,27 +178,47 @@ class Net(nn.Module):
         peri_input = norm.placement == "peri" and norm.peri_input_norm
         self.input_norm = make_norm(d, norm) if peri_input else nn.Identity()
         self.blocks = nn.ModuleList(
-            Block(p, FFN(a, b), d, norm, alpha) for p, a, b in zip(placements, fc1, fc2)
+            Block(p, FFN(a, b), d, norm, alpha, site="ffn") for p, a, b in zip(placements, fc1, fc2)
         )
-        self.final_norm = make_norm(d, norm) if model.final_norm else nn.Identity()
+        self.final_norm = make_norm(d, norm, "final") if has_final_norm(model, norm) else nn.Identity()
         self.head = make_linear(d, model.n_classes, model.init)
         self.dual_norm = make_norm(d, norm) if norm.placement == "resdual" else None  # ResiDual's Norm_d
+        self.dual_start = norm.resdual_stream
+        self.admin_profile = norm.admin_profile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_norm(residual_stack(self.blocks, self.input_norm(x), self.dual_norm)))
+        stream = residual_stack(self.blocks, self.input_norm(x), self.dual_norm, self.dual_start)
+        return self.head(self.final_norm(stream))
 
     @torch.no_grad()
     def profile_at_init(self, x: torch.Tensor) -> None:
         """Admin's profiling on the training inputs `x` (see `profile_admin`)."""
-        profile_admin(list(self.blocks), self.input_norm(x))
+        profile_admin(list(self.blocks), self.input_norm(x), self.admin_profile)
+
+
+def has_final_norm(model: ModelConfig, norm: NormConfig) -> bool:
+    """Whether the model ends with `model.final_norm`: ResiDual's output x_a + Norm_d(x_d) has no norm
+    after it (Xie et al.), unless `norm.resdual_final_norm` (normexp's earlier reading)."""
+    return model.final_norm and (norm.placement != "resdual" or norm.resdual_final_norm)
 
 
 @torch.no_grad()
-def profile_admin(blocks: list[Block], h: torch.Tensor) -> None:
-    """Admin's profiling (Liu et al. 2020): one forward of `h` (the first block's input) through
-    `blocks` with every w = 1 records Var[F_j] per block, then w_i = sqrt(1 + sum_{j<i} Var[F_j]).
-    Blocks of other placements: nothing."""
+def profile_admin(blocks: list[Block], h: torch.Tensor, how: str = "measured") -> None:
+    """Admin's profiling (Liu et al. 2020) on `h`, the first block's input. `measured`, as
+    Transformer-Clinic's `adaptive-profiling` does it: one forward, block by block; block i runs with
+    w_i = r (r = 1 before the first block), after which r <- sqrt(Var[w_i * x_i] + Var[F_i(x_i)]),
+    x_i the block's input, Var the population variance over every entry (numpy's `var`).
+    `closed_form`: one forward with every w = 1 records Var[F_j] per block, then
+    w_i = sqrt(1 + sum_{j<i} Var[F_j]) (unit-variance inputs assumed). Blocks of other placements: nothing."""
     if not all(block.placement == "admin" for block in blocks):
+        return
+    if how == "measured":
+        ratio = 1.0
+        for block in blocks:
+            block.omega.weight.fill_(ratio)
+            branch = block.branch(h)
+            ratio = math.sqrt(block.omega(h).var(unbiased=False).item() + branch.var(unbiased=False).item())
+            h = block.norm(block.omega(h) + branch)
         return
     variances = []
     for block in blocks:

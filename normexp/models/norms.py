@@ -14,10 +14,11 @@ All normalize over the last dimension. Formulas follow SPEC §3 and shared/seeds
                    outside the square root (Zhang & Sennrich 2019, section 4).
 - `scalenorm`      g * x / max(||x||, eps), one scalar g = sqrt(d) at init (Nguyen & Salazar 2019).
 - `dyt`            Dynamic Tanh, weight * tanh(alpha * x) + bias: no statistics at all, one learnable
-                   scalar alpha (`norm.dyt_alpha0`, 0.5 by default), weight ones, bias zeros
-                   (Zhu et al., "Transformers without Normalization", CVPR 2025).
-- `derf`           weight * erf(alpha * x + shift) + bias, learnable scalars alpha = 0.5 and shift = 0 at
-                   init (Chen et al. 2025, "Stronger Normalization-Free Transformers").
+                   scalar alpha (`norm.dyt_alpha0`, 0.5 by default; per site, as DyT's LLaMA runs set
+                   it, `norm.dyt_alpha0_attn` / `_ffn` / `_final`), weight ones, bias zeros (none with
+                   `norm.dyt_bias: false`) (Zhu et al., "Transformers without Normalization", CVPR 2025).
+- `derf`           weight * erf(alpha * x + shift) + bias, learnable scalars alpha (`norm.derf_alpha0`,
+                   0.5) and shift = 0 at init (Chen et al. 2025, "Stronger Normalization-Free Transformers").
 
 None of them draws random numbers at init, so the choice of norm never shifts the model's random
 initialisation (SPEC §1). `silence()` sets a norm's gain so that it outputs zeros at init (Swin V2's
@@ -103,14 +104,15 @@ class ScaleNorm(nn.Module):
 class DyT(nn.Module):
     """Dynamic Tanh: weight * tanh(alpha * x) + bias, alpha one learnable scalar (Zhu et al. 2025)."""
 
-    def __init__(self, d: int, alpha0: float = 0.5) -> None:
+    def __init__(self, d: int, alpha0: float = 0.5, bias: bool = True) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.tensor(float(alpha0)))
         self.weight = nn.Parameter(torch.ones(d))
-        self.bias = nn.Parameter(torch.zeros(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * torch.tanh(self.alpha * x) + self.bias
+        y = self.weight * torch.tanh(self.alpha * x)
+        return y + self.bias if self.bias is not None else y
 
 
 class Derf(nn.Module):
@@ -140,8 +142,16 @@ def silence(norm: nn.Module) -> nn.Module:
     return norm
 
 
-def make_norm(d: int, cfg: NormConfig) -> nn.Module:
-    """Build the norm `cfg.kind` over `d` features with `cfg.eps`."""
+def dyt_alpha0(cfg: NormConfig, site: str | None) -> float:
+    """DyT's initial alpha at `site` (attn, ffn, final; None: any other norm): the site's own key, else
+    `norm.dyt_alpha0`."""
+    own = getattr(cfg, f"dyt_alpha0_{site}") if site is not None else None
+    return own if own is not None else cfg.dyt_alpha0
+
+
+def make_norm(d: int, cfg: NormConfig, site: str | None = None) -> nn.Module:
+    """Build the norm `cfg.kind` over `d` features with `cfg.eps`; `site` (attn, ffn, final) picks
+    DyT's per-site alpha0."""
     kind = cfg.kind
     if kind == "layernorm":
         return nn.LayerNorm(d, eps=cfg.eps)
@@ -158,7 +168,7 @@ def make_norm(d: int, cfg: NormConfig) -> nn.Module:
     if kind == "scalenorm":
         return ScaleNorm(d, cfg.eps)
     if kind == "dyt":
-        return DyT(d, cfg.dyt_alpha0)
+        return DyT(d, dyt_alpha0(cfg, site), cfg.dyt_bias)
     if kind == "derf":
-        return Derf(d)
+        return Derf(d, cfg.derf_alpha0)
     raise ValueError(f"unknown norm kind {kind!r}")

@@ -8,9 +8,13 @@
   applied per sublayer exactly as `Block.forward` defines it (Post-LN: x = Norm(x + Attn(x));
   x = Norm(x + FFN(x)); Pre-LN: x = x + Attn(Norm(x)); ...), with no second definition. Mix-LN picks
   the placement per layer (both sublayers alike); ResiDual's (x_a, x_d) streams pass through every
-  sublayer, Norm_d at the end; Admin profiles every sublayer in order.
+  sublayer, both starting at the embedding, Norm_d at the end; Admin profiles every sublayer in order.
+- ReZero (Bachlechner et al. 2020, the authors' RZTXEncoderLayer): one gate per layer, shared by its
+  attention and FFN sublayers (`norm.rezero_gate: sublayer` gives each sublayer its own).
 - B2T (Takase et al. 2023, "B2T Connection") is the one layer-level placement: Post-LN sublayers plus
-  a skip from the layer's input to its last norm, `h = Norm(x + Attn(x)); out = Norm(x + h + FFN(h))`.
+  a skip from the layer's input to its last norm, `h = Norm(x + Attn(x)); out = Norm(x + h + FFN(h))`;
+  as the authors' layer does (`rescaling_init`), every weight of the layer but the norms' (q, k, v,
+  out, fc1, fc2) is multiplied by N^(-1/2) at init (`norm.b2t_rescale: false`: not).
 - DeepNorm for a decoder of N layers (Wang et al. 2022): alpha = (2N)^(1/4), and beta = (8N)^(-1/4)
   scales the FFN's weights and the attention's value and output projections (not queries and keys).
 - Attention is written out (scores, causal mask, softmax) so that torch.func's vmap (the fast
@@ -34,6 +38,7 @@ from normexp.models.ffn import (
     Block,
     block_placements,
     deepnorm_constants,
+    has_final_norm,
     make_linear,
     profile_admin,
     residual_stack,
@@ -87,7 +92,8 @@ class Transformer(nn.Module):
         d, depth, vocab = model.width, model.depth, data.vocab
         b2t = norm.placement == "b2t"
         placements = ["post"] * depth if b2t else block_placements(depth, norm)
-        alpha, beta = deepnorm_constants(depth, norm) if norm.placement == "deepnorm" else (1.0, 1.0)
+        alpha, beta = deepnorm_constants(2 * depth, norm) if norm.placement == "deepnorm" else (1.0, 1.0)
+        rescale = depth ** -0.5 if b2t and norm.b2t_rescale else 1.0  # B2T's rescaling_init
         self.token = nn.Embedding(vocab, d)
         self.position = nn.Embedding(sequence_shape(data).seq_len - 1, d)
         for embedding in (self.token, self.position):
@@ -97,19 +103,26 @@ class Transformer(nn.Module):
             attention = CausalSelfAttention(d, model.n_heads, model)
             hidden = model.hidden_mult * d
             ffn = FFN(make_linear(d, hidden, model.init), make_linear(hidden, d, model.init))
-            if beta != 1.0:  # DeepNet: v, out and the FFN, not q and k
-                with torch.no_grad():
+            with torch.no_grad():
+                if beta != 1.0:  # DeepNet: v, out and the FFN, not q and k
                     for linear in (attention.v, attention.out, ffn.fc1, ffn.fc2):
                         linear.weight.mul_(beta)
-            attn_block = Block(placement, attention, d, norm, alpha)
-            ffn_block = Block(placement, ffn, d, norm, alpha)
+                if rescale != 1.0:  # B2T: every weight of the layer, biases and norms aside
+                    for linear in (attention.q, attention.k, attention.v, attention.out, ffn.fc1, ffn.fc2):
+                        linear.weight.mul_(rescale)
+            attn_block = Block(placement, attention, d, norm, alpha, site="attn")
+            ffn_block = Block(placement, ffn, d, norm, alpha, site="ffn")
+            if placement == "rezero" and norm.rezero_gate == "layer":
+                ffn_block.gate = attn_block.gate  # the authors' one `resweight` per layer
             layers.append(Layer(attn_block, ffn_block, b2t))
         self.layers = nn.ModuleList(layers)
         peri_input = norm.placement == "peri" and norm.peri_input_norm
         self.input_norm = make_norm(d, norm) if peri_input else nn.Identity()
-        self.final_norm = make_norm(d, norm) if model.final_norm else nn.Identity()
+        self.final_norm = make_norm(d, norm, "final") if has_final_norm(model, norm) else nn.Identity()
         self.head = make_linear(d, vocab, model.init)
         self.dual_norm = make_norm(d, norm) if norm.placement == "resdual" else None  # ResiDual's Norm_d
+        self.dual_start = norm.resdual_stream
+        self.admin_profile = norm.admin_profile
 
     @property
     def sublayers(self) -> list[Block]:
@@ -122,9 +135,10 @@ class Transformer(nn.Module):
         return self.input_norm(self.token(tokens) + self.position(positions))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_norm(residual_stack(self.layers, self.embed(tokens), self.dual_norm)))
+        stream = residual_stack(self.layers, self.embed(tokens), self.dual_norm, self.dual_start)
+        return self.head(self.final_norm(stream))
 
     @torch.no_grad()
     def profile_at_init(self, tokens: torch.Tensor) -> None:
         """Admin's profiling over every sublayer in order, on the training tokens (normexp/models/ffn.py)."""
-        profile_admin(self.sublayers, self.embed(tokens))
+        profile_admin(self.sublayers, self.embed(tokens), self.admin_profile)
