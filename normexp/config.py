@@ -160,8 +160,9 @@ ARCH_ONLY = {"rezero_gate": "transformer", "deepnorm_count": "ffn", "dyt_alpha0_
 
 def mixln_post_count(depth: int, fraction: float) -> int:
     """How many of Mix-LN's first layers are Post-LN: floor(f * N), an integer count (Li et al.:
-    "3 of 12, 6 of 24" at f = 0.25)."""
-    return math.floor(fraction * depth)
+    "3 of 12, 6 of 24" at f = 0.25). The product is rounded to 9 decimals first, so that a float
+    product just under the integer it stands for (0.58 * 50 = 28.999999999999996) counts as that integer."""
+    return math.floor(round(fraction * depth, 9))
 
 
 def inert_keys(norm: NormConfig) -> list[str]:

@@ -116,7 +116,11 @@ REVISED_DEFINITIONS = {
 def revised_definition(cfg: RunConfig) -> str | None:
     """The placement of REVISED_DEFINITIONS whose revision changes how `cfg` trains, else None."""
     norm, arch, placement = cfg.norm, cfg.model.arch, cfg.norm.placement
-    if placement in ("b2t", "resdual", "admin"):
+    if placement == "resdual":
+        return placement
+    if placement == "b2t" and cfg.model.depth > 1:  # one layer: N^(-1/2) = 1 rescales nothing
+        return placement
+    if placement == "admin" and (arch == "transformer" or cfg.model.depth > 1):  # one FFN block: omega = 1 either way
         return placement
     if placement == "rezero" and arch == "transformer":  # an FFN block had one gate already
         return placement
