@@ -495,3 +495,21 @@ def test_a_sweep_yaml_without_a_checksum_line_is_read_as_release_0_1_wrote_it(sw
     result = normexp("report", out)
     assert result.exit_code == 0, result.output
     assert len(load_summary(out)) == RUNS
+
+
+def test_a_folder_written_before_provenance_resumes_without_retraining(sweep_dir):
+    """done.json records the commit, CPU and command line since this release; a checksummed done.json
+    without them (the release before) stays verified, and a sweep over it retrains nothing."""
+    config, out = sweep_dir
+    for run_dir in run_dirs(out):
+        done = json.loads((run_dir / "done.json").read_text())
+        assert {"commit", "cpu", "torch_build", "command"} <= set(done.pop("provenance"))
+        (run_dir / "done.json").write_text(store.encode_done(done))
+        assert inspect_run(run_dir).kind == "finished"
+    before = snapshot(out)
+    result = normexp("sweep", config, "--out", out)
+    assert result.exit_code == 0 and f"0 ran, {RUNS} already done" in result.output, result.output
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k.endswith("done.json")} == \
+        {k: v for k, v in before.items() if k.endswith("done.json")}
+    assert normexp("verify", out).exit_code == 0
