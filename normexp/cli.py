@@ -126,7 +126,7 @@ def _invocation(config: Path) -> Invocation:
 
 
 def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool,
-         invocation: Invocation = Invocation()) -> SweepOutcome:
+         invocation: Invocation | None = None) -> SweepOutcome:
     stopping.received = None
     previous = stopping.on_stop_signals(_exit_at_once)  # nothing is written yet: a signal simply ends the process
     from normexp.executors import ExecutorError
@@ -137,7 +137,7 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool,
     stopping.on_stop_signals(stopping.stop_cleanly)
     try:
         with _progress(len(spec.runs), quiet) as on_event:
-            return run_sweep(spec, target, options, on_event, invocation)
+            return run_sweep(spec, target, options, on_event, invocation or Invocation())
     except (StoreError, ExecutorError) as exc:
         raise fail(str(exc)) from None
     except SweepInterrupted as exc:

@@ -231,8 +231,17 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
     columns = [_column(label, group, keys, steps, metric, missing.get(label, 0))
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric) + _about(run_dir), metric, steps, columns, n_classes,
+    return Report(_title(summary, metric) + _mixed(summary) + _about(run_dir), metric, steps, columns, n_classes,
                   missing_note(summary, run_dir))
+
+
+def _mixed(summary: pd.DataFrame) -> str:
+    """' · mixed engine: batched, fast' where the folder's finished runs (of several invocations) were
+    trained by several engines or thread counts: their last digits are not comparable bit for bit."""
+    finished = finished_runs(summary)
+    parts = [f"mixed {key}: {', '.join(map(str, sorted(set(finished[key]))))}" for key in ("engine", "threads")
+             if key in finished and finished[key].nunique() > 1]
+    return "".join(f" · {part}" for part in parts)
 
 
 def _about(run_dir: Path) -> str:

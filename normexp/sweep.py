@@ -5,15 +5,18 @@ The sweep process is the coordinator and the only writer of its output folder. I
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
 2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
    that holds a sweep of another name unless `force`,
-3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml`, then finds the runs
-   that are not verified finished (`store.inspect_run`; all of them with `force`). A corrupt run is
+3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml` (this sweep's grid;
+   the folder keeps the verified runs of earlier grids too, and `summary.csv` lists them all), then
+   finds the runs that are not verified finished (`store.inspect_run`; all of them with `force`). A corrupt run is
    redone (a "corrupt" event says why); a run of release 0.1, without checksums, is re-read and, if
    it holds, stamped with them and kept; a finished run recorded with another torch thread count
    than this sweep's, or by the fast engine when this sweep is exact, is redone (a "redone" event
    says why), so that one sweep never mixes them,
-4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
+4. appends this invocation to `history.jsonl` (command line, time, commit, CPU, torch build, the
+   sweep file's text as given, the grid, runs planned and to train),
+5. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
-5. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
+6. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
 
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
@@ -149,7 +152,7 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
                 emit: EventCallback, threads: int, invocation: Invocation) -> None:
-    """Steps 3-5 of the module docstring, under the folder's lock."""
+    """Steps 3-6 of the module docstring, under the folder's lock."""
     if not options.force:
         refuse_another_sweep(out_dir, sweep)
     _write_or_explain(recover_strays, out_dir)

@@ -112,7 +112,8 @@ def test_a_folder_accumulates_every_invocations_runs_and_reports_them_all(write_
     assert set(pd.read_csv(io.StringIO(summary_text := (out / "summary.csv").read_text()))["run_id"]) == held, \
         summary_text
     verified = normexp("verify", out)
-    assert verified.exit_code == 0 and f"{len(held)} of {len(held)} runs verified" in " ".join(verified.output.split()), verified.output
+    said = " ".join(verified.output.split())
+    assert verified.exit_code == 0 and f"{len(held)} of {len(held)} runs verified" in said, said
     assert normexp("verify", out, "--fix").exit_code == 0 and _verified_ids(out) == held
     assert set(load_summary(out, only_last=True)["norm.placement"]) == {"pre"}
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
@@ -266,3 +267,12 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
         pytest.skip("a GPU is present: the error path cannot be reached")
     result = normexp("sweep", REPO / "configs" / "warmup.yaml", "--device", "cuda", "--out", tmp_path / "o")
     assert result.exit_code == 2 and "no CUDA device" in result.output and not (tmp_path / "o").exists()
+
+
+def test_a_report_over_invocations_of_several_engines_says_so(write_yaml, tmp_path):
+    path, out = write_yaml(SMALL_SWEEP), tmp_path / "out"
+    assert normexp("sweep", path, "--out", out, "--engine", "batched", "-q").exit_code == 0
+    assert "mixed engine" not in normexp("report", out, "--format", "markdown").output
+    assert normexp("sweep", path, "--out", out, "--engine", "reference", "--set", "optim.lr=0.02", "-q").exit_code == 0
+    assert "mixed engine: batched, reference" in normexp("report", out, "--format", "markdown").output
+    assert "mixed engine" not in normexp("report", out, "--only-last", "--format", "markdown").output
