@@ -61,7 +61,8 @@ report: {steps: [0, 1, 5]}
 # new test lands in its layer without anyone remembering to tag it.
 
 SPAWNS = ("subprocess", "Popen", "sys.executable", "multiprocessing", "--workers", "workers=", "--cluster",
-          "LocalCluster", "ProcessPool", "os.fork", "_spawn", "spawn(")
+          "LocalCluster", "ProcessPool", "PoolExecutor(", "DaskExecutor(", "make_executor(", "os.fork", "_spawn",
+          "spawn(")
 EQUIVALENCE_MODULES = ("test_article", "test_batched", "test_hostile_paired", "test_hostile_pairfast")
 EQUIVALENCE_NAMES = ("bit_for_bit", "bits", "_equal", "agree", "identical", "same_as", "equals_")
 
