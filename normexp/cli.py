@@ -22,7 +22,7 @@ from rich.markup import escape
 
 from normexp import stopping
 from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Metric, Sweep, TooManyRuns, load_sweep
-from normexp.sweep import SweepOptions, SweepOutcome
+from normexp.sweep import Invocation, SweepOptions, SweepOutcome
 
 app = typer.Typer(
     add_completion=False,
@@ -92,13 +92,19 @@ def sweep(
         _require_cuda()
     options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast,
                            workers=workers, cluster=cluster, compile=compile_)
-    outcome = _run(spec, target, options, quiet)
+    if not quiet and out_dir is None:  # the default folder, said before anything is written to it
+        out.print(f"writing to {target} (the default for sweep '{spec.name}'; --out DIR to choose)")
+    outcome = _run(spec, target, options, quiet, _invocation(config))
     if quiet and outcome.failed:
         err.print(f"{_plural(outcome.failed, 'run')} failed · see {target / 'summary.csv'}")
     if not quiet:
         _print_report(target)
         out.print(f"{outcome.count('completed', 'diverged')} ran, {outcome.count('skipped')} already done, "
                   f"{outcome.failed} failed{_integrity_counts(outcome)} · results in {target}")
+        if outcome.held != outcome.total or outcome.invocations > 1:
+            out.print(f"{target} now holds {_plural(outcome.held, 'run')} from "
+                      f"{_plural(outcome.invocations, 'invocation')} (history.jsonl); report shows all, "
+                      f"report --only-last this sweep's {outcome.total}")
     if outcome.failed:
         raise typer.Exit(Exit.FAILED)
 
@@ -110,7 +116,17 @@ def _integrity_counts(outcome: SweepOutcome) -> str:
     return "".join(parts)
 
 
-def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> SweepOutcome:
+def _invocation(config: Path) -> Invocation:
+    """The command line and the sweep file's text as given, for the folder's history."""
+    try:
+        source = config.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        source = ""
+    return Invocation(" ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]]), source)
+
+
+def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool,
+         invocation: Invocation | None = None) -> SweepOutcome:
     stopping.received = None
     previous = stopping.on_stop_signals(_exit_at_once)  # nothing is written yet: a signal simply ends the process
     from normexp.executors import ExecutorError
@@ -121,7 +137,7 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool) -> Sweep
     stopping.on_stop_signals(stopping.stop_cleanly)
     try:
         with _progress(len(spec.runs), quiet) as on_event:
-            return run_sweep(spec, target, options, on_event)
+            return run_sweep(spec, target, options, on_event, invocation or Invocation())
     except (StoreError, ExecutorError) as exc:
         raise fail(str(exc)) from None
     except SweepInterrupted as exc:
@@ -274,6 +290,8 @@ def report(
     lr_sensitivity: Annotated[bool, typer.Option(
         "--lr-sensitivity", help="Per variant: LR sensitivity over an optim.lr axis of >= 3 values instead.")] = False,
     fmt: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
+    only_last: Annotated[bool, typer.Option(
+        "--only-last", help="Only the latest sweep's grid [default: every verified run the folder holds].")] = False,
 ) -> None:
     """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot,
     or each variant's learning-rate sensitivity."""
@@ -304,7 +322,7 @@ def report(
     except ValueError:
         raise fail(f"--steps: expected comma-separated integers, got {steps!r}") from None
     try:
-        table = build_report(run_dir, step_list, metric, keys)
+        table = build_report(run_dir, step_list, metric, keys, only_last)
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: to_rich(table), lambda: to_markdown(table), lambda: to_csv(table))

@@ -377,6 +377,8 @@ class SweepFile(_Section):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     seeds: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = None  # RunConfig.seed's bounds
     report: ReportConfig = ReportConfig()
+    notes: str = ""  # free text about the sweep: kept in sweep.yaml, shown in the report's title area
+    tags: list[str] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -390,6 +392,8 @@ class Sweep:
     report: ReportConfig
     runs: list[RunConfig]
     open_keys: tuple[str, ...] = ()  # keys of RESOLVED_PER_RUN that the base leaves to each run
+    notes: str = ""  # the sweep file's notes and tags: about the sweep, never part of a run (or its id)
+    tags: tuple[str, ...] = ()
 
     def base_mapping(self, mode: Literal["python", "json"] = "python") -> dict[str, Any]:
         """The base as a mapping of sections, its open keys put back to None (resolved per run)."""
@@ -411,6 +415,8 @@ class Sweep:
             "grid": self.grid,
             "seeds": self.seeds,
             "report": self.report.model_dump(mode="json"),
+            **({"notes": self.notes} if self.notes else {}),
+            **({"tags": list(self.tags)} if self.tags else {}),
         }
         return yaml.safe_dump(doc, sort_keys=False)
 
@@ -850,7 +856,8 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
     runs = _expand(sweep_file, base, seeds, max_runs)
     _refuse_unused_keys(base, sweep_file.grid, runs)
     open_keys = _open_keys(sweep_file.base)
-    return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs, open_keys)
+    return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs, open_keys,
+                 sweep_file.notes, tuple(sweep_file.tags))
 
 
 def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Sequence[RunConfig]) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import platform
+import re
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -37,9 +39,12 @@ def describe() -> Environment:
     """Collect the facts of this process's installation (imports torch)."""
     lines = [
         ("normexp", __version__),
+        ("commit", git_commit() or "unknown (not run from a git checkout)"),
         ("python", f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})"),
         ("platform", f"{platform.platform()} {platform.machine()}, {os.cpu_count()} CPUs"),
     ]
+    cpu = cpu_info()
+    lines += [("cpu", cpu.model), ("cpu features", cpu.features_text())]
     lines += _torch_lines()
     lines.append(("dask extra", _dask_extra()))
     lines += [(name, os.environ[name]) for name in RELEVANT_VARIABLES if name in os.environ]
@@ -54,6 +59,7 @@ def _torch_lines() -> list[tuple[str, str]]:
     return [
         ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
         ("torch build", torch_build(torch.version.cuda, getattr(torch.version, "hip", None))),
+        ("torch cpu kernels", torch_cpu_capability(torch)),
         ("threads", f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op"),
         ("devices", visible_devices(torch)),
     ]
@@ -92,3 +98,130 @@ def _dask_extra() -> str:
     if all(found.values()):
         return f"installed ({listed})"
     return f"not installed ({listed}; pip install 'normexp[dask]' for --cluster)"
+
+
+# ----------------------------------------------------------------------------- the CPU and the checkout
+
+# The instruction-set features that decide which kernels torch's BLAS and vectorised ops take (and so
+# the last bits of a result): x86-64's AVX2 and FMA, each AVX-512 subset, AMX; ARM's NEON (asimd), SVE.
+KERNEL_FEATURES = (
+    "sse4_2", "fma", "avx", "avx2", "avx_vnni", "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl",
+    "avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_vnni", "avx512_bitalg", "avx512_vpopcntdq",
+    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
+    "neon", "asimd", "asimdhp", "asimddp", "sve", "sve2", "bf16", "i8mm", "sme",
+)
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str  # the processor's name, or "unknown"
+    features: tuple[str, ...] = ()  # of KERNEL_FEATURES, those this CPU has, in that order
+    source: str = ""  # where they were read: /proc/cpuinfo, sysctl, or nothing
+
+    def features_text(self) -> str:
+        if self.features:
+            return " ".join(self.features)
+        return f"none of {', '.join(KERNEL_FEATURES)}" if self.source else "unknown (nothing to read them from)"
+
+
+def cpu_info(cpuinfo: str | None = None, sysctl: dict[str, str] | None = None) -> CpuInfo:
+    """This machine's CPU model and kernel-changing features: from /proc/cpuinfo (Linux), else macOS's
+    sysctl; `CpuInfo("unknown")` where neither answers (never raises). The arguments stand in for
+    the two sources in tests."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    if cpuinfo.strip():
+        return _from_cpuinfo(cpuinfo)
+    if sysctl is None:
+        sysctl = _sysctl() if sys.platform == "darwin" else {}
+    if sysctl:
+        model = sysctl.get("machdep.cpu.brand_string") or "unknown"
+        flags = " ".join(sysctl.get(k, "") for k in ("machdep.cpu.features", "machdep.cpu.leaf7_features"))
+        found = {f.lower().replace(".", "_") for f in flags.split()}
+        if sysctl.get("hw.optional.neon") == "1" or sysctl.get("hw.optional.AdvSIMD") == "1":
+            found.add("neon")
+        if "avx2_0" in found:
+            found.add("avx2")
+        return CpuInfo(model, tuple(f for f in KERNEL_FEATURES if f in found), "sysctl")
+    return CpuInfo(platform.processor() or "unknown", (), "")
+
+
+def _from_cpuinfo(text: str) -> CpuInfo:
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    model = fields.get("model name") or fields.get("Hardware") or fields.get("Model") or ""
+    if not model and "CPU part" in fields:  # ARM Linux names no model: give its implementer and part
+        model = f"ARM implementer {fields.get('CPU implementer', '?')} part {fields['CPU part']}"
+    found = set((fields.get("flags") or fields.get("Features") or "").split())
+    return CpuInfo(model or "unknown", tuple(f for f in KERNEL_FEATURES if f in found), "/proc/cpuinfo")
+
+
+def _sysctl() -> dict[str, str]:
+    keys = ("machdep.cpu.brand_string", "machdep.cpu.features", "machdep.cpu.leaf7_features",
+            "hw.optional.neon", "hw.optional.AdvSIMD")
+    values = {}
+    for key in keys:
+        try:
+            done = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return values
+        if done.returncode == 0:
+            values[key] = done.stdout.strip()
+    return values
+
+
+def torch_cpu_capability(torch: ModuleType) -> str:
+    """The vector ISA torch dispatches its CPU kernels for (`AVX512`, `AVX2`, `DEFAULT`...)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # noqa: BLE001 - an older torch has no such call
+        return "unknown"
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def git_commit(where: str | None = None) -> str | None:
+    """The commit of the checkout normexp runs from, `+dirty` where its tracked files have changes;
+    None where it is not a git checkout or git is missing (never raises)."""
+    where = where or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0 or not _COMMIT.fullmatch(head.stdout.strip()):
+            return None
+        status = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    dirty = status.returncode != 0 or bool(status.stdout.strip())
+    return head.stdout.strip()[:12] + ("+dirty" if dirty else "")
+
+
+_PROVENANCE: dict[str, str] = {}
+
+
+def provenance() -> dict[str, str]:
+    """What a result records of what made it: normexp's version and commit, the CPU, torch's build.
+    Computed once per process (git is asked once)."""
+    if not _PROVENANCE:
+        import torch
+
+        cpu = cpu_info()
+        _PROVENANCE.update({
+            "normexp": __version__,
+            "commit": git_commit() or "unknown",
+            "cpu": cpu.model,
+            "cpu_features": " ".join(cpu.features),
+            "torch": torch.__version__,
+            "torch_build": torch_build(torch.version.cuda, getattr(torch.version, "hip", None)),
+            "torch_cpu_kernels": torch_cpu_capability(torch),
+        })
+    return dict(_PROVENANCE)

@@ -197,14 +197,24 @@ def _check_keys(keys: Sequence[str], summary: pd.DataFrame, option: str) -> None
 
 
 def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric: str | None = None,
-                 by: Sequence[str] | None = None) -> Report:
-    """Group a sweep's finished runs into the table's columns and compute each cell. Unset
-    arguments come from the sweep's `report:` section, then from the defaults."""
+                 by: Sequence[str] | None = None, only_last: bool = False) -> Report:
+    """Group a folder's finished runs (every invocation's, or the latest sweep's with `only_last`)
+    into the table's columns and compute each cell. Unset arguments come from the latest sweep's
+    `report:` section, then from the defaults. Its columns are extended by every key that varies
+    only across invocations (another depth run into the folder), so no two configs share a column
+    unless `by` says so."""
     run_dir = Path(run_dir)
     section = sweep_report_section(run_dir)
-    summary = load_summary(run_dir)
-    tidy = load_metrics(run_dir, all_config=True)
-    keys = list(by or section.columns or [k for k in varying_keys(summary) if k != "seed"])
+    summary = load_summary(run_dir, only_last)
+    tidy = load_metrics(run_dir, all_config=True, only_last=only_last)
+    varying = [k for k in varying_keys(summary) if k != "seed"]
+    if by:
+        keys = list(by)
+    elif section.columns:
+        latest = set(varying_keys(load_summary(run_dir, only_last=True)))
+        keys = [*section.columns, *(k for k in varying if k not in section.columns and k not in latest)]
+    else:
+        keys = varying
     _check_keys(keys, summary, "--by")
     metric = metric or section.metric
     recorded = set(tidy["step"])
@@ -221,7 +231,29 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
     columns = [_column(label, group, keys, steps, metric, missing.get(label, 0))
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric), metric, steps, columns, n_classes, missing_note(summary, run_dir))
+    return Report(_title(summary, metric) + _mixed(summary) + _about(run_dir), metric, steps, columns, n_classes,
+                  missing_note(summary, run_dir))
+
+
+def _mixed(summary: pd.DataFrame) -> str:
+    """' · mixed engine: batched, fast' where the folder's finished runs (of several invocations) were
+    trained by several engines or thread counts: their last digits are not comparable bit for bit."""
+    finished = finished_runs(summary)
+    parts = [f"mixed {key}: {', '.join(map(str, sorted(set(finished[key]))))}" for key in ("engine", "threads")
+             if key in finished and finished[key].nunique() > 1]
+    return "".join(f" · {part}" for part in parts)
+
+
+def _about(run_dir: Path) -> str:
+    """The latest sweep's tags and notes, for the title area ("" where it has neither)."""
+    try:
+        data = yaml.safe_load((run_dir / SWEEP_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return ""
+    data = data if isinstance(data, dict) else {}
+    tags, notes = data.get("tags") or [], data.get("notes") or ""
+    text = f" · tags: {', '.join(map(str, tags))}" if isinstance(tags, list) and tags else ""
+    return text + (f"\n{notes.strip()}" if isinstance(notes, str) and notes.strip() else "")
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
@@ -329,7 +361,8 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
 
 def to_markdown(report: Report) -> str:
     header, rows = grid_cells(report)
-    lines = [f"**{report.title}**", "", *_markdown_table(header, rows, _grid_align(report, len(header)))]
+    title, *notes = report.title.split("\n")  # the sweep's notes follow its title line
+    lines = [f"**{title}**", *notes, "", *_markdown_table(header, rows, _grid_align(report, len(header)))]
     if report.partial:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":

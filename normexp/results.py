@@ -27,6 +27,7 @@ from normexp.store import (
     METRICS_FILE,
     StoreError,
     cached_statuses,
+    folder_runs,
     read_sweep,
     summary_csv,
 )
@@ -41,16 +42,19 @@ class ResultsError(ValueError):
     """The folder is not a sweep's output (no readable sweep.yaml) or has no finished run."""
 
 
-def load_summary(run_dir: str | Path) -> pd.DataFrame:
-    """One row per run of the sweep (run_id, flattened config, status, final/min loss...), as in
+def load_summary(run_dir: str | Path, only_last: bool = False) -> pd.DataFrame:
+    """One row per run the folder holds (run_id, flattened config, status, final/min loss...), as in
     summary.csv but rebuilt from the verified run folders: a corrupt run has status `corrupt` (and
-    its problem under `error`), a missing one `pending` (or `interrupted`), neither has numbers."""
+    its problem under `error`), a missing one `pending` (or `interrupted`), neither has numbers.
+    The folder holds the latest sweep's runs and every verified run of earlier invocations
+    (`store.folder_runs`); `only_last` keeps the latest sweep's grid alone."""
     run_dir = Path(run_dir)
     try:
         sweep = read_sweep(run_dir)
     except StoreError as exc:
         raise ResultsError(str(exc)) from None
-    text = summary_csv(run_dir, sweep.runs, cached_statuses(run_dir))
+    runs = sweep.runs if only_last else folder_runs(run_dir, sweep)
+    text = summary_csv(run_dir, runs, cached_statuses(run_dir))
     return pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=["nan", "NaN", ""], **_EXACT)
 
 
@@ -92,11 +96,12 @@ def varying_keys(summary: pd.DataFrame) -> list[str]:
     return [k for k in config_columns(summary) if summary[k].nunique(dropna=False) > 1]
 
 
-def load_metrics(run_dir: str | Path, all_config: bool = False) -> pd.DataFrame:
+def load_metrics(run_dir: str | Path, all_config: bool = False, only_last: bool = False) -> pd.DataFrame:
     """Every finished run's metrics, tidy: one row per (run, step) with run_id, `seed`, the varying
     config keys (or every config key with `all_config=True`), status, step, loss, acc, lr, grad_norm.
-    Only verified runs are loaded; `.attrs["unfinished"]` maps the others' run_id to their status."""
-    summary = load_summary(run_dir)
+    Only verified runs are loaded; `.attrs["unfinished"]` maps the others' run_id to their status.
+    `only_last`: the latest sweep's runs only (see `load_summary`)."""
+    summary = load_summary(run_dir, only_last)
     finished = finished_runs(summary)
     if finished.empty:
         note = missing_note(summary, run_dir)

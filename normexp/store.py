@@ -1,8 +1,11 @@
 """The run-directory contract (SPEC §6): atomic writes, done markers, resume, and the sweep lock.
 
     <out>/
-      sweep.yaml              the resolved sweep (after --set), loadable again
-      summary.csv             one row per run of the sweep, rebuilt from the run folders every time
+      sweep.yaml              the latest invocation's resolved sweep (after --set), loadable again
+      history.jsonl           one JSON line per invocation: command line, time, commit, CPU, torch,
+                              the sweep file's text as given, the resolved grid, runs planned and new
+      summary.csv             one row per run the folder holds (`folder_runs`), rebuilt from the run
+                              folders every time
       .lock                   held (flock) while a sweep writes here; holds the owner's PID and host
       <run_id>/config.yaml    the resolved run config: `normexp sweep <run_id>/config.yaml` reruns it
                               alone (a sweep of one run, into runs/<run_id> unless --out)
@@ -59,8 +62,10 @@ from normexp.config import (
     parse_yaml,
     validate_run,
 )
+from normexp.environment import provenance
 
 SWEEP_FILE = "sweep.yaml"
+HISTORY_FILE = "history.jsonl"
 SUMMARY_FILE = "summary.csv"
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.yaml"
@@ -334,9 +339,11 @@ def swap_in(staging: Path, run_dir: Path) -> None:
     _fsync_dir(run_dir.parent)
 
 
-def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun) -> dict[str, Any]:
+def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = "") -> dict[str, Any]:
     """Write one finished run's folder: config, metrics (and blocks.csv with train.log_blocks), then the
-    done marker that vouches for them.
+    done marker that vouches for them. done.json also records what made the run (`provenance`: the
+    commit, CPU, torch build) and the sweep's `command` line; neither enters the run id, and a
+    done.json without them (written before they were recorded) is as valid as ever.
     The folder is built aside and swapped in whole. Returns done.json's fields."""
     staging = _staging_dir(run_dir)
     config_text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
@@ -356,6 +363,7 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun) -> dict[str, Any]
         "device": run.device,
         "host": socket.gethostname(),
         "versions": versions(),
+        "provenance": {**provenance(), "command": command},
         "files": {CONFIG_FILE: file_record(CONFIG_FILE, config_text),
                   METRICS_FILE: file_record(METRICS_FILE, metrics_text),
                   **({BLOCKS_FILE: file_record(BLOCKS_FILE, blocks_text)} if blocks_text is not None else {})},
@@ -728,6 +736,50 @@ def read_sweep(out_dir: Path) -> Sweep:
         return load_sweep(path, max_runs=sys.maxsize)
     except ConfigError as exc:
         raise StoreError(f"{path}: cannot be read back: {str(exc).splitlines()[0]}") from None
+
+
+def folder_runs(out_dir: Path, sweep: Sweep) -> list[RunConfig]:
+    """Every run the folder holds: the latest sweep's runs (finished or not), then each verified run
+    of an earlier invocation (another grid, another --set), in folder order. A folder accumulates
+    runs: a sweep of another grid adds its runs and hides none."""
+    runs = list(sweep.runs)
+    ids = {run_id(cfg) for cfg in runs}
+    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir()) if out_dir.is_dir() else ():
+        if folder.name in ids or folder.name.startswith(".") or not (folder / DONE_FILE).is_file():
+            continue
+        if inspect_run(folder).finished:  # config.yaml parsed and checked against the folder's run id
+            runs.append(validate_run(parse_yaml(_read_text(folder / CONFIG_FILE), CONFIG_FILE)))
+    return runs
+
+
+def append_history(out_dir: Path, record: dict[str, Any]) -> None:
+    """Add one invocation's line to history.jsonl (the file is rewritten whole, atomically)."""
+    path = out_dir / HISTORY_FILE
+    try:
+        before = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        before = ""
+    if before and not before.endswith("\n"):
+        before += "\n"  # a line cut by a crash stays apart from the next one
+    atomic_write(path, before + json.dumps(record, sort_keys=False) + "\n")
+
+
+def read_history(out_dir: Path) -> list[dict[str, Any]]:
+    """history.jsonl's invocations, oldest first; unreadable lines are skipped (a folder of an earlier
+    release has none)."""
+    try:
+        lines = (Path(out_dir) / HISTORY_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def write_summary(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> Path:

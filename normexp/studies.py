@@ -69,8 +69,9 @@ CONFIGS = REPO / "configs"
 
 
 def _finished_summary(run_dir: Path) -> pd.DataFrame:
-    """The summary rows of the study's verified runs: a missing or corrupt run enters no verdict."""
-    return finished_runs(load_summary(run_dir)).copy()
+    """The summary rows of the study's verified runs: a missing or corrupt run enters no verdict, nor
+    does a run another invocation added to the folder (a study judges its own grid)."""
+    return finished_runs(load_summary(run_dir, only_last=True)).copy()
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
@@ -135,7 +136,7 @@ def _figures(run_dir: Path, x_key: str | None = None) -> list[str]:
 
     paths = save_plots(run_dir, run_dir / "loss.png")
     if x_key:
-        fig = final_loss_figure(load_summary(run_dir), x_key)
+        fig = final_loss_figure(load_summary(run_dir, only_last=True), x_key)
         fig.savefig(run_dir / "final_loss.png", dpi=120)
         paths.append(run_dir / "final_loss.png")
     if run_dir.name == "blocks":
@@ -147,7 +148,7 @@ def _figures(run_dir: Path, x_key: str | None = None) -> list[str]:
 
 
 def article_verdict(run_dir: Path) -> str:
-    report = build_report(run_dir)
+    report = build_report(run_dir, only_last=True)
     final = {c.label: c.cells[max(c.cells)][0] for c in report.columns}
     post = [v for k, v in final.items() if k.startswith("Post")]
     pre = [v for k, v in final.items() if k.startswith("Pre")]
@@ -195,7 +196,7 @@ def transformer_warmup_verdict(run_dir: Path) -> str:
     """Per placement: the (lr, warmup) cells where every seed trains, where warmup rescues a learning
     rate that fails without it, and the held-out accuracy of the trained runs."""
     summary = _judged(run_dir)
-    finals = load_metrics(run_dir).sort_values("step").groupby("run_id").tail(1).set_index("run_id")
+    finals = load_metrics(run_dir, only_last=True).sort_values("step").groupby("run_id").tail(1).set_index("run_id")
     summary["val_acc"] = summary["run_id"].map(finals["val_acc"])
     keys = ["norm.placement", "optim.lr", "schedule.warmup_steps"]
     cells = summary.groupby(keys, sort=False)["trained"].mean()
@@ -422,13 +423,13 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         run_dir, resumed = _sweep(name, specs[name], out)
         figures = _figures(run_dir, x_key)
         sensitivity = sensitivity_to_markdown(build_sensitivity(run_dir)) if name.startswith("lr_") else ""
-        table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(run_dir))
+        table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(run_dir, only_last=True))
         if name == "lr_warmup":
             from normexp.report import build_pivot, pivot_to_markdown
 
             table += "\n" + pivot_to_markdown(build_pivot(run_dir, "optim.lr", "schedule.warmup_steps"))
             table += "\n" + sensitivity
-        note = missing_note(load_summary(run_dir), run_dir)
+        note = missing_note(load_summary(run_dir, only_last=True), run_dir)
         verdict_text = verdict(run_dir) + (f" {note}." if note else "")
         times[name] = time.perf_counter() - start
         earlier = f"{resumed} of its runs {'was' if resumed == 1 else 'were'} done by an earlier call"

@@ -5,15 +5,18 @@ The sweep process is the coordinator and the only writer of its output folder. I
 1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
 2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
    that holds a sweep of another name unless `force`,
-3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml`, then finds the runs
-   that are not verified finished (`store.inspect_run`; all of them with `force`). A corrupt run is
+3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml` (this sweep's grid;
+   the folder keeps the verified runs of earlier grids too, and `summary.csv` lists them all), then
+   finds the runs that are not verified finished (`store.inspect_run`; all of them with `force`). A corrupt run is
    redone (a "corrupt" event says why); a run of release 0.1, without checksums, is re-read and, if
    it holds, stamped with them and kept; a finished run recorded with another torch thread count
    than this sweep's, or by the fast engine when this sweep is exact, is redone (a "redone" event
    says why), so that one sweep never mixes them,
-4. plans work units for the engine (batches, or single runs) and writes each run's folder as its
+4. appends this invocation to `history.jsonl` (command line, time, commit, CPU, torch build, the
+   sweep file's text as given, the grid, runs planned and to train),
+5. plans work units for the engine (batches, or single runs) and writes each run's folder as its
    result arrives,
-5. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
+6. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
 
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
@@ -28,6 +31,7 @@ import contextlib
 import errno
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +44,12 @@ from normexp.store import (
     FinishedRun,
     StoreError,
     SweepLock,
+    append_history,
     atomic_write,
+    folder_runs,
     inspect_run,
     other_threads,
+    read_history,
     recover_strays,
     run_id,
     stamp_run,
@@ -85,6 +92,15 @@ class SweepEvent:
     error: str = ""  # for "failed": the error; for "corrupt": what does not hold
 
 
+@dataclass(frozen=True)
+class Invocation:
+    """What the folder's history records of the command that ran the sweep: its command line and the
+    sweep file's text as given (its comments included; sweep.yaml holds the resolved sweep only)."""
+
+    command: str = ""
+    source: str = ""
+
+
 @dataclass
 class SweepOutcome:
     out_dir: Path
@@ -93,6 +109,9 @@ class SweepOutcome:
     interrupted: bool = False
     corrupt: list[str] = field(default_factory=list)  # runs found corrupt and redone (or to be redone)
     restamped: int = 0  # runs of release 0.1 re-read, verified and given checksums
+    command: str = ""  # the command line, recorded in each run's done.json
+    held: int = 0  # runs the folder holds once the sweep ends: this sweep's and earlier invocations'
+    invocations: int = 0  # invocations the folder's history records, this one included
 
     def count(self, *statuses: str) -> int:
         return sum(1 for s in self.statuses.values() if s in statuses)
@@ -114,26 +133,26 @@ EventCallback = Callable[[SweepEvent], None]
 
 
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
-              on_event: EventCallback | None = None) -> SweepOutcome:
+              on_event: EventCallback | None = None, invocation: Invocation = Invocation()) -> SweepOutcome:
     """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
     from normexp.executors import default_threads, make_executor
 
     out_dir = Path(out_dir)
-    outcome = SweepOutcome(out_dir, len(sweep.runs))
+    outcome = SweepOutcome(out_dir, len(sweep.runs), command=invocation.command)
     emit = on_event or (lambda event: None)
     threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
     executor = make_executor(options.workers, options.cluster)  # fails before anything is written
     try:
         with SweepLock(out_dir):
-            _run_locked(sweep, out_dir, options, executor, outcome, emit, threads)
+            _run_locked(sweep, out_dir, options, executor, outcome, emit, threads, invocation)
     finally:
         executor.close()
     return outcome
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
-                emit: EventCallback, threads: int) -> None:
-    """Steps 3-5 of the module docstring, under the folder's lock."""
+                emit: EventCallback, threads: int, invocation: Invocation) -> None:
+    """Steps 3-6 of the module docstring, under the folder's lock."""
     if not options.force:
         refuse_another_sweep(out_dir, sweep)
     _write_or_explain(recover_strays, out_dir)
@@ -141,6 +160,7 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep_yaml(sweep))
         pending = [cfg for cfg in sweep.runs
                    if options.force or not _finished(cfg, out_dir, options, threads, outcome, emit)]
+        _write_or_explain(append_history, out_dir, _history_record(sweep, invocation, options, len(pending)))
         _execute(pending, out_dir, options, executor, outcome, emit, threads)
     except KeyboardInterrupt:
         outcome.interrupted = True
@@ -150,9 +170,38 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
             rid = run_id(cfg)
             if rid not in outcome.statuses:  # only runs not yet accounted for are inspected again
                 outcome.statuses[rid] = _finished_status(out_dir / rid, cfg) or "interrupted"
-        _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+        _write_summary(out_dir, sweep, outcome)
         raise SweepInterrupted(outcome) from None
-    _write_or_explain(write_summary, out_dir, sweep.runs, outcome.statuses)
+    _write_summary(out_dir, sweep, outcome)
+
+
+def _write_summary(out_dir: Path, sweep: Sweep, outcome: SweepOutcome) -> None:
+    """summary.csv of every run the folder holds, and what it holds in `outcome`."""
+    runs = folder_runs(out_dir, sweep)
+    _write_or_explain(write_summary, out_dir, runs, outcome.statuses)
+    outcome.held, outcome.invocations = len(runs), len(read_history(out_dir))
+
+
+def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions, new: int) -> dict:
+    """history.jsonl's line for this invocation."""
+    from normexp.environment import provenance
+
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": invocation.command,
+        **provenance(),
+        "sweep": sweep.name,
+        "grid": sweep.grid,
+        "seeds": sweep.seeds,
+        "engine": options.engine,
+        "force": options.force,
+        "runs_planned": len(sweep.runs),
+        "runs_to_train": new,
+        "notes": sweep.notes,
+        "tags": list(sweep.tags),
+        "sweep_file": invocation.source,
+        "resolved": sweep.to_yaml(),
+    }
 
 
 def _finished(cfg: RunConfig, out_dir: Path, options: SweepOptions, threads: int, outcome: SweepOutcome,
@@ -196,11 +245,11 @@ def _finished_status(run_dir: Path, cfg: RunConfig) -> str | None:
 
 
 def refuse_another_sweep(out_dir: Path, sweep: Sweep,
-                         remedy: str = "choose another --out, or add --force to replace its sweep.yaml "
-                                       "and summary.csv") -> None:
-    """A folder that holds a sweep of another name holds another config's runs: writing this sweep's
-    sweep.yaml and summary.csv over its own would silently take them out of view. (The same sweep
-    with changed values may rerun here: its changed runs are new runs, its summary says so.)"""
+                         remedy: str = "choose another --out, or add --force to add this sweep's runs to "
+                                       "its own (every run is retrained)") -> None:
+    """A folder that holds a sweep of another name holds another study: mixing a second one in is
+    refused unless asked for. (The same sweep with changed values may run here: its new runs join the
+    folder's, which keeps every verified run and reports them all.)"""
     other = sweep_name(out_dir)
     if other is not None and other != sweep.name:
         raise StoreError(f"{out_dir}: holds sweep '{other}', not '{sweep.name}'; {remedy}")
@@ -262,7 +311,7 @@ def _record_now(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_d
         run = f"{run} (the earlier finished result is kept)" if kept else run
         emit(SweepEvent("failed", rid, len(outcome.statuses), outcome.total, error_status, error=run))
         return
-    done = _write_or_explain(write_run, out_dir / rid, cfg, run)
+    done = _write_or_explain(write_run, out_dir / rid, cfg, run, outcome.command)
     outcome.statuses[rid] = done["status"]
     emit(SweepEvent("finished", rid, len(outcome.statuses), outcome.total, done["status"], done["final_loss"]))
 

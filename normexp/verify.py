@@ -2,10 +2,11 @@
 
 What is checked, each problem one `Finding`:
 
-- every run of the sweep (listed by its sweep.yaml), with `store.inspect_run`: done.json's own
+- every run the folder holds (`store.folder_runs`: its latest sweep's, listed by sweep.yaml, and
+  the verified runs of earlier invocations), with `store.inspect_run`: done.json's own
   checksum, the SHA-256 and row counts of config.yaml and metrics.csv, config.yaml against the run
   id, the metrics against done.json's numbers; runs missing, failed or left unfinished;
-- folders holding runs of no run of this sweep (another sweep's, or an earlier grid's), and runs
+- folders holding a run that is neither (not verified, of no run of the latest sweep), and runs
   trained under normexp's earlier definition of a placement (`store.REVISED_DEFINITIONS`): named as
   such, never counted as results and never removed (rerunning the sweep retrains them under new ids);
 - temporary files and folders that only a killed writer leaves (`store.stray_paths`);
@@ -13,8 +14,8 @@ What is checked, each problem one `Finding`:
 
 `fix` removes what can be redone (corrupt and unfinished run folders, unverifiable folders of other
 sweeps, temporary files; a run folder caught mid-swap is put back), stamps runs of release 0.1 that
-re-read consistently, and rebuilds summary.csv. Nothing else is deleted: verified runs of other
-sweeps stay (a note), and missing runs are left for the sweep to redo. `fix` holds the folder's lock;
+re-read consistently, and rebuilds summary.csv. Nothing else is deleted: verified runs of every
+invocation stay, and missing runs are left for the sweep to redo. `fix` holds the folder's lock;
 a plain check refuses a folder a sweep is writing. Nothing here prints: the CLI renders the result.
 """
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from normexp.config import Sweep
+from normexp.config import RunConfig
 from normexp.store import (
     DONE_FILE,
     FAILED_FILE,
@@ -35,6 +36,7 @@ from normexp.store import (
     StoreError,
     SweepLock,
     cached_statuses,
+    folder_runs,
     inspect_run,
     lock_owner,
     read_sweep,
@@ -67,7 +69,7 @@ class Verification:
     """The outcome of `verify_sweep`: what was found (and, with `fix`, done) and what still stands."""
 
     out_dir: Path
-    runs: int  # runs of the sweep
+    runs: int  # runs the folder holds (its latest sweep's, and verified runs of earlier invocations)
     verified: int  # of those, with a verified result (after the fixes, with `fix`)
     findings: list[Finding] = field(default_factory=list)
     fixed: bool = False
@@ -87,22 +89,24 @@ def verify_sweep(out_dir: str | Path, fix: bool = False) -> Verification:
         owner = lock_owner(out_dir)
         if owner is not None:
             raise StoreError(f"{out_dir}: a sweep is writing here ({owner}); verify it when it has finished")
-        findings, verified = _check(out_dir, sweep, fix=False)
-        return Verification(out_dir, len(sweep.runs), verified, findings, False, _problems(findings))
+        runs = folder_runs(out_dir, sweep)
+        findings, verified = _check(out_dir, runs, fix=False)
+        return Verification(out_dir, len(runs), verified, findings, False, _problems(findings))
     with SweepLock(out_dir):
-        findings, _ = _check(out_dir, sweep, fix=True)
-        remaining, verified = _check(out_dir, sweep, fix=False)
-    return Verification(out_dir, len(sweep.runs), verified, findings, True, _problems(remaining))
+        runs = folder_runs(out_dir, sweep)  # read once: a run the fixes find corrupt is still listed
+        findings, _ = _check(out_dir, runs, fix=True)
+        remaining, verified = _check(out_dir, runs, fix=False)
+    return Verification(out_dir, len(runs), verified, findings, True, _problems(remaining))
 
 
 def _problems(findings: list[Finding]) -> int:
     return sum(f.severity == "problem" for f in findings)
 
 
-def _check(out_dir: Path, sweep: Sweep, fix: bool) -> tuple[list[Finding], int]:
+def _check(out_dir: Path, runs: list[RunConfig], fix: bool) -> tuple[list[Finding], int]:
     """Every finding, in folder order (fixing each as it goes with `fix`), and the verified runs."""
     findings = _strays(out_dir, fix)
-    ids = {run_id(cfg): cfg for cfg in sweep.runs}
+    ids = {run_id(cfg): cfg for cfg in runs}
     verified, earlier = 0, set()
     for rid, cfg in ids.items():
         state = inspect_run(out_dir / rid, cfg, thorough=True)
@@ -116,7 +120,7 @@ def _check(out_dir: Path, sweep: Sweep, fix: bool) -> tuple[list[Finding], int]:
         verified += finding is None or finding.severity == "note"
         findings += [finding] if finding else []
     findings += _foreign(out_dir, set(ids) | earlier, fix)
-    findings += _summary(out_dir, sweep, fix)
+    findings += _summary(out_dir, runs, fix)
     return findings, verified
 
 
@@ -175,10 +179,10 @@ def _foreign(out_dir: Path, ids: set[str], fix: bool) -> list[Finding]:
     return findings
 
 
-def _summary(out_dir: Path, sweep: Sweep, rebuild: bool) -> list[Finding]:
+def _summary(out_dir: Path, runs: list[RunConfig], rebuild: bool) -> list[Finding]:
     """summary.csv must be the table rebuilt from the verified run folders."""
     statuses = cached_statuses(out_dir)
-    expected = summary_csv(out_dir, sweep.runs, statuses)
+    expected = summary_csv(out_dir, runs, statuses)
     try:
         found = (out_dir / SUMMARY_FILE).read_bytes().decode("utf-8")
     except FileNotFoundError:
@@ -188,7 +192,7 @@ def _summary(out_dir: Path, sweep: Sweep, rebuild: bool) -> list[Finding]:
     else:
         problem = "does not match the run folders"
     if rebuild and (found != expected or found is None):
-        write_summary(out_dir, sweep.runs, statuses)
+        write_summary(out_dir, runs, statuses)
     if found == expected:
         return []
     return [Finding(SUMMARY_FILE, problem, "rebuilt from the verified run folders" if rebuild

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 from article_toy import train_losses
 from conftest import REPO, SMALL_SWEEP
 from test_config import BAD_FILES, BAD_SETS, GOOD
@@ -78,7 +80,64 @@ def test_changed_config_never_reuses_results(write_yaml, tmp_path):
     normexp("sweep", path, "--out", out, "-q")
     result = normexp("sweep", path, "--out", out, "--set", "optim.lr=0.02")
     assert "8 ran, 0 already done" in result.output
-    assert set(load_summary(out)["optim.lr"]) == {0.02}
+    assert set(load_summary(out, only_last=True)["optim.lr"]) == {0.02}
+    assert set(load_summary(out)["optim.lr"]) == {0.01, 0.02}  # the folder keeps the first grid's runs
+
+
+def _verified_ids(out) -> set[str]:
+    summary = load_summary(out)
+    return set(summary[summary["status"].isin(("completed", "diverged"))]["run_id"])
+
+
+def test_a_folder_accumulates_every_invocations_runs_and_reports_them_all(write_yaml, tmp_path, monkeypatch):
+    """The README's first examples run into one folder: another depth, more seeds, a narrower grid.
+    No verified run ever disappears from report, plot's data, verify or summary.csv; the axes that
+    vary across invocations become columns; the history names each invocation."""
+    path, out = write_yaml(SMALL_SWEEP), tmp_path / "out"
+    normexp("sweep", path, "--out", out, "-q")
+    first = _verified_ids(out)
+    deeper_args = ["sweep", str(path), "--out", str(out), "--set", "model.depth=3", "--set", "seeds=0,1,2"]
+    monkeypatch.setattr(sys, "argv", ["normexp", *deeper_args])  # what the history records
+    deeper = normexp(*deeper_args)
+    monkeypatch.undo()
+    assert deeper.exit_code == 0, deeper.output
+    assert f"now holds {len(first) + 12} runs from 2 invocations" in " ".join(deeper.output.split())
+    narrower = normexp("sweep", path, "--out", out, "--set", "norm.placement=pre", "-q")
+    assert narrower.exit_code == 0, narrower.output
+    held = _verified_ids(out)
+    assert first < held and len(held) == len(first) + 12
+    report = normexp("report", out, "--format", "csv")
+    assert report.exit_code == 0, report.output
+    assert "depth=3" in normexp("report", out, "--format", "markdown").output  # the new axis is a column
+    assert set(pd.read_csv(io.StringIO(summary_text := (out / "summary.csv").read_text()))["run_id"]) == held, \
+        summary_text
+    verified = normexp("verify", out)
+    said = " ".join(verified.output.split())
+    assert verified.exit_code == 0 and f"{len(held)} of {len(held)} runs verified" in said, said
+    assert normexp("verify", out, "--fix").exit_code == 0 and _verified_ids(out) == held
+    assert set(load_summary(out, only_last=True)["norm.placement"]) == {"pre"}
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [h["runs_to_train"] for h in history] == [8, 12, 0]
+    assert all(h["sweep_file"] == path.read_text() for h in history)
+    assert "--set model.depth=3" in history[1]["command"] and history[1]["grid"]["model.depth"] == [3]
+
+
+def test_a_sweep_file_s_notes_and_tags_reach_sweep_yaml_and_the_report(write_yaml, tmp_path):
+    text = SMALL_SWEEP + "notes: the first try, before warmup\ntags: [baseline, cpu]\n"
+    out = tmp_path / "out"
+    assert normexp("sweep", write_yaml(text), "--out", out, "-q").exit_code == 0
+    resolved = yaml.safe_load((out / "sweep.yaml").read_text())
+    assert resolved["notes"] == "the first try, before warmup" and resolved["tags"] == ["baseline", "cpu"]
+    shown = normexp("report", out, "--format", "markdown").output
+    assert "tags: baseline, cpu" in shown and "the first try, before warmup" in shown
+    summary = load_summary(out)
+    assert not any(column.startswith(("notes", "tags")) for column in summary.columns)  # no run's config
+
+
+def test_the_default_folder_is_named_before_the_sweep_writes_to_it(write_yaml, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = normexp("sweep", write_yaml(SMALL_SWEEP))
+    assert result.exit_code == 0 and result.output.startswith(f"writing to {Path('runs') / 'small'}"), result.output
 
 
 def test_dry_run_prints_the_grid_and_writes_nothing(write_yaml, tmp_path):
@@ -208,3 +267,12 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
         pytest.skip("a GPU is present: the error path cannot be reached")
     result = normexp("sweep", REPO / "configs" / "warmup.yaml", "--device", "cuda", "--out", tmp_path / "o")
     assert result.exit_code == 2 and "no CUDA device" in result.output and not (tmp_path / "o").exists()
+
+
+def test_a_report_over_invocations_of_several_engines_says_so(write_yaml, tmp_path):
+    path, out = write_yaml(SMALL_SWEEP), tmp_path / "out"
+    assert normexp("sweep", path, "--out", out, "--engine", "batched", "-q").exit_code == 0
+    assert "mixed engine" not in normexp("report", out, "--format", "markdown").output
+    assert normexp("sweep", path, "--out", out, "--engine", "reference", "--set", "optim.lr=0.02", "-q").exit_code == 0
+    assert "mixed engine: batched, reference" in normexp("report", out, "--format", "markdown").output
+    assert "mixed engine" not in normexp("report", out, "--only-last", "--format", "markdown").output

@@ -74,6 +74,8 @@ GOOD = "name: t\nbase:\n  optim: {lr: 0.01}\n"
 
 BAD_FILES = {
     "unknown top-level key": ("name: t\nbse: {}\n", "bse: unknown key (did you mean 'base'?)"),
+    "tags not a list": ("name: t\ntags: 5\n", "tags: must be a list, got 5"),
+    "notes not text": ("name: t\nnotes: [1]\n", "notes: must be a string, got [1]"),
     "unknown section key": ("name: t\nbase: {optim: {lrr: 0.1}}\n", "base.optim.lrr: unknown key (did you mean 'lr'?)"),
     "unknown section": ("name: t\nbase: {optimizer: {}}\n", "base.optimizer: unknown key (did you mean 'optim'?)"),
     "wrong type": ("name: t\nbase: {model: {depth: deep}}\n", "base.model.depth: must be an integer"),

@@ -91,3 +91,59 @@ def test_importing_normexp_first_sets_the_threading_defaults_unless_the_environm
                             check=True).stdout
     facts = {key: value.strip() for key, _, value in (line.partition(":") for line in doctor.splitlines())}
     assert facts[variable] == (given or default)
+
+
+XEON = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse4_2 fma avx avx2 avx512f avx512bw avx512_vnni amx_tile amx_bf16 ht
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse4_2 fma avx avx2 avx512f avx512bw avx512_vnni amx_tile amx_bf16 ht
+"""
+EPYC = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_2 fma avx avx2 sha_ni\n"
+GRAVITON = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes sve sve2 i8mm bf16\n" \
+           "CPU implementer\t: 0x41\nCPU part\t: 0xd4f\n"
+
+
+@pytest.mark.parametrize("text,model,features", [
+    (XEON, "Intel(R) Xeon(R) Processor", "sse4_2 fma avx avx2 avx512f avx512bw avx512_vnni amx_tile amx_bf16"),
+    (EPYC, "AMD EPYC 7B13", "sse4_2 fma avx avx2"),
+    (GRAVITON, "ARM implementer 0x41 part 0xd4f", "asimd sve sve2 bf16 i8mm"),
+])
+def test_cpu_info_names_the_model_and_the_features_that_change_kernels(text, model, features):
+    from normexp.environment import cpu_info
+
+    found = cpu_info(text)
+    assert (found.model, found.features_text()) == (model, features)
+
+
+def test_cpu_info_reads_macos_sysctl_and_never_fails_without_a_source():
+    from normexp.environment import cpu_info
+
+    mac = cpu_info("", {"machdep.cpu.brand_string": "Apple M2", "hw.optional.AdvSIMD": "1"})
+    assert (mac.model, mac.features) == ("Apple M2", ("neon",))
+    nothing = cpu_info("", {})
+    assert nothing.features == () and nothing.features_text().startswith("unknown")
+
+
+@given(st.text())
+def test_cpu_info_survives_any_cpuinfo_text(text):
+    from normexp.environment import cpu_info
+
+    assert cpu_info(text, {}).model
+
+
+def test_doctor_names_the_cpu_torch_s_kernels_and_the_commit(tmp_path):
+    from normexp.environment import cpu_info, git_commit
+
+    facts = doctor_lines()
+    assert facts["cpu"] == cpu_info().model and facts["cpu"] != ""
+    assert facts["cpu features"] == cpu_info().features_text()
+    assert facts["torch cpu kernels"] == torch.backends.cpu.get_cpu_capability()
+    commit = git_commit()
+    assert facts["commit"] == (commit or "unknown (not run from a git checkout)")
+    assert git_commit(str(tmp_path)) is None  # not a checkout: no commit, no error
+    with mock.patch("subprocess.run", side_effect=FileNotFoundError("git")):
+        assert git_commit() is None  # no git installed

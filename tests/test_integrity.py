@@ -272,14 +272,14 @@ def test_verify_finds_everything_and_changes_nothing_without_fix(sweep_dir, pris
     other = normexp("sweep", config, "--out", tmp_path / "other", "--set", "optim.lr=0.03", "-q")
     assert other.exit_code == 0
     foreign = run_dirs(tmp_path / "other")
-    shutil.copytree(foreign[0], out / foreign[0].name)  # a verified run of another sweep
+    shutil.copytree(foreign[0], out / foreign[0].name)  # a verified run of another grid: the folder's now
     shutil.copytree(foreign[1], out / foreign[1].name)
     DAMAGE["metrics deleted"](out / foreign[1].name)  # and a broken one
     shutil.copytree(dirs[6], out / "post-layernorm-s9-0123456789")  # a run under another run's id
     before = snapshot(out)
 
     found = verify_sweep(out)
-    assert not found.clean and found.verified == RUNS - 4
+    assert not found.clean and found.verified == RUNS - 4 + 1 and found.runs == RUNS + 1
     problems = {f.path: f.problem for f in found.findings}
     assert problems == {
         ".summary.csv.tmp-4242": "left by a killed writer",
@@ -289,7 +289,6 @@ def test_verify_finds_everything_and_changes_nothing_without_fix(sweep_dir, pris
         dirs[1].name: "missing",
         dirs[2].name: "no checksums (written by release 0.1); re-read and consistent",
         dirs[3].name: "unfinished: no done.json",
-        foreign[0].name: "a verified run of another sweep (not in this sweep's results)",
         foreign[1].name: "a run folder of no run of this sweep, corrupt: metrics.csv: missing",
         "post-layernorm-s9-0123456789": "a run folder of no run of this sweep, corrupt: done.json: run_id "
                                          f"'{dirs[6].name}' is not the folder's name",
@@ -308,15 +307,17 @@ def test_verify_finds_everything_and_changes_nothing_without_fix(sweep_dir, pris
     assert (out / foreign[0].name).exists() and not (out / foreign[1].name).exists()
     assert not (out / "post-layernorm-s9-0123456789").exists()
     summary = load_summary(out)
-    assert (out / "summary.csv").read_text() == store.summary_csv(out, build_sweep(parse_yaml(SWEEP)).runs)
-    assert (summary["status"] == "completed").sum() == RUNS - 3
+    assert (out / "summary.csv").read_text() == store.summary_csv(
+        out, store.folder_runs(out, build_sweep(parse_yaml(SWEEP))))
+    assert (summary["status"] == "completed").sum() == RUNS - 3 + 1  # the other grid's verified run counts
 
     resumed = normexp("sweep", config, "--out", out)
     assert resumed.exit_code == 0 and f"3 ran, {RUNS - 3} already done" in resumed.output
     after = normexp("verify", out)
     assert after.exit_code == 0, after.output
-    assert [(f.path, f.severity) for f in verify_sweep(out).findings] == [(foreign[0].name, "note")]
-    assert load_metrics(out).equals(load_metrics(pristine / "out"))
+    assert verify_sweep(out).findings == []
+    assert load_metrics(out, only_last=True).equals(load_metrics(pristine / "out"))
+    assert foreign[0].name in set(load_metrics(out)["run_id"])
 
 
 def test_verify_refuses_a_folder_a_sweep_is_writing(sweep_dir):
@@ -391,8 +392,9 @@ def test_force_keeps_a_finished_result_if_the_rerun_fails(sweep_dir, monkeypatch
     monkeypatch.setattr(reference, "train_run", lambda cfg, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
     result = normexp("sweep", config, "--out", out, "--force", "--engine", "reference")
     assert result.exit_code == 1 and "the earlier finished result is kept" in result.output
-    assert {k: v for k, v in snapshot(out).items() if not k.startswith("summary")} == {
-        k: v for k, v in before.items() if not k.startswith("summary")}
+    kept = ("summary", "history")  # the summary is rebuilt, the history records the invocation
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith(kept)} == {
+        k: v for k, v in before.items() if not k.startswith(kept)}
     monkeypatch.setattr(reference, "train_run", real)
     assert normexp("verify", out).exit_code == 0
 
@@ -495,3 +497,21 @@ def test_a_sweep_yaml_without_a_checksum_line_is_read_as_release_0_1_wrote_it(sw
     result = normexp("report", out)
     assert result.exit_code == 0, result.output
     assert len(load_summary(out)) == RUNS
+
+
+def test_a_folder_written_before_provenance_resumes_without_retraining(sweep_dir):
+    """done.json records the commit, CPU and command line since this release; a checksummed done.json
+    without them (the release before) stays verified, and a sweep over it retrains nothing."""
+    config, out = sweep_dir
+    for run_dir in run_dirs(out):
+        done = json.loads((run_dir / "done.json").read_text())
+        assert {"commit", "cpu", "torch_build", "command"} <= set(done.pop("provenance"))
+        (run_dir / "done.json").write_text(store.encode_done(done))
+        assert inspect_run(run_dir).kind == "finished"
+    before = snapshot(out)
+    result = normexp("sweep", config, "--out", out)
+    assert result.exit_code == 0 and f"0 ran, {RUNS} already done" in result.output, result.output
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k.endswith("done.json")} == \
+        {k: v for k, v in before.items() if k.endswith("done.json")}
+    assert normexp("verify", out).exit_code == 0

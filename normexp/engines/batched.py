@@ -100,26 +100,54 @@ class StackedLinear(nn.Module):
 
 
 _STACKS_EXACTLY: dict[tuple[int, int, int, int], bool] = {}
+PROBE_RUNS = (2, 3)  # stack sizes probed: a pair and an odd count
+PROBE_ELEMENTS = 4096  # each compared tensor is drawn until it has at least this many elements
+PROBE_DRAWS = (1, 64)  # the fewest and the most draws per stack size
 
 
 def stacks_exactly(rows: int, in_features: int, out_features: int) -> bool:
     """Whether baddbmm over runs gives F.linear's bits at this shape and thread count, forward and
     backward, on this machine. BLAS libraries pick kernels by shape and CPU, and a batched product may
-    take another kernel than a single one; which shapes do is measured, once per process, on seeded
-    random data (a kernel's choice depends on shapes, not values)."""
+    take another kernel than a single one. Another kernel sums in another order, which changes a
+    result only for some values: at a small shape (3 inputs, 1 output) most draws agree. So the
+    probe errs toward "not exact": it draws values whose magnitudes spread over 2^-12..2^12 (any
+    change of summation order then shows in nearly every element), for two stack sizes, until each
+    compared tensor has had PROBE_ELEMENTS elements, and one differing bit in any of them says "not
+    exact" (the engine then calls F.linear run by run: exact, only slower). Measured once per
+    process and shape."""
     key = (rows, in_features, out_features, torch.get_num_threads())
     if key not in _STACKS_EXACTLY:
         generator = torch.Generator().manual_seed(0)
-        x, w, b, g = (torch.randn(*shape, generator=generator) for shape in
-                      ((2, rows, in_features), (2, out_features, in_features), (2, out_features),
-                       (2, rows, out_features)))
-        single = [_linear_and_grads(lambda x, w, b: F.linear(x, w, b), x[r], w[r], b[r], g[r]) for r in range(2)]
-        stacked = _linear_and_grads(lambda x, w_t, b: torch.baddbmm(b.unsqueeze(1), x, w_t),
-                                    x, w.transpose(1, 2).contiguous(), b, g)
-        stacked[2] = stacked[2].transpose(1, 2)  # d weight_t -> d weight
-        _STACKS_EXACTLY[key] = all(torch.equal(torch.stack([one[i] for one in single]), stacked[i])
-                                   for i in range(4))
+        _STACKS_EXACTLY[key] = all(
+            _stacked_equals_single(runs, rows, in_features, out_features, generator)
+            for runs in PROBE_RUNS for _ in range(_draws(runs, rows, in_features, out_features)))
     return _STACKS_EXACTLY[key]
+
+
+def _draws(runs: int, rows: int, in_features: int, out_features: int) -> int:
+    """Draws enough for PROBE_ELEMENTS elements of the smallest product compared (output, d x, d w)."""
+    smallest = runs * min(rows * out_features, rows * in_features, out_features * in_features)
+    low, high = PROBE_DRAWS
+    return max(low, min(high, math.ceil(PROBE_ELEMENTS / smallest)))
+
+
+def _spread(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Normal values scaled by powers of two from 2^-12 to 2^12: sums of them depend on their order."""
+    scale = torch.exp2(torch.randint(-12, 13, shape, generator=generator).float())
+    return torch.randn(*shape, generator=generator) * scale
+
+
+def _stacked_equals_single(runs: int, rows: int, in_features: int, out_features: int,
+                           generator: torch.Generator) -> bool:
+    """One draw: baddbmm's output and gradients equal F.linear's, run by run, bit for bit."""
+    x, w, b, g = (_spread(shape, generator) for shape in
+                  ((runs, rows, in_features), (runs, out_features, in_features), (runs, out_features),
+                   (runs, rows, out_features)))
+    single = [_linear_and_grads(lambda x, w, b: F.linear(x, w, b), x[r], w[r], b[r], g[r]) for r in range(runs)]
+    stacked = _linear_and_grads(lambda x, w_t, b: torch.baddbmm(b.unsqueeze(1), x, w_t),
+                                x, w.transpose(1, 2).contiguous(), b, g)
+    stacked[2] = stacked[2].transpose(1, 2)  # d weight_t -> d weight
+    return all(torch.equal(torch.stack([one[i] for one in single]), stacked[i]) for i in range(4))
 
 
 def _linear_and_grads(linear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
