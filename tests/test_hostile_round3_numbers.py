@@ -1,0 +1,98 @@
+"""Issue 25, the third hostile pass: numbers that were silently wrong, tables that cut or broke, and
+options that multiplied runs. Each test checks against an independent computation (plain python)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.config import RunConfig, build_sweep
+from normexp.store import SWEEP_FILE, FinishedRun, run_id, write_run
+
+LRS = [0.001, 0.01, 0.1]
+
+
+def write_curves(folder: Path, runs: list[tuple], engine: str = "reference") -> Path:
+    """A sweep folder written through the store: (placement, lr, seed, losses, status[, warmup]) per run,
+    each run's `losses` its whole curve (one recorded step each)."""
+    def axis(i: int, default: object = None) -> list:
+        return list(dict.fromkeys(r[i] if len(r) > i else default for r in runs))
+
+    steps = max(len(r[3]) for r in runs) - 1
+    sweep = build_sweep({"name": "curves", "base": {"schedule": {"kind": "linear_warmup"},
+                                                     "train": {"steps": steps, "stop_on_nonfinite": False}},
+                         "grid": {"norm.placement": axis(0), "optim.lr": axis(1),
+                                  "schedule.warmup_steps": axis(5, 0)}, "seeds": axis(2)})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for placement, lr, seed, losses, status, *warmup in runs:
+        cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
+                                        "schedule": {"kind": "linear_warmup", "warmup_steps": (warmup or [0])[0]},
+                                        "train": {"steps": steps, "stop_on_nonfinite": False}})
+        n = len(losses)
+        metrics = {"step": list(range(n)), "loss": list(losses), "acc": [0.1] * n, "lr": [lr] * n,
+                   "grad_norm": [1.0] * n}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, status, 0.1, 1, engine, "cpu"))
+    return folder
+
+
+# ----------------------------------------------------------------------------- 1. LR sensitivity
+
+
+def _by_the_definition(runs: list[tuple]) -> dict[str, float]:
+    """README: c_r = min(final, loss at init), a diverged run counting as its loss at init; m(lr) the
+    seed mean; l* = min m; sensitivity = mean over the lr grid of m(lr) - l*. Plain python."""
+    out = {}
+    for placement in dict.fromkeys(r[0] for r in runs):
+        m = {}
+        for lr in LRS:
+            cs = []
+            for p, rlr, _, losses, status, *_ in runs:
+                if p == placement and rlr == lr:
+                    diverged = status == "diverged"
+                    cs.append(losses[0] if diverged else min(losses[-1], losses[0]))
+            m[lr] = sum(cs) / len(cs)
+        best = min(m.values())
+        out[placement] = sum(v - best for v in m.values()) / len(m)
+    return out
+
+
+NAN, INF = math.nan, math.inf
+DIVERGING = [  # curves that end in nan or inf after finite steps, one that recovers after a nan
+    ("pre", 0.001, 0, [2.3, 1.0, 0.5, 0.4], "completed"),
+    ("pre", 0.01, 0, [2.3, 0.6, 0.2, 0.1], "completed"),
+    ("pre", 0.1, 0, [2.3, 1.1, 0.9, NAN], "diverged"),  # GroupBy.last() read 0.9
+    ("pre", 0.001, 1, [2.2, 1.2, 0.6, 0.5], "completed"),
+    ("pre", 0.01, 1, [2.2, 0.7, 0.3, 0.2], "completed"),
+    ("pre", 0.1, 1, [2.2, 0.4, INF, NAN], "diverged"),
+    ("none", 0.001, 0, [2.0, 1.9, 1.8, 1.7], "completed"),
+    ("none", 0.01, 0, [2.0, 0.3, NAN, NAN], "diverged"),
+    ("none", 0.1, 0, [2.0, NAN, 0.05, 0.05], "diverged"),  # met a nan, then finite again: still diverged
+]
+
+
+def test_a_diverged_run_counts_as_its_loss_at_init_not_its_last_finite_loss(tmp_path):
+    from normexp.sensitivity import build_sensitivity
+
+    expected = _by_the_definition(DIVERGING)
+    # pre: m = [0.45, 0.15, (2.3 + 2.2) / 2], l* = 0.15; none: m = [1.7, 2.0, 2.0] (both diverged), l* = 1.7
+    assert expected == pytest.approx({"pre": (0.3 + 0.0 + 2.1) / 3, "none": (0.0 + 0.3 + 0.3) / 3})
+    rows = build_sensitivity(write_curves(tmp_path / "s", DIVERGING))
+    assert {r.values["norm.placement"]: r.sensitivity for r in rows} == pytest.approx(expected)
+    assert [r.diverged for r in rows] == [2, 2]
+
+
+def test_the_lr_figure_draws_the_same_numbers(tmp_path):
+    from normexp.plot import lr_figure
+    from normexp.sensitivity import lr_table
+
+    fig = lr_figure(*lr_table(write_curves(tmp_path / "s", DIVERGING)))
+    lines = {line.get_label().split(" ")[0]: list(line.get_ydata()) for line in fig.axes[0].lines}
+    assert lines["Pre"] == pytest.approx([(0.4 + 0.5) / 2, (0.1 + 0.2) / 2, (2.3 + 2.2) / 2])
+    assert lines["NoNorm"] == pytest.approx([1.7, 2.0, 2.0])
