@@ -586,6 +586,23 @@ def run_keys() -> list[str]:
     return keys
 
 
+GENERIC_LEAVES = ("name", "kind")  # `name=adam`, `kind=cosine`: the section says what is named
+
+
+def key_label(key: str) -> str:
+    """A dotted key's short label in a table or figure: its leaf (`lr`, `warmup_steps`) where that names
+    one key alone; its section for a generic leaf (`optim.name` -> `optim`, `schedule.kind` -> `schedule`);
+    the whole key where two sections share the leaf (`norm.eps`, `optim.eps`). A key that is not a run
+    key (a column of an older folder) keeps its leaf unless it is generic."""
+    section, _, leaf = key.rpartition(".")
+    if not section:
+        return key
+    if leaf in GENERIC_LEAVES:
+        return section
+    shared = sum(k.rpartition(".")[2] == leaf for k in run_keys())
+    return key if shared > 1 else leaf
+
+
 def _closest(word: str, choices: Iterable[str]) -> str:
     match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep, flatten
+from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep, flatten, key_label
 from normexp.engines.reference import loss_and_acc, seeded_init, torch_threads
 from normexp.models.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
 
@@ -140,7 +140,7 @@ def summarise_layer_gradnorm(rows: list[dict]) -> LayerGradnorm:
             stats = []
             for layer in layers:
                 values = [r[column] for r in mine if r["layer"] == layer]
-                stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
+                stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan))
             grads[variant][column] = stats
     return LayerGradnorm(layers, grads, len({r["seed"] for r in rows}))
 
@@ -337,7 +337,7 @@ def gradnorm_variant(cfg: RunConfig, keys: Sequence[str]) -> str:
     in `keys` (depth and seed excepted), so that only seeds are ever pooled into one mean ± std."""
     flat = flatten(cfg)
     others = [k for k in keys if k not in ("norm.placement", "model.depth", "seed")]
-    return " ".join([cfg.norm.placement, *(f"{k.rsplit('.', 1)[-1]}={json.dumps(flat[k])}" for k in others)])
+    return " ".join([cfg.norm.placement, *(f"{key_label(k)}={json.dumps(flat[k])}" for k in others)])
 
 
 def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> GradnormSummary:
@@ -352,7 +352,7 @@ def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> Gr
         stats = []
         for depth in depths:
             values = [r["fc2_grad"] for r in mine if r["depth"] == depth and r["block"] == depth]
-            stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
+            stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan))
         last_grad[placement] = stats
         slopes[placement] = fit_slope([float(d) for d in depths], [m for m, _ in stats])
         deepest = [r for r in mine if r["depth"] == depths[-1]]

@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from normexp.config import ReportConfig
+from normexp.config import ReportConfig, key_label
 from normexp.results import (
     ResultsError,
     check_metric,
@@ -77,7 +77,7 @@ def variant_label(values: dict[str, object]) -> str:
         if kind is not None:
             head = f"{head}-{KIND_LABELS.get(str(kind), kind)}" if head else str(KIND_LABELS.get(str(kind), kind))
         parts.append(head)
-    parts += [f"{key.rsplit('.', 1)[-1]}={'null' if _is_null(value) else value}" for key, value in values.items()
+    parts += [f"{key_label(key)}={'null' if _is_null(value) else value}" for key, value in values.items()
               if key not in ("norm.placement", "norm.kind")]
     return " ".join(parts) or "run"
 
@@ -105,6 +105,13 @@ PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is 
 def _is_null(value: object) -> bool:
     """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def csv_number(value: float) -> str:
+    """A number for a CSV cell, exactly (repr); empty where it is undefined (nan: a std over fewer than 2
+    runs, a mean over none), so that a script reads a missing value, never a spread of 0."""
+    value = float(value)
+    return "" if math.isnan(value) else repr(value)
 
 
 def number(value: float) -> str:
@@ -266,7 +273,7 @@ def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], 
         runs = int(((finals["step"] >= step) | (finals["status"] == "diverged")).sum()) + missing
         at_step = group[(group["step"] == step) & group["loss"].astype(float).map(math.isfinite)]
         series = at_step[metric].astype(float)
-        std = float(series.std(ddof=1)) if len(series) > 1 else 0.0
+        std = float(series.std(ddof=1)) if len(series) > 1 else math.nan  # one run has no spread, not 0
         if runs:
             cells[step] = (float(series.mean()) if len(series) else math.nan, std, len(series), runs)
     trained = int(is_trained(finals["loss"], finals["status"], n_choices(finals)).sum())
@@ -350,8 +357,8 @@ def to_csv(report: Report) -> str:
         for step in report.steps:
             if step in column.cells:
                 mean, std, n, runs = column.cells[step]
-                writer.writerow([column.label, step, repr(mean), repr(std), n, report.verdict(column), runs,
-                                 column.diverged])
+                writer.writerow([column.label, step, csv_number(mean), csv_number(std), n, report.verdict(column),
+                                 runs, column.diverged])
     return buffer.getvalue()
 
 
@@ -395,7 +402,7 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
         cells = group.groupby([rows, cols], sort=False, dropna=False)
         stats = cells["final_loss"].agg(["mean", "std", "count", "size"])
         mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
-        panels.append((title, mean, std.fillna(0.0), n.fillna(0), runs.fillna(0)))
+        panels.append((title, mean, std, n.fillna(0), runs.fillna(0)))  # std: nan below 2 finite runs
         lost.append(cells["lost"].sum().unstack(cols).reindex_like(mean).fillna(0))
     return Pivot(rows, cols, panels, lost, missing_note(summary, run_dir))
 
@@ -405,7 +412,7 @@ def _count(value: float) -> int:
 
 
 def _short(key: str) -> str:
-    return key.rsplit(".", 1)[-1]
+    return key_label(key)
 
 
 def _pivot_cells(pivot: Pivot, corner: str, panel: int) -> tuple[list[str], list[list[str]], str]:
@@ -453,7 +460,7 @@ def pivot_to_csv(pivot: Pivot) -> str:
         for row in mean.index:
             for col in mean.columns:
                 if runs.at[row, col] > 0:  # a cell whose runs all diverged or are missing is a row with n = 0
-                    writer.writerow([title, row, col, repr(float(mean.at[row, col])), repr(float(std.at[row, col])),
+                    writer.writerow([title, row, col, csv_number(mean.at[row, col]), csv_number(std.at[row, col]),
                                      int(n.at[row, col]), int(runs.at[row, col]), int(lost.at[row, col])])
     return buffer.getvalue()
 
@@ -469,7 +476,7 @@ def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  #
         return layer_gradnorm_tables(summary)
     placements = list(summary.last_grad)
     header = ["depth L", *(f"{_gradnorm_label(p)}: ||grad W2_L||" for p in placements)]
-    rows = [[str(depth), *(f"{summary.last_grad[p][i][0]:.4f} ± {summary.last_grad[p][i][1]:.4f}" for p in placements)]
+    rows = [[str(depth), *(_mean_std(*summary.last_grad[p][i]) for p in placements)]
             for i, depth in enumerate(summary.depths)]
     deepest = summary.depths[-1]
     slopes = ", ".join(f"{_gradnorm_label(p)} {summary.slopes[p]:+.2f}" for p in placements)
@@ -498,7 +505,7 @@ def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str
 
     columns = [(v, c) for v in summary.grads for c in SUBLAYERS]
     header = ["layer l", *(f"{_gradnorm_label(v)}: {SUBLAYERS[c]}" for v, c in columns)]
-    rows = [[str(layer), *(f"{summary.grads[v][c][i][0]:.4f} ± {summary.grads[v][c][i][1]:.4f}" for v, c in columns)]
+    rows = [[str(layer), *(_mean_std(*summary.grads[v][c][i]) for v, c in columns)]
             for i, layer in enumerate(summary.layers)]
     lines = [f"each cell: {_over_seeds(summary.seeds)}"]
     lines += [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
@@ -511,7 +518,12 @@ def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str
 
 def _over_seeds(seeds: int) -> str:
     return f"mean ± std over {seeds} seed{'s' if seeds > 1 else ''}" + (
-        " (one seed: std 0; add --set seeds=0,1,2)" if seeds == 1 else "")
+        " (one seed: no spread, so no std; add --set seeds=0,1,2)" if seeds == 1 else "")
+
+
+def _mean_std(mean: float, std: float) -> str:
+    """'mean ± std', or the mean alone where the std is undefined (nan: one seed)."""
+    return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
 
 
 def _gradnorm_label(variant: str) -> str:
@@ -625,8 +637,8 @@ def sensitivity_to_csv(rows: list) -> str:
     writer.writerow(["variant", "lr_sensitivity", "seed_std", "best_lr", "best_loss", "lrs", "grid_lrs", "seeds",
                      "runs", "diverged", "missing"])
     for r in rows:
-        writer.writerow([r.label, repr(r.sensitivity), repr(r.spread), repr(r.best_lr), repr(r.best_loss), r.lrs,
-                         r.grid_lrs, r.seeds, r.runs, r.diverged, r.missing])
+        writer.writerow([r.label, csv_number(r.sensitivity), csv_number(r.spread), csv_number(r.best_lr),
+                         csv_number(r.best_loss), r.lrs, r.grid_lrs, r.seeds, r.runs, r.diverged, r.missing])
     return buffer.getvalue()
 
 

@@ -172,3 +172,75 @@ def test_a_mixed_grid_folds_only_where_the_key_is_inert():
     sweep = build_sweep({"name": "mix", "base": _nested({}),
                          "grid": {"optim.name": ["adam", "sgd"], "optim.momentum": [0.5, 0.9]}})
     assert [(r.optim.name, r.optim.momentum) for r in sweep.runs] == [("adam", 0.9), ("sgd", 0.5), ("sgd", 0.9)]
+
+
+# ----------------------------------------------------------------------------- 3. an undefined std
+
+
+ONE_SEED = [  # one run per cell, and a cell (none, 0.1) whose only run diverged: no std is defined anywhere
+    ("pre", 0.001, 0, [2.3, 1.0, 0.5, 0.4], "completed"),
+    ("pre", 0.01, 0, [2.3, 0.6, 0.2, 0.1], "completed"),
+    ("pre", 0.1, 0, [2.3, 1.1, 0.9, 0.8], "completed"),
+    ("none", 0.001, 0, [2.0, 1.9, 1.8, 1.7], "completed"),
+    ("none", 0.01, 0, [2.0, 0.3, 0.2, 0.2], "completed"),
+    ("none", 0.1, 0, [2.0, 0.5, NAN, NAN], "diverged"),
+]
+TWO_SEEDS = [*ONE_SEED, ("pre", 0.01, 1, [2.3, 0.6, 0.2, 0.3], "completed")]
+
+
+def _csv(args: list[str]) -> list[dict]:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (0, 1), result.output  # 1: the sweep has missing runs (seed 1 of most cells)
+    return list(csv.DictReader(result.stdout.splitlines()))
+
+
+def test_a_std_over_fewer_than_two_runs_is_empty_in_every_csv(tmp_path):
+    folder = write_curves(tmp_path / "s", TWO_SEEDS)
+    rows = _csv(["report", str(folder), "--format", "csv"])
+    assert {int(r["n"]) for r in rows} >= {0, 1, 2}
+    for r in rows:  # a cell with n < 2 finite runs has no std: empty, never 0.0
+        if int(r["n"]) < 2:
+            assert r["loss_std"] == "", r
+        else:
+            assert float(r["loss_std"]) >= 0, r  # a true spread (0 at step 0, where both seeds start at 2.3)
+    # the one cell with two runs at its final step: std of (0.1, 0.3), by hand
+    pivot = _csv(["report", str(folder), "--pivot", "optim.lr,norm.placement", "--format", "csv"])
+    by_cell = {(r["optim.lr"], r["norm.placement"]): r for r in pivot}
+    assert float(by_cell[("0.01", "pre")]["final_loss_std"]) == pytest.approx(statistics.stdev([0.1, 0.3]))
+    for r in pivot:
+        if int(r["n"]) < 2:
+            assert r["final_loss_std"] == "", r
+            if int(r["n"]) == 0:
+                assert r["final_loss_mean"] == "", r
+    assert by_cell[("0.1", "none")]["n"] == "0"
+
+
+# ----------------------------------------------------------------------------- 19. column labels
+
+
+def test_every_run_key_has_its_own_label_that_names_what_varies():
+    from normexp.config import GENERIC_LEAVES, key_label, run_keys
+
+    labels = {key: key_label(key) for key in run_keys()}
+    # no two keys share a label, and no label is a bare generic leaf (`name`, `kind`) that names no section
+    assert len(set(labels.values())) == len(labels), labels
+    assert not set(labels.values()) & set(GENERIC_LEAVES)
+    assert labels["optim.name"] == "optim" and labels["schedule.kind"] == "schedule"
+    assert labels["optim.eps"] == "optim.eps" and labels["norm.eps"] == "norm.eps"  # two sections share `eps`
+
+
+def test_a_grid_over_the_optimizer_reads_optim_equals_in_the_report(tmp_path):
+    from normexp.report import build_report, to_markdown, variant_label
+
+    assert variant_label({"optim.name": "adam", "schedule.kind": "cosine"}) == "optim=adam schedule=cosine"
+    folder = tmp_path / "o"
+    sweep = build_sweep({"name": "o", "base": {"model": {"depth": 2, "width": 4}, "train": {"steps": 2}},
+                         "grid": {"optim.name": ["adam", "sgd"]}})
+    folder.mkdir()
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for cfg in sweep.runs:
+        metrics = {"step": [0, 1, 2], "loss": [2.0, 1.0, 0.5], "acc": [0.1] * 3, "lr": [0.01] * 3,
+                   "grad_norm": [1.0] * 3}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+    text = to_markdown(build_report(folder))
+    assert "optim=adam" in text and "optim=sgd" in text and "name=" not in text
