@@ -51,9 +51,20 @@ WIDE = 6  # more variants than this: the table is transposed (variants down, ste
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
-    """A markdown table's lines; `align` has one letter per column, l(eft) or r(ight)."""
+    """A markdown table's lines; `align` has one letter per column, l(eft) or r(ight). Every cell, the
+    header's too, goes through `markdown_cell`, so that a `|` in its text (`max |diff|`) stays in it."""
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(markdown_cell(c) for c in cells) + " |"
+
     rule = "|" + "".join("---|" if a == "l" else "---:|" for a in align)
-    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows)]
+    return [line(header), rule, *map(line, rows)]
+
+
+def markdown_cell(text: object) -> str:
+    """`text` as one cell of a markdown (GFM) table: a backslash and a `|` escaped, a line break as
+    `<br>` (a raw one would end the row)."""
+    text = str(text).replace("\\", "\\\\").replace("|", "\\|")
+    return "<br>".join(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"))
 
 
 def _rich_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str, title: str | None = None):

@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from normexp.cli import app
@@ -244,3 +246,45 @@ def test_a_grid_over_the_optimizer_reads_optim_equals_in_the_report(tmp_path):
         write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
     text = to_markdown(build_report(folder))
     assert "optim=adam" in text and "optim=sgd" in text and "name=" not in text
+
+
+# ----------------------------------------------------------------------------- 4. markdown cells
+
+
+def _gfm_cells(line: str) -> list[str]:
+    """A GFM table row's cells, as a renderer reads them: split on each `|` that no backslash escapes,
+    then each escape undone (`\\|` -> `|`, `\\\\` -> `\\`) and `<br>` read as a line break."""
+    import re
+
+    assert line.startswith("| ") and line.endswith(" |"), line
+    cells = re.split(r"(?<!\\)((?:\\\\)*)\|", line[2:-2])  # a | after an even number of backslashes splits
+    joined = [cells[0]]
+    for glue, cell in zip(cells[1::2], cells[2::2]):
+        joined[-1] += glue
+        joined.append(cell)
+    return [re.sub(r"\\([\\|])", r"\1", c.strip()).replace("<br>", "\n") for c in joined]
+
+
+_cell_text = st.text(st.sampled_from("ab |\\\n-:*`"), max_size=12).map(str.strip)
+
+
+@settings(deadline=None)
+@given(st.lists(st.lists(_cell_text, min_size=3, max_size=3), min_size=1, max_size=4))
+def test_every_markdown_cell_reads_back_whole(rows):
+    from normexp.report import _markdown_table
+
+    header, *body = rows
+    lines = _markdown_table(header, body, "lrl")
+    assert len(lines) == len(rows) + 1
+    for line, row in zip([lines[0], *lines[2:]], rows):
+        assert "\n" not in line
+        assert _gfm_cells(line) == [c.replace("\r", "") for c in row]
+
+
+def test_the_properties_table_keeps_its_pass_column(tmp_path):
+    result = CliRunner().invoke(app, ["norms", "props", "--format", "markdown"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    widths = {len(_gfm_cells(line)) for line in lines if not line.startswith("|---")}
+    assert widths == {len(_gfm_cells(lines[0]))}, lines  # every row has as many cells as the header
+    assert any("|diff|" in cell for line in lines for cell in _gfm_cells(line))
