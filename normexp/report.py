@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,10 +62,14 @@ def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align:
 
 
 def markdown_cell(text: object) -> str:
-    """`text` as one cell of a markdown (GFM) table: a backslash and a `|` escaped, a line break as
+    """`text` as one cell of a markdown (GFM) table: a `|` escaped, and a backslash where it would
+    escape what follows (before ASCII punctuation; `lr \\ warmup` stays as it is); a line break as
     `<br>` (a raw one would end the row)."""
-    text = str(text).replace("\\", "\\\\").replace("|", "\\|")
-    return "<br>".join(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"))
+    text = "<br>".join(str(text).replace("\r\n", "\n").replace("\r", "\n").split("\n"))
+    return _ESCAPING_BACKSLASH.sub(r"\\\\", text).replace("|", "\\|")
+
+
+_ESCAPING_BACKSLASH = re.compile(r"\\(?=[!-/:-@\[-`{-~])")  # CommonMark: a backslash escapes ASCII punctuation
 
 
 def _rich_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str, title: str | None = None):

@@ -251,21 +251,27 @@ def test_a_grid_over_the_optimizer_reads_optim_equals_in_the_report(tmp_path):
 # ----------------------------------------------------------------------------- 4. markdown cells
 
 
-def _gfm_cells(line: str) -> list[str]:
-    """A GFM table row's cells, as a renderer reads them: split on each `|` that no backslash escapes,
-    then each escape undone (`\\|` -> `|`, `\\\\` -> `\\`) and `<br>` read as a line break."""
-    import re
+def _rendered_rows(lines: list[str]) -> list[list[str]]:
+    """The rows of a markdown table as a GFM renderer reads them (markdown-it-py, rich's own markdown
+    parser, with tables on): each cell's text, escapes undone, `<br>` read as a line break."""
+    from markdown_it import MarkdownIt
 
-    assert line.startswith("| ") and line.endswith(" |"), line
-    cells = re.split(r"(?<!\\)((?:\\\\)*)\|", line[2:-2])  # a | after an even number of backslashes splits
-    joined = [cells[0]]
-    for glue, cell in zip(cells[1::2], cells[2::2]):
-        joined[-1] += glue
-        joined.append(cell)
-    return [re.sub(r"\\([\\|])", r"\1", c.strip()).replace("<br>", "\n") for c in joined]
+    tokens = MarkdownIt("commonmark").enable("table").parse("\n".join(lines) + "\n")
+    rows, row = [], None
+    for token in tokens:
+        if token.type == "tr_open":
+            row = []
+        elif token.type == "tr_close":
+            rows.append(row)
+        elif token.type == "inline" and row is not None:
+            row.append("".join("\n" if c.type == "html_inline" and c.content == "<br>" else c.content
+                               for c in token.children or []))
+    return rows
 
 
-_cell_text = st.text(st.sampled_from("ab |\\\n-:*`"), max_size=12).map(str.strip)
+# the table's own syntax (`|`, backslashes, line breaks, `-` and `:` of the rule); emphasis, code and
+# autolinks (`*`, backquotes, `<a:b>`) are markdown a normexp cell does not hold
+_cell_text = st.text(st.sampled_from("ab |\\\n-:.="), max_size=12).map(str.strip)
 
 
 @settings(deadline=None)
@@ -275,16 +281,16 @@ def test_every_markdown_cell_reads_back_whole(rows):
 
     header, *body = rows
     lines = _markdown_table(header, body, "lrl")
-    assert len(lines) == len(rows) + 1
-    for line, row in zip([lines[0], *lines[2:]], rows):
-        assert "\n" not in line
-        assert _gfm_cells(line) == [c.replace("\r", "") for c in row]
+    assert len(lines) == len(rows) + 1 and not any("\n" in line for line in lines)
+    assert _rendered_rows(lines) == rows
 
 
-def test_the_properties_table_keeps_its_pass_column(tmp_path):
+def test_the_properties_table_keeps_its_pass_column():
     result = CliRunner().invoke(app, ["norms", "props", "--format", "markdown"])
     assert result.exit_code == 0, result.output
-    lines = [line for line in result.stdout.splitlines() if line.startswith("|")]
-    widths = {len(_gfm_cells(line)) for line in lines if not line.startswith("|---")}
-    assert widths == {len(_gfm_cells(lines[0]))}, lines  # every row has as many cells as the header
-    assert any("|diff|" in cell for line in lines for cell in _gfm_cells(line))
+    header, *rows = _rendered_rows(result.stdout.splitlines())
+    assert header[-1] == "result" and len(rows) > 5
+    # a renderer pads or cuts a row to the header's width: a `|` left in a cell shifts the row and its
+    # last cell is then not the result
+    assert all(row[-1] in ("pass", "FAIL") for row in rows), rows
+    assert any("max |diff|" in row[0] for row in rows)
