@@ -167,11 +167,28 @@ def _progress(total: int, quiet: bool):
     return sweep_progress(err if quiet else out, total, quiet)
 
 
+def show(renderable: object) -> None:
+    """Print a table (or a group of tables and lines) to stdout without cutting a cell: on a terminal a
+    cell too wide for it wraps (`_rich_table` folds, never "…"); anywhere else (a pipe, a file, a Slurm
+    log: Rich would assume 80 columns, or COLUMNS) at the table's own width, every identifier and number whole."""
+    if out.is_terminal:
+        out.print(renderable)
+        return
+    from rich.measure import Measurement
+
+    whole = Console(highlight=False, markup=False, emoji=False, width=UNBOUNDED)  # stdout, read when it prints
+    whole.width = max(1, Measurement.get(whole, whole.options, renderable).maximum)  # no padding to UNBOUNDED
+    whole.print(renderable)
+
+
+UNBOUNDED = 1_000_000  # columns: wide enough that no table is measured against it
+
+
 def _emit(fmt: str, table: Callable[[], object], markdown: Callable[[], str],
           csv: Callable[[], str] | None = None) -> None:
     """Print one result in the chosen --format: a Rich renderable, or markdown / CSV text."""
     if fmt == "table":
-        out.print(table())
+        show(table())
     else:
         sys.stdout.write(markdown() if fmt == "markdown" or csv is None else csv())
 
@@ -216,19 +233,13 @@ def _require_cuda() -> None:
 
 
 def _print_grid(spec: Sweep) -> None:
-    from rich.table import Table
-
+    from normexp.report import _rich_table
     from normexp.store import run_id
 
     keys = spec.varying_keys
-    table = Table(title=f"{spec.name}: {_plural(len(spec.runs), 'run')}")
-    table.add_column("run_id")
-    for key in keys:
-        table.add_column(key)
-    for cfg in spec.runs:
-        flat = cfg.model_dump(mode="json")
-        table.add_row(run_id(cfg), *(str(_dotted(flat, k)) for k in keys))
-    out.print(table)
+    rows = [[run_id(cfg), *(str(_dotted(cfg.model_dump(mode="json"), k)) for k in keys)] for cfg in spec.runs]
+    show(_rich_table(["run_id", *keys], rows, "l" * (len(keys) + 1),
+                     title=f"{spec.name}: {_plural(len(spec.runs), 'run')}"))
 
 
 def _dotted(data: dict, key: str) -> object:
@@ -242,7 +253,7 @@ def _print_report(run_dir: Path) -> None:
     from normexp.results import ResultsError
 
     try:
-        out.print(to_rich(build_report(run_dir)))
+        show(to_rich(build_report(run_dir)))
     except ResultsError as exc:
         err.print(str(exc))
 
@@ -410,7 +421,7 @@ def verify(
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"{run_dir}: cannot {'repair' if fix else 'read'} {exc.filename}: {exc.strerror}") from None
-    out.print(verification_to_rich(result))
+    show(verification_to_rich(result))
     if not result.clean:
         raise typer.Exit(Exit.FAILED)
 

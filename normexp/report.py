@@ -73,12 +73,14 @@ _ESCAPING_BACKSLASH = re.compile(r"\\(?=[!-/:-@\[-`{-~])")  # CommonMark: a back
 
 
 def _rich_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str, title: str | None = None):
-    """The same table as a rich.table.Table (rich is imported lazily), titled on the left."""
+    """The same table as a rich.table.Table (rich is imported lazily), titled on the left. A cell too wide
+    for the terminal wraps, folding a long word across lines, never cut to "…" (an identifier or number
+    must be read whole); off a terminal, cli.show prints the table at its own width."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
     for name, a in zip(header, align):
-        table.add_column(name, justify="left" if a == "l" else "right")
+        table.add_column(name, justify="left" if a == "l" else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
     return table
@@ -339,7 +341,6 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
 
     header, rows = grid_cells(report)
     table = _rich_table(header, rows, _grid_align(report, len(header)))
-    table.columns[0].no_wrap = True
     parts = [Text(report.title, style="bold"), table]
     if report.partial:
         parts.append(Text(PARTIAL_NOTE))
@@ -643,7 +644,6 @@ def sensitivity_to_rich(rows: list):  # -> rich.console.Group
     from rich.text import Text
 
     table = _rich_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr", title="learning-rate sensitivity")
-    table.columns[0].no_wrap = True
     return Group(table, Text(SENSITIVITY_NOTE))
 
 

@@ -294,3 +294,112 @@ def test_the_properties_table_keeps_its_pass_column():
     # last cell is then not the result
     assert all(row[-1] in ("pass", "FAIL") for row in rows), rows
     assert any("max |diff|" in row[0] for row in rows)
+
+
+# ----------------------------------------------------------------------------- 10. tables off a terminal
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WIDE_SWEEP = """\
+name: wide
+base: {model: {depth: 2, width: 4}, train: {steps: 3}, schedule: {kind: cosine}}
+grid:
+  norm.placement: [pre, post]
+  optim.lr: [0.001, 0.01, 100000.0]
+  schedule.warmup_steps: [0, 1]
+  schedule.min_lr_ratio: [0.0, 0.5]
+"""
+
+
+def _piped(*args: str, cwd: Path | None = None) -> str:
+    """normexp's stdout through a pipe (not a terminal, as in a Slurm log or `| cat`), at COLUMNS=40."""
+    env = {**os.environ, "COLUMNS": "40", "PYTHONPATH": str(REPO)}
+    env.pop("FORCE_COLOR", None)
+    result = subprocess.run([sys.executable, "-m", "normexp", *args], capture_output=True, text=True, env=env,
+                            cwd=cwd or REPO, timeout=300)
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    assert "…" not in result.stdout, result.stdout
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("wide")
+    (folder / "wide.yaml").write_text(WIDE_SWEEP)
+    text = _piped("sweep", str(folder / "wide.yaml"), "--out", str(folder / "out"))
+    from normexp.report import build_report, grid_cells
+
+    header, rows = grid_cells(build_report(folder / "out"))
+    for cell in [*header, *(c for row in rows for c in row)]:  # the sweep's closing table, every cell whole
+        assert cell in text, cell
+    return folder / "out"
+
+
+def _whole(text: str, cells) -> None:
+    missing = [c for c in cells if c not in text]
+    assert not missing, (missing, text)
+
+
+def test_report_tables_through_a_pipe_keep_every_cell_whole(wide):
+    from normexp.report import _pivot_cells, _sensitivity_rows, build_pivot, build_report, grid_cells
+    from normexp.sensitivity import build_sensitivity
+
+    header, rows = grid_cells(build_report(wide))
+    _whole(_piped("report", str(wide)), [*header, *(c for r in rows for c in r)])
+    by = build_report(wide, by=["schedule.min_lr_ratio", "optim.lr"])
+    header, rows = grid_cells(by)
+    _whole(_piped("report", str(wide), "--by", "schedule.min_lr_ratio,optim.lr"), [*header, *(c for r in rows for c in r)])
+    pivot = build_pivot(wide, "optim.lr", "schedule.warmup_steps")
+    text = _piped("report", str(wide), "--pivot", "optim.lr,schedule.warmup_steps")
+    for i in range(len(pivot.panels)):
+        header, rows, _ = _pivot_cells(pivot, "lr \\ warmup_steps", i)
+        _whole(text, [*header, *(c for r in rows for c in r)])
+    text = _piped("report", str(wide), "--lr-sensitivity")
+    _whole(text, ["LR sensitivity", "l* (best seed-mean)", *(c for r in _sensitivity_rows(build_sensitivity(wide))
+                                                               for c in r)])
+
+
+def test_dry_run_and_verify_through_a_pipe_keep_ids_and_paths_whole(wide, tmp_path):
+    (tmp_path / "wide.yaml").write_text(WIDE_SWEEP)
+    text = _piped("sweep", str(tmp_path / "wide.yaml"), "--dry-run")
+    _whole(text, [run_id(cfg) for cfg in build_sweep(__import__("yaml").safe_load(WIDE_SWEEP)).runs])
+    _whole(text, ["schedule.warmup_steps", "schedule.min_lr_ratio", "100000.0"])
+    import shutil
+
+    first = next(p for p in sorted(wide.iterdir()) if (p / "done.json").exists())
+    stray = wide / "rezero-rmsnorm_gemma-s12345-0123456789"  # a run of no run id of this sweep
+    shutil.copytree(first, stray)
+    (stray / "done.json").unlink()
+    try:
+        text = _piped("verify", str(wide))
+        _whole(text, [stray.name])
+    finally:
+        shutil.rmtree(stray)
+
+
+def test_diagnostics_tables_through_a_pipe_keep_every_cell_whole(tmp_path):
+    from normexp.diagnostics import norm_properties
+
+    _whole(_piped("norms", "props"), [p.name for p in norm_properties()])
+    _whole(_piped("norms", "bench", "--no-big", "--no-compile", "--repeats", "1"),
+           ["rmsnorm_llama", "rmsnorm_gemma", "vs LayerNorm", "fwd+bwd ms"])
+    text = _piped("gradnorm", str(REPO / "configs" / "studies" / "gradnorm.yaml"), "--set", "model.depth=2,4",
+                  "--set", "model.width=8", "--out", str(tmp_path / "g"))
+    assert "||grad W2_L||" in text
+
+
+def test_on_a_narrow_terminal_a_cell_wraps_instead_of_being_cut():
+    from rich.console import Console
+
+    from normexp.report import _rich_table
+
+    console = Console(force_terminal=True, width=30, record=True, color_system=None)
+    console.print(_rich_table(["schedule.min_lr_ratio", "value"], [["post-layernorm-s0-4cc00c4527", "8.7400e+07"]], "lr"))
+    text = console.export_text()
+    assert "…" not in text
+    body = [line.split("│") for line in text.splitlines() if line.startswith("│")]
+    assert "".join(cells[1].strip() for cells in body) == "post-layernorm-s0-4cc00c4527"  # folded, whole
+    assert "8.7400e+07" in text
