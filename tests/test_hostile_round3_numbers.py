@@ -403,3 +403,43 @@ def test_on_a_narrow_terminal_a_cell_wraps_instead_of_being_cut():
     body = [line.split("│") for line in text.splitlines() if line.startswith("│")]
     assert "".join(cells[1].strip() for cells in body) == "post-layernorm-s0-4cc00c4527"  # folded, whole
     assert "8.7400e+07" in text
+
+
+# ----------------------------------------------------------------------------- 11. log_blocks on every placement
+
+
+def _ffn_placements() -> list[str]:
+    from typing import get_args
+
+    from normexp.config import Placement
+
+    return [p for p in get_args(Placement) if p != "b2t"]  # b2t needs the Transformer's two sublayers
+
+
+@pytest.mark.parametrize("placement", _ffn_placements())
+def test_log_blocks_works_on_every_placement_and_both_exact_engines_agree(placement):
+    from test_blocks import assert_blocks_match_reference, logging, small
+
+    from normexp.engines.reference import train_run
+    from test_batched import runs
+
+    result = train_run(logging(small(placement, steps=2)))
+    assert result.blocks is not None and set(result.blocks["block"]) == {1, 2, 3}
+    assert all(math.isfinite(v) for v in result.blocks["stream_rms"])
+    assert_blocks_match_reference([logging(c, 2) for c in runs(placement, "rmsnorm", n=2, steps=3)])
+
+
+def test_resdual_logs_the_normed_stream_x_a():
+    from test_blocks import logging, small
+
+    from normexp.engines.reference import seeded_init, train_run
+
+    cfg = small("resdual", "layernorm", depth=3, width=5)
+    rows = train_run(logging(cfg)).blocks
+    model, task = seeded_init(cfg)
+    x = (model.input_norm(task.x), None)
+    x = (x[0], x[0] * 0)
+    at_init = [r for r, step in zip(rows["stream_rms"], rows["step"]) if step == 0]
+    for i, block in enumerate(model.blocks):
+        x = block(x)
+        assert at_init[i] == x[0].pow(2).mean().sqrt().item()
