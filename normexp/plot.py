@@ -212,7 +212,7 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
     for placement, stats in summary.last_grad.items():
         means = np.array([m for m, _ in stats])
         stds = np.array([s for _, s in stats])
-        line = left.errorbar(depths, means, yerr=stds, marker="o", capsize=3,
+        line = left.errorbar(depths, means, yerr=np.nan_to_num(stds), marker="o", capsize=3,  # nan: one seed
                              label=f"{placement} (slope {summary.slopes[placement]:+.2f})")[0]
         if len(depths) > 1:  # a slope needs two depths
             fit = np.polyfit(np.log(depths), np.log(means), 1)
@@ -250,9 +250,10 @@ def layer_gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.La
     fig, axes = plt.subplots(1, len(SUBLAYERS), figsize=(12, 4.6), layout="constrained")
     for ax, (column, label) in zip(axes, SUBLAYERS.items()):
         for variant, grads in summary.grads.items():
-            stats = np.array(grads[column])
-            ax.errorbar(summary.layers, stats[:, 0], yerr=stats[:, 1], marker="o", capsize=3,
-                        label=f"{variant} (last/first {summary.ratio(variant, column):.2f})")
+            stats = np.array(grads[column], dtype=float)
+            own = ~np.isnan(stats[:, 0])  # the layers this variant's model has (a shallower depth: fewer)
+            ax.errorbar(np.array(summary.layers)[own], stats[own, 0], yerr=np.nan_to_num(stats[own, 1]), marker="o",
+                        capsize=3, label=f"{variant} (last/first {summary.ratio(variant, column):.2f})")
         ax.set_yscale("log")
         ax.set_xlabel("layer l")
         ax.set_ylabel(f"||dLoss / dW|| of the {label} projection, at init")

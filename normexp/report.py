@@ -522,9 +522,13 @@ def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str
 
     columns = [(v, c) for v in summary.grads for c in SUBLAYERS]
     header = ["layer l", *(f"{_gradnorm_label(v)}: {SUBLAYERS[c]}" for v, c in columns)]
-    rows = [[str(layer), *(_mean_std(*summary.grads[v][c][i]) for v, c in columns)]
+    rows = [[str(layer), *("—" if math.isnan(summary.grads[v][c][i][0]) else _mean_std(*summary.grads[v][c][i])
+                           for v, c in columns)]
             for i, layer in enumerate(summary.layers)]
     lines = [f"each cell: {_over_seeds(summary.seeds)}"]
+    if len(summary.depths) > 1:
+        lines.append(f"depths {', '.join(map(str, summary.depths))}: each is its own variant (L=depth); "
+                     "— where that model has no such layer")
     lines += [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
         f"{SUBLAYERS[c]} {summary.ratio(v, c):.2f} ({summary.verdict(v, c)})" for c in SUBLAYERS)
         for v in summary.grads]

@@ -443,3 +443,45 @@ def test_resdual_logs_the_normed_stream_x_a():
     for i, block in enumerate(model.blocks):
         x = block(x)
         assert at_init[i] == x[0].pow(2).mean().sqrt().item()
+
+
+# ----------------------------------------------------------------------------- 18. Transformer gradnorm depths
+
+TF_GRADNORM = """\
+name: tfg
+base:
+  model: {arch: transformer, width: 8, n_heads: 2}
+  data: {task: copy, n_samples: 16, n_val: 8}
+  train: {steps: 3}
+grid:
+  norm.placement: [post, pre]
+  model.depth: [2, 3]
+seeds: [0, 1]
+"""
+
+
+def test_transformer_gradnorm_shows_every_depth(tmp_path):
+    from normexp.config import build_sweep as build
+    from normexp.diagnostics import gradnorm_study, layer_gradnorm_at_init
+    from normexp.report import gradnorm_tables
+
+    spec = build(__import__("yaml").safe_load(TF_GRADNORM))
+    summary = gradnorm_study(spec, tmp_path / "g")
+    assert sorted(summary.grads) == ["post L=2", "post L=3", "pre L=2", "pre L=3"]
+    header, rows, lines = gradnorm_tables(summary)
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    # the shallow model's layer 3 is no cell; its layers 1-2 are its own seeds' means, computed here
+    shallow = header.index("Post L=2: attention out")
+    assert rows[2][shallow] == "—"
+    values = [layer_gradnorm_at_init(c)[1]["attn_out_grad"] for c in spec.runs
+              if c.norm.placement == "post" and c.model.depth == 2]
+    assert rows[1][shallow] == f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+    assert any("depths 2, 3" in line for line in lines)
+    assert any(line.startswith("Post L=2: last/first layer") for line in lines)
+    # its ratio is its own last layer (2) over its first, not a layer it does not have
+    assert summary.ratio("post L=2", "attn_out_grad") == pytest.approx(
+        summary.grads["post L=2"]["attn_out_grad"][1][0] / summary.grads["post L=2"]["attn_out_grad"][0][0])
+    (tmp_path / "tfg.yaml").write_text(TF_GRADNORM)
+    markdown = CliRunner().invoke(app, ["gradnorm", str(tmp_path / "tfg.yaml"), "--out", str(tmp_path / "cli"),
+                                        "--format", "markdown"])
+    assert markdown.exit_code == 0 and "Pre L=3: FFN fc2" in markdown.output
