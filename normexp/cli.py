@@ -168,17 +168,22 @@ def _progress(total: int, quiet: bool):
 
 
 def show(renderable: object) -> None:
-    """Print a table (or a group of tables and lines) to stdout without cutting a cell: on a terminal a
-    cell too wide for it wraps (`_rich_table` folds, never "…"); anywhere else (a pipe, a file, a Slurm
-    log: Rich would assume 80 columns, or COLUMNS) at the table's own width, every identifier and number whole."""
-    if out.is_terminal:
-        out.print(renderable)
-        return
+    """Print a table (or a group of tables and lines) to stdout without cutting a cell. On a terminal a
+    cell too wide for it wraps (`_rich_table` folds, never "…"), down to the table's narrowest whole
+    layout (each column as wide as its longest word: past that the terminal itself wraps the lines);
+    anywhere else (a pipe, a file, a Slurm log: Rich would assume 80 columns, or COLUMNS) at the table's
+    own width, every identifier and number on one line."""
     from rich.measure import Measurement
 
-    whole = Console(highlight=False, markup=False, emoji=False, width=UNBOUNDED)  # stdout, read when it prints
-    whole.width = max(1, Measurement.get(whole, whole.options, renderable).maximum)  # no padding to UNBOUNDED
-    whole.print(renderable)
+    probe = Console(highlight=False, markup=False, emoji=False, width=UNBOUNDED)
+    fit = Measurement.get(probe, probe.options, renderable)
+    width = max(out.width, fit.minimum) if out.is_terminal else fit.maximum
+    if out.is_terminal and width == out.width:
+        out.print(renderable)
+        return
+    # stdout (read when it prints), as wide as the table; a terminal keeps its styles
+    Console(highlight=False, markup=False, emoji=False, width=max(1, width),
+            force_terminal=out.is_terminal or None).print(renderable)
 
 
 UNBOUNDED = 1_000_000  # columns: wide enough that no table is measured against it
