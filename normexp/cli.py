@@ -324,7 +324,14 @@ def report(
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: to_rich(table), lambda: to_markdown(table), lambda: to_csv(table))
+    _say_engines(table.engines, fmt)
     _exit_if_runs_missing(run_dir, shown=fmt != "csv")
+
+
+def _say_engines(note: str, fmt: str) -> None:
+    """A CSV has no line under its table: the note that it averages engines goes to stderr."""
+    if note and fmt == "csv":
+        err.print(note, soft_wrap=True)
 
 
 def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
@@ -341,19 +348,22 @@ def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: pivot_to_rich(table), lambda: pivot_to_markdown(table), lambda: pivot_to_csv(table))
+    _say_engines(table.engines, fmt)
 
 
 def _print_sensitivity(run_dir: Path, fmt: str) -> None:
     from normexp.report import sensitivity_to_csv, sensitivity_to_markdown, sensitivity_to_rich
     from normexp.results import ResultsError
-    from normexp.sensitivity import build_sensitivity
+    from normexp.sensitivity import build_sensitivity, sensitivity_engines
 
     try:
         rows = build_sensitivity(run_dir)
     except ResultsError as exc:
         raise fail(str(exc)) from None
-    _emit(fmt, lambda: sensitivity_to_rich(rows), lambda: sensitivity_to_markdown(rows),
+    engines = sensitivity_engines(run_dir)
+    _emit(fmt, lambda: sensitivity_to_rich(rows, engines), lambda: sensitivity_to_markdown(rows, engines),
           lambda: sensitivity_to_csv(rows))
+    _say_engines(engines, fmt)
 
 
 @app.command()

@@ -29,7 +29,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from normexp.report import n_choices, trained_threshold, variant_groups  # noqa: E402
+from normexp.report import engine_note, n_choices, trained_threshold, variant_groups  # noqa: E402
 from normexp.results import (  # noqa: E402
     check_metric,
     finished_runs,
@@ -175,7 +175,7 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     tidy = load_metrics(run_dir, all_config=True)
     check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]
-    note = missing_note(summary, run_dir)
+    note = "\n".join(filter(None, [engine_note(summary, keys), missing_note(summary, run_dir)]))
     paths = []
     fig = curves_figure(tidy, keys, metric)
     _footnote(fig, note)
@@ -184,6 +184,7 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     paths.append(output)
     if summary["optim.lr"].nunique() >= MIN_LRS:
         fig = lr_figure(*lr_table(run_dir))
+        _footnote(fig, note)
         by_lr = output.with_name(f"{output.stem}-lr{output.suffix}")
         fig.savefig(by_lr, dpi=120)
         plt.close(fig)

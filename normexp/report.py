@@ -116,6 +116,34 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
     return value if finite == runs else f"{value} ({finite} of {runs})"
 
 
+APPROXIMATE_ENGINES = ("fast",)  # close to the reference's numbers, not equal; reference and batched are its bits
+ENGINES_LISTED = 6
+
+
+def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
+    """A line saying that the finished runs come from an exact engine (reference, batched: the same
+    bits) and from the fast one (close, not equal), naming the cells (grouped by `keys`) that average
+    both; "" when one kind of engine trained every run (or the folder predates the engine column)."""
+    finished = finished_runs(summary)
+    if "engine" not in finished or finished.empty:
+        return ""
+    fast = finished["engine"].astype(str).isin(APPROXIMATE_ENGINES)
+    if fast.all() or not fast.any():
+        return ""
+    exact = ", ".join(sorted(set(finished.loc[~fast, "engine"].astype(str))))
+    mixed = []
+    for label, group in variant_groups(finished, list(keys), everything="all runs"):
+        in_fast = group["engine"].astype(str).isin(APPROXIMATE_ENGINES)
+        if in_fast.any() and not in_fast.all():
+            mixed.append(f"{label} ({int(in_fast.sum())} fast, {int((~in_fast).sum())} {exact})")
+    more = f" and {len(mixed) - ENGINES_LISTED} more" if len(mixed) > ENGINES_LISTED else ""
+    cells = (f"cells that average both: {', '.join(mixed[:ENGINES_LISTED])}{more}" if mixed else
+             "no cell averages both, but cells of different engines are compared")
+    return (f"Engines mixed: {int(fast.sum())} of {len(finished)} runs by the fast engine (close to the reference's "
+            f"numbers, not equal), the others by {exact}; {cells}. For one engine throughout, rerun the sweep "
+            "with --engine batched (it redoes the fast runs) or with --engine fast --force.")
+
+
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
                 "or are missing (named below), or, in the table, ended before that step (a shorter train.steps).")
 
@@ -158,6 +186,7 @@ class Report:
     columns: list[Column]
     n_classes: tuple[int, ...]  # every n_classes among the runs: each run is judged by its own
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
+    engines: str = ""  # `engine_note`: the cells that average exact and fast-engine runs, or ""
 
     def cell(self, column: Column, step: int) -> str:
         """The cell's aggregate; a mean over fewer than the column's runs says "(k of n)" with n every
@@ -246,7 +275,8 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
     columns = [_column(label, group, keys, steps, metric, missing.get(label, 0))
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric), metric, steps, columns, n_classes, missing_note(summary, run_dir))
+    return Report(_title(summary, metric), metric, steps, columns, n_classes, missing_note(summary, run_dir),
+                  engine_note(summary, keys))
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
@@ -346,6 +376,8 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
         parts.append(Text(PARTIAL_NOTE))
     if report.metric == "loss":
         parts.append(Text(report.verdict_line()))
+    if report.engines:
+        parts.append(Text(report.engines, style="bold"))
     if report.missing:
         parts.append(Text(report.missing, style="bold"))
     return Group(*parts)
@@ -358,6 +390,8 @@ def to_markdown(report: Report) -> str:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
         lines += ["", report.verdict_line()]
+    if report.engines:
+        lines += ["", f"**{report.engines}**"]
     if report.missing:
         lines += ["", f"**{report.missing}**"]
     return "\n".join(lines) + "\n"
@@ -393,6 +427,7 @@ class Pivot:
     panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # title, mean, std, n, runs
     lost: list[pd.DataFrame]  # per panel: how many runs of each cell have no verified result
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
+    engines: str = ""  # `engine_note`: the cells that average exact and fast-engine runs, or ""
 
     def cell(self, mean: float, std: float, n: int, runs: int, lost: int = 0) -> str:
         return aggregate_cell(mean, std, _count(n), _count(runs), _count(lost))
@@ -421,7 +456,7 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
         mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
         panels.append((title, mean, std, n.fillna(0), runs.fillna(0)))  # std: nan below 2 finite runs
         lost.append(cells["lost"].sum().unstack(cols).reindex_like(mean).fillna(0))
-    return Pivot(rows, cols, panels, lost, missing_note(summary, run_dir))
+    return Pivot(rows, cols, panels, lost, missing_note(summary, run_dir), engine_note(summary, [*others, rows, cols]))
 
 
 def _count(value: float) -> int:
@@ -452,6 +487,8 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
     if pivot.partial:
         parts.append(Text(PARTIAL_NOTE))
+    if pivot.engines:
+        parts.append(Text(pivot.engines, style="bold"))
     if pivot.missing:
         parts.append(Text(pivot.missing, style="bold"))
     return Group(*parts)
@@ -464,6 +501,8 @@ def pivot_to_markdown(pivot: Pivot) -> str:
                   *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", i)), ""]
     if pivot.partial:
         lines += [PARTIAL_NOTE, ""]
+    if pivot.engines:
+        lines += [f"**{pivot.engines}**", ""]
     if pivot.missing:
         lines += [f"**{pivot.missing}**", ""]
     return "\n".join(lines)
@@ -638,17 +677,18 @@ def _sensitivity_rows(rows: list) -> list[list[str]]:
              str(r.seeds), str(r.runs), str(r.diverged), str(r.missing)] for r in rows]
 
 
-def sensitivity_to_markdown(rows: list) -> str:
+def sensitivity_to_markdown(rows: list, engines: str = "") -> str:
+    """`engines`: `engine_note` of the sweep, a line under the table ("" for none)."""
     table = _markdown_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr")
-    return "\n".join([*table, "", SENSITIVITY_NOTE]) + "\n"
+    return "\n".join([*table, "", SENSITIVITY_NOTE, *(["", f"**{engines}**"] if engines else [])]) + "\n"
 
 
-def sensitivity_to_rich(rows: list):  # -> rich.console.Group
+def sensitivity_to_rich(rows: list, engines: str = ""):  # -> rich.console.Group
     from rich.console import Group
     from rich.text import Text
 
     table = _rich_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr", title="learning-rate sensitivity")
-    return Group(table, Text(SENSITIVITY_NOTE))
+    return Group(table, Text(SENSITIVITY_NOTE), *([Text(engines, style="bold")] if engines else []))
 
 
 def sensitivity_to_csv(rows: list) -> str:

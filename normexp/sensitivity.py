@@ -98,6 +98,15 @@ def variant_sensitivity(group: pd.DataFrame, grid_lrs: list[float]) -> tuple[flo
     return sensitivity, spread, best_lr, best
 
 
+def sensitivity_engines(run_dir: str | Path) -> str:
+    """`report.engine_note` for the sensitivity's cells (a variant at one lr): which average runs of the
+    fast engine with exact ones, or ""."""
+    from normexp.report import engine_note
+
+    summary = load_summary(run_dir)
+    return engine_note(summary, [*(k for k in varying_keys(summary) if k not in ("seed", LR_KEY)), LR_KEY])
+
+
 def build_sensitivity(run_dir: str | Path) -> list[Sensitivity]:
     """Every variant's LR sensitivity, in the sweep's order."""
     table, keys = lr_table(run_dir)

@@ -61,7 +61,7 @@ from normexp.report import (
     variant_label,
 )
 from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note
-from normexp.sensitivity import build_sensitivity
+from normexp.sensitivity import build_sensitivity, sensitivity_engines
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -421,7 +421,8 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         start = time.perf_counter()
         run_dir, resumed = _sweep(name, specs[name], out)
         figures = _figures(run_dir, x_key)
-        sensitivity = sensitivity_to_markdown(build_sensitivity(run_dir)) if name.startswith("lr_") else ""
+        sensitivity = (sensitivity_to_markdown(build_sensitivity(run_dir), sensitivity_engines(run_dir))
+                       if name.startswith("lr_") else "")
         table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(run_dir))
         if name == "lr_warmup":
             from normexp.report import build_pivot, pivot_to_markdown

@@ -485,3 +485,60 @@ def test_transformer_gradnorm_shows_every_depth(tmp_path):
     markdown = CliRunner().invoke(app, ["gradnorm", str(tmp_path / "tfg.yaml"), "--out", str(tmp_path / "cli"),
                                         "--format", "markdown"])
     assert markdown.exit_code == 0 and "Pre L=3: FFN fc2" in markdown.output
+
+
+# ----------------------------------------------------------------------------- 17. mixed engines
+
+
+def _mixed_folder(tmp_path: Path) -> Path:
+    """DIVERGING's sweep trained by the batched engine, but seed 1 of pre at lr 0.01 by the fast engine
+    (as a fast sweep resumed over exact runs keeps them): the cell (pre, 0.01) averages both."""
+    folder = write_curves(tmp_path / "mixed", DIVERGING, engine="batched")
+    for placement, lr, seed, losses, status, *_ in DIVERGING:
+        if (placement, lr, seed) == ("pre", 0.01, 1):
+            cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
+                                            "schedule": {"kind": "linear_warmup", "warmup_steps": 0},
+                                            "train": {"steps": 3, "stop_on_nonfinite": False}})
+            n = len(losses)
+            metrics = {"step": list(range(n)), "loss": list(losses), "acc": [0.1] * n, "lr": [lr] * n,
+                       "grad_norm": [1.0] * n}
+            import shutil
+
+            shutil.rmtree(folder / run_id(cfg))
+            write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, status, 0.1, 1, "fast", "cpu"))
+    return folder
+
+
+def test_a_folder_of_two_engines_says_so_wherever_its_numbers_are_shown(tmp_path):
+    folder = _mixed_folder(tmp_path)
+    runner = CliRunner()
+    for args in ([], ["--format", "markdown"], ["--pivot", "optim.lr,norm.placement"],
+                 ["--pivot", "optim.lr,norm.placement", "--format", "markdown"], ["--lr-sensitivity"],
+                 ["--lr-sensitivity", "--format", "markdown"], ["--by", "norm.placement"]):
+        result = runner.invoke(app, ["report", str(folder), *args])
+        assert result.exit_code == 1, result.output  # printed; 1: DIVERGING leaves NoNorm's seed 1 missing
+        text = " ".join(result.stdout.split())
+        assert "Engines mixed: 1 of 9 runs by the fast engine" in text, (args, text)
+        assert "--engine batched" in text
+    table = " ".join(runner.invoke(app, ["report", str(folder)]).stdout.split())
+    assert "cells that average both: Pre lr=0.01 (1 fast, 1 batched)" in table
+    by = " ".join(runner.invoke(app, ["report", str(folder), "--by", "norm.placement"]).stdout.split())
+    assert "Pre (1 fast, 5 batched)" in by
+    for args in (["--format", "csv"], ["--pivot", "optim.lr,norm.placement", "--format", "csv"],
+                 ["--lr-sensitivity", "--format", "csv"]):
+        result = runner.invoke(app, ["report", str(folder), *args])
+        assert result.exit_code == 1 and "Engines mixed" in result.stderr and "Engines" not in result.stdout
+    checked = runner.invoke(app, ["verify", str(folder)])
+    assert checked.exit_code == 1, checked.output  # the missing runs; the engines are a note
+    assert "note: runs of two engines" in " ".join(checked.stdout.split())
+    assert "runs of two engines: 1 of 9 by the fast engine" in " ".join(checked.stdout.split())
+    assert runner.invoke(app, ["plot", str(folder)]).exit_code == 1 and (folder / "loss-lr.png").is_file()
+
+
+def test_one_engine_says_nothing(tmp_path):
+    from normexp.report import build_report, engine_note
+    from normexp.results import load_summary
+
+    folder = write_curves(tmp_path / "one", DIVERGING, engine="fast")
+    assert engine_note(load_summary(folder), ["norm.placement"]) == "" and build_report(folder).engines == ""
+    assert "engines" not in CliRunner().invoke(app, ["verify", str(folder)]).stdout
