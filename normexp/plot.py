@@ -342,6 +342,11 @@ def blocks_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "fc2_update
         for col, (label, group) in enumerate(panels):
             title = " ".join(part for part in (label, row_label) if part) or "all runs"
             title += f" (n={group['run_id'].nunique()})"
+            why = _why_empty(group, metric)
+            if why:  # nothing to draw on a log scale: an empty panel that says why, not a matplotlib error
+                _empty_panel(axes[2 * row, col], title, why)
+                _empty_panel(axes[2 * row + 1, col], "", why)
+                continue
             image = _block_heatmap(axes[2 * row, col], group, metric, scale, title)
             _block_lines(axes[2 * row + 1, col], group, metric)
         for col in range(len(panels), n_cols):
@@ -351,6 +356,29 @@ def blocks_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "fc2_update
             fig.colorbar(image, ax=list(axes[2 * row]), label=f"{metric} (mean over seeds, log scale)", shrink=0.9)
     fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS.get(metric, metric)}")
     return fig
+
+
+def _why_empty(group: pd.DataFrame, metric: str) -> str:
+    """Why a variant's runs have no value of `metric` to draw (none finite and positive), or ""."""
+    values = group[metric].astype(float)
+    if (np.isfinite(values) & (values > 0)).any():
+        return ""
+    if values.notna().any():
+        return f"no {metric} above 0 (a log scale shows none)"
+    if metric in ("norm_rms", "norm_out_rms"):
+        what = "branch-output norm (only Sandwich and Peri-LN have one)" if metric == "norm_out_rms" else \
+            "block norm (none and ReZero have none)"
+        return f"no {metric}: this placement's blocks have no {what}"
+    if metric.endswith("_update") and int(group["step"].max()) == 0:
+        return f"no {metric}: train.steps 0, so no update followed step 0"
+    return f"no {metric} was recorded for these runs"
+
+
+def _empty_panel(ax, title: str, why: str) -> None:
+    ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True, transform=ax.transAxes, fontsize="small")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title)
 
 
 def _block_heatmap(ax, group: pd.DataFrame, metric: str, scale: LogNorm, title: str):

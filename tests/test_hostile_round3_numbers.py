@@ -542,3 +542,33 @@ def test_one_engine_says_nothing(tmp_path):
     folder = write_curves(tmp_path / "one", DIVERGING, engine="fast")
     assert engine_note(load_summary(folder), ["norm.placement"]) == "" and build_report(folder).engines == ""
     assert "engines" not in CliRunner().invoke(app, ["verify", str(folder)]).stdout
+
+
+# ----------------------------------------------------------------------------- 12. plot --blocks, nothing to draw
+
+
+@pytest.mark.parametrize(("steps", "metric"), [(2, "norm_out_rms"), (2, "norm_rms"), (0, "fc2_update"),
+                                               (0, "fc1_update"), (2, "fc2_update")])
+def test_plot_blocks_where_a_variant_has_no_values_draws_an_empty_panel(write_yaml, tmp_path, steps, metric):
+    import matplotlib.pyplot as plt
+
+    from normexp.plot import blocks_figure
+    from normexp.results import load_blocks
+
+    config = write_yaml(f"name: b\nbase: {{model: {{depth: 2, width: 4}}, train: {{steps: {steps}, log_blocks: true}}}}\n"
+                        "grid: {norm.placement: [post, pre, none, rezero, sandwich]}\n")
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(out), "--quiet"]).exit_code == 0
+    result = runner.invoke(app, ["plot", str(out), "--blocks", "--block-metric", metric])
+    assert result.exit_code == 0, result.output
+    assert (out / f"blocks-{metric}.png").stat().st_size > 0 and "Traceback" not in result.output
+    tidy = load_blocks(out, all_config=True)
+    fig = blocks_figure(tidy, ["norm.placement"], metric)
+    said = {ax.get_title().split(" (")[0]: " ".join(t.get_text() for t in ax.texts) for ax in fig.axes if ax.get_title()}
+    plt.close(fig)
+    for label, placement in (("Post", "post"), ("Pre", "pre"), ("NoNorm", "none"), ("ReZero", "rezero"),
+                             ("Sandwich", "sandwich")):
+        values = tidy.loc[tidy["norm.placement"] == placement, metric].astype(float)
+        empty = not ((values > 0) & values.map(math.isfinite)).any()
+        assert (f"no {metric}" in said[label]) == empty, (label, said)
