@@ -280,34 +280,40 @@ def placements_verdict(run_dir: Path) -> str:
 
 def lr_sensitivity_verdict(run_dir: Path) -> str:
     """The ranking by LR sensitivity at each warmup, and whether warmup lowers each placement's."""
-    rows = [r for r in build_sensitivity(run_dir) if not math.isnan(r.sensitivity)]
-    by = {(str(r.values.get("norm.placement")), int(r.values.get("schedule.warmup_steps", 0))): r for r in rows}
+    every = build_sensitivity(run_dir)
+    rows = [r for r in every if not math.isnan(r.sensitivity)]
+    undefined = [_variant(r) for r in every if math.isnan(r.sensitivity)]  # named below, never dropped unsaid
+    # keyed by the whole variant but its warmup (placement, and any other varying key: no two variants merge)
+    by = {(_variant(r), int(r.values.get("schedule.warmup_steps", 0))): r for r in rows}
     warmups = sorted({w for _, w in by})
     parts = []
     for w in warmups:
-        ranked = sorted((r for (_, ww), r in by.items() if ww == w), key=lambda r: r.sensitivity)
+        ranked = sorted(((v, r) for (v, ww), r in by.items() if ww == w), key=lambda item: item[1].sensitivity)
         parts.append(f"Ranking by LR sensitivity {'without warmup' if w == 0 else f'with {w} warmup steps'} "
-                     "(least sensitive first): " + ", ".join(f"{_placement(r)} {r.sensitivity:.3f}" for r in ranked))
+                     "(least sensitive first): " + ", ".join(f"{v} {r.sensitivity:.3f}" for v, r in ranked))
     if len(warmups) == 2:
         lower, higher, same = [], [], []
-        for placement in dict.fromkeys(p for p, _ in by):
-            before, after = by.get((placement, warmups[0])), by.get((placement, warmups[1]))
+        for variant in dict.fromkeys(v for v, _ in by):
+            before, after = by.get((variant, warmups[0])), by.get((variant, warmups[1]))
             if before is None or after is None:
                 continue
             noise = max(_finite(before.spread), _finite(after.spread))
-            change = f"{PLACEMENT_LABELS.get(placement, placement)} {before.sensitivity:.3f} -> {after.sensitivity:.3f}"
+            change = f"{variant} {before.sensitivity:.3f} -> {after.sensitivity:.3f}"
             delta = after.sensitivity - before.sensitivity
             (lower if delta < -noise else higher if delta > noise else same).append(change)
         parts.append(f"Warmup ({warmups[1]} steps) lowers the sensitivity of {', '.join(lower) or 'no placement'}; "
                      f"raises it for {', '.join(higher) or 'none'}; within the larger seed spread of the two for "
                      f"{', '.join(same) or 'none'}")
+    if undefined:
+        parts.append(f"No LR sensitivity (an lr of the grid has no finished run) for {', '.join(undefined)}")
     diverged = sum(r.diverged for r in rows)
     covered = f"{sum(r.runs for r in rows)} runs, {min((r.seeds for r in rows), default=0)}+ seeds per variant"
     return ". ".join(parts) + f". ({covered}; {diverged} diverged runs counted as their loss at init.)"
 
 
-def _placement(row) -> str:
-    return PLACEMENT_LABELS.get(str(row.values.get("norm.placement")), str(row.values.get("norm.placement")))
+def _variant(row) -> str:
+    """A sensitivity row's variant without its warmup ('Pre', 'Pre-RMS' where the kind varies too)."""
+    return variant_label({k: v for k, v in row.values.items() if k != "schedule.warmup_steps"})
 
 
 def _finite(value: float) -> float:

@@ -125,3 +125,47 @@ def test_on_a_narrow_terminal_a_cell_wraps_and_is_never_cut(wide, columns):
         first = re.sub(r"\s", "", first)
         for label in ("min_lr_ratio=0.1", "warmup_steps=1") if view != ["--pivot", "schedule.warmup_steps,schedule.min_lr_ratio"] else ():
             assert label in first, (label, text)
+
+
+# ----------------------------------------------------------------------------- 1. the LR-sensitivity verdict
+
+
+def _sweep_of(folder: Path, grid: dict, final: dict, skip: set = frozenset()) -> Path:
+    """A sweep folder over `grid` (seeds 0, 1) written through the store: each run's loss goes 2.3 ->
+    final[(kind, lr, warmup)] + 0.01 * seed; a run whose (kind, lr, warmup, seed) is in `skip` is missing."""
+    from normexp.config import build_sweep
+    from normexp.store import SWEEP_FILE, FinishedRun, run_id, write_run
+
+    base = {"schedule": {"kind": "linear_warmup"}, "train": {"steps": 1}}
+    sweep = build_sweep({"name": "v", "base": base, "grid": grid, "seeds": [0, 1]})
+    folder.mkdir(parents=True)
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for cfg in sweep.runs:
+        key = (cfg.norm.kind, cfg.optim.lr, cfg.schedule.warmup_steps)
+        if (*key, cfg.seed) in skip:
+            continue
+        metrics = {"step": [0, 1], "loss": [2.3, final[key] + 0.01 * cfg.seed], "acc": [0.1] * 2,
+                   "lr": [cfg.optim.lr] * 2, "grad_norm": [1.0] * 2}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+    return folder
+
+
+def test_the_sensitivity_verdict_keeps_each_variant_and_names_the_undefined(tmp_path):
+    """Two kinds of one placement were one key (placement, warmup): the second overwrote the first in
+    the ranking and the warmup comparison. A variant with an lr that has no finished run was dropped
+    from the verdict without a word."""
+    from normexp.studies import lr_sensitivity_verdict
+
+    lrs = [0.001, 0.01, 0.1]
+    finals = {("layernorm", 0): [2.0, 1.0, 2.2], ("layernorm", 12): [0.6, 0.5, 0.7],  # 0.7333 -> 0.1
+              ("rmsnorm", 0): [0.6, 0.5, 0.9], ("rmsnorm", 12): [0.6, 0.5, 0.9]}    # 0.1667 both
+    final = {(k, lr, w): v for (k, w), vs in finals.items() for lr, v in zip(lrs, vs)}
+    grid = {"norm.placement": ["pre"], "norm.kind": ["layernorm", "rmsnorm"], "optim.lr": lrs,
+            "schedule.warmup_steps": [0, 12]}
+    text = lr_sensitivity_verdict(_sweep_of(tmp_path / "k", grid, final))
+    assert "without warmup (least sensitive first): RMS 0.167, LN 0.733" in text, text
+    assert "lowers the sensitivity of LN 0.733 -> 0.100" in text and "spread of the two for RMS 0.167" in text
+    # every seed of (rmsnorm, lr 0.1, warmup 12) missing: that variant's sensitivity is undefined, and said so
+    gone = {("rmsnorm", 0.1, 12, s) for s in (0, 1)}
+    text = lr_sensitivity_verdict(_sweep_of(tmp_path / "m", grid, final, gone))
+    assert "No LR sensitivity (an lr of the grid has no finished run) for RMS" in text, text
