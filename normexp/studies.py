@@ -323,17 +323,34 @@ def _finite(value: float) -> float:
 BLOCKS_FIGURES = ("fc2_update", "fc2_grad", "stream_rms")
 
 
+def _every_seed_mean(rows: pd.DataFrame, column: str) -> pd.Series:
+    """The mean of `column` per (warmup, placement, step) over every run of that (warmup, placement);
+    nan at a step where one of them has no finite value (it diverged, or stopped before that step):
+    groupby().mean() would skip it and call a mean over fewer seeds a mean over all."""
+    cell = ["schedule.warmup_steps", "norm.placement"]
+    finite = rows[rows[column].astype(float).map(math.isfinite)]
+    stats = finite.groupby([*cell, "step"])[column].agg(["mean", "count"])
+    runs = rows.groupby(cell)["run_id"].nunique()
+    whole = stats["count"].to_numpy() == runs.reindex(stats.index.droplevel("step")).to_numpy()
+    return stats["mean"].where(whole)
+
+
 def blocks_verdict(run_dir: Path) -> str:
     """When Post-LN's last block takes its largest update relative to its weights, how that compares
     with Pre-LN's, per warmup; and the last block's gradient at step 0."""
     tidy = load_blocks(run_dir, all_config=True)
     last = tidy[tidy["block"] == tidy["model.depth"]]
-    by = last.groupby(["schedule.warmup_steps", "norm.placement", "step"])
-    update, grad = by["fc2_update"].mean(), by["fc2_grad"].mean()
+    update, grad = _every_seed_mean(last, "fc2_update"), _every_seed_mean(last, "fc2_grad")
     seeds = tidy["seed"].nunique()
     parts = []
     for warmup in sorted(tidy["schedule.warmup_steps"].unique()):
         post, pre = update[(warmup, "post")].dropna(), update[(warmup, "pre")].dropna()
+        post = post[post.index.isin(pre.index)]  # steps where both have a mean over every seed
+        pre = pre[pre.index.isin(post.index)]
+        if post.empty:
+            parts.append(f"With warmup {int(warmup)}: no step where every seed of Post-LN and of Pre-LN has a finite "
+                         "last-block update ratio (a run diverged or stopped first)")
+            continue
         peak = int(post.idxmax())
         when = "without warmup" if warmup == 0 else f"with a {int(warmup)}-step linear warmup"
         parts.append(

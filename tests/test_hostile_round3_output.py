@@ -169,3 +169,34 @@ def test_the_sensitivity_verdict_keeps_each_variant_and_names_the_undefined(tmp_
     gone = {("rmsnorm", 0.1, 12, s) for s in (0, 1)}
     text = lr_sensitivity_verdict(_sweep_of(tmp_path / "m", grid, final, gone))
     assert "No LR sensitivity (an lr of the grid has no finished run) for RMS" in text, text
+
+
+def test_the_blocks_verdict_means_over_every_seed_or_leaves_the_step_out(tmp_path):
+    """groupby().mean() skipped a diverged seed's nan: Post-LN's 'peak, mean over 2 seeds' was one seed's."""
+    from normexp.config import build_sweep
+    from normexp.store import SWEEP_FILE, FinishedRun, run_id, write_run
+    from normexp.studies import blocks_verdict
+
+    nan = float("nan")
+    last_update = {("post", 0): [0.1, 0.3, 0.8, nan], ("post", 1): [0.1, 0.3, nan, nan],  # seed 1 diverged
+                   ("pre", 0): [0.05, 0.1, 0.1, nan], ("pre", 1): [0.05, 0.1, 0.1, nan]}
+    sweep = build_sweep({"name": "b", "base": {"model": {"depth": 2, "width": 4}, "schedule": {"kind": "linear_warmup"},
+                                               "train": {"steps": 3, "log_blocks": True}},
+                         "grid": {"norm.placement": ["post", "pre"]}, "seeds": [0, 1]})
+    folder = tmp_path / "b"
+    folder.mkdir()
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for cfg in sweep.runs:
+        updates = last_update[(cfg.norm.placement, cfg.seed)]
+        blocks = {"step": [s for s in range(4) for _ in (1, 2)], "block": [1, 2] * 4}
+        blocks["fc2_update"] = [v for u in updates for v in (0.01, u)]
+        blocks["fc2_grad"] = [1.0] * 8
+        for column in ("fc1_grad", "fc1_update", "stream_rms", "norm_rms", "norm_out_rms"):
+            blocks[column] = [1.0] * 8
+        metrics = {"step": [0, 1, 2, 3], "loss": [2.3, 2.0, 1.5, 1.0], "acc": [0.1] * 4, "lr": [0.01] * 4,
+                   "grad_norm": [1.0] * 4}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu", blocks))
+    text = blocks_verdict(folder)
+    # by hand: the steps where both seeds of both placements are finite are 0 and 1; Post's peak is step 1
+    assert "peaks after step 1 at 0.3 (mean over 2 seeds), 3.0x Pre-LN's at that step (0.1" in text, text
+    assert "by step 1 Post-LN's is 0.3" in text, text
