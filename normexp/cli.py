@@ -35,6 +35,9 @@ app = typer.Typer(
 # ("[x]") or emoji ("local:-1: ..." holds the emoji code ":-1:").
 out = Console(highlight=False, markup=False, emoji=False)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False)
+# Off a terminal (a log, a pipe) a line is never wrapped at 80 columns (or COLUMNS): one progress line
+# per run, a path whole on its line. Tables go through `show`.
+out.soft_wrap, err.soft_wrap = not out.is_terminal, not err.is_terminal
 
 
 class Exit:

@@ -17,6 +17,7 @@ Both take the tidy frames of `normexp.results` and return a Figure; `save_plots`
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -375,7 +376,11 @@ def _why_empty(group: pd.DataFrame, metric: str) -> str:
 
 
 def _empty_panel(ax, title: str, why: str) -> None:
-    ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True, transform=ax.transAxes, fontsize="small")
+    # broken into lines by hand and kept out of the layout: a long line made constrained layout squeeze the
+    # empty panel to a sliver and run its text across its neighbours
+    note = ax.text(0.5, 0.5, textwrap.fill(why, 34), ha="center", va="center", transform=ax.transAxes,
+                   fontsize="small")
+    note.set_in_layout(False)
     ax.set_xticks([])
     ax.set_yticks([])
     ax.set_title(title)

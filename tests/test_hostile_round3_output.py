@@ -200,3 +200,49 @@ def test_the_blocks_verdict_means_over_every_seed_or_leaves_the_step_out(tmp_pat
     # by hand: the steps where both seeds of both placements are finite are 0 and 1; Post's peak is step 1
     assert "peaks after step 1 at 0.3 (mean over 2 seeds), 3.0x Pre-LN's at that step (0.1" in text, text
     assert "by step 1 Post-LN's is 0.3" in text, text
+
+
+def test_off_a_terminal_each_line_of_a_sweep_is_one_line(wide):
+    """'one plain line per run otherwise (logs, CI)' (normexp/progress.py): Rich wrapped each at COLUMNS,
+    and split the results path of the closing line onto a line of its own."""
+    folder, swept = wide
+    lines = swept.stdout.splitlines()
+    progress = [line for line in lines if line.startswith("[")]
+    assert len(progress) == 24 and all(" completed final loss " in line for line in progress), lines
+    assert any(line.endswith(f"results in {folder / 'out'}") for line in lines), lines
+
+
+# ----------------------------------------------------------------------------- 12. plot --blocks, legible
+
+
+def test_an_empty_blocks_panel_is_as_wide_as_a_drawn_one_and_its_text_stays_inside(tmp_path):
+    """The reason's one long line made constrained layout squeeze the empty panel to a sliver and run
+    its text across the neighbouring panels."""
+    from normexp.config import build_sweep
+    from normexp.plot import blocks_figure
+    from normexp.results import load_blocks
+    from normexp.store import SWEEP_FILE, FinishedRun, run_id, write_run
+
+    nan = float("nan")
+    sweep = build_sweep({"name": "e", "base": {"model": {"depth": 2, "width": 4}, "train": {"steps": 2, "log_blocks": True}},
+                         "grid": {"norm.placement": ["post", "sandwich"]}})
+    folder = tmp_path / "e"
+    folder.mkdir()
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for cfg in sweep.runs:
+        blocks = {"step": [0, 0, 1, 1, 2, 2], "block": [1, 2] * 3}
+        for column in ("fc1_grad", "fc2_grad", "fc1_update", "fc2_update", "stream_rms", "norm_rms"):
+            blocks[column] = [1.0] * 6
+        blocks["norm_out_rms"] = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5] if cfg.norm.placement == "sandwich" else [nan] * 6
+        metrics = {"step": [0, 1, 2], "loss": [2.3, 2.0, 1.5], "acc": [0.1] * 3, "lr": [0.01] * 3, "grad_norm": [1.0] * 3}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu", blocks))
+    fig = blocks_figure(load_blocks(folder, all_config=True), ["norm.placement"], "norm_out_rms")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    empty, drawn = fig.axes[0], fig.axes[1]  # row 0: Post (nothing to draw), Sandwich
+    assert "branch-output norm" in " ".join(t.get_text() for t in empty.texts)
+    assert empty.get_position().width > 0.6 * drawn.get_position().width
+    box = empty.get_window_extent(renderer)
+    for text in empty.texts:
+        inside = text.get_window_extent(renderer)
+        assert box.x0 <= inside.x0 and inside.x1 <= box.x1, (inside, box)
