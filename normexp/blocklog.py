@@ -6,7 +6,9 @@ At every `train.log_every`-th recorded step, one row per block (numbered 1..N fr
     fc1_update, fc2_update  ||W_after - W_before|| / ||W_before|| of the optimizer step that follows
                             (nan where none follows: the last step, or a run that stops there)
     stream_rms              sqrt(mean(x^2)) of the residual stream at the block's output, over samples
-                            and features
+                            and features; ResiDual's block carries two streams (x_a, x_d): this is
+                            x_a's, the normed stream that the next block's branch reads (x_d, the sum
+                            of raw branch outputs, enters the output only through Norm_d at the end)
     norm_rms, norm_out_rms  the same RMS of the output of the block's norm (`Block.norm`) and of its
                             branch-output norm (`Block.norm_out`, Sandwich and Peri-LN); nan where absent
 
@@ -61,8 +63,9 @@ class BlockRecorder:
         self.pending: list[tuple[int, int]] = []  # (run, first row) of the rows waiting for their update
 
     def _watch(self, module: nn.Module, column: str, i: int) -> torch.utils.hooks.RemovableHandle:
-        def hook(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
-            self.outputs[column, i] = output.detach()
+        def hook(_module: nn.Module, _args: object, output: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+            stream = output[0] if isinstance(output, tuple) else output  # ResiDual's block: (x_a, x_d)
+            self.outputs[column, i] = stream.detach()
         return module.register_forward_hook(hook)
 
     def due(self, step: int) -> bool:

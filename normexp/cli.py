@@ -35,6 +35,9 @@ app = typer.Typer(
 # ("[x]") or emoji ("local:-1: ..." holds the emoji code ":-1:").
 out = Console(highlight=False, markup=False, emoji=False)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False)
+# Off a terminal (a log, a pipe) a line is never wrapped at 80 columns (or COLUMNS): one progress line
+# per run, a path whole on its line. Tables go through `show`.
+out.soft_wrap, err.soft_wrap = not out.is_terminal, not err.is_terminal
 
 
 class Exit:
@@ -183,11 +186,33 @@ def _progress(total: int, quiet: bool):
     return sweep_progress(err if quiet else out, total, quiet)
 
 
+def show(renderable: object) -> None:
+    """Print a table (or a group of tables and lines) to stdout without cutting a cell. On a terminal a
+    cell too wide for it wraps (`_rich_table` folds, never "…"), down to the table's narrowest whole
+    layout (each column as wide as its longest word: past that the terminal itself wraps the lines);
+    anywhere else (a pipe, a file, a Slurm log: Rich would assume 80 columns, or COLUMNS) at the table's
+    own width, every identifier and number on one line."""
+    from rich.measure import Measurement
+
+    probe = Console(highlight=False, markup=False, emoji=False, width=UNBOUNDED)
+    fit = Measurement.get(probe, probe.options, renderable)
+    width = max(out.width, fit.minimum) if out.is_terminal else fit.maximum
+    if out.is_terminal and width == out.width:
+        out.print(renderable)
+        return
+    # stdout (read when it prints), as wide as the table; a terminal keeps its styles
+    Console(highlight=False, markup=False, emoji=False, width=max(1, width),
+            force_terminal=out.is_terminal or None).print(renderable)
+
+
+UNBOUNDED = 1_000_000  # columns: wide enough that no table is measured against it
+
+
 def _emit(fmt: str, table: Callable[[], object], markdown: Callable[[], str],
           csv: Callable[[], str] | None = None) -> None:
     """Print one result in the chosen --format: a Rich renderable, or markdown / CSV text."""
     if fmt == "table":
-        out.print(table())
+        show(table())
     else:
         sys.stdout.write(markdown() if fmt == "markdown" or csv is None else csv())
 
@@ -232,19 +257,13 @@ def _require_cuda() -> None:
 
 
 def _print_grid(spec: Sweep) -> None:
-    from rich.table import Table
-
+    from normexp.report import _rich_table
     from normexp.store import run_id
 
     keys = spec.varying_keys
-    table = Table(title=f"{spec.name}: {_plural(len(spec.runs), 'run')}")
-    table.add_column("run_id")
-    for key in keys:
-        table.add_column(key)
-    for cfg in spec.runs:
-        flat = cfg.model_dump(mode="json")
-        table.add_row(run_id(cfg), *(str(_dotted(flat, k)) for k in keys))
-    out.print(table)
+    rows = [[run_id(cfg), *(str(_dotted(cfg.model_dump(mode="json"), k)) for k in keys)] for cfg in spec.runs]
+    show(_rich_table(["run_id", *keys], rows, "l" * (len(keys) + 1),
+                     title=f"{spec.name}: {_plural(len(spec.runs), 'run')}"))
 
 
 def _dotted(data: dict, key: str) -> object:
@@ -258,7 +277,7 @@ def _print_report(run_dir: Path) -> None:
     from normexp.results import ResultsError
 
     try:
-        out.print(to_rich(build_report(run_dir)))
+        show(to_rich(build_report(run_dir)))
     except ResultsError as exc:
         err.print(str(exc))
 
@@ -326,7 +345,14 @@ def report(
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: to_rich(table), lambda: to_markdown(table), lambda: to_csv(table))
+    _say_engines(table.engines, fmt)
     _exit_if_runs_missing(run_dir, shown=fmt != "csv")
+
+
+def _say_engines(note: str, fmt: str) -> None:
+    """A CSV has no line under its table: the note that it averages engines goes to stderr."""
+    if note and fmt == "csv":
+        err.print(note, soft_wrap=True)
 
 
 def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
@@ -343,19 +369,22 @@ def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: pivot_to_rich(table), lambda: pivot_to_markdown(table), lambda: pivot_to_csv(table))
+    _say_engines(table.engines, fmt)
 
 
 def _print_sensitivity(run_dir: Path, fmt: str) -> None:
     from normexp.report import sensitivity_to_csv, sensitivity_to_markdown, sensitivity_to_rich
     from normexp.results import ResultsError
-    from normexp.sensitivity import build_sensitivity
+    from normexp.sensitivity import build_sensitivity, sensitivity_engines
 
     try:
         rows = build_sensitivity(run_dir)
     except ResultsError as exc:
         raise fail(str(exc)) from None
-    _emit(fmt, lambda: sensitivity_to_rich(rows), lambda: sensitivity_to_markdown(rows),
+    engines = sensitivity_engines(run_dir)
+    _emit(fmt, lambda: sensitivity_to_rich(rows, engines), lambda: sensitivity_to_markdown(rows, engines),
           lambda: sensitivity_to_csv(rows))
+    _say_engines(engines, fmt)
 
 
 @app.command()
@@ -428,7 +457,7 @@ def verify(
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"{run_dir}: cannot {'repair' if fix else 'read'} {exc.filename}: {exc.strerror}") from None
-    out.print(verification_to_rich(result))
+    show(verification_to_rich(result))
     if not result.clean:
         raise typer.Exit(Exit.FAILED)
 

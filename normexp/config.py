@@ -73,6 +73,25 @@ class TooManyRuns(ConfigError):
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
+    @model_validator(mode="after")
+    def _unsigned_zeros(self) -> _Section:
+        """-0.0 is 0.0 (weight_decay: -0.0 trains as 0.0): written as 0.0, so that both are one run id."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            unsigned = _unsigned_zero(value)
+            if unsigned is not value:
+                object.__setattr__(self, name, unsigned)
+        return self
+
+
+def _unsigned_zero(value: Any) -> Any:
+    """`value` with any float -0.0 in it (a tuple's items too) made 0.0; `value` itself if it has none."""
+    if isinstance(value, float) and value == 0 and math.copysign(1.0, value) < 0:
+        return 0.0
+    if isinstance(value, tuple) and any(_unsigned_zero(v) is not v for v in value):
+        return tuple(_unsigned_zero(v) for v in value)
+    return value
+
 
 class ModelConfig(_Section):
     depth: int = Field(32, ge=1, le=10_000)
@@ -125,11 +144,17 @@ class NormConfig(_Section):
         for site in DYT_SITES:  # a site's alpha0 written out equal to dyt_alpha0 is the same run as unset
             if getattr(self, site) == self.dyt_alpha0:
                 object.__setattr__(self, site, None)
-        if (info.context or {}).get("keep_inert"):
-            return self
-        for key in inert_keys(self):
-            object.__setattr__(self, key, type(self).model_fields[key].default)
-        return self
+        return _inert_keys_to_default(self, info)
+
+
+def _inert_keys_to_default(section: _Section, info: ValidationInfo) -> _Section:
+    """Put each key that `section` leaves unused (`inert_keys`) back to its default, unless the context
+    says `keep_inert` (a sweep's base, whose grid runs may use them)."""
+    if (info.context or {}).get("keep_inert"):
+        return section
+    for key in inert_keys(section):
+        object.__setattr__(section, key, type(section).model_fields[key].default)
+    return section
 
 
 # Keys that act only under some placements or norm kinds: key -> (the key that decides, where it acts).
@@ -165,9 +190,11 @@ def mixln_post_count(depth: int, fraction: float) -> int:
     return math.floor(round(fraction * depth, 9))
 
 
-def inert_keys(norm: NormConfig) -> list[str]:
-    """The keys of ACTS_ONLY_UNDER that `norm`'s placement and kind leave unused."""
-    return [key for key, (decider, where) in ACTS_ONLY_UNDER.items() if getattr(norm, decider) not in where]
+def inert_keys(section: NormConfig | OptimConfig | ScheduleConfig) -> list[str]:
+    """The keys of the section's ACTS_ONLY_UNDER table (`ACTS_ONLY_UNDER_BY_SECTION`) that its own
+    deciding key (the norm's placement or kind, the optimizer's name, the schedule's kind) leaves unused."""
+    table = ACTS_ONLY_UNDER_BY_SECTION[_SECTION_NAMES[type(section)]]
+    return [key for key, (decider, where) in table.items() if getattr(section, decider) not in where]
 
 
 class DataConfig(_Section):
@@ -255,8 +282,8 @@ def sequence_problem(data: DataConfig) -> tuple[str, str] | None:
 class OptimConfig(_Section):
     name: OptimName = "adam"
     lr: PositiveFloat = 0.01
-    betas: Annotated[tuple[Beta, Beta], Field(strict=False)] = (0.9, 0.999)
-    eps: PositiveFloat = 1e-8
+    betas: Annotated[tuple[Beta, Beta], Field(strict=False)] = (0.9, 0.999)  # adam, adamw, radam only
+    eps: PositiveFloat = 1e-8  # adam, adamw, radam only
     weight_decay: NonNegFloat | None = None  # None: the optimizer's own default (adamw 0.01, others 0)
     momentum: Fraction = 0.9  # sgd only
 
@@ -265,6 +292,11 @@ class OptimConfig(_Section):
         if self.weight_decay is None:
             object.__setattr__(self, "weight_decay", 0.01 if self.name == "adamw" else 0.0)
         return self
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> OptimConfig:
+        """As NormConfig's: momentum under Adam, betas and eps under SGD go back to their defaults."""
+        return _inert_keys_to_default(self, info)
 
 
 class ScheduleConfig(_Section):
@@ -280,6 +312,27 @@ class ScheduleConfig(_Section):
                 "use kind linear_warmup, inverse_sqrt or cosine"
             )
         return self
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> ScheduleConfig:
+        """As NormConfig's: min_lr_ratio under any kind but cosine goes back to its default."""
+        return _inert_keys_to_default(self, info)
+
+
+ADAM_FAMILY = frozenset({"adam", "adamw", "radam"})  # normexp/optim.py: the optimizers that take betas and eps
+# The optimizer's and the schedule's keys that act only under some optimizers or kinds (normexp/optim.py
+# and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay acts under all.
+OPTIM_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
+    "betas": ("name", ADAM_FAMILY),
+    "eps": ("name", ADAM_FAMILY),
+    "momentum": ("name", frozenset({"sgd"})),
+}
+SCHEDULE_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
+    "min_lr_ratio": ("kind", frozenset({"cosine"})),
+}
+ACTS_ONLY_UNDER_BY_SECTION = {"norm": ACTS_ONLY_UNDER, "optim": OPTIM_ACTS_ONLY_UNDER,
+                              "schedule": SCHEDULE_ACTS_ONLY_UNDER}
+_SECTION_NAMES = {NormConfig: "norm", OptimConfig: "optim", ScheduleConfig: "schedule"}
 
 
 class TrainConfig(_Section):
@@ -592,6 +645,23 @@ def run_keys() -> list[str]:
     return keys
 
 
+GENERIC_LEAVES = ("name", "kind")  # `name=adam`, `kind=cosine`: the section says what is named
+
+
+def key_label(key: str) -> str:
+    """A dotted key's short label in a table or figure: its leaf (`lr`, `warmup_steps`) where that names
+    one key alone; its section for a generic leaf (`optim.name` -> `optim`, `schedule.kind` -> `schedule`);
+    the whole key where two sections share the leaf (`norm.eps`, `optim.eps`). A key that is not a run
+    key (a column of an older folder) keeps its leaf unless it is generic."""
+    section, _, leaf = key.rpartition(".")
+    if not section:
+        return key
+    if leaf in GENERIC_LEAVES:
+        return section
+    shared = sum(k.rpartition(".")[2] == leaf for k in run_keys())
+    return key if shared > 1 else leaf
+
+
 def _closest(word: str, choices: Iterable[str]) -> str:
     match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
@@ -861,16 +931,23 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
 
 
 def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Sequence[RunConfig]) -> None:
-    """A key of ACTS_ONLY_UNDER set away from its default where no run of the sweep uses it is a
-    mistake (it would change nothing): refused, naming where it was set."""
-    for key, (decider, where) in ACTS_ONLY_UNDER.items():
-        default = NormConfig.model_fields[key].default
-        set_in = [f"grid.norm.{key}"] if any(v != default for v in grid.get(f"norm.{key}", [])) else []
-        if f"norm.{key}" not in grid and getattr(base.norm, key) != default:
-            set_in.append(f"base.norm.{key}")
-        if set_in and all(key in inert_keys(run.norm) for run in runs):
-            raise ConfigError(f"{set_in[0]}: has no effect: only norm.{decider} {' or '.join(sorted(where))} "
-                              f"uses it, and no run of this sweep has that {decider}")
+    """A key of ACTS_ONLY_UNDER_BY_SECTION set away from its default where no run of the sweep uses it
+    is a mistake (it would change nothing): refused, naming where it was set."""
+    for section, table in ACTS_ONLY_UNDER_BY_SECTION.items():
+        for key, (decider, where) in table.items():
+            dotted = f"{section}.{key}"
+            default = _unsigned_zero(type(getattr(base, section)).model_fields[key].default)
+            set_in = [f"grid.{dotted}"] if any(not _same_value(v, default) for v in grid.get(dotted, [])) else []
+            if dotted not in grid and not _same_value(getattr(getattr(base, section), key), default):
+                set_in.append(f"base.{dotted}")
+            if set_in and all(key in inert_keys(getattr(run, section)) for run in runs):
+                raise ConfigError(f"{set_in[0]}: has no effect: only {section}.{decider} "
+                                  f"{' or '.join(sorted(where))} uses it, and no run of this sweep has that {decider}")
+
+
+def _same_value(value: Any, default: Any) -> bool:
+    """A grid or base value equal to a key's default, a YAML list matching a default tuple."""
+    return _unsigned_zero(tuple(value) if isinstance(value, list) else value) == default
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:

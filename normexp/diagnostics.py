@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep, flatten
+from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep, flatten, key_label
 from normexp.engines.reference import loss_and_acc, seeded_init, torch_threads
 from normexp.models.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
 
@@ -104,18 +104,25 @@ SUBLAYERS = {"attn_out_grad": "attention out", "ffn_out_grad": "FFN fc2"}
 @dataclass(frozen=True)
 class LayerGradnorm:
     """Per variant and sublayer: the gradient norm at each layer (mean, std over seeds), and the ratio
-    of the last layer's mean to the first's with its verdict (grows / flat / shrinks)."""
+    of the variant's last layer's mean to its first's with its verdict (grows / flat / shrinks). With
+    several depths each depth is a variant of its own (`post L=4`, `post L=8`); `layers` runs to the
+    deepest, and a shallower variant's entries past its own depth are (nan, nan): it has no such layer."""
 
     layers: list[int]
     grads: dict[str, dict[str, list[tuple[float, float]]]]  # variant -> sublayer column -> [(mean, std)]
     seeds: int = 1  # the seeds each mean pools
+    depths: tuple[int, ...] = ()  # the depths of the sweep, shallowest first (each its own variants if several)
+
+    def _own(self, variant: str, column: str) -> list[tuple[float, float]]:
+        """The variant's entries for the layers its model has."""
+        return [entry for entry in self.grads[variant][column] if not math.isnan(entry[0])]
 
     def ratio(self, variant: str, column: str) -> float:
-        stats = self.grads[variant][column]
-        return stats[-1][0] / stats[0][0] if stats[0][0] > 0 else math.nan
+        stats = self._own(variant, column)
+        return stats[-1][0] / stats[0][0] if stats and stats[0][0] > 0 else math.nan
 
     def verdict(self, variant: str, column: str) -> str:
-        if len(self.layers) < 2:  # last/first is 1 by construction
+        if len(self._own(variant, column)) < 2:  # last/first is 1 by construction
             return "no verdict: needs 2 layers or more"
         return growth_verdict(self.ratio(variant, column))
 
@@ -128,21 +135,26 @@ def growth_verdict(ratio: float) -> str:
 
 
 def summarise_layer_gradnorm(rows: list[dict]) -> LayerGradnorm:
-    """Pool seeds per variant (rows' `variant`) and layer of the deepest model in the rows."""
-    depth = max(int(r["depth"]) for r in rows)
-    rows = [r for r in rows if int(r["depth"]) == depth]
-    layers = list(range(1, depth + 1))
+    """Pool seeds per variant (rows' `variant`) and layer; with several depths, per variant and depth
+    (`<variant> L=<depth>`), each over its own layers: no depth is left out."""
+    depths = sorted({int(r["depth"]) for r in rows})
+    layers = list(range(1, depths[-1] + 1))
     grads: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for variant in dict.fromkeys(r.get("variant", r["placement"]) for r in rows):
-        mine = [r for r in rows if r.get("variant", r["placement"]) == variant]
-        grads[variant] = {}
-        for column in SUBLAYERS:
-            stats = []
-            for layer in layers:
-                values = [r[column] for r in mine if r["layer"] == layer]
-                stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
-            grads[variant][column] = stats
-    return LayerGradnorm(layers, grads, len({r["seed"] for r in rows}))
+        for depth in depths:
+            mine = [r for r in rows if r.get("variant", r["placement"]) == variant and int(r["depth"]) == depth]
+            if not mine:
+                continue
+            name = f"{variant} L={depth}" if len(depths) > 1 else variant
+            grads[name] = {}
+            for column in SUBLAYERS:
+                stats = []
+                for layer in layers:
+                    values = [r[column] for r in mine if r["layer"] == layer]
+                    stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan)
+                                 if values else (math.nan, math.nan))
+                grads[name][column] = stats
+    return LayerGradnorm(layers, grads, len({r["seed"] for r in rows}), tuple(depths))
 
 
 # ----------------------------------------------------------------------------- norm properties
@@ -337,7 +349,7 @@ def gradnorm_variant(cfg: RunConfig, keys: Sequence[str]) -> str:
     in `keys` (depth and seed excepted), so that only seeds are ever pooled into one mean ± std."""
     flat = flatten(cfg)
     others = [k for k in keys if k not in ("norm.placement", "model.depth", "seed")]
-    return " ".join([cfg.norm.placement, *(f"{k.rsplit('.', 1)[-1]}={json.dumps(flat[k])}" for k in others)])
+    return " ".join([cfg.norm.placement, *(f"{key_label(k)}={json.dumps(flat[k])}" for k in others)])
 
 
 def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> GradnormSummary:
@@ -352,7 +364,7 @@ def summarise_gradnorm(rows: list[dict], model: ModelConfig | None = None) -> Gr
         stats = []
         for depth in depths:
             values = [r["fc2_grad"] for r in mine if r["depth"] == depth and r["block"] == depth]
-            stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0))
+            stats.append((statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan))
         last_grad[placement] = stats
         slopes[placement] = fit_slope([float(d) for d in depths], [m for m, _ in stats])
         deepest = [r for r in mine if r["depth"] == depths[-1]]

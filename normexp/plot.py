@@ -17,6 +17,7 @@ Both take the tidy frames of `normexp.results` and return a Figure; `save_plots`
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -29,7 +30,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from normexp.report import n_choices, trained_threshold, variant_groups  # noqa: E402
+from normexp.report import engine_note, n_choices, trained_threshold, variant_groups  # noqa: E402
 from normexp.results import (  # noqa: E402
     check_metric,
     finished_runs,
@@ -175,7 +176,7 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     tidy = load_metrics(run_dir, all_config=True)
     check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]
-    note = missing_note(summary, run_dir)
+    note = "\n".join(filter(None, [engine_note(summary, keys), missing_note(summary, run_dir)]))
     paths = []
     fig = curves_figure(tidy, keys, metric)
     _footnote(fig, note)
@@ -184,6 +185,7 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     paths.append(output)
     if summary["optim.lr"].nunique() >= MIN_LRS:
         fig = lr_figure(*lr_table(run_dir))
+        _footnote(fig, note)
         by_lr = output.with_name(f"{output.stem}-lr{output.suffix}")
         fig.savefig(by_lr, dpi=120)
         plt.close(fig)
@@ -212,7 +214,7 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
     for placement, stats in summary.last_grad.items():
         means = np.array([m for m, _ in stats])
         stds = np.array([s for _, s in stats])
-        line = left.errorbar(depths, means, yerr=stds, marker="o", capsize=3,
+        line = left.errorbar(depths, means, yerr=np.nan_to_num(stds), marker="o", capsize=3,  # nan: one seed
                              label=f"{placement} (slope {summary.slopes[placement]:+.2f})")[0]
         if len(depths) > 1:  # a slope needs two depths
             fit = np.polyfit(np.log(depths), np.log(means), 1)
@@ -250,9 +252,10 @@ def layer_gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.La
     fig, axes = plt.subplots(1, len(SUBLAYERS), figsize=(12, 4.6), layout="constrained")
     for ax, (column, label) in zip(axes, SUBLAYERS.items()):
         for variant, grads in summary.grads.items():
-            stats = np.array(grads[column])
-            ax.errorbar(summary.layers, stats[:, 0], yerr=stats[:, 1], marker="o", capsize=3,
-                        label=f"{variant} (last/first {summary.ratio(variant, column):.2f})")
+            stats = np.array(grads[column], dtype=float)
+            own = ~np.isnan(stats[:, 0])  # the layers this variant's model has (a shallower depth: fewer)
+            ax.errorbar(np.array(summary.layers)[own], stats[own, 0], yerr=np.nan_to_num(stats[own, 1]), marker="o",
+                        capsize=3, label=f"{variant} (last/first {summary.ratio(variant, column):.2f})")
         ax.set_yscale("log")
         ax.set_xlabel("layer l")
         ax.set_ylabel(f"||dLoss / dW|| of the {label} projection, at init")
@@ -340,6 +343,11 @@ def blocks_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "fc2_update
         for col, (label, group) in enumerate(panels):
             title = " ".join(part for part in (label, row_label) if part) or "all runs"
             title += f" (n={group['run_id'].nunique()})"
+            why = _why_empty(group, metric)
+            if why:  # nothing to draw on a log scale: an empty panel that says why, not a matplotlib error
+                _empty_panel(axes[2 * row, col], title, why)
+                _empty_panel(axes[2 * row + 1, col], "", why)
+                continue
             image = _block_heatmap(axes[2 * row, col], group, metric, scale, title)
             _block_lines(axes[2 * row + 1, col], group, metric)
         for col in range(len(panels), n_cols):
@@ -349,6 +357,33 @@ def blocks_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "fc2_update
             fig.colorbar(image, ax=list(axes[2 * row]), label=f"{metric} (mean over seeds, log scale)", shrink=0.9)
     fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS.get(metric, metric)}")
     return fig
+
+
+def _why_empty(group: pd.DataFrame, metric: str) -> str:
+    """Why a variant's runs have no value of `metric` to draw (none finite and positive), or ""."""
+    values = group[metric].astype(float)
+    if (np.isfinite(values) & (values > 0)).any():
+        return ""
+    if values.notna().any():
+        return f"no {metric} above 0 (a log scale shows none)"
+    if metric in ("norm_rms", "norm_out_rms"):
+        what = "branch-output norm (only Sandwich and Peri-LN have one)" if metric == "norm_out_rms" else \
+            "block norm (none and ReZero have none)"
+        return f"no {metric}: this placement's blocks have no {what}"
+    if metric.endswith("_update") and int(group["step"].max()) == 0:
+        return f"no {metric}: train.steps 0, so no update followed step 0"
+    return f"no {metric} was recorded for these runs"
+
+
+def _empty_panel(ax, title: str, why: str) -> None:
+    # broken into lines by hand and kept out of the layout: a long line made constrained layout squeeze the
+    # empty panel to a sliver and run its text across its neighbours
+    note = ax.text(0.5, 0.5, textwrap.fill(why, 34), ha="center", va="center", transform=ax.transAxes,
+                   fontsize="small")
+    note.set_in_layout(False)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title)
 
 
 def _block_heatmap(ax, group: pd.DataFrame, metric: str, scale: LogNorm, title: str):

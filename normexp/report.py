@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from normexp.config import ReportConfig
+from normexp.config import ReportConfig, key_label
 from normexp.results import (
     ResultsError,
     check_metric,
@@ -51,18 +52,35 @@ WIDE = 6  # more variants than this: the table is transposed (variants down, ste
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
-    """A markdown table's lines; `align` has one letter per column, l(eft) or r(ight)."""
+    """A markdown table's lines; `align` has one letter per column, l(eft) or r(ight). Every cell, the
+    header's too, goes through `markdown_cell`, so that a `|` in its text (`max |diff|`) stays in it."""
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(markdown_cell(c) for c in cells) + " |"
+
     rule = "|" + "".join("---|" if a == "l" else "---:|" for a in align)
-    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows)]
+    return [line(header), rule, *map(line, rows)]
+
+
+def markdown_cell(text: object) -> str:
+    """`text` as one cell of a markdown (GFM) table: a `|` escaped, and a backslash where it would
+    escape what follows (before ASCII punctuation; `lr \\ warmup` stays as it is); a line break as
+    `<br>` (a raw one would end the row)."""
+    text = "<br>".join(str(text).replace("\r\n", "\n").replace("\r", "\n").split("\n"))
+    return _ESCAPING_BACKSLASH.sub(r"\\\\", text).replace("|", "\\|")
+
+
+_ESCAPING_BACKSLASH = re.compile(r"\\(?=[!-/:-@\[-`{-~])")  # CommonMark: a backslash escapes ASCII punctuation
 
 
 def _rich_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str, title: str | None = None):
-    """The same table as a rich.table.Table (rich is imported lazily), titled on the left."""
+    """The same table as a rich.table.Table (rich is imported lazily), titled on the left. A cell too wide
+    for the terminal wraps, folding a long word across lines, never cut to "…" (an identifier or number
+    must be read whole); off a terminal, cli.show prints the table at its own width."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
     for name, a in zip(header, align):
-        table.add_column(name, justify="left" if a == "l" else "right")
+        table.add_column(name, justify="left" if a == "l" else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
     return table
@@ -77,7 +95,7 @@ def variant_label(values: dict[str, object]) -> str:
         if kind is not None:
             head = f"{head}-{KIND_LABELS.get(str(kind), kind)}" if head else str(KIND_LABELS.get(str(kind), kind))
         parts.append(head)
-    parts += [f"{key.rsplit('.', 1)[-1]}={'null' if _is_null(value) else value}" for key, value in values.items()
+    parts += [f"{key_label(key)}={'null' if _is_null(value) else value}" for key, value in values.items()
               if key not in ("norm.placement", "norm.kind")]
     return " ".join(parts) or "run"
 
@@ -98,6 +116,34 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
     return value if finite == runs else f"{value} ({finite} of {runs})"
 
 
+APPROXIMATE_ENGINES = ("fast",)  # close to the reference's numbers, not equal; reference and batched are its bits
+ENGINES_LISTED = 6
+
+
+def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
+    """A line saying that the finished runs come from an exact engine (reference, batched: the same
+    bits) and from the fast one (close, not equal), naming the cells (grouped by `keys`) that average
+    both; "" when one kind of engine trained every run (or the folder predates the engine column)."""
+    finished = finished_runs(summary)
+    if "engine" not in finished or finished.empty:
+        return ""
+    fast = finished["engine"].astype(str).isin(APPROXIMATE_ENGINES)
+    if fast.all() or not fast.any():
+        return ""
+    exact = ", ".join(sorted(set(finished.loc[~fast, "engine"].astype(str))))
+    mixed = []
+    for label, group in variant_groups(finished, list(keys), everything="all runs"):
+        in_fast = group["engine"].astype(str).isin(APPROXIMATE_ENGINES)
+        if in_fast.any() and not in_fast.all():
+            mixed.append(f"{label} ({int(in_fast.sum())} fast, {int((~in_fast).sum())} {exact})")
+    more = f" and {len(mixed) - ENGINES_LISTED} more" if len(mixed) > ENGINES_LISTED else ""
+    cells = (f"cells that average both: {', '.join(mixed[:ENGINES_LISTED])}{more}" if mixed else
+             "no cell averages both, but cells of different engines are compared")
+    return (f"Engines mixed: {int(fast.sum())} of {len(finished)} runs by the fast engine (close to the reference's "
+            f"numbers, not equal), the others by {exact}; {cells}. For one engine throughout, rerun the sweep "
+            "with --engine batched (it redoes the fast runs) or with --engine fast --force.")
+
+
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
                 "or are missing (named below), or, in the table, ended before that step (a shorter train.steps).")
 
@@ -105,6 +151,13 @@ PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is 
 def _is_null(value: object) -> bool:
     """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def csv_number(value: float) -> str:
+    """A number for a CSV cell, exactly (repr); empty where it is undefined (nan: a std over fewer than 2
+    runs, a mean over none), so that a script reads a missing value, never a spread of 0."""
+    value = float(value)
+    return "" if math.isnan(value) else repr(value)
 
 
 def number(value: float) -> str:
@@ -133,6 +186,7 @@ class Report:
     columns: list[Column]
     n_classes: tuple[int, ...]  # every n_classes among the runs: each run is judged by its own
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
+    engines: str = ""  # `engine_note`: the cells that average exact and fast-engine runs, or ""
 
     def cell(self, column: Column, step: int) -> str:
         """The cell's aggregate; a mean over fewer than the column's runs says "(k of n)" with n every
@@ -232,7 +286,7 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     columns = [_column(label, group, keys, steps, metric, missing.get(label, 0))
                for label, group in variant_groups(tidy, keys, everything="run")]
     return Report(_title(summary, metric) + _mixed(summary) + _about(run_dir), metric, steps, columns, n_classes,
-                  missing_note(summary, run_dir))
+                  missing_note(summary, run_dir), engine_note(summary, keys))
 
 
 def _mixed(summary: pd.DataFrame) -> str:
@@ -298,7 +352,7 @@ def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], 
         runs = int(((finals["step"] >= step) | (finals["status"] == "diverged")).sum()) + missing
         at_step = group[(group["step"] == step) & group["loss"].astype(float).map(math.isfinite)]
         series = at_step[metric].astype(float)
-        std = float(series.std(ddof=1)) if len(series) > 1 else 0.0
+        std = float(series.std(ddof=1)) if len(series) > 1 else math.nan  # one run has no spread, not 0
         if runs:
             cells[step] = (float(series.mean()) if len(series) else math.nan, std, len(series), runs)
     trained = int(is_trained(finals["loss"], finals["status"], n_choices(finals)).sum())
@@ -348,12 +402,13 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
 
     header, rows = grid_cells(report)
     table = _rich_table(header, rows, _grid_align(report, len(header)))
-    table.columns[0].no_wrap = True
     parts = [Text(report.title, style="bold"), table]
     if report.partial:
         parts.append(Text(PARTIAL_NOTE))
     if report.metric == "loss":
         parts.append(Text(report.verdict_line()))
+    if report.engines:
+        parts.append(Text(report.engines, style="bold"))
     if report.missing:
         parts.append(Text(report.missing, style="bold"))
     return Group(*parts)
@@ -367,6 +422,8 @@ def to_markdown(report: Report) -> str:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
         lines += ["", report.verdict_line()]
+    if report.engines:
+        lines += ["", f"**{report.engines}**"]
     if report.missing:
         lines += ["", f"**{report.missing}**"]
     return "\n".join(lines) + "\n"
@@ -383,8 +440,8 @@ def to_csv(report: Report) -> str:
         for step in report.steps:
             if step in column.cells:
                 mean, std, n, runs = column.cells[step]
-                writer.writerow([column.label, step, repr(mean), repr(std), n, report.verdict(column), runs,
-                                 column.diverged])
+                writer.writerow([column.label, step, csv_number(mean), csv_number(std), n, report.verdict(column),
+                                 runs, column.diverged])
     return buffer.getvalue()
 
 
@@ -402,6 +459,7 @@ class Pivot:
     panels: list[tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]]  # title, mean, std, n, runs
     lost: list[pd.DataFrame]  # per panel: how many runs of each cell have no verified result
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
+    engines: str = ""  # `engine_note`: the cells that average exact and fast-engine runs, or ""
 
     def cell(self, mean: float, std: float, n: int, runs: int, lost: int = 0) -> str:
         return aggregate_cell(mean, std, _count(n), _count(runs), _count(lost))
@@ -428,9 +486,9 @@ def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
         cells = group.groupby([rows, cols], sort=False, dropna=False)
         stats = cells["final_loss"].agg(["mean", "std", "count", "size"])
         mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
-        panels.append((title, mean, std.fillna(0.0), n.fillna(0), runs.fillna(0)))
+        panels.append((title, mean, std, n.fillna(0), runs.fillna(0)))  # std: nan below 2 finite runs
         lost.append(cells["lost"].sum().unstack(cols).reindex_like(mean).fillna(0))
-    return Pivot(rows, cols, panels, lost, missing_note(summary, run_dir))
+    return Pivot(rows, cols, panels, lost, missing_note(summary, run_dir), engine_note(summary, [*others, rows, cols]))
 
 
 def _count(value: float) -> int:
@@ -438,7 +496,7 @@ def _count(value: float) -> int:
 
 
 def _short(key: str) -> str:
-    return key.rsplit(".", 1)[-1]
+    return key_label(key)
 
 
 def _pivot_cells(pivot: Pivot, corner: str, panel: int) -> tuple[list[str], list[list[str]], str]:
@@ -461,6 +519,8 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
     if pivot.partial:
         parts.append(Text(PARTIAL_NOTE))
+    if pivot.engines:
+        parts.append(Text(pivot.engines, style="bold"))
     if pivot.missing:
         parts.append(Text(pivot.missing, style="bold"))
     return Group(*parts)
@@ -473,6 +533,8 @@ def pivot_to_markdown(pivot: Pivot) -> str:
                   *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", i)), ""]
     if pivot.partial:
         lines += [PARTIAL_NOTE, ""]
+    if pivot.engines:
+        lines += [f"**{pivot.engines}**", ""]
     if pivot.missing:
         lines += [f"**{pivot.missing}**", ""]
     return "\n".join(lines)
@@ -486,7 +548,7 @@ def pivot_to_csv(pivot: Pivot) -> str:
         for row in mean.index:
             for col in mean.columns:
                 if runs.at[row, col] > 0:  # a cell whose runs all diverged or are missing is a row with n = 0
-                    writer.writerow([title, row, col, repr(float(mean.at[row, col])), repr(float(std.at[row, col])),
+                    writer.writerow([title, row, col, csv_number(mean.at[row, col]), csv_number(std.at[row, col]),
                                      int(n.at[row, col]), int(runs.at[row, col]), int(lost.at[row, col])])
     return buffer.getvalue()
 
@@ -502,7 +564,7 @@ def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  #
         return layer_gradnorm_tables(summary)
     placements = list(summary.last_grad)
     header = ["depth L", *(f"{_gradnorm_label(p)}: ||grad W2_L||" for p in placements)]
-    rows = [[str(depth), *(f"{summary.last_grad[p][i][0]:.4f} ± {summary.last_grad[p][i][1]:.4f}" for p in placements)]
+    rows = [[str(depth), *(_mean_std(*summary.last_grad[p][i]) for p in placements)]
             for i, depth in enumerate(summary.depths)]
     deepest = summary.depths[-1]
     slopes = ", ".join(f"{_gradnorm_label(p)} {summary.slopes[p]:+.2f}" for p in placements)
@@ -531,9 +593,13 @@ def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str
 
     columns = [(v, c) for v in summary.grads for c in SUBLAYERS]
     header = ["layer l", *(f"{_gradnorm_label(v)}: {SUBLAYERS[c]}" for v, c in columns)]
-    rows = [[str(layer), *(f"{summary.grads[v][c][i][0]:.4f} ± {summary.grads[v][c][i][1]:.4f}" for v, c in columns)]
+    rows = [[str(layer), *("—" if math.isnan(summary.grads[v][c][i][0]) else _mean_std(*summary.grads[v][c][i])
+                           for v, c in columns)]
             for i, layer in enumerate(summary.layers)]
     lines = [f"each cell: {_over_seeds(summary.seeds)}"]
+    if len(summary.depths) > 1:
+        lines.append(f"depths {', '.join(map(str, summary.depths))}: each is its own variant (L=depth); "
+                     "— where that model has no such layer")
     lines += [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
         f"{SUBLAYERS[c]} {summary.ratio(v, c):.2f} ({summary.verdict(v, c)})" for c in SUBLAYERS)
         for v in summary.grads]
@@ -544,7 +610,12 @@ def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str
 
 def _over_seeds(seeds: int) -> str:
     return f"mean ± std over {seeds} seed{'s' if seeds > 1 else ''}" + (
-        " (one seed: std 0; add --set seeds=0,1,2)" if seeds == 1 else "")
+        " (one seed: no spread, so no std; add --set seeds=0,1,2)" if seeds == 1 else "")
+
+
+def _mean_std(mean: float, std: float) -> str:
+    """'mean ± std', or the mean alone where the std is undefined (nan: one seed)."""
+    return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
 
 
 def _gradnorm_label(variant: str) -> str:
@@ -638,18 +709,18 @@ def _sensitivity_rows(rows: list) -> list[list[str]]:
              str(r.seeds), str(r.runs), str(r.diverged), str(r.missing)] for r in rows]
 
 
-def sensitivity_to_markdown(rows: list) -> str:
+def sensitivity_to_markdown(rows: list, engines: str = "") -> str:
+    """`engines`: `engine_note` of the sweep, a line under the table ("" for none)."""
     table = _markdown_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr")
-    return "\n".join([*table, "", SENSITIVITY_NOTE]) + "\n"
+    return "\n".join([*table, "", SENSITIVITY_NOTE, *(["", f"**{engines}**"] if engines else [])]) + "\n"
 
 
-def sensitivity_to_rich(rows: list):  # -> rich.console.Group
+def sensitivity_to_rich(rows: list, engines: str = ""):  # -> rich.console.Group
     from rich.console import Group
     from rich.text import Text
 
     table = _rich_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr", title="learning-rate sensitivity")
-    table.columns[0].no_wrap = True
-    return Group(table, Text(SENSITIVITY_NOTE))
+    return Group(table, Text(SENSITIVITY_NOTE), *([Text(engines, style="bold")] if engines else []))
 
 
 def sensitivity_to_csv(rows: list) -> str:
@@ -658,8 +729,8 @@ def sensitivity_to_csv(rows: list) -> str:
     writer.writerow(["variant", "lr_sensitivity", "seed_std", "best_lr", "best_loss", "lrs", "grid_lrs", "seeds",
                      "runs", "diverged", "missing"])
     for r in rows:
-        writer.writerow([r.label, repr(r.sensitivity), repr(r.spread), repr(r.best_lr), repr(r.best_loss), r.lrs,
-                         r.grid_lrs, r.seeds, r.runs, r.diverged, r.missing])
+        writer.writerow([r.label, csv_number(r.sensitivity), csv_number(r.spread), csv_number(r.best_lr),
+                         csv_number(r.best_loss), r.lrs, r.grid_lrs, r.seeds, r.runs, r.diverged, r.missing])
     return buffer.getvalue()
 
 

@@ -51,10 +51,12 @@ class Sensitivity:
     missing: int  # runs of the sweep that have not finished (pending, failed, or unreadable)
 
 
-def clipped_final(final: pd.Series, initial: pd.Series) -> pd.Series:
-    """min(final, initial) per run, a non-finite final loss counting as the initial one."""
-    final = final.astype(float).where(np.isfinite(final.astype(float)), np.inf)
-    return np.minimum(final, initial.astype(float))
+def clipped_final(final: pd.Series, initial: pd.Series, diverged: pd.Series | None = None) -> pd.Series:
+    """min(final, initial) per run, a non-finite final loss (or a run whose status is `diverged`: it met
+    a non-finite loss, even if it then went on to a finite one) counting as the initial one."""
+    final = final.astype(float)
+    ok = np.isfinite(final) if diverged is None else np.isfinite(final) & ~diverged.astype(bool)
+    return np.minimum(final.where(ok, np.inf), initial.astype(float))
 
 
 def lr_table(run_dir: str | Path) -> tuple[pd.DataFrame, list[str]]:
@@ -71,9 +73,11 @@ def lr_table(run_dir: str | Path) -> tuple[pd.DataFrame, list[str]]:
     runs = tidy.groupby("run_id", sort=False)
     metrics = ["step", "loss", "acc", "lr", "grad_norm", "val_loss", "val_acc"]  # val_*: sequence tasks only
     table = runs.head(1).set_index("run_id").drop(columns=metrics, errors="ignore")
-    table["initial"] = runs["loss"].first()
-    table["final"] = runs["loss"].last()
-    table["clipped"] = clipped_final(table["final"], table["initial"])
+    # the loss of each run's first and last recorded row, nan included: GroupBy.first()/last() would skip
+    # a diverged run's nan and hand back the loss of the step before it
+    table["initial"] = runs.head(1).set_index("run_id")["loss"].astype(float)
+    table["final"] = runs.tail(1).set_index("run_id")["loss"].astype(float)
+    table["clipped"] = clipped_final(table["final"], table["initial"], table["status"] == "diverged")
     keys = [k for k in varying_keys(summary) if k not in ("seed", LR_KEY)]
     return table.reset_index(), keys
 
@@ -92,6 +96,15 @@ def variant_sensitivity(group: pd.DataFrame, grid_lrs: list[float]) -> tuple[flo
     per_seed = (complete - best).mean(axis=1)
     spread = float(per_seed.std(ddof=1)) if len(per_seed) > 1 else math.nan
     return sensitivity, spread, best_lr, best
+
+
+def sensitivity_engines(run_dir: str | Path) -> str:
+    """`report.engine_note` for the sensitivity's cells (a variant at one lr): which average runs of the
+    fast engine with exact ones, or ""."""
+    from normexp.report import engine_note
+
+    summary = load_summary(run_dir)
+    return engine_note(summary, [*(k for k in varying_keys(summary) if k not in ("seed", LR_KEY)), LR_KEY])
 
 
 def build_sensitivity(run_dir: str | Path) -> list[Sensitivity]:

@@ -61,7 +61,7 @@ from normexp.report import (
     variant_label,
 )
 from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note
-from normexp.sensitivity import build_sensitivity
+from normexp.sensitivity import build_sensitivity, sensitivity_engines
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,34 +281,40 @@ def placements_verdict(run_dir: Path) -> str:
 
 def lr_sensitivity_verdict(run_dir: Path) -> str:
     """The ranking by LR sensitivity at each warmup, and whether warmup lowers each placement's."""
-    rows = [r for r in build_sensitivity(run_dir) if not math.isnan(r.sensitivity)]
-    by = {(str(r.values.get("norm.placement")), int(r.values.get("schedule.warmup_steps", 0))): r for r in rows}
+    every = build_sensitivity(run_dir)
+    rows = [r for r in every if not math.isnan(r.sensitivity)]
+    undefined = [_variant(r) for r in every if math.isnan(r.sensitivity)]  # named below, never dropped unsaid
+    # keyed by the whole variant but its warmup (placement, and any other varying key: no two variants merge)
+    by = {(_variant(r), int(r.values.get("schedule.warmup_steps", 0))): r for r in rows}
     warmups = sorted({w for _, w in by})
     parts = []
     for w in warmups:
-        ranked = sorted((r for (_, ww), r in by.items() if ww == w), key=lambda r: r.sensitivity)
+        ranked = sorted(((v, r) for (v, ww), r in by.items() if ww == w), key=lambda item: item[1].sensitivity)
         parts.append(f"Ranking by LR sensitivity {'without warmup' if w == 0 else f'with {w} warmup steps'} "
-                     "(least sensitive first): " + ", ".join(f"{_placement(r)} {r.sensitivity:.3f}" for r in ranked))
+                     "(least sensitive first): " + ", ".join(f"{v} {r.sensitivity:.3f}" for v, r in ranked))
     if len(warmups) == 2:
         lower, higher, same = [], [], []
-        for placement in dict.fromkeys(p for p, _ in by):
-            before, after = by.get((placement, warmups[0])), by.get((placement, warmups[1]))
+        for variant in dict.fromkeys(v for v, _ in by):
+            before, after = by.get((variant, warmups[0])), by.get((variant, warmups[1]))
             if before is None or after is None:
                 continue
             noise = max(_finite(before.spread), _finite(after.spread))
-            change = f"{PLACEMENT_LABELS.get(placement, placement)} {before.sensitivity:.3f} -> {after.sensitivity:.3f}"
+            change = f"{variant} {before.sensitivity:.3f} -> {after.sensitivity:.3f}"
             delta = after.sensitivity - before.sensitivity
             (lower if delta < -noise else higher if delta > noise else same).append(change)
         parts.append(f"Warmup ({warmups[1]} steps) lowers the sensitivity of {', '.join(lower) or 'no placement'}; "
                      f"raises it for {', '.join(higher) or 'none'}; within the larger seed spread of the two for "
                      f"{', '.join(same) or 'none'}")
+    if undefined:
+        parts.append(f"No LR sensitivity (an lr of the grid has no finished run) for {', '.join(undefined)}")
     diverged = sum(r.diverged for r in rows)
     covered = f"{sum(r.runs for r in rows)} runs, {min((r.seeds for r in rows), default=0)}+ seeds per variant"
     return ". ".join(parts) + f". ({covered}; {diverged} diverged runs counted as their loss at init.)"
 
 
-def _placement(row) -> str:
-    return PLACEMENT_LABELS.get(str(row.values.get("norm.placement")), str(row.values.get("norm.placement")))
+def _variant(row) -> str:
+    """A sensitivity row's variant without its warmup ('Pre', 'Pre-RMS' where the kind varies too)."""
+    return variant_label({k: v for k, v in row.values.items() if k != "schedule.warmup_steps"})
 
 
 def _finite(value: float) -> float:
@@ -318,17 +324,34 @@ def _finite(value: float) -> float:
 BLOCKS_FIGURES = ("fc2_update", "fc2_grad", "stream_rms")
 
 
+def _every_seed_mean(rows: pd.DataFrame, column: str) -> pd.Series:
+    """The mean of `column` per (warmup, placement, step) over every run of that (warmup, placement);
+    nan at a step where one of them has no finite value (it diverged, or stopped before that step):
+    groupby().mean() would skip it and call a mean over fewer seeds a mean over all."""
+    cell = ["schedule.warmup_steps", "norm.placement"]
+    finite = rows[rows[column].astype(float).map(math.isfinite)]
+    stats = finite.groupby([*cell, "step"])[column].agg(["mean", "count"])
+    runs = rows.groupby(cell)["run_id"].nunique()
+    whole = stats["count"].to_numpy() == runs.reindex(stats.index.droplevel("step")).to_numpy()
+    return stats["mean"].where(whole)
+
+
 def blocks_verdict(run_dir: Path) -> str:
     """When Post-LN's last block takes its largest update relative to its weights, how that compares
     with Pre-LN's, per warmup; and the last block's gradient at step 0."""
     tidy = load_blocks(run_dir, all_config=True)
     last = tidy[tidy["block"] == tidy["model.depth"]]
-    by = last.groupby(["schedule.warmup_steps", "norm.placement", "step"])
-    update, grad = by["fc2_update"].mean(), by["fc2_grad"].mean()
+    update, grad = _every_seed_mean(last, "fc2_update"), _every_seed_mean(last, "fc2_grad")
     seeds = tidy["seed"].nunique()
     parts = []
     for warmup in sorted(tidy["schedule.warmup_steps"].unique()):
         post, pre = update[(warmup, "post")].dropna(), update[(warmup, "pre")].dropna()
+        post = post[post.index.isin(pre.index)]  # steps where both have a mean over every seed
+        pre = pre[pre.index.isin(post.index)]
+        if post.empty:
+            parts.append(f"With warmup {int(warmup)}: no step where every seed of Post-LN and of Pre-LN has a finite "
+                         "last-block update ratio (a run diverged or stopped first)")
+            continue
         peak = int(post.idxmax())
         when = "without warmup" if warmup == 0 else f"with a {int(warmup)}-step linear warmup"
         parts.append(
@@ -422,7 +445,8 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         start = time.perf_counter()
         run_dir, resumed = _sweep(name, specs[name], out)
         figures = _figures(run_dir, x_key)
-        sensitivity = sensitivity_to_markdown(build_sensitivity(run_dir)) if name.startswith("lr_") else ""
+        sensitivity = (sensitivity_to_markdown(build_sensitivity(run_dir), sensitivity_engines(run_dir))
+                       if name.startswith("lr_") else "")
         table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(run_dir, only_last=True))
         if name == "lr_warmup":
             from normexp.report import build_pivot, pivot_to_markdown

@@ -107,7 +107,7 @@ def _check(out_dir: Path, runs: list[RunConfig], fix: bool) -> tuple[list[Findin
     """Every finding, in folder order (fixing each as it goes with `fix`), and the verified runs."""
     findings = _strays(out_dir, fix)
     ids = {run_id(cfg): cfg for cfg in runs}
-    verified, earlier = 0, set()
+    verified, earlier, engines = 0, set(), {}
     for rid, cfg in ids.items():
         state = inspect_run(out_dir / rid, cfg, thorough=True)
         old = superseded_folder(out_dir, cfg) if state.kind == "absent" else None
@@ -119,9 +119,25 @@ def _check(out_dir: Path, runs: list[RunConfig], fix: bool) -> tuple[list[Findin
         finding = _run_finding(out_dir / rid, state, fix)
         verified += finding is None or finding.severity == "note"
         findings += [finding] if finding else []
+        if state.finished and state.done:
+            engines[rid] = str(state.done.get("engine"))
+    findings += _mixed_engines(engines)
     findings += _foreign(out_dir, set(ids) | earlier, fix)
     findings += _summary(out_dir, runs, fix)
     return findings, verified
+
+
+def _mixed_engines(engines: dict[str, str]) -> list[Finding]:
+    """A note when the sweep's verified runs come from the fast engine and from an exact one: every
+    cell that holds both averages approximate numbers with exact ones (`report` names those cells)."""
+    fast = [rid for rid, engine in engines.items() if engine == "fast"]
+    if not fast or len(fast) == len(engines):
+        return []
+    exact = ", ".join(sorted({e for e in engines.values() if e != "fast"}))
+    return [Finding(".", f"runs of two engines: {len(fast)} of {len(engines)} by the fast engine (close to the "
+                    f"reference's numbers, not equal), the others by {exact}, e.g. {fast[0]}",
+                    "for one engine throughout, rerun the sweep with --engine batched (it redoes the fast runs) "
+                    "or with --engine fast --force", "note")]
 
 
 def _strays(out_dir: Path, fix: bool) -> list[Finding]:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from normexp.config import (
     ACTS_ONLY_UNDER,
+    ACTS_ONLY_UNDER_BY_SECTION,
     ARCH_ONLY,
     ConfigError,
     NormConfig,
@@ -152,13 +153,15 @@ def _alone(data: dict, options: list[str]) -> list[RunConfig]:
 
 
 def _unused_anywhere(base: dict, grid: dict, runs: list[RunConfig]) -> None:
-    """A placement- or kind-specific key set off its default (in the grid, else in the base) that no
-    run uses is refused."""
-    for key in ACTS_ONLY_UNDER:
-        default = NormConfig.model_fields[key].default
-        values = grid.get(f"norm.{key}", [base.get("norm", {}).get(key, default)])
-        if any(value != default for value in values) and all(key in inert_keys(r.norm) for r in runs):
-            raise ConfigError(key)
+    """A placement-, kind-, optimizer- or schedule-specific key set off its default (in the grid, else
+    in the base) that no run uses is refused."""
+    for section, table in ACTS_ONLY_UNDER_BY_SECTION.items():
+        for key in table:
+            default = type(getattr(RunConfig(), section)).model_fields[key].default
+            values = grid.get(f"{section}.{key}", [base.get(section, {}).get(key, default)])
+            values = [tuple(v) if isinstance(v, list) else v for v in values]
+            if any(value != default for value in values) and all(key in inert_keys(getattr(r, section)) for r in runs):
+                raise ConfigError(key)
 
 
 def _split(raw: str) -> list[str]:
