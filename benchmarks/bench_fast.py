@@ -3,14 +3,20 @@
     python benchmarks/bench_fast.py            # or: make bench
     python benchmarks/bench_fast.py --quick    # small grids: a smoke run of every measurement
 
-The contract (README, "Engines"): on a fixed grid, F = fast vs reference and S = reference at 1 vs 2
-threads (a change that should not matter), each compared the same way:
+The contract (docs/fast-contract.md): on a fixed grid, per norm kind, F = fast vs reference and S =
+the reference vs itself with its training rows summed in another order (`reordered_run`, the mean over
+ROW_ORDERS seeded orders: the same computation, rounded differently, for every placement and kind),
+each compared the same way:
   flips   runs whose trained / not-trained verdict differs; F <= 2 S + 1% of runs
   share   (variant, step) cells whose seed means differ by more than 0.1 x the reference's seed sd
           + 1e-3; F <= 2 S + 2 points
   max |d loss| over every run and step, per norm kind.
-Grids: the article's Pre-LN runs (stable: S = 0, so F must be ~0) and a Post-LN lr x warmup x seeds
-grid of 256 runs, 60 steps (unstable: single trajectories are chaotic).
+The reference at 1 vs 2 threads is printed beside it, for information: LayerNorm's bits depend on the
+thread count, most other kinds' do not, so that spread is 0 wherever the reference happens to be
+thread-stable and cannot be a yardstick.
+Grids: the article's Pre-LN runs (stable: S = 0, so F must be ~0), a Post-LN lr x warmup x seeds
+grid of 256 runs, 60 steps, and a depth-8 Post-LN grid of 96 runs, 40 steps (unstable: single
+trajectories are chaotic).
 
 Speed: ms per model-step at 64 runs, reference vs fast uncompiled and compiled (with the compile
 time, cold and warm cache, in fresh processes), both for the training steps alone (each run's
@@ -67,12 +73,18 @@ def unstable_grid(seeds: int, steps: int = 60, kinds: Sequence[str] = ("layernor
         for k in kinds for lr in lrs for w in warmups for s in range(seeds)]
 
 
+def deep_grid(seeds: int, steps: int = 40, kinds: Sequence[str] = ("layernorm", "rmsnorm"),
+              depth: int = 8) -> list[RunConfig]:
+    """A second chaotic grid: Post-LN, depth 8, Adam lr {0.003, 0.01, 0.03} x warmup {0, 10} x seeds."""
+    return unstable_grid(seeds, steps, kinds, lrs=(0.003, 0.01, 0.03), warmups=(0, 10), depth=depth)
+
+
 @dataclass(frozen=True)
 class Comparison:
     """How far engine A's runs are from engine B's (B the reference), the contract's three numbers."""
 
     runs: int
-    flips: int
+    flips: float  # a mean over several comparisons (`pooled`) may be fractional
     cells: int
     cells_off: int
     max_dloss: float
@@ -107,6 +119,50 @@ def compare(configs: Sequence[RunConfig], a: Sequence[RunResult], b: Sequence[Ru
     return Comparison(len(configs), flips, cells, cells_off, max_dloss)
 
 
+def pooled(comparisons: Sequence[Comparison]) -> Comparison:
+    """Several comparisons over the same runs as one: mean flips, cells pooled, the largest |d loss|."""
+    return Comparison(comparisons[0].runs, statistics.fmean(c.flips for c in comparisons),
+                      sum(c.cells for c in comparisons), sum(c.cells_off for c in comparisons),
+                      max(c.max_dloss for c in comparisons))
+
+
+reference_batch_order = reference.batch_order  # the reference's own, which `reordered_run` reorders
+ROW_ORDERS = 2  # the yardstick: the reference with its training rows in this many other orders
+
+
+def reordered_run(cfg: RunConfig, order: int) -> RunResult:
+    """The reference on the same samples summed in another order: the training rows permuted by a
+    permutation seeded with `order` (with minibatches, each step's minibatch in another order). The
+    same computation for every placement, norm kind and model, only rounded differently (the loss's
+    mean and every weight gradient sum over the rows), so it is as valid a reference as the reference."""
+    generator = torch.Generator().manual_seed(1000 + order)
+
+    def init(run: RunConfig):
+        model, task = seeded_init(run)
+        if run.data.batch_size is not None:  # minibatches index the task: reorder them, not the task
+            return model, task
+        perm = torch.randperm(len(task.x), generator=generator)
+        return model, type(task)(**{name: t[perm] if name in ("x", "y") else t for name, t in vars(task).items()})
+
+    def order_of(*args):
+        return [b[torch.randperm(len(b), generator=generator)] for b in reference_batch_order(*args)]
+
+    with mock.patch.object(reference, "seeded_init", init), mock.patch.object(reference, "batch_order", order_of):
+        return train_run(cfg)
+
+
+def yardstick(configs: Sequence[RunConfig], base: Sequence[RunResult], orders: int = ROW_ORDERS) -> Comparison:
+    """S: the reference in `orders` other row orders against `base` (the reference), pooled."""
+    return pooled([compare(configs, [reordered_run(c, k) for c in configs], base) for k in range(orders)])
+
+
+def per_kind(configs: Sequence[RunConfig], a: Sequence[RunResult], b: Sequence[RunResult]) -> dict[str, Comparison]:
+    """`compare` of each norm kind's runs alone."""
+    kinds = dict.fromkeys(c.norm.kind for c in configs)
+    return {kind: compare(*zip(*[(c, x, y) for c, x, y in zip(configs, a, b) if c.norm.kind == kind]))
+            for kind in kinds}
+
+
 def contract_holds(f: Comparison, s: Comparison) -> bool:
     """The contract: flips(F) <= 2 flips(S) + 1% of runs; share(F) <= 2 share(S) + 2 points."""
     return f.flips <= 2 * s.flips + 0.01 * f.runs and f.share <= 2 * s.share + 0.02
@@ -127,20 +183,25 @@ def run_fast(configs: Sequence[RunConfig], compile: bool | None = False) -> list
 
 
 def print_contract(name: str, configs: Sequence[RunConfig], compile: bool) -> None:
-    """F and S side by side, per norm kind and over the whole grid."""
-    ref2 = [train_run(with_threads(c, 2)) for c in configs]
+    """F and S (rows reordered) side by side, per norm kind and over the whole grid; T, the reference at
+    1 vs 2 threads, for information."""
+    configs = [with_threads(c, 2) for c in configs]
+    ref2 = [train_run(c) for c in configs]
     ref1 = [train_run(with_threads(c, 1)) for c in configs]
-    fast = run_fast([with_threads(c, 2) for c in configs], compile)
+    fast = run_fast(configs, compile)
+    reordered = [[reordered_run(c, k) for c in configs] for k in range(ROW_ORDERS)]
     print(f"\n{name}: {len(configs)} runs x {configs[0].train.steps} steps, fast {'compiled' if compile else 'eager'}")
-    print(f"  {'kind':<10} {'flips F/S':>10} {'share F/S':>14} {'max|dloss| F/S':>22}  contract")
+    print(f"  {'kind':<14} {'flips F/S/T':>16} {'share F/S/T':>22} {'max|dloss| F/S/T':>24}  contract")
     kinds = sorted({c.norm.kind for c in configs}) + ["all"]
     for kind in kinds:
         idx = [i for i, c in enumerate(configs) if kind in ("all", c.norm.kind)]
-        sub = [configs[i] for i in idx]
-        f = compare(sub, [fast[i] for i in idx], [ref2[i] for i in idx])
-        s = compare(sub, [ref1[i] for i in idx], [ref2[i] for i in idx])
-        print(f"  {kind:<10} {f.flips:>4} / {s.flips:<4} {f.share:>6.1%} / {s.share:<6.1%} "
-              f"{f.max_dloss:>10.3g} / {s.max_dloss:<10.3g}  {'holds' if contract_holds(f, s) else 'BROKEN'}")
+        sub, base = [configs[i] for i in idx], [ref2[i] for i in idx]
+        f = compare(sub, [fast[i] for i in idx], base)
+        s = pooled([compare(sub, [runs[i] for i in idx], base) for runs in reordered])
+        t = compare(sub, [ref1[i] for i in idx], base)
+        print(f"  {kind:<14} {f.flips:>4} / {s.flips:<4.3g} / {t.flips:<4} {f.share:>6.1%} / {s.share:<6.1%} / {t.share:<6.1%}"
+              f" {f.max_dloss:>6.3g} / {s.max_dloss:<6.3g} / {t.max_dloss:<6.3g}  "
+              f"{'holds' if contract_holds(f, s) else 'BROKEN'}")
 
 
 def timed_init(seconds: list[float]) -> contextlib.AbstractContextManager:
@@ -268,6 +329,8 @@ def main() -> None:
     print_contract("unstable grid (Post-LN, lr x warmup x seeds)",
                    unstable_grid(max(1, seeds // 2), steps),
                    compile=False)
+    print_contract("deep grid (Post-LN depth 8, lr x warmup x seeds, 40 steps)",
+                   deep_grid(2 if quick else 8, kinds=("layernorm", "rmsnorm", "scalenorm")), compile=False)
     big = 256 if quick else 4096
     print(f"\n{big}-run grid, normexp sweep --engine fast (chunks of 64, two at a time): "
           f"peak RSS {peak_rss_mb(big):.0f} MB")

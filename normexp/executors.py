@@ -53,6 +53,13 @@ class WorkUnit:
     threads: int
     fast: bool = False  # trained by the fast engine
     compile: bool = False  # fast engine: compile its step (decided when the sweep is planned)
+    # fast engine: which runs of the batch are to be recorded (empty: all). A resumed sweep trains a
+    # batch whole, as first planned, so that its runs' bits do not depend on which of them are done
+    record: tuple[bool, ...] = ()
+
+    def recorded(self, index: int) -> bool:
+        """Whether the unit's run `index` is to be written (the others are done already)."""
+        return not self.record or self.record[index]
 
     @property
     def runs(self) -> list[RunConfig]:
@@ -69,37 +76,48 @@ class UnitResult:
 
 
 def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int,
-               compile: bool | None = None) -> list[WorkUnit]:
+               compile: bool | None = None, planned: Sequence[RunConfig] | None = None) -> list[WorkUnit]:
     """Split runs into work units: batches where the batched engine applies, single runs elsewhere;
-    with the fast engine, batches of every structure (`compile` None: decided per structure)."""
+    with the fast engine, batches of every structure (`compile` None: decided per structure).
+    `planned`: every run of the sweep, `runs` those still to train. The fast engine's batches (and its
+    compile choice) are planned over all of them, so that they do not depend on which runs are done:
+    each batch with a run to train is trained whole, and only those runs are recorded."""
     def unit(configs: Sequence[RunConfig], batched: bool) -> WorkUnit:
         return WorkUnit(tuple(c.model_dump(mode="json") for c in configs), batched, device, threads)
 
     if engine == "reference":
         return [unit([cfg], False) for cfg in runs]
     if engine == "fast":
-        return _plan_fast_units(runs, device, threads, compile)
+        return _plan_fast_units(runs, device, threads, compile, runs if planned is None else planned)
     from normexp.engines.batched import plan_batches
 
     batches, alone = plan_batches(runs)
     return [unit(batch, True) for batch in batches] + [unit([cfg], False) for cfg in alone]
 
 
-def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compile: bool | None) -> list[WorkUnit]:
-    """The fast engine's batches; each structure compiles when its planned model-steps pay for it. Runs
-    with `train.log_blocks` go to the exact engines instead: blocks.csv is the reference's bits or nothing."""
+def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compile: bool | None,
+                     planned: Sequence[RunConfig]) -> list[WorkUnit]:
+    """The fast engine's batches of `planned` that hold a run of `runs`; each structure compiles when
+    its planned model-steps pay for it. Runs with `train.log_blocks` go to the exact engines instead:
+    blocks.csv is the reference's bits or nothing."""
     from normexp.engines.fast import fast_key, plan_fast, should_compile
+    from normexp.store import run_id
 
     logging = [cfg for cfg in runs if cfg.train.log_blocks]
     exact = plan_units(logging, "batched", device, threads) if logging else []
-    runs = [cfg for cfg in runs if not cfg.train.log_blocks]
-    batches = plan_fast(runs)
+    wanted = {run_id(cfg) for cfg in runs if not cfg.train.log_blocks}
+    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if not cfg.train.log_blocks}.values())
     model_steps: dict[tuple, int] = {}
-    for cfg in runs:
+    for cfg in planned:
         model_steps[fast_key(cfg)] = model_steps.get(fast_key(cfg), 0) + cfg.train.steps + 1
-    return [WorkUnit(tuple(c.model_dump(mode="json") for c in batch), True, device, threads, fast=True,
-                     compile=should_compile(batch[0], model_steps[fast_key(batch[0])]) if compile is None else compile)
-            for batch in batches] + exact
+    units = []
+    for batch in plan_fast(planned):
+        record = tuple(run_id(cfg) in wanted for cfg in batch)
+        if any(record):
+            units.append(WorkUnit(tuple(c.model_dump(mode="json") for c in batch), True, device, threads, fast=True,
+                                  compile=should_compile(batch[0], model_steps[fast_key(batch[0])])
+                                  if compile is None else compile, record=() if all(record) else record))
+    return units + exact
 
 
 class Stopped(BaseException):  # noqa: N818 - not an error: the executor asked a run to stop

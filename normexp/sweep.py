@@ -161,7 +161,7 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         pending = [cfg for cfg in sweep.runs
                    if options.force or not _finished(cfg, out_dir, options, threads, outcome, emit)]
         _write_or_explain(append_history, out_dir, _history_record(sweep, invocation, options, len(pending)))
-        _execute(pending, out_dir, options, executor, outcome, emit, threads)
+        _execute(pending, out_dir, options, executor, outcome, emit, threads, sweep.runs)
     except KeyboardInterrupt:
         outcome.interrupted = True
         for result in getattr(executor, "unreported", ()):  # finished while the executor was stopped
@@ -256,11 +256,11 @@ def refuse_another_sweep(out_dir: Path, sweep: Sweep,
 
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
-             outcome: SweepOutcome, emit: EventCallback, threads: int) -> None:
+             outcome: SweepOutcome, emit: EventCallback, threads: int, planned: list[RunConfig]) -> None:
     from normexp.executors import plan_units
 
     engine = options.engine if options.engine in ("reference", "fast") else "batched"
-    units = plan_units(pending, engine, options.device, threads, options.compile)
+    units = plan_units(pending, engine, options.device, threads, options.compile, planned)
     # closed here, not by the garbage collector when --fail-fast leaves the loop: the executor then
     # stops the runs still training, and a Ctrl-C while it waits for them must interrupt the sweep,
     # not be printed as an "Exception ignored" and lost
@@ -277,8 +277,9 @@ def _record_unit(result: UnitResult, out_dir: Path, outcome: SweepOutcome, emit:
     64-run batch), so an interrupted sweep leaves no half-built folder behind, nor a trained
     batch-mate unwritten."""
     with _stop_signals_deferred():
-        for cfg, run in zip(result.unit.runs, result.outcomes):
-            _record_now(cfg, run, result.status, out_dir, outcome, emit)
+        for index, (cfg, run) in enumerate(zip(result.unit.runs, result.outcomes)):
+            if result.unit.recorded(index):  # a fast batch's runs that were done are left as they are
+                _record_now(cfg, run, result.status, out_dir, outcome, emit)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,8 @@ from normexp.executors import plan_units
 from normexp.results import load_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_fast import compare, contract_holds, stable_grid, unstable_grid, with_threads  # noqa: E402
+from bench_fast import (  # noqa: E402
+    compare, contract_holds, deep_grid, per_kind, run_fast, stable_grid, unstable_grid, with_threads, yardstick)
 
 ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
 ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]
@@ -164,24 +165,78 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
 
 
 def test_stable_grid_contract_fast_is_as_close_as_the_reference_to_itself():
-    """Pre-LN runs: the reference does not move between 1 and 2 threads, so neither may fast."""
+    """Pre-LN runs: the reference does not move when its rows are summed in another order, so neither may fast."""
     configs = [with_threads(c, 2) for c in stable_grid(4, steps=15, depth=6, width=16)]
     reference = [train_run(c) for c in configs]
     f = compare(configs, train_fast(configs[:4], compile=False) + train_fast(configs[4:], compile=False), reference)
-    s = compare(configs, [train_run(with_threads(c, 1)) for c in configs], reference)
     assert f.flips == 0 and f.cells_off == 0 and f.max_dloss < 1e-3
-    assert contract_holds(f, s)
+    assert contract_holds(f, yardstick(configs, reference))
+
+
+CONTRACT_KINDS = ("layernorm", "rmsnorm", "scalenorm")  # thread-dependent bits, thread-stable ones, a third
+
+
+def assert_contract_per_kind(configs, fast_results):
+    """F within the contract of S (the reference with its rows reordered) for each norm kind alone."""
+    reference = [train_run(c) for c in configs]
+    s = {kind: yardstick(*zip(*[(c, r) for c, r in zip(configs, reference) if c.norm.kind == kind]))
+         for kind in CONTRACT_KINDS}
+    f = per_kind(configs, fast_results, reference)
+    assert set(f) == set(CONTRACT_KINDS)
+    broken = {kind: (f[kind], s[kind]) for kind in f if not contract_holds(f[kind], s[kind])}
+    assert not broken, broken
+    return f, s
+
+
+@pytest.fixture(scope="module")
+def small_chaotic_grid():
+    """48 Post-LN runs (depth 8, lr x warmup x 4 seeds x 3 kinds, 30 steps), their reference and S per kind.
+    Chaotic enough that RMSNorm's fast runs move (its reference does not move with the thread count)."""
+    configs = [with_threads(c, 2) for c in unstable_grid(4, 30, CONTRACT_KINDS, lrs=(0.01, 0.03), warmups=(0, 10), depth=8)]
+    reference = [train_run(c) for c in configs]
+    kinds = {kind: [i for i, c in enumerate(configs) if c.norm.kind == kind] for kind in CONTRACT_KINDS}
+    s = {kind: yardstick([configs[i] for i in idx], [reference[i] for i in idx]) for kind, idx in kinds.items()}
+    return configs, reference, s
+
+
+def contract_broken(grid, fast_results):
+    configs, reference, s = grid
+    f = per_kind(configs, fast_results, reference)
+    return {kind: (f[kind], s[kind]) for kind in CONTRACT_KINDS if not contract_holds(f[kind], s[kind])}
+
+
+def test_small_chaotic_grid_contract_holds_per_kind_where_the_thread_count_moves_nothing(small_chaotic_grid):
+    configs, reference, s = small_chaotic_grid
+    fast_results = run_fast(configs)
+    assert not contract_broken(small_chaotic_grid, fast_results)
+    rms = [i for i, c in enumerate(configs) if c.norm.kind == "rmsnorm"]
+    one_thread = [train_run(with_threads(configs[i], 1)) for i in rms]
+    assert all(repr(a.metrics) == repr(reference[i].metrics) for a, i in zip(one_thread, rms))  # T is 0 here
+    f = compare([configs[i] for i in rms], [fast_results[i] for i in rms], [reference[i] for i in rms])
+    assert f.cells_off > 0 and s["rmsnorm"].cells_off > 0  # both move: a thread yardstick would have said 0
+
+
+@pytest.mark.parametrize("error", [1.02, 0.98])
+def test_small_chaotic_grid_contract_catches_a_learning_rate_two_percent_off(small_chaotic_grid, error, monkeypatch):
+    """The contract discriminates: a fast engine whose learning rates are 2% off breaks it."""
+    step_lr = fast.step_lr
+    monkeypatch.setattr(fast, "step_lr", lambda cfg, step: error * step_lr(cfg, step))
+    assert contract_broken(small_chaotic_grid, run_fast(small_chaotic_grid[0]))
 
 
 @pytest.mark.slow
 def test_unstable_grid_contract():
-    """256 Post-LN runs (lr x warmup x 8 seeds x 2 kinds, 60 steps): F within the contract of S."""
-    configs = [with_threads(c, 2) for c in unstable_grid(8, 60)]
-    reference = [train_run(c) for c in configs]
-    fast_results = [r for i in range(0, len(configs), 64) for r in train_fast(configs[i:i + 64], compile=False)]
-    f = compare(configs, fast_results, reference)
-    s = compare(configs, [train_run(with_threads(c, 1)) for c in configs], reference)
-    assert contract_holds(f, s), (f, s)
+    """384 Post-LN runs (lr x warmup x 8 seeds x 3 kinds, 60 steps): F within the contract of S, per kind."""
+    configs = [with_threads(c, 2) for c in unstable_grid(8, 60, CONTRACT_KINDS)]
+    assert_contract_per_kind(configs, run_fast(configs))
+
+
+@pytest.mark.slow
+def test_deep_grid_contract():
+    """issue 25's grid (Post-LN depth 8, lr {0.003, 0.01, 0.03} x warmup {0, 10} x 8 seeds, 40 steps), with
+    ScaleNorm beside LayerNorm and RMSNorm: F within the contract of S, per kind."""
+    configs = [with_threads(c, 2) for c in deep_grid(8, kinds=CONTRACT_KINDS)]
+    assert_contract_per_kind(configs, run_fast(configs))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
