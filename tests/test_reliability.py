@@ -114,9 +114,15 @@ def test_second_sweep_into_a_busy_folder_fails_at_once(clean_run, tmp_path):
     out = tmp_path / "out"
     first = start_sweep(config, out, "-q")
     wait_for_done(out, 1)
-    second = start_sweep(config, out)
-    _, stderr = second.communicate(timeout=60)
-    assert first.poll() is None  # the second sweep gave up while the first still held the folder
+    # The first sweep is paused (SIGSTOP) while the second starts, so it still holds the folder however
+    # slowly the second one loads on a busy machine; a paused process's bits are its own.
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = start_sweep(config, out)
+        _, stderr = second.communicate(timeout=60)
+        assert first.poll() is None  # the second sweep gave up while the first still held the folder
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert second.returncode == 2
     assert "another sweep is writing here" in stderr and f"pid={first.pid}" in stderr
     assert first.wait(timeout=120) == 0  # the first sweep is untouched
