@@ -210,10 +210,11 @@ def test_small_chaotic_grid_contract_holds_per_kind_where_the_thread_count_moves
     fast_results = run_fast(configs)
     assert not contract_broken(small_chaotic_grid, fast_results)
     rms = [i for i, c in enumerate(configs) if c.norm.kind == "rmsnorm"]
-    one_thread = [train_run(with_threads(configs[i], 1)) for i in rms]
-    assert all(repr(a.metrics) == repr(reference[i].metrics) for a, i in zip(one_thread, rms))  # T is 0 here
     f = compare([configs[i] for i in rms], [fast_results[i] for i in rms], [reference[i] for i in rms])
-    assert f.cells_off > 0 and s["rmsnorm"].cells_off > 0  # both move: a thread yardstick would have said 0
+    # Both move, whatever the CPU: S never collapses to 0. Where the reference's RMSNorm bits do not depend
+    # on the thread count (MKL's AVX2 kernels), a 1- vs 2-thread yardstick would have been 0 here; on an
+    # AVX-512 machine they do depend on it, so that yardstick is merely machine-dependent there.
+    assert f.cells_off > 0 and s["rmsnorm"].cells_off > 0
 
 
 @pytest.mark.parametrize("error", [1.02, 0.98])
