@@ -6,8 +6,8 @@ YAML stops here. Everything past this module receives validated pydantic objects
 - Every section forbids unknown keys and validates strictly (no "32" -> 32, no true -> 1).
 - Every error is a `ConfigError` whose message names the key path (`base.optim.lr: must be > 0`)
   and, for a typo, the closest valid key. The CLI prints it and exits 2.
-- YAML is read with a safe loader that also rejects duplicate keys and reads `1e-3` as a float
-  (YAML 1.2), as users expect.
+- YAML is read with a safe loader that also rejects duplicate keys and keys that are not strings,
+  and reads `1e-3` as a float (YAML 1.2), as users expect.
 
 A sweep expands to runs in a fixed order: the Cartesian product of the grid axes (in file order,
 with `--set` axes replacing or appending), then seeds innermost.
@@ -481,7 +481,8 @@ MAX_YAML_NODES = 100_000  # a config is a few hundred values; aliases must not e
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 scalars, no duplicate keys, and a bound on what aliases expand to.
+    """SafeLoader with YAML 1.2 scalars, string keys only, no duplicate keys, and a bound on what aliases
+    expand to.
 
     Scalars follow the YAML 1.2 core schema where YAML 1.1 surprises: `010` is ten (not octal eight),
     `yes`/`no`/`on`/`off` are strings, `1:30` is a string (not 90), `1e-3` is a float. Merge keys
@@ -493,6 +494,7 @@ class _StrictLoader(yaml.SafeLoader):
         node = super().compose_document()
         if node is not None:
             _expanded_size(node, {})
+            _refuse_keys_not_strings(node, "", set())
         return node
 
 
@@ -519,6 +521,42 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
+STR_TAG = "tag:yaml.org,2002:str"
+
+
+def _refuse_keys_not_strings(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """Refuse a mapping with a key YAML reads as other than a string (`1`, `null`, `true`, a list), naming
+    the mapping by its key path. Every key of a config is a string; and checked here, before Python
+    builds the dict, `{1: a, true: b}` (1 == True in Python) cannot pass for a duplicate key."""
+    if id(node) in seen:  # a node that aliases share is checked once, where it is first reached
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, child in enumerate(node.value):
+            _refuse_keys_not_strings(child, _join_path(path, str(index)), seen)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    bad = [key for key, _ in node.value if key.tag not in (STR_TAG, MERGE_TAG)]
+    if bad:
+        shown = ", ".join(_key_text(key) for key in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}keys must be strings (got {shown}; line {bad[0].start_mark.line + 1})")
+    for key, value in node.value:  # a merged mapping's keys are this mapping's keys
+        _refuse_keys_not_strings(value, path if key.tag == MERGE_TAG else _join_path(path, key.value), seen)
+
+
+def _join_path(path: str, part: str) -> str:
+    return f"{path}.{part}" if path else part
+
+
+def _key_text(node: yaml.Node) -> str:
+    """A key as written (`1`, `null`, `true`), cut short; a list or mapping used as a key by its kind."""
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    text = node.value or "null"  # an empty key (`? ` alone) is null
+    return text if len(text) <= 20 else text[:19] + "…"
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -533,12 +571,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
     for key_node, value_node in node.value:
         if key_node.tag == MERGE_TAG:
             continue
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in written
-        except TypeError as exc:  # an unhashable key such as a list
-            raise ConfigError(f"line {key_node.start_mark.line + 1}: a key must be a plain value") from exc
-        if duplicate:
+        key = loader.construct_object(key_node, deep=deep)  # a string: _refuse_keys_not_strings ran first
+        if key in written:
             raise ConfigError(f"{str(key)[:60]}: duplicate key (line {key_node.start_mark.line + 1})")
         written.add(key)
         mapping[key] = loader.construct_object(value_node, deep=deep)

@@ -116,18 +116,47 @@ def test_a_section_check_blames_the_grid_key_it_came_from():
     assert str(caught.value).startswith("grid.schedule.warmup_steps: warmup_steps has no effect")
 
 
-@pytest.mark.parametrize(("text", "path"), [
-    ("name: t\nbase: {model: {1: 2}}\n", "base.model.1"),
-    ("name: t\nbase: {1: {depth: 2}}\n", "base.1"),
+@pytest.mark.parametrize(("data", "path"), [
+    ({"name": "t", "base": {"model": {1: 2}}}, "base.model.1"),  # a mapping built in Python: YAML refuses it
+    ({"name": "t", "base": {1: {"depth": 2}}}, "base.1"),
     ("name: t\nseeds: [0, x]\n", "seeds.1"),
     ("name: t\nreport: {steps: [1, -1]}\n", "report.steps.1"),
 ])
-def test_key_paths_are_well_formed(text, path):
+def test_key_paths_are_well_formed(data, path):
     with pytest.raises(ConfigError) as caught:
-        build_sweep(parse_yaml(text))
+        build_sweep(parse_yaml(data) if isinstance(data, str) else data)
     first = str(caught.value).splitlines()[0]
     key = first.split(": ")[0]
     assert key == path and ".." not in key and not key.endswith(".")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("name: t\ngrid: {1: 2, null: 3, true: 4}\n", "grid: keys must be strings (got 1, null, true; line 2)"),
+    ("name: t\nbase: {model: {1: 2}}\n", "base.model: keys must be strings (got 1; line 2)"),
+    ("name: t\nbase:\n  model:\n    depth: 2\n    0: 1\n    false: 2\n",
+     "base.model: keys must be strings (got 0, false; line 5)"),
+    ("1: x\nname: t\n", "sweep.yaml: keys must be strings (got 1; line 1)"),
+    ("name: t\ntags: [{2.5: a}]\n", "tags.0: keys must be strings (got 2.5; line 2)"),
+    ("name: t\nbase: {? [1, 2] : 3}\n", "base: keys must be strings (got a list; line 2)"),
+    ("d: &d {1: 2}\nname: t\nbase: {model: {<<: *d}}\n", "d: keys must be strings (got 1; line 1)"),
+    ("name: t\nbase: {model: {<<: {7: 2}}}\n", "base.model: keys must be strings (got 7; line 2)"),
+])
+def test_keys_that_are_not_strings_are_named_as_such(write_yaml, text, message):
+    """YAML reads `1`, `null`, `true` as an int, None, a bool; 1 and true are one Python key, which
+    must not read as a duplicate: the error says the keys are not strings, and where they are."""
+    result = runner.invoke(app, ["validate", str(write_yaml(text))])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "duplicate" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("name: t\ngrid: {optim.lr: [0.1], optim.lr: [0.2]}\n", "optim.lr: duplicate key (line 2)"),
+    ("name: t\nbase: {model: {'1': 2, \"1\": 3}}\n", "1: duplicate key (line 2)"),
+    ("name: t\nbase: {}\nbase: {}\n", "base: duplicate key (line 3)"),
+])
+def test_string_keys_written_twice_are_still_duplicates(write_yaml, text, message):
+    result = runner.invoke(app, ["validate", str(write_yaml(text))])
+    assert result.exit_code == 2 and message in result.output and "strings" not in result.output, result.output
 
 
 def test_max_runs_is_not_offered_where_there_is_no_such_option(write_yaml):
