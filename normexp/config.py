@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -749,8 +749,53 @@ MAX_ERROR_LINES = 8
 
 
 def _format_errors(exc: ValidationError, model: type[BaseModel], prefix: str) -> ConfigError:
-    lines = [f"{_key_path(prefix, _loc(err))}: {_describe(err, model)}" for err in exc.errors()]
+    lines = [f"{_key_path(prefix, _loc(err))}: {_describe(err, model)}" for err in _errors(exc, model)]
     return _error_lines(lines)
+
+
+TUPLE_SHAPE_ERRORS = ("missing", "too_short", "too_long", "tuple_type")
+ITEM_NOUNS = {float: "numbers", int: "integers", str: "strings", bool: "true or false values"}
+COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+
+
+def _errors(exc: ValidationError, model: type[BaseModel]) -> list[dict]:
+    """pydantic's errors, each one about the shape of a fixed-length list put as what that key must be.
+    pydantic reports `betas: [0.9]` as item 1 "missing" and `[0.9, 0.9, 0.9]` in its own words about
+    tuples; the user wrote a list of the wrong length, at the key `betas`."""
+    return [_tuple_shape_error(err, model) or err for err in exc.errors()]
+
+
+def _tuple_shape_error(err: dict, model: type[BaseModel]) -> dict | None:
+    """`err` as one error at the tuple field it concerns, if it is about that field's shape; else None."""
+    if err["type"] not in TUPLE_SHAPE_ERRORS:
+        return None
+    found = _tuple_field_at(model, err["loc"])
+    if found is None:
+        return None
+    depth, field = found
+    if len(err["loc"]) != depth + (err["type"] == "missing"):  # "missing" is about an item of the list
+        return None
+    items = get_args(field.annotation)
+    kinds = {get_args(item)[0] if get_origin(item) is Annotated else item for item in items}
+    noun = ITEM_NOUNS.get(next(iter(kinds)), "values") if len(kinds) == 1 else "values"
+    why = (f"must be a list of {COUNT_WORDS.get(len(items), len(items))} {noun}, "
+           f"e.g. {_brief(list(field.default))}, got {_brief(err['input'])}")
+    return {"type": "tuple_shape", "loc": tuple(err["loc"][:depth]), "msg": why, "input": err["input"]}
+
+
+def _tuple_field_at(model: type[BaseModel], loc: Sequence[Any]) -> tuple[int, Any] | None:
+    """(how many parts of `loc` name it, its FieldInfo) for the fixed-length tuple field that `loc`
+    leads to (through nested sections), else None."""
+    for depth, part in enumerate(loc, 1):
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        if get_origin(field.annotation) is tuple and Ellipsis not in get_args(field.annotation):
+            return depth, field
+        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return None
 
 
 def _loc(err: dict) -> tuple[Any, ...]:
@@ -884,7 +929,7 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
 
 def _grid_error(exc: ValidationError, combo: dict[str, Any], point: dict, base_data: dict) -> ConfigError:
     lines = []
-    for err in exc.errors():
+    for err in _errors(exc, RunConfig):
         loc, why = _loc(err), _describe(err, RunConfig)
         culprits = [] if _blame(loc, combo).startswith("grid.") else _culprits(combo, point, base_data)
         if culprits:
