@@ -16,6 +16,7 @@ with `--set` axes replacing or appending), then seeds innermost.
 from __future__ import annotations
 
 import difflib
+import errno
 import itertools
 import json
 import math
@@ -643,14 +644,31 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         raise ConfigError(f"{source}: malformed YAML: {where}{problem}") from None
 
 
+SYMLINK_LOOP = "a symbolic link loop (too many levels of symbolic links)"  # ELOOP, said as such
+
+
+def is_symlink_loop(path: Path) -> bool:
+    """Whether resolving `path` (or a folder on its way) runs into a loop of symbolic links (ELOOP).
+    Path.exists() and is_dir() say False there, as for a missing file: check this first."""
+    try:
+        path.stat()
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
 def read_mapping(path: str | Path) -> dict:
     """Read a YAML file that must hold a mapping."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except FileNotFoundError:  # a dangling symbolic link too
         raise ConfigError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:  # the path is already named: the reason alone, not errno's repr of it
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"{path}: {SYMLINK_LOOP}") from None
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     data = parse_yaml(text, str(path))
     if data is None:

@@ -205,6 +205,25 @@ def test_a_dangling_symlink_as_out_is_named(write_yaml, tmp_path):
     assert result.exit_code == 2 and "does not exist" in result.output and "File exists" not in result.output
 
 
+def test_a_symlink_loop_is_called_a_loop(write_yaml, tmp_path):
+    """ELOOP: a link that leads back to itself is no missing file; as CONFIG, as --out or on their way."""
+    config = write_yaml(TINY)
+    loop, dangling = tmp_path / "loop", tmp_path / "dangling"
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone")
+    for args in (["validate", str(loop)], ["sweep", str(loop / "x.yaml")], ["sweep", str(config), "--out", str(loop)],
+                 ["gradnorm", str(config), "--out", str(loop)], ["sweep", str(config), "--out", str(loop / "out")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "a symbolic link loop (too many levels of symbolic links)" in result.output
+        assert "does not exist" not in result.output and "Errno" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+    result = runner.invoke(app, ["validate", str(dangling)])  # a dangling link keeps its message
+    assert result.exit_code == 2 and result.output == f"error: {dangling}: no such file\n", result.output
+    result = runner.invoke(app, ["validate", str(tmp_path)])  # a folder: the reason, without errno's repr
+    assert result.exit_code == 2 and result.output == f"error: {tmp_path}: cannot read: Is a directory\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop", "sweep.yaml"]
+
+
 @pytest.mark.parametrize("command", ["sweep", "gradnorm"])
 def test_a_file_as_out_is_refused(write_yaml, tmp_path, command):
     file = tmp_path / "file"
