@@ -21,13 +21,23 @@ import itertools
 import json
 import math
 import re
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 Placement = Literal[
@@ -45,7 +55,26 @@ TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
 SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
 Metric = Literal["loss", "acc", "grad_norm", "lr", "val_loss", "val_acc"]
 
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal, 2^-149)
+
+
+def _not_0_in_float32(value: float) -> float:
+    """Refuse a positive value that float32 rounds to 0: runs train in float32, where an eps, a learning
+    rate or an init scale of 1e-50 is exactly 0 (a division by zero, a step that moves nothing), not the
+    positive number the config shows. The value itself is kept as written (run ids are of it)."""
+    try:
+        in_float32 = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's largest: far from 0
+        return value
+    if in_float32 == 0:
+        raise PydanticCustomError("zero_in_float32", "is 0 in float32 (training's precision; the smallest "
+                                  "positive float32 is {tiniest}), got {value}",
+                                  {"tiniest": f"{FLOAT32_TINIEST:.2g}", "value": _brief(value)})
+    return value
+
+
+# > 0, and > 0 in float32 too (a positive float is an eps, a learning rate or a scale in float32 training)
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), AfterValidator(_not_0_in_float32)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # Adam's decay rates: 1 divides by 1 - 1

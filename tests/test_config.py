@@ -20,6 +20,7 @@ from normexp.config import (
     parse_set,
     parse_yaml,
     run_keys,
+    validate_run,
 )
 
 
@@ -209,3 +210,45 @@ def test_set_betas_of_one_number_names_the_key_and_its_shape(write_yaml):
     result = CliRunner().invoke(app, ["validate", str(write_yaml(GOOD)), "--set", "optim.betas=[0.9]"])
     assert result.exit_code == 2, result.output
     assert result.output == "error: grid.optim.betas: must be a list of two numbers, e.g. [0.9, 0.999], got [0.9]\n"
+
+
+def _refuses_zero(key: str) -> bool:
+    section, _, leaf = key.partition(".")
+    try:
+        validate_run({section: {leaf: 0.0}})
+    except ConfigError as exc:
+        return f"{key}: must be > 0" in str(exc)
+    return False
+
+
+# Every float key the schema requires > 0 (found by trying 0.0): each is a float32 number in training (an eps,
+# a learning rate, an init scale), so a value that float32 rounds to 0 is 0 there. Not prms_fraction: it
+# counts features in Python, max(1, int(d * p)), and a tiny fraction is simply 1 feature.
+POSITIVE_FLOAT32_KEYS = [key for key in run_keys() if _refuses_zero(key) and key != "norm.prms_fraction"]
+
+
+def test_the_positive_keys_include_both_eps():
+    assert {"norm.eps", "optim.eps", "optim.lr"} <= set(POSITIVE_FLOAT32_KEYS)
+
+
+@pytest.mark.parametrize("key", POSITIVE_FLOAT32_KEYS)
+@pytest.mark.parametrize("value", [1e-50, 7e-46, 1e-300])
+def test_a_positive_value_that_is_0_in_float32_is_refused(key, value):
+    section, _, leaf = key.partition(".")
+    with pytest.raises(ConfigError) as caught:
+        validate_run({section: {leaf: value}}, "base")
+    assert str(caught.value).startswith(f"base.{key}: is 0 in float32"), str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        build_sweep({"name": "t"}, [f"{key}={value!r}"])
+    assert str(caught.value).startswith(f"grid.{key}: is 0 in float32"), str(caught.value)
+
+
+@pytest.mark.parametrize("key", ["norm.eps", "optim.eps"])
+def test_the_smallest_positive_float32_is_not_0(key):
+    section, _, leaf = key.partition(".")
+    assert getattr(getattr(validate_run({section: {leaf: 1.5e-45}}), section), leaf) == 1.5e-45
+
+
+def test_eps_1e_50_exits_2(write_yaml):
+    result = CliRunner().invoke(app, ["validate", str(write_yaml("name: t\nbase: {optim: {eps: 1e-50}}\n"))])
+    assert result.exit_code == 2 and result.output.startswith("error: base.optim.eps: is 0 in float32"), result.output
