@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -381,3 +382,41 @@ def test_a_path_in_brackets_prints_literally(tmp_path):
 def test_empty_options_are_refused_by_name(finished, args, named):
     result = runner.invoke(app, [arg.format(out=finished[1]) for arg in args])
     assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output, result.output
+
+
+def _studies(out, monkeypatch, capsys) -> tuple[int, str]:
+    """`python -m normexp.studies --quick --out OUT`, in this process on one core: exit code and stderr."""
+    from normexp import stopping, studies
+
+    monkeypatch.setattr(studies, "usable_cores", lambda: 1)  # no worker pool: it fails before training
+    monkeypatch.setattr(sys, "argv", ["normexp.studies", "--quick", "--out", str(out)])
+    previous = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}
+    try:
+        with pytest.raises(SystemExit) as caught:
+            studies.main()
+    finally:
+        stopping.on_stop_signals(previous)
+    return caught.value.code, capsys.readouterr().err
+
+
+def test_the_studies_exit_2_on_an_output_folder_they_cannot_use(tmp_path, monkeypatch, capsys):
+    """As `normexp sweep`: an --out that is a file or a symbolic link loop, a study folder that holds
+    another sweep or one that another sweep is writing is one `error:` line and exit 2 (bad usage), not 1
+    (a run failed)."""
+    from normexp.store import SweepLock
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    other = tmp_path / "other"
+    (other / "depth").mkdir(parents=True)
+    (other / "depth" / "sweep.yaml").write_text("name: not-depth\nbase: {}\ngrid: {}\nseeds: [0]\n")
+    busy, loop = tmp_path / "busy", tmp_path / "loop"
+    loop.symlink_to(loop)
+    with SweepLock(busy / "warmup"):
+        for out, said in ((a_file, "cannot use as the output folder"), (other, "holds sweep 'not-depth'"),
+                          (busy, "another sweep is writing here"), (loop, "a symbolic link loop")):
+            code, stderr = _studies(out, monkeypatch, capsys)
+            assert code == 2 and stderr.startswith("error: ") and said in stderr, (code, stderr)
+            assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert a_file.read_text() == "" and not (other / "warmup").exists()
+    assert sorted(p.name for p in (busy / "warmup").iterdir()) == [".lock"]
