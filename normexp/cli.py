@@ -21,7 +21,16 @@ from rich.console import Console
 from rich.markup import escape
 
 from normexp import stopping
-from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Metric, Sweep, TooManyRuns, load_sweep
+from normexp.config import (
+    DEFAULT_MAX_RUNS,
+    SYMLINK_LOOP,
+    ConfigError,
+    Metric,
+    Sweep,
+    TooManyRuns,
+    is_symlink_loop,
+    load_sweep,
+)
 from normexp.sweep import Invocation, SweepOptions, SweepOutcome
 
 app = typer.Typer(
@@ -233,6 +242,8 @@ def _out_folder(value: str | None, name: str) -> Path:
     if not value.strip():
         raise fail("--out: empty; name a folder (or leave --out out for runs/<name>)")
     option = Path(value)
+    if is_symlink_loop(option):  # checked first: to exists() a loop is simply missing
+        raise fail(f"--out {option}: {SYMLINK_LOOP}")
     if option.is_symlink() and not option.exists():
         raise fail(f"--out {option}: a symbolic link to {os.readlink(option)}, which does not exist")
     if option.exists() and not option.is_dir():

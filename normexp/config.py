@@ -6,8 +6,8 @@ YAML stops here. Everything past this module receives validated pydantic objects
 - Every section forbids unknown keys and validates strictly (no "32" -> 32, no true -> 1).
 - Every error is a `ConfigError` whose message names the key path (`base.optim.lr: must be > 0`)
   and, for a typo, the closest valid key. The CLI prints it and exits 2.
-- YAML is read with a safe loader that also rejects duplicate keys and reads `1e-3` as a float
-  (YAML 1.2), as users expect.
+- YAML is read with a safe loader that also rejects duplicate keys and keys that are not strings,
+  and reads `1e-3` as a float (YAML 1.2), as users expect.
 
 A sweep expands to runs in a fixed order: the Cartesian product of the grid axes (in file order,
 with `--set` axes replacing or appending), then seeds innermost.
@@ -16,17 +16,28 @@ with `--set` axes replacing or appending), then seeds innermost.
 from __future__ import annotations
 
 import difflib
+import errno
 import itertools
 import json
 import math
 import re
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 Placement = Literal[
@@ -44,7 +55,26 @@ TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
 SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
 Metric = Literal["loss", "acc", "grad_norm", "lr", "val_loss", "val_acc"]
 
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal, 2^-149)
+
+
+def _not_0_in_float32(value: float) -> float:
+    """Refuse a positive value that float32 rounds to 0: runs train in float32, where an eps, a learning
+    rate or an init scale of 1e-50 is exactly 0 (a division by zero, a step that moves nothing), not the
+    positive number the config shows. The value itself is kept as written (run ids are of it)."""
+    try:
+        in_float32 = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's largest: far from 0
+        return value
+    if in_float32 == 0:
+        raise PydanticCustomError("zero_in_float32", "is 0 in float32 (training's precision; the smallest "
+                                  "positive float32 is {tiniest}), got {value}",
+                                  {"tiniest": f"{FLOAT32_TINIEST:.2g}", "value": _brief(value)})
+    return value
+
+
+# > 0, and > 0 in float32 too (a positive float is an eps, a learning rate or a scale in float32 training)
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), AfterValidator(_not_0_in_float32)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # Adam's decay rates: 1 divides by 1 - 1
@@ -481,7 +511,8 @@ MAX_YAML_NODES = 100_000  # a config is a few hundred values; aliases must not e
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 scalars, no duplicate keys, and a bound on what aliases expand to.
+    """SafeLoader with YAML 1.2 scalars, string keys only, no duplicate keys, and a bound on what aliases
+    expand to.
 
     Scalars follow the YAML 1.2 core schema where YAML 1.1 surprises: `010` is ten (not octal eight),
     `yes`/`no`/`on`/`off` are strings, `1:30` is a string (not 90), `1e-3` is a float. Merge keys
@@ -493,6 +524,7 @@ class _StrictLoader(yaml.SafeLoader):
         node = super().compose_document()
         if node is not None:
             _expanded_size(node, {})
+            _refuse_keys_not_strings(node, "", set())
         return node
 
 
@@ -519,6 +551,42 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
+STR_TAG = "tag:yaml.org,2002:str"
+
+
+def _refuse_keys_not_strings(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """Refuse a mapping with a key YAML reads as other than a string (`1`, `null`, `true`, a list), naming
+    the mapping by its key path. Every key of a config is a string; and checked here, before Python
+    builds the dict, `{1: a, true: b}` (1 == True in Python) cannot pass for a duplicate key."""
+    if id(node) in seen:  # a node that aliases share is checked once, where it is first reached
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, child in enumerate(node.value):
+            _refuse_keys_not_strings(child, _join_path(path, str(index)), seen)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    bad = [key for key, _ in node.value if key.tag not in (STR_TAG, MERGE_TAG)]
+    if bad:
+        shown = ", ".join(_key_text(key) for key in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}keys must be strings (got {shown}; line {bad[0].start_mark.line + 1})")
+    for key, value in node.value:  # a merged mapping's keys are this mapping's keys
+        _refuse_keys_not_strings(value, path if key.tag == MERGE_TAG else _join_path(path, key.value), seen)
+
+
+def _join_path(path: str, part: str) -> str:
+    return f"{path}.{part}" if path else part
+
+
+def _key_text(node: yaml.Node) -> str:
+    """A key as written (`1`, `null`, `true`), cut short; a list or mapping used as a key by its kind."""
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    text = node.value or "null"  # an empty key (`? ` alone) is null
+    return text if len(text) <= 20 else text[:19] + "…"
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -533,12 +601,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
     for key_node, value_node in node.value:
         if key_node.tag == MERGE_TAG:
             continue
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in written
-        except TypeError as exc:  # an unhashable key such as a list
-            raise ConfigError(f"line {key_node.start_mark.line + 1}: a key must be a plain value") from exc
-        if duplicate:
+        key = loader.construct_object(key_node, deep=deep)  # a string: _refuse_keys_not_strings ran first
+        if key in written:
             raise ConfigError(f"{str(key)[:60]}: duplicate key (line {key_node.start_mark.line + 1})")
         written.add(key)
         mapping[key] = loader.construct_object(value_node, deep=deep)
@@ -609,14 +673,31 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         raise ConfigError(f"{source}: malformed YAML: {where}{problem}") from None
 
 
+SYMLINK_LOOP = "a symbolic link loop (too many levels of symbolic links)"  # ELOOP, said as such
+
+
+def is_symlink_loop(path: Path) -> bool:
+    """Whether resolving `path` (or a folder on its way) runs into a loop of symbolic links (ELOOP).
+    Path.exists() and is_dir() say False there, as for a missing file: check this first."""
+    try:
+        path.stat()
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
 def read_mapping(path: str | Path) -> dict:
     """Read a YAML file that must hold a mapping."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except FileNotFoundError:  # a dangling symbolic link too
         raise ConfigError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:  # the path is already named: the reason alone, not errno's repr of it
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"{path}: {SYMLINK_LOOP}") from None
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     data = parse_yaml(text, str(path))
     if data is None:
@@ -715,8 +796,53 @@ MAX_ERROR_LINES = 8
 
 
 def _format_errors(exc: ValidationError, model: type[BaseModel], prefix: str) -> ConfigError:
-    lines = [f"{_key_path(prefix, _loc(err))}: {_describe(err, model)}" for err in exc.errors()]
+    lines = [f"{_key_path(prefix, _loc(err))}: {_describe(err, model)}" for err in _errors(exc, model)]
     return _error_lines(lines)
+
+
+TUPLE_SHAPE_ERRORS = ("missing", "too_short", "too_long", "tuple_type")
+ITEM_NOUNS = {float: "numbers", int: "integers", str: "strings", bool: "true or false values"}
+COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+
+
+def _errors(exc: ValidationError, model: type[BaseModel]) -> list[dict]:
+    """pydantic's errors, each one about the shape of a fixed-length list put as what that key must be.
+    pydantic reports `betas: [0.9]` as item 1 "missing" and `[0.9, 0.9, 0.9]` in its own words about
+    tuples; the user wrote a list of the wrong length, at the key `betas`."""
+    return [_tuple_shape_error(err, model) or err for err in exc.errors()]
+
+
+def _tuple_shape_error(err: dict, model: type[BaseModel]) -> dict | None:
+    """`err` as one error at the tuple field it concerns, if it is about that field's shape; else None."""
+    if err["type"] not in TUPLE_SHAPE_ERRORS:
+        return None
+    found = _tuple_field_at(model, err["loc"])
+    if found is None:
+        return None
+    depth, field = found
+    if len(err["loc"]) != depth + (err["type"] == "missing"):  # "missing" is about an item of the list
+        return None
+    items = get_args(field.annotation)
+    kinds = {get_args(item)[0] if get_origin(item) is Annotated else item for item in items}
+    noun = ITEM_NOUNS.get(next(iter(kinds)), "values") if len(kinds) == 1 else "values"
+    why = (f"must be a list of {COUNT_WORDS.get(len(items), len(items))} {noun}, "
+           f"e.g. {_brief(list(field.default))}, got {_brief(err['input'])}")
+    return {"type": "tuple_shape", "loc": tuple(err["loc"][:depth]), "msg": why, "input": err["input"]}
+
+
+def _tuple_field_at(model: type[BaseModel], loc: Sequence[Any]) -> tuple[int, Any] | None:
+    """(how many parts of `loc` name it, its FieldInfo) for the fixed-length tuple field that `loc`
+    leads to (through nested sections), else None."""
+    for depth, part in enumerate(loc, 1):
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        if get_origin(field.annotation) is tuple and Ellipsis not in get_args(field.annotation):
+            return depth, field
+        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return None
 
 
 def _loc(err: dict) -> tuple[Any, ...]:
@@ -850,7 +976,7 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
 
 def _grid_error(exc: ValidationError, combo: dict[str, Any], point: dict, base_data: dict) -> ConfigError:
     lines = []
-    for err in exc.errors():
+    for err in _errors(exc, RunConfig):
         loc, why = _loc(err), _describe(err, RunConfig)
         culprits = [] if _blame(loc, combo).startswith("grid.") else _culprits(combo, point, base_data)
         if culprits:

@@ -42,10 +42,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import pandas as pd
 
-from normexp.config import Sweep, load_sweep
+from normexp.config import SYMLINK_LOOP, ConfigError, Sweep, is_symlink_loop, load_sweep
 from normexp.executors import usable_cores
 from normexp.report import (
     PLACEMENT_LABELS,
@@ -494,6 +495,15 @@ def _section(question: str, name: str, table: str, figures: list[str], verdict: 
            f"_Runtime: {seconds:.0f} s{f' ({resumed})' if resumed else ''}._\n"
 
 
+USAGE_ERROR = 2  # as `normexp`'s exit code for bad usage or an output folder in use (1 says a run failed)
+
+
+def _fail(message: str) -> NoReturn:
+    """One `error:` line on stderr and exit 2, as `normexp sweep` does for the same errors."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run normexp's studies and write REPORT.md.")
     parser.add_argument("--out", type=Path, default=Path("runs"))
@@ -504,14 +514,14 @@ def main() -> None:
     from normexp.executors import ExecutorError
     from normexp.store import StoreError
 
+    if is_symlink_loop(args.out):  # else mkdir says "File exists"
+        _fail(f"--out {args.out}: {SYMLINK_LOOP}")
     try:
         run_studies(args.out, args.quick)
-    except (StoreError, ExecutorError) as exc:  # another sweep in a study's folder, a lock held, a disk full
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    except (StoreError, ExecutorError, ConfigError) as exc:  # a folder in use or full, an edited study config
+        _fail(str(exc))
     except OSError as exc:  # --out names a file, or a folder that cannot be written
-        print(f"error: {args.out}: cannot use as the output folder: {exc.strerror} ({exc.filename})", file=sys.stderr)
-        sys.exit(1)
+        _fail(f"{args.out}: cannot use as the output folder: {exc.strerror} ({exc.filename})")
     except (SweepInterrupted, KeyboardInterrupt):
         signum = stopping.received or signal.SIGINT
         print(f"{signal.Signals(signum).name}: studies stopped; every finished run is kept in {args.out}. "

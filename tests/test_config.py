@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import re
+from typing import get_origin
+
 import pytest
 from conftest import REPO, SMALL_SWEEP
+from pydantic import BaseModel
+from typer.testing import CliRunner
 
-from normexp.config import ConfigError, RunConfig, build_sweep, load_sweep, parse_set, parse_yaml, run_keys
+from normexp.cli import app
+from normexp.config import (
+    ConfigError,
+    RunConfig,
+    build_sweep,
+    load_sweep,
+    parse_set,
+    parse_yaml,
+    run_keys,
+    validate_run,
+)
 
 
 def test_article_sweep_expands_to_the_four_runs():
@@ -155,3 +171,84 @@ def test_max_runs_guards_absurd_grids(write_yaml):
     with pytest.raises(ConfigError, match="expands to 1000000 runs, more than the limit of"):
         load_sweep(write_yaml(GOOD), ["seeds=" + ",".join(map(str, range(1000))),
                                       "optim.lr=" + ",".join(str(0.001 * (i + 1)) for i in range(1000))])
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    return {name: field.annotation for name, field in RunConfig.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)}
+
+
+# Every run key whose value is a fixed-length list (a tuple in the schema), with its default: read from the
+# models, so that a tuple key added later is checked too.
+TUPLE_KEYS = {f"{section}.{leaf}": field.default for section, model in _sections().items()
+              for leaf, field in model.model_fields.items() if get_origin(field.annotation) is tuple}
+
+
+def test_the_schema_has_tuple_keys():
+    assert "optim.betas" in TUPLE_KEYS
+
+
+@pytest.mark.parametrize("key", list(TUPLE_KEYS))
+@pytest.mark.parametrize("shape", ["short", "long", "empty", "scalar"])
+def test_a_list_of_the_wrong_length_says_what_it_must_be(key, shape):
+    """`betas: [0.9]` is a list of the wrong length, not a missing key: in the base, the grid and --set."""
+    default = list(TUPLE_KEYS[key])
+    bad = {"short": default[:-1], "long": [*default, default[-1]], "empty": [], "scalar": default[0]}[shape]
+    section, leaf = key.split(".")
+    attempts = {"base": lambda: build_sweep({"name": "t", "base": {section: {leaf: bad}}}),
+                "grid": lambda: build_sweep({"name": "t", "grid": {key: [default, bad]}}),
+                "--set": lambda: build_sweep({"name": "t"}, [f"{key}={json.dumps(bad)}"])}
+    for where, attempt in attempts.items():
+        with pytest.raises(ConfigError) as caught:
+            attempt()
+        path = "base" if where == "base" else "grid"
+        expected = rf"{path}\.{re.escape(key)}: must be a list of \w+ numbers, e\.g\. .*, got {re.escape(repr(bad))}"
+        assert re.fullmatch(expected, str(caught.value)), (where, str(caught.value))
+
+
+def test_set_betas_of_one_number_names_the_key_and_its_shape(write_yaml):
+    result = CliRunner().invoke(app, ["validate", str(write_yaml(GOOD)), "--set", "optim.betas=[0.9]"])
+    assert result.exit_code == 2, result.output
+    assert result.output == "error: grid.optim.betas: must be a list of two numbers, e.g. [0.9, 0.999], got [0.9]\n"
+
+
+def _refuses_zero(key: str) -> bool:
+    section, _, leaf = key.partition(".")
+    try:
+        validate_run({section: {leaf: 0.0}})
+    except ConfigError as exc:
+        return f"{key}: must be > 0" in str(exc)
+    return False
+
+
+# Every float key the schema requires > 0 (found by trying 0.0): each is a float32 number in training (an eps,
+# a learning rate, an init scale), so a value that float32 rounds to 0 is 0 there. Not prms_fraction: it
+# counts features in Python, max(1, int(d * p)), and a tiny fraction is simply 1 feature.
+POSITIVE_FLOAT32_KEYS = [key for key in run_keys() if _refuses_zero(key) and key != "norm.prms_fraction"]
+
+
+def test_the_positive_keys_include_both_eps():
+    assert {"norm.eps", "optim.eps", "optim.lr"} <= set(POSITIVE_FLOAT32_KEYS)
+
+
+@pytest.mark.parametrize("key", POSITIVE_FLOAT32_KEYS)
+@pytest.mark.parametrize("value", [1e-50, 7e-46, 1e-300])
+def test_a_positive_value_that_is_0_in_float32_is_refused(key, value):
+    section, _, leaf = key.partition(".")
+    with pytest.raises(ConfigError) as caught:
+        validate_run({section: {leaf: value}}, "base")
+    assert str(caught.value).startswith(f"base.{key}: is 0 in float32"), str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        build_sweep({"name": "t"}, [f"{key}={value!r}"])
+    assert str(caught.value).startswith(f"grid.{key}: is 0 in float32"), str(caught.value)
+
+
+@pytest.mark.parametrize("key", ["norm.eps", "optim.eps"])
+def test_the_smallest_positive_float32_is_not_0(key):
+    section, _, leaf = key.partition(".")
+    assert getattr(getattr(validate_run({section: {leaf: 1.5e-45}}), section), leaf) == 1.5e-45
+
+
+def test_eps_1e_50_exits_2(write_yaml):
+    result = CliRunner().invoke(app, ["validate", str(write_yaml("name: t\nbase: {optim: {eps: 1e-50}}\n"))])
+    assert result.exit_code == 2 and result.output.startswith("error: base.optim.eps: is 0 in float32"), result.output

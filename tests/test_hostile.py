@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -116,18 +117,47 @@ def test_a_section_check_blames_the_grid_key_it_came_from():
     assert str(caught.value).startswith("grid.schedule.warmup_steps: warmup_steps has no effect")
 
 
-@pytest.mark.parametrize(("text", "path"), [
-    ("name: t\nbase: {model: {1: 2}}\n", "base.model.1"),
-    ("name: t\nbase: {1: {depth: 2}}\n", "base.1"),
+@pytest.mark.parametrize(("data", "path"), [
+    ({"name": "t", "base": {"model": {1: 2}}}, "base.model.1"),  # a mapping built in Python: YAML refuses it
+    ({"name": "t", "base": {1: {"depth": 2}}}, "base.1"),
     ("name: t\nseeds: [0, x]\n", "seeds.1"),
     ("name: t\nreport: {steps: [1, -1]}\n", "report.steps.1"),
 ])
-def test_key_paths_are_well_formed(text, path):
+def test_key_paths_are_well_formed(data, path):
     with pytest.raises(ConfigError) as caught:
-        build_sweep(parse_yaml(text))
+        build_sweep(parse_yaml(data) if isinstance(data, str) else data)
     first = str(caught.value).splitlines()[0]
     key = first.split(": ")[0]
     assert key == path and ".." not in key and not key.endswith(".")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("name: t\ngrid: {1: 2, null: 3, true: 4}\n", "grid: keys must be strings (got 1, null, true; line 2)"),
+    ("name: t\nbase: {model: {1: 2}}\n", "base.model: keys must be strings (got 1; line 2)"),
+    ("name: t\nbase:\n  model:\n    depth: 2\n    0: 1\n    false: 2\n",
+     "base.model: keys must be strings (got 0, false; line 5)"),
+    ("1: x\nname: t\n", "sweep.yaml: keys must be strings (got 1; line 1)"),
+    ("name: t\ntags: [{2.5: a}]\n", "tags.0: keys must be strings (got 2.5; line 2)"),
+    ("name: t\nbase: {? [1, 2] : 3}\n", "base: keys must be strings (got a list; line 2)"),
+    ("d: &d {1: 2}\nname: t\nbase: {model: {<<: *d}}\n", "d: keys must be strings (got 1; line 1)"),
+    ("name: t\nbase: {model: {<<: {7: 2}}}\n", "base.model: keys must be strings (got 7; line 2)"),
+])
+def test_keys_that_are_not_strings_are_named_as_such(write_yaml, text, message):
+    """YAML reads `1`, `null`, `true` as an int, None, a bool; 1 and true are one Python key, which
+    must not read as a duplicate: the error says the keys are not strings, and where they are."""
+    result = runner.invoke(app, ["validate", str(write_yaml(text))])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "duplicate" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("name: t\ngrid: {optim.lr: [0.1], optim.lr: [0.2]}\n", "optim.lr: duplicate key (line 2)"),
+    ("name: t\nbase: {model: {'1': 2, \"1\": 3}}\n", "1: duplicate key (line 2)"),
+    ("name: t\nbase: {}\nbase: {}\n", "base: duplicate key (line 3)"),
+])
+def test_string_keys_written_twice_are_still_duplicates(write_yaml, text, message):
+    result = runner.invoke(app, ["validate", str(write_yaml(text))])
+    assert result.exit_code == 2 and message in result.output and "strings" not in result.output, result.output
 
 
 def test_max_runs_is_not_offered_where_there_is_no_such_option(write_yaml):
@@ -174,6 +204,25 @@ def test_a_dangling_symlink_as_out_is_named(write_yaml, tmp_path):
     link.symlink_to(tmp_path / "gone")
     result = runner.invoke(app, ["sweep", str(write_yaml(TINY)), "--out", str(link)])
     assert result.exit_code == 2 and "does not exist" in result.output and "File exists" not in result.output
+
+
+def test_a_symlink_loop_is_called_a_loop(write_yaml, tmp_path):
+    """ELOOP: a link that leads back to itself is no missing file; as CONFIG, as --out or on their way."""
+    config = write_yaml(TINY)
+    loop, dangling = tmp_path / "loop", tmp_path / "dangling"
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone")
+    for args in (["validate", str(loop)], ["sweep", str(loop / "x.yaml")], ["sweep", str(config), "--out", str(loop)],
+                 ["gradnorm", str(config), "--out", str(loop)], ["sweep", str(config), "--out", str(loop / "out")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "a symbolic link loop (too many levels of symbolic links)" in result.output
+        assert "does not exist" not in result.output and "Errno" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+    result = runner.invoke(app, ["validate", str(dangling)])  # a dangling link keeps its message
+    assert result.exit_code == 2 and result.output == f"error: {dangling}: no such file\n", result.output
+    result = runner.invoke(app, ["validate", str(tmp_path)])  # a folder: the reason, without errno's repr
+    assert result.exit_code == 2 and result.output == f"error: {tmp_path}: cannot read: Is a directory\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop", "sweep.yaml"]
 
 
 @pytest.mark.parametrize("command", ["sweep", "gradnorm"])
@@ -333,3 +382,41 @@ def test_a_path_in_brackets_prints_literally(tmp_path):
 def test_empty_options_are_refused_by_name(finished, args, named):
     result = runner.invoke(app, [arg.format(out=finished[1]) for arg in args])
     assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output, result.output
+
+
+def _studies(out, monkeypatch, capsys) -> tuple[int, str]:
+    """`python -m normexp.studies --quick --out OUT`, in this process on one core: exit code and stderr."""
+    from normexp import stopping, studies
+
+    monkeypatch.setattr(studies, "usable_cores", lambda: 1)  # no worker pool: it fails before training
+    monkeypatch.setattr(sys, "argv", ["normexp.studies", "--quick", "--out", str(out)])
+    previous = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}
+    try:
+        with pytest.raises(SystemExit) as caught:
+            studies.main()
+    finally:
+        stopping.on_stop_signals(previous)
+    return caught.value.code, capsys.readouterr().err
+
+
+def test_the_studies_exit_2_on_an_output_folder_they_cannot_use(tmp_path, monkeypatch, capsys):
+    """As `normexp sweep`: an --out that is a file or a symbolic link loop, a study folder that holds
+    another sweep or one that another sweep is writing is one `error:` line and exit 2 (bad usage), not 1
+    (a run failed)."""
+    from normexp.store import SweepLock
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    other = tmp_path / "other"
+    (other / "depth").mkdir(parents=True)
+    (other / "depth" / "sweep.yaml").write_text("name: not-depth\nbase: {}\ngrid: {}\nseeds: [0]\n")
+    busy, loop = tmp_path / "busy", tmp_path / "loop"
+    loop.symlink_to(loop)
+    with SweepLock(busy / "warmup"):
+        for out, said in ((a_file, "cannot use as the output folder"), (other, "holds sweep 'not-depth'"),
+                          (busy, "another sweep is writing here"), (loop, "a symbolic link loop")):
+            code, stderr = _studies(out, monkeypatch, capsys)
+            assert code == 2 and stderr.startswith("error: ") and said in stderr, (code, stderr)
+            assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert a_file.read_text() == "" and not (other / "warmup").exists()
+    assert sorted(p.name for p in (busy / "warmup").iterdir()) == [".lock"]

@@ -359,7 +359,7 @@ def test_make_studies_stops_cleanly_and_resumes_what_it_kept(tmp_path, signum):
 def test_make_studies_ctrl_c_while_it_loads_and_a_bad_out_are_one_line(tmp_path):
     """`python -m normexp.studies`: a Ctrl-C while its modules load (pandas, pydantic) ends it with one
     line and 130, not a KeyboardInterrupt traceback; an --out that is a file, or a study folder that
-    holds another sweep, is an error line and exit 1, not a traceback."""
+    holds another sweep, is an error line and exit 2 (as `normexp sweep`), not a traceback."""
     command = [sys.executable, "-m", "normexp.studies", "--quick", "--out"]
     for delay in (0.2, 0.35, 0.5):
         proc = subprocess.Popen([*command, str(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -378,7 +378,7 @@ def test_make_studies_ctrl_c_while_it_loads_and_a_bad_out_are_one_line(tmp_path)
     (other / "depth" / "sweep.yaml").write_text("name: not-depth\nbase: {}\ngrid: {}\nseeds: [0]\n")
     for out in (a_file, other):
         proc = subprocess.run([*command, str(out)], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "--force" not in proc.stderr  # the studies have no --force
     assert not (other / "warmup").exists()
