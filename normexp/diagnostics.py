@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from normexp.config import ModelConfig, NormConfig, NormKind, RunConfig, Sweep, flatten, key_label
-from normexp.engines.reference import loss_and_acc, seeded_init, torch_threads
+from normexp.engines.common import loss_and_acc, seeded_init, torch_threads
 from normexp.models.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
 
 # ----------------------------------------------------------------------------- gradients at init

@@ -17,6 +17,7 @@ from normexp.config import RunConfig
 from normexp.engines import batched
 from normexp.engines.batched import StackedLinear, plan_batches, train_batch
 from normexp.engines.reference import train_run
+from normexp.optim import StackedOptimizer
 from normexp.results import load_metrics, load_summary
 
 ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
@@ -191,11 +192,11 @@ def test_sweep_engines_agree_through_the_cli(write_yaml, tmp_path):
     assert ref.drop(columns="status").equals(bat.drop(columns="status"))
 
 
-def _sgd_steps(momenta: list[float], grads: list[torch.Tensor]) -> tuple[torch.Tensor, batched.StackedOptimizer]:
+def _sgd_steps(momenta: list[float], grads: list[torch.Tensor]) -> tuple[torch.Tensor, StackedOptimizer]:
     """Two runs' (2,) parameters stepped by the stacked SGD with `grads` (each (2, 2)) in turn."""
     cfgs = [RunConfig.model_validate({"optim": {"name": "sgd", "lr": 0.1, "momentum": m}}) for m in momenta]
     param = torch.zeros(2, 2, requires_grad=True)
-    optimizer = batched.StackedOptimizer([param], cfgs)
+    optimizer = StackedOptimizer([param], cfgs)
     for grad in grads:
         param.grad = grad.clone()
         optimizer.step([0.1, 0.1])

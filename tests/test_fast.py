@@ -24,7 +24,16 @@ from normexp.results import load_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_fast import (  # noqa: E402
-    compare, contract_holds, deep_grid, per_kind, run_fast, stable_grid, unstable_grid, with_threads, yardstick)
+    compare,
+    contract_holds,
+    deep_grid,
+    per_kind,
+    run_fast,
+    stable_grid,
+    unstable_grid,
+    with_threads,
+    yardstick,
+)
 
 ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
 ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]

@@ -432,7 +432,8 @@ def test_log_blocks_works_on_every_placement_and_both_exact_engines_agree(placem
 def test_resdual_logs_the_normed_stream_x_a():
     from test_blocks import logging, small
 
-    from normexp.engines.reference import seeded_init, train_run
+    from normexp.engines.common import seeded_init
+    from normexp.engines.reference import train_run
 
     cfg = small("resdual", "layernorm", depth=3, width=5)
     rows = train_run(logging(cfg)).blocks

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normexp.config import ModelConfig, NormConfig, RunConfig
-from normexp.engines.reference import seeded_init
+from normexp.engines.common import seeded_init
 from normexp.models.ffn import Net
 from normexp.models.norms import Derf, DyT, make_norm
 

@@ -28,7 +28,8 @@ from normexp.config import (
     validate_run,
 )
 from normexp.data import Task, _distinct_keys, make_task
-from normexp.engines.reference import batch_order, loss_and_acc, seeded_init, train_run
+from normexp.engines.common import batch_order, loss_and_acc, seeded_init
+from normexp.engines.reference import train_run
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
 from normexp.store import run_id
