@@ -382,7 +382,8 @@ def test_the_batched_engine_hands_transformer_runs_to_the_reference():
 
 
 def test_gradnorm_on_the_transformer_measures_each_sublayers_output_projection(tmp_path):
-    from normexp.diagnostics import growth_verdict, layer_gradnorm_at_init
+    from normexp.analysis.gradnorm import growth_verdict
+    from normexp.diagnostics import layer_gradnorm_at_init
 
     cfg = tiny("post", task="assoc_recall")
     rows = layer_gradnorm_at_init(cfg)
