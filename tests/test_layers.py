@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
-    "foundation": ["normexp", "normexp.config", "normexp.environment", "normexp.stopping", "normexp.blocklog"],
+    "foundation": ["normexp", "normexp.registry", "normexp.config", "normexp.environment", "normexp.stopping",
+                   "normexp.blocklog"],
     "records": ["normexp.store", "normexp.results", "normexp.verify"],  # the run folder: written, read, verified
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics

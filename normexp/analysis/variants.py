@@ -8,16 +8,14 @@ from collections.abc import Sequence
 import pandas as pd
 
 from normexp.config import key_label
+from normexp.registry import KINDS, PLACEMENTS
 from normexp.results import finished_runs
 
-PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
-                    "deepnorm": "DeepNorm", "mixln": "MixLN", "none": "NoNorm", "rezero": "ReZero",
-                    "respost": "ResPost", "resdual": "ResiDual", "admin": "Admin", "b2t": "B2T"}
+PLACEMENT_LABELS = {name: method.label for name, method in PLACEMENTS.items()}  # normexp/registry.py
 
 
 
-KIND_LABELS = {"layernorm": "LN", "rmsnorm": "RMS", "rmsnorm_torch": "RMSt", "rmsnorm_llama": "RMSl",
-               "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale", "dyt": "DyT", "derf": "Derf"}
+KIND_LABELS = {name: method.label for name, method in KINDS.items()}
 
 
 
