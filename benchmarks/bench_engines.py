@@ -30,7 +30,8 @@ import torch
 
 from normexp.engines.batched import plan_batches, stack_nets, train_batch
 from normexp.config import OptimConfig, RunConfig
-from normexp.engines.reference import seeded_init, train_run
+from normexp.engines.common import seeded_init
+from normexp.engines.reference import train_run
 
 REPO = Path(__file__).resolve().parents[1]
 

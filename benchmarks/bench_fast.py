@@ -48,7 +48,8 @@ import torch
 from normexp.config import RunConfig
 from normexp.engines import fast, reference
 from normexp.engines.fast import plan_fast, train_fast
-from normexp.engines.reference import RunResult, seeded_init, train_run
+from normexp.engines.common import RunResult, seeded_init
+from normexp.engines.reference import train_run
 
 REPO = Path(__file__).resolve().parents[1]
 CHANCE_TENTH = math.log(10) / 10  # the report's trained rule: final loss under a tenth of chance

@@ -197,7 +197,7 @@ def _progress(total: int, quiet: bool):
 
 def show(renderable: object) -> None:
     """Print a table (or a group of tables and lines) to stdout without cutting a cell. On a terminal a
-    cell too wide for it wraps (`_rich_table` folds, never "…"), down to the table's narrowest whole
+    cell too wide for it wraps (`rich_table` folds, never "…"), down to the table's narrowest whole
     layout (each column as wide as its longest word: past that the terminal itself wraps the lines);
     anywhere else (a pipe, a file, a Slurm log: Rich would assume 80 columns, or COLUMNS) at the table's
     own width, every identifier and number on one line."""
@@ -268,12 +268,12 @@ def _require_cuda() -> None:
 
 
 def _print_grid(spec: Sweep) -> None:
-    from normexp.report import _rich_table
     from normexp.store import run_id
+    from normexp.tables import rich_table
 
     keys = spec.varying_keys
     rows = [[run_id(cfg), *(str(_dotted(cfg.model_dump(mode="json"), k)) for k in keys)] for cfg in spec.runs]
-    show(_rich_table(["run_id", *keys], rows, "l" * (len(keys) + 1),
+    show(rich_table(["run_id", *keys], rows, "l" * (len(keys) + 1),
                      title=f"{spec.name}: {_plural(len(spec.runs), 'run')}"))
 
 
@@ -384,9 +384,9 @@ def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
 
 
 def _print_sensitivity(run_dir: Path, fmt: str) -> None:
-    from normexp.report import sensitivity_to_csv, sensitivity_to_markdown, sensitivity_to_rich
+    from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
     from normexp.results import ResultsError
-    from normexp.sensitivity import build_sensitivity, sensitivity_engines
+    from normexp.tables import sensitivity_to_csv, sensitivity_to_markdown, sensitivity_to_rich
 
     try:
         rows = build_sensitivity(run_dir)
@@ -458,8 +458,8 @@ def verify(
 ) -> None:
     """Check a sweep folder: checksums, row counts, config vs run id, stray files, summary, other sweeps' runs.
     Exit 0 if clean, 1 if not; nothing is changed without --fix."""
-    from normexp.report import verification_to_rich
     from normexp.store import StoreError
+    from normexp.tables import verification_to_rich
     from normexp.verify import verify_sweep
 
     try:
@@ -482,13 +482,15 @@ def gradnorm(
 ) -> None:
     """Per-block gradient norms and hidden-state norms at initialisation (Xiong et al. 2020, Fig. 3)."""
     from normexp.diagnostics import gradnorm_study
-    from normexp.report import gradnorm_to_markdown, gradnorm_to_rich
+    from normexp.plot import save_gradnorm_plot
+    from normexp.tables import gradnorm_to_markdown, gradnorm_to_rich
 
     _check_choice("--format", fmt, ("table", "markdown"))
     spec = _load(config, set_ or [])
     target = _out_folder(out_dir, spec.name)
     try:
         summary = gradnorm_study(spec, target)
+        save_gradnorm_plot(summary, target / "gradnorm.png")
     except OSError as exc:
         raise fail(f"cannot write {exc.filename}: {exc.strerror}") from None
     _emit(fmt, lambda: gradnorm_to_rich(summary), lambda: gradnorm_to_markdown(summary))
@@ -505,7 +507,7 @@ def norms_props(
 ) -> None:
     """RMSNorm's invariances, parameter counts, fp16 overflow, eps defaults, Gemma weights: each checked."""
     from normexp.diagnostics import norm_properties
-    from normexp.report import properties_to_markdown, properties_to_rich
+    from normexp.tables import properties_to_markdown, properties_to_rich
 
     _check_choice("--format", fmt, ("table", "markdown"))
     props = norm_properties()
@@ -523,7 +525,7 @@ def norms_bench(
 ) -> None:
     """Forward and forward+backward time of LayerNorm and each RMSNorm kind (median of repeats)."""
     from normexp.diagnostics import norm_speed
-    from normexp.report import speed_to_markdown, speed_to_rich
+    from normexp.tables import speed_to_markdown, speed_to_rich
 
     _check_choice("--format", fmt, ("table", "markdown"))
     shapes = [(64, 32)] + ([(64, 512, 4096)] if big else [])

@@ -40,13 +40,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-Placement = Literal[
-    "post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none", "rezero", "respost", "resdual", "admin", "b2t"
-]
-NormKind = Literal[
-    "layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm",
-    "dyt", "derf",
-]
+from normexp.registry import KINDS, PLACEMENTS
+
+Placement = Literal[tuple(PLACEMENTS)]  # normexp/registry.py: every placement, registered once
+NormKind = Literal[tuple(KINDS)]
 Init = Literal["xavier_uniform", "xavier_normal", "torch_default"]
 OptimName = Literal["adam", "adamw", "sgd", "radam"]
 ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
@@ -419,7 +416,7 @@ def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
             return "data.task", f"{cfg.data.task} is a sequence task: it needs model.arch transformer"
         if cfg.model.n_heads != ModelConfig.model_fields["n_heads"].default:
             return "model.n_heads", "applies to model.arch transformer only (the FFN has no attention)"
-        if cfg.norm.placement == "b2t":
+        if "ffn" not in PLACEMENTS[cfg.norm.placement].archs:  # b2t: the one placement of the Transformer only
             return "norm.placement", ("b2t skips from a layer's input to its second sublayer's norm: it needs "
                                       "model.arch transformer (an FFN block has one sublayer)")
         return _arch_only_problem(cfg)

@@ -16,11 +16,11 @@ whenever no warmup or decay applies, so a constant schedule leaves `optim.lr` un
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from normexp.config import OptimConfig, ScheduleConfig
+from normexp.config import OptimConfig, RunConfig, ScheduleConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -52,3 +52,112 @@ def lr_multiplier(step: int, schedule: ScheduleConfig, total_steps: int) -> floa
     progress = min(1.0, (step - warmup) / span) if span > 0 else 1.0
     ratio = schedule.min_lr_ratio
     return ratio + (1.0 - ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def step_lr(cfg: RunConfig, step: int) -> float:
+    """The learning rate of the update that follows recorded step `step` (update `step + 1`)."""
+    return cfg.optim.lr * lr_multiplier(step + 1, cfg.schedule, cfg.train.steps)
+
+
+REPLAYED_OPTIMIZERS = ("adam", "adamw", "sgd")  # per-run hyper-parameters inside one batch
+
+
+
+class RunScalars:
+    """One step's per-run hyper-parameters as float32 (R,) tensors, viewed as (R, 1, ...) on demand."""
+
+    def __init__(self, **values: Sequence[float]) -> None:
+        self._values = {name: torch.tensor(v, dtype=torch.float32) for name, v in values.items()}
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __call__(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.dim())
+        if key not in self._views:
+            self._views[key] = self._values[name].to(like.device).view(-1, *([1] * (like.dim() - 1)))
+        return self._views[key]
+
+
+
+class SharedOptimizer:
+    """torch's own optimizer stepping the stacked tensors of runs with equal settings (one lr per step)."""
+
+    def __init__(self, params: list[torch.Tensor], runs: Sequence[RunConfig]) -> None:
+        self.optimizer = build_optimizer(params, runs[0].optim)
+
+    def step(self, lrs: Sequence[float]) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lrs[0]
+        self.optimizer.step()
+
+
+
+class StackedOptimizer:
+    """torch's single-tensor Adam, AdamW and SGD, op for op, with per-run hyper-parameters.
+
+    Scalars that torch casts to float32 become (R, 1, ...) float32 tensors; scalars that torch fuses
+    into a multiply-add (`add(alpha=)`, `addcmul(value=)`) become `addcmul` with a tensor factor, the
+    same fused multiply-add. Parameters are processed one stacked tensor at a time, which keeps each
+    tensor's chain of element-wise ops in cache."""
+
+    def __init__(self, params: list[torch.Tensor], runs: Sequence[RunConfig]) -> None:
+        self.params, self.name, self.steps = params, runs[0].optim.name, 0
+        self.optim = [cfg.optim for cfg in runs]
+        self.decay = any(o.weight_decay != 0 for o in self.optim)  # torch skips weight decay at 0
+        self.state: list[dict[str, torch.Tensor]] = [{} for _ in params]
+
+    def step(self, lrs: Sequence[float]) -> None:
+        self.steps += 1
+        scalars = self._scalars(lrs)
+        with torch.no_grad():
+            for param, state in zip(self.params, self.state):
+                if self.name == "sgd":
+                    self._sgd(param, state, scalars)
+                else:
+                    self._adam(param, state, scalars)
+
+    def _scalars(self, lrs: Sequence[float]) -> RunScalars:
+        optim, step = self.optim, self.steps
+        if self.name == "sgd":
+            return RunScalars(neg_lr=[-lr for lr in lrs], decay=[o.weight_decay for o in optim],
+                              momentum=[o.momentum for o in optim])
+        return RunScalars(
+            decay=[o.weight_decay for o in optim],
+            decoupled=[1 - lr * o.weight_decay for lr, o in zip(lrs, optim)],
+            one_minus_beta1=[1 - o.betas[0] for o in optim],
+            beta2=[o.betas[1] for o in optim],
+            one_minus_beta2=[1 - o.betas[1] for o in optim],
+            bias_correction2_sqrt=[(1 - o.betas[1] ** step) ** 0.5 for o in optim],
+            eps=[o.eps for o in optim],
+            neg_step_size=[-lr / (1 - o.betas[0] ** step) for lr, o in zip(lrs, optim)],
+        )
+
+    def _adam(self, param: torch.Tensor, state: dict[str, torch.Tensor], s: RunScalars) -> None:
+        if not state:
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        grad = param.grad
+        if self.decay and self.name == "adamw":
+            param.mul_(s("decoupled", param))  # param.mul_(1 - lr * weight_decay)
+        elif self.decay:
+            grad = grad.addcmul(param, s("decay", param))  # grad.add(param, alpha=weight_decay)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, s("one_minus_beta1", param).expand_as(param))
+        exp_avg_sq.mul_(s("beta2", param)).addcmul_(s("one_minus_beta2", param) * grad, grad)
+        denom = (exp_avg_sq.sqrt() / s("bias_correction2_sqrt", param)).add_(s("eps", param))
+        param.add_(s("neg_step_size", param) * exp_avg / denom)  # addcdiv_: (value * exp_avg) / denom
+
+    def _sgd(self, param: torch.Tensor, state: dict[str, torch.Tensor], s: RunScalars) -> None:
+        grad = param.grad
+        if self.decay:
+            grad = grad.addcmul(param, s("decay", param))
+        if all(o.momentum == 0 for o in self.optim):  # torch keeps no buffer then: the step is the gradient
+            param.addcmul_(grad, s("neg_lr", param))  # param.add_(grad, alpha=-lr)
+            return
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = grad.detach().clone()
+        else:
+            state["momentum_buffer"].mul_(s("momentum", param)).add_(grad)
+        step = state["momentum_buffer"]
+        if any(o.momentum == 0 for o in self.optim):  # those runs step by the gradient (0 * inf is no 0)
+            step = torch.where(s("momentum", param) != 0, step, grad)
+        param.addcmul_(step, s("neg_lr", param))  # param.add_(buf, alpha=-lr)

@@ -30,7 +30,9 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from normexp.report import engine_note, n_choices, trained_threshold, variant_groups  # noqa: E402
+from normexp.analysis.gradnorm import SUBLAYERS, LayerGradnorm  # noqa: E402
+from normexp.analysis.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
+from normexp.analysis.variants import engine_note, n_choices, trained_threshold, variant_groups  # noqa: E402
 from normexp.results import (  # noqa: E402
     check_metric,
     finished_runs,
@@ -40,7 +42,6 @@ from normexp.results import (  # noqa: E402
     missing_note,
     varying_keys,
 )
-from normexp.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate",
@@ -206,7 +207,7 @@ def _footnote(fig: Figure, note: str) -> None:
         fig.text(0.005, 0.005, note, fontsize="x-small", color="darkred", ha="left", va="bottom", wrap=True)
 
 
-def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.GradnormSummary
+def gradnorm_figure(summary) -> Figure:  # summary: normexp.analysis.gradnorm.GradnormSummary
     """Left: the last block's gradient against depth (log-log) with the fitted slope per placement.
     Right: ||x_l||^2/d along the deepest model's stream, with Xiong et al.'s Lemma 2 predictions."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained")
@@ -244,11 +245,9 @@ def gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.Gradnorm
     return fig
 
 
-def layer_gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.LayerGradnorm
+def layer_gradnorm_figure(summary) -> Figure:  # summary: normexp.analysis.gradnorm.LayerGradnorm
     """The Transformer's gradient norm at init against the layer index, one panel per sublayer's output
     projection, one line per variant (mean ± std over seeds): Xiong et al. 2020, Figure 3."""
-    from normexp.diagnostics import SUBLAYERS
-
     fig, axes = plt.subplots(1, len(SUBLAYERS), figsize=(12, 4.6), layout="constrained")
     for ax, (column, label) in zip(axes, SUBLAYERS.items()):
         for variant, grads in summary.grads.items():
@@ -263,6 +262,14 @@ def layer_gradnorm_figure(summary) -> Figure:  # summary: normexp.diagnostics.La
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     return fig
+
+
+def save_gradnorm_plot(summary, path: str | Path) -> Path:  # summary: GradnormSummary | LayerGradnorm
+    """Draw a gradnorm study's summary (`normexp.diagnostics.gradnorm_study`) to `path`."""
+    figure = layer_gradnorm_figure(summary) if isinstance(summary, LayerGradnorm) else gradnorm_figure(summary)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return Path(path)
 
 
 def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from normexp.analysis.variants import engine_note, is_trained, n_choices, trained_threshold, variant_groups
 from normexp.config import ReportConfig, key_label
 from normexp.results import (
     ResultsError,
@@ -41,63 +41,9 @@ from normexp.results import (
     varying_keys,
 )
 from normexp.store import SWEEP_FILE
+from normexp.tables import csv_number, markdown_table, number, rich_table
 
-PLACEMENT_LABELS = {"post": "Post", "pre": "Pre", "sandwich": "Sandwich", "peri": "Peri",
-                    "deepnorm": "DeepNorm", "mixln": "MixLN", "none": "NoNorm", "rezero": "ReZero",
-                    "respost": "ResPost", "resdual": "ResiDual", "admin": "Admin", "b2t": "B2T"}
-KIND_LABELS = {"layernorm": "LN", "rmsnorm": "RMS", "rmsnorm_torch": "RMSt", "rmsnorm_llama": "RMSl",
-               "rmsnorm_gemma": "RMSg", "prmsnorm": "pRMS", "scalenorm": "Scale", "dyt": "DyT", "derf": "Derf"}
-TRAINED_FRACTION = 0.1  # trained: final loss under a tenth of chance, ln(n_classes) / 10
 WIDE = 6  # more variants than this: the table is transposed (variants down, steps across)
-
-
-def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> list[str]:
-    """A markdown table's lines; `align` has one letter per column, l(eft) or r(ight). Every cell, the
-    header's too, goes through `markdown_cell`, so that a `|` in its text (`max |diff|`) stays in it."""
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(markdown_cell(c) for c in cells) + " |"
-
-    rule = "|" + "".join("---|" if a == "l" else "---:|" for a in align)
-    return [line(header), rule, *map(line, rows)]
-
-
-def markdown_cell(text: object) -> str:
-    """`text` as one cell of a markdown (GFM) table: a `|` escaped, and a backslash where it would
-    escape what follows (before ASCII punctuation; `lr \\ warmup` stays as it is); a line break as
-    `<br>` (a raw one would end the row)."""
-    text = "<br>".join(str(text).replace("\r\n", "\n").replace("\r", "\n").split("\n"))
-    return _ESCAPING_BACKSLASH.sub(r"\\\\", text).replace("|", "\\|")
-
-
-_ESCAPING_BACKSLASH = re.compile(r"\\(?=[!-/:-@\[-`{-~])")  # CommonMark: a backslash escapes ASCII punctuation
-
-
-def _rich_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str, title: str | None = None):
-    """The same table as a rich.table.Table (rich is imported lazily), titled on the left. A cell too wide
-    for the terminal wraps, folding a long word across lines, never cut to "…" (an identifier or number
-    must be read whole); off a terminal, cli.show prints the table at its own width."""
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for name, a in zip(header, align):
-        table.add_column(name, justify="left" if a == "l" else "right", overflow="fold")
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
-def variant_label(values: dict[str, object]) -> str:
-    """'Post-LN', 'Pre-RMS lr=0.001', ... from a column's key values."""
-    parts = []
-    placement, kind = values.get("norm.placement"), values.get("norm.kind")
-    if placement is not None or kind is not None:
-        head = PLACEMENT_LABELS.get(str(placement), "") if placement is not None else ""
-        if kind is not None:
-            head = f"{head}-{KIND_LABELS.get(str(kind), kind)}" if head else str(KIND_LABELS.get(str(kind), kind))
-        parts.append(head)
-    parts += [f"{key_label(key)}={'null' if _is_null(value) else value}" for key, value in values.items()
-              if key not in ("norm.placement", "norm.kind")]
-    return " ".join(parts) or "run"
 
 
 def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int = 0) -> str:
@@ -116,54 +62,8 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
     return value if finite == runs else f"{value} ({finite} of {runs})"
 
 
-APPROXIMATE_ENGINES = ("fast",)  # close to the reference's numbers, not equal; reference and batched are its bits
-ENGINES_LISTED = 6
-
-
-def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
-    """A line saying that the finished runs come from an exact engine (reference, batched: the same
-    bits) and from the fast one (close, not equal), naming the cells (grouped by `keys`) that average
-    both; "" when one kind of engine trained every run (or the folder predates the engine column)."""
-    finished = finished_runs(summary)
-    if "engine" not in finished or finished.empty:
-        return ""
-    fast = finished["engine"].astype(str).isin(APPROXIMATE_ENGINES)
-    if fast.all() or not fast.any():
-        return ""
-    exact = ", ".join(sorted(set(finished.loc[~fast, "engine"].astype(str))))
-    mixed = []
-    for label, group in variant_groups(finished, list(keys), everything="all runs"):
-        in_fast = group["engine"].astype(str).isin(APPROXIMATE_ENGINES)
-        if in_fast.any() and not in_fast.all():
-            mixed.append(f"{label} ({int(in_fast.sum())} fast, {int((~in_fast).sum())} {exact})")
-    more = f" and {len(mixed) - ENGINES_LISTED} more" if len(mixed) > ENGINES_LISTED else ""
-    cells = (f"cells that average both: {', '.join(mixed[:ENGINES_LISTED])}{more}" if mixed else
-             "no cell averages both, but cells of different engines are compared")
-    return (f"Engines mixed: {int(fast.sum())} of {len(finished)} runs by the fast engine (close to the reference's "
-            f"numbers, not equal), the others by {exact}; {cells}. For one engine throughout, rerun the sweep "
-            "with --engine batched (it redoes the fast runs) or with --engine fast --force.")
-
-
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
                 "or are missing (named below), or, in the table, ended before that step (a shorter train.steps).")
-
-
-def _is_null(value: object) -> bool:
-    """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def csv_number(value: float) -> str:
-    """A number for a CSV cell, exactly (repr); empty where it is undefined (nan: a std over fewer than 2
-    runs, a mean over none), so that a script reads a missing value, never a spread of 0."""
-    value = float(value)
-    return "" if math.isnan(value) else repr(value)
-
-
-def number(value: float) -> str:
-    """A loss as the article prints it (4 decimals); past 1e6 in scientific notation, so that a
-    diverging run's cell stays narrow enough to be shown whole."""
-    return f"{value:.4f}" if not abs(value) >= 1e6 or math.isinf(value) else f"{value:.4e}"
 
 
 @dataclass(frozen=True)
@@ -310,37 +210,6 @@ def _about(run_dir: Path) -> str:
     return text + (f"\n{notes.strip()}" if isinstance(notes, str) and notes.strip() else "")
 
 
-def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
-                   ) -> list[tuple[str, pd.DataFrame]]:
-    """The rows of `frame` grouped by `keys` in order of appearance, each with its variant label."""
-    if not keys:
-        return [(everything, frame)]
-    return [(variant_label(dict(zip(keys, values if isinstance(values, tuple) else (values,)))), group)
-            for values, group in frame.groupby(keys, sort=False, dropna=False)]
-
-
-def n_choices(frame: pd.DataFrame) -> pd.Series:
-    """Per row, how many classes the run's loss chooses among: model.n_classes, or for a Transformer
-    (`model.arch: transformer`) its vocabulary, data.vocab. A folder from before the Transformer has
-    no model.arch column: every run is an FFN."""
-    classes = frame["model.n_classes"].astype(int)
-    if "model.arch" not in frame:
-        return classes
-    return classes.where(frame["model.arch"] != "transformer", frame["data.vocab"]).astype(int)
-
-
-def trained_threshold(n_classes: int) -> float:
-    """A run trained if its final loss is under a tenth of chance, ln(n_classes) / 10."""
-    return math.log(n_classes) * TRAINED_FRACTION
-
-
-def is_trained(final_loss: pd.Series, status: pd.Series, n_classes: pd.Series | int) -> pd.Series:
-    """Per run: completed (not diverged) with a final loss under `trained_threshold`."""
-    threshold = (n_classes.astype(int).map(trained_threshold) if isinstance(n_classes, pd.Series)
-                 else trained_threshold(n_classes))
-    return (status == "completed") & (final_loss < threshold)
-
-
 def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
             missing: int = 0) -> Column:
     """One variant's column; its `missing` runs (no verified result) count in every cell's n."""
@@ -401,7 +270,7 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
     from rich.text import Text
 
     header, rows = grid_cells(report)
-    table = _rich_table(header, rows, _grid_align(report, len(header)))
+    table = rich_table(header, rows, _grid_align(report, len(header)))
     parts = [Text(report.title, style="bold"), table]
     if report.partial:
         parts.append(Text(PARTIAL_NOTE))
@@ -417,7 +286,7 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
 def to_markdown(report: Report) -> str:
     header, rows = grid_cells(report)
     title, *notes = report.title.split("\n")  # the sweep's notes follow its title line
-    lines = [f"**{title}**", *notes, "", *_markdown_table(header, rows, _grid_align(report, len(header)))]
+    lines = [f"**{title}**", *notes, "", *markdown_table(header, rows, _grid_align(report, len(header)))]
     if report.partial:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
@@ -514,7 +383,7 @@ def pivot_to_rich(pivot: Pivot):  # -> rich.console.Group
     from rich.text import Text
 
     corner = f"{_short(pivot.rows)} \\ {_short(pivot.cols)}"
-    parts = [_rich_table(*_pivot_cells(pivot, corner, i), title=f"final loss · {title}")
+    parts = [rich_table(*_pivot_cells(pivot, corner, i), title=f"final loss · {title}")
              for i, (title, *_) in enumerate(pivot.panels)]
     parts.append(Text(f"rows: {pivot.rows}; columns: {pivot.cols}; cells: final loss, mean ± std over seeds"))
     if pivot.partial:
@@ -530,7 +399,7 @@ def pivot_to_markdown(pivot: Pivot) -> str:
     lines = []
     for i, (title, *_) in enumerate(pivot.panels):
         lines += [f"**final loss · {title}**", "",
-                  *_markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", i)), ""]
+                  *markdown_table(*_pivot_cells(pivot, f"{pivot.rows} \\ {pivot.cols}", i)), ""]
     if pivot.partial:
         lines += [PARTIAL_NOTE, ""]
     if pivot.engines:
@@ -556,204 +425,12 @@ def pivot_to_csv(pivot: Pivot) -> str:
 # ----------------------------------------------------------------------------- the gradnorm study
 
 
-def gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  # summary: GradnormSummary
-    """Header, rows and closing lines of the gradnorm table (shared by Rich and markdown)."""
-    from normexp.diagnostics import LayerGradnorm
-
-    if isinstance(summary, LayerGradnorm):
-        return layer_gradnorm_tables(summary)
-    placements = list(summary.last_grad)
-    header = ["depth L", *(f"{_gradnorm_label(p)}: ||grad W2_L||" for p in placements)]
-    rows = [[str(depth), *(_mean_std(*summary.last_grad[p][i]) for p in placements)]
-            for i, depth in enumerate(summary.depths)]
-    deepest = summary.depths[-1]
-    slopes = ", ".join(f"{_gradnorm_label(p)} {summary.slopes[p]:+.2f}" for p in placements)
-    if len(summary.depths) < 2:
-        slopes = "needs two depths or more (e.g. --set model.depth=8,16,32)"
-    lines = [f"each cell: {_over_seeds(summary.seeds)}",
-             f"fitted slope of log ||grad W2_L|| against log L: {slopes} (Xiong et al.: Post-LN 0, Pre-LN -0.5)"]
-    for p in placements:
-        stream, norm_in = summary.stream_sq[p], summary.norm_in_sq[p]
-        lines.append(f"{_gradnorm_label(p)}, L={deepest}: ||x_l||^2/d entering blocks 1, L/2, L = "
-                     f"{stream[0]:.2f}, {stream[len(stream) // 2]:.2f}, {stream[-1]:.2f}; "
-                     f"||u||^2/d entering the norms, mean over blocks = {_nanmean(norm_in):.2f}")
-    lines.append("Xiong et al. Lemma 2 (xavier_normal init): ||u||^2/d ~ 1.5 entering each Post-LN norm; "
-                 "||x_l||^2/d ~ 1 + l/2 along the Pre-LN stream")
-    gains = ", ".join(f"{_gradnorm_label(p)} {summary.measured_gain(p):.3f}" for p in placements)
-    expected = f"{summary.branch_gain:.3f}" if summary.branch_gain is not None else "unknown for this init"
-    lines.append(f"branch energy c = E||F(x)||^2/d per block, measured: {gains}; from the init, 2m/(1+m)^2 = "
-                 f"{expected} (Xiong's N(0, 1/d) weights: 0.5). Lemma 2 with c: Post 1 + c, Pre 1 + c*l")
-    return header, rows, lines
-
-
-def layer_gradnorm_tables(summary) -> tuple[list[str], list[list[str]], list[str]]:  # LayerGradnorm
-    """The Transformer's table: per layer, each variant's gradient of each sublayer's output projection;
-    then per variant the last/first ratio and its verdict."""
-    from normexp.diagnostics import GROWTH_FACTOR, SUBLAYERS
-
-    columns = [(v, c) for v in summary.grads for c in SUBLAYERS]
-    header = ["layer l", *(f"{_gradnorm_label(v)}: {SUBLAYERS[c]}" for v, c in columns)]
-    rows = [[str(layer), *("—" if math.isnan(summary.grads[v][c][i][0]) else _mean_std(*summary.grads[v][c][i])
-                           for v, c in columns)]
-            for i, layer in enumerate(summary.layers)]
-    lines = [f"each cell: {_over_seeds(summary.seeds)}"]
-    if len(summary.depths) > 1:
-        lines.append(f"depths {', '.join(map(str, summary.depths))}: each is its own variant (L=depth); "
-                     "— where that model has no such layer")
-    lines += [f"{_gradnorm_label(v)}: last/first layer " + ", ".join(
-        f"{SUBLAYERS[c]} {summary.ratio(v, c):.2f} ({summary.verdict(v, c)})" for c in SUBLAYERS)
-        for v in summary.grads]
-    lines.append(f"verdict: grows above {GROWTH_FACTOR}x, shrinks below 1/{GROWTH_FACTOR}, flat between "
-                 "(Xiong et al. Fig. 3: Post-LN grows with the layer index, Pre-LN flat)")
-    return header, rows, lines
-
-
-def _over_seeds(seeds: int) -> str:
-    return f"mean ± std over {seeds} seed{'s' if seeds > 1 else ''}" + (
-        " (one seed: no spread, so no std; add --set seeds=0,1,2)" if seeds == 1 else "")
-
-
-def _mean_std(mean: float, std: float) -> str:
-    """'mean ± std', or the mean alone where the std is undefined (nan: one seed)."""
-    return f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
-
-
-def _gradnorm_label(variant: str) -> str:
-    """'post kind="rmsnorm"' -> 'Post kind="rmsnorm"': the placement's label, then the other axes."""
-    placement, _, rest = variant.partition(" ")
-    return " ".join(filter(None, [PLACEMENT_LABELS.get(placement, placement), rest]))
-
-
-def _nanmean(values: list[float]) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    return sum(finite) / len(finite) if finite else math.nan
-
-
-def gradnorm_to_rich(summary):  # -> rich.console.Group
-    from rich.console import Group
-    from rich.text import Text
-
-    header, rows, lines = gradnorm_tables(summary)
-    table = _rich_table(header, rows, "l" + "r" * (len(header) - 1),
-                        title=f"gradient norms at initialisation ({_over_seeds(summary.seeds)})")
-    return Group(table, *(Text(line) for line in lines))
-
-
-def gradnorm_to_markdown(summary) -> str:
-    header, rows, lines = gradnorm_tables(summary)
-    out = _markdown_table(header, rows, "l" + "r" * (len(header) - 1))
-    return "\n".join(out + [""] + [f"- {line}" for line in lines]) + "\n"
-
-
 # ----------------------------------------------------------------------------- norm facts and speed
 
 
-def _fmt(value: object) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
-
-
-PROPERTY_HEADER = ["check", "measured", "expected", "article", "result"]
-
-
-def _property_rows(props) -> list[list[str]]:  # props: list[normexp.diagnostics.Property]
-    return [[p.name, _fmt(p.measured), p.expectation, p.article, "pass" if p.passed else "FAIL"] for p in props]
-
-
-def properties_to_rich(props):
-    return _rich_table(PROPERTY_HEADER, _property_rows(props), "lllll",
-                       title="RMSNorm facts (shared/seeds/001), measured here")
-
-
-def properties_to_markdown(props) -> str:
-    return "\n".join(_markdown_table(PROPERTY_HEADER, _property_rows(props), "lrlrl")) + "\n"
-
-
-def _speed_rows(timings) -> list[list[str]]:
-    rows = []
-    for t in timings:
-        ln = next(x for x in timings if x.kind == "layernorm" and x.shape == t.shape)
-        rows.append([str(t.shape), t.kind, f"{t.forward_ms:.3f}", f"{t.forward_ms / ln.forward_ms:.2f}x",
-                     f"{t.backward_ms:.3f}", f"{t.backward_ms / ln.backward_ms:.2f}x"])
-    return rows
-
-
-SPEED_HEADER = ["shape", "norm", "forward ms", "vs LayerNorm", "fwd+bwd ms", "vs LayerNorm"]
-
-
-def speed_to_rich(timings):
-    return _rich_table(SPEED_HEADER, _speed_rows(timings), "llrrrr",
-                       title="norm speed on this machine (median of repeats, float32, CPU)")
-
-
-def speed_to_markdown(timings) -> str:
-    return "\n".join(_markdown_table(SPEED_HEADER, _speed_rows(timings), "llrrrr")) + "\n"
-
-
 # ----------------------------------------------------------------------------- learning-rate sensitivity
-
-SENSITIVITY_HEADER = ["variant", "LR sensitivity", "best lr", "l* (best seed-mean)", "lrs", "seeds", "runs",
-                      "diverged", "missing"]
-SENSITIVITY_NOTE = ("LR sensitivity = mean over the lr grid of [min(final loss, loss at init) - l*], l* the "
-                    "variant's best seed-mean final loss; ± the std over seeds (Wortsman et al. 2023). "
-                    "Lower: less sensitive.")
-
-
-def _sensitivity_value(row) -> str:  # row: normexp.sensitivity.Sensitivity
-    if math.isnan(row.sensitivity):
-        return "— (an lr has no finished run)"
-    return f"{row.sensitivity:.4f}" + ("" if math.isnan(row.spread) else f" ± {row.spread:.4f}")
-
-
-def _sensitivity_rows(rows: list) -> list[list[str]]:
-    return [[r.label, _sensitivity_value(r), f"{r.best_lr:g}", f"{r.best_loss:.4f}", f"{r.lrs}/{r.grid_lrs}",
-             str(r.seeds), str(r.runs), str(r.diverged), str(r.missing)] for r in rows]
-
-
-def sensitivity_to_markdown(rows: list, engines: str = "") -> str:
-    """`engines`: `engine_note` of the sweep, a line under the table ("" for none)."""
-    table = _markdown_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr")
-    return "\n".join([*table, "", SENSITIVITY_NOTE, *(["", f"**{engines}**"] if engines else [])]) + "\n"
-
-
-def sensitivity_to_rich(rows: list, engines: str = ""):  # -> rich.console.Group
-    from rich.console import Group
-    from rich.text import Text
-
-    table = _rich_table(SENSITIVITY_HEADER, _sensitivity_rows(rows), "lrrrrrrrr", title="learning-rate sensitivity")
-    return Group(table, Text(SENSITIVITY_NOTE), *([Text(engines, style="bold")] if engines else []))
-
-
-def sensitivity_to_csv(rows: list) -> str:
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["variant", "lr_sensitivity", "seed_std", "best_lr", "best_loss", "lrs", "grid_lrs", "seeds",
-                     "runs", "diverged", "missing"])
-    for r in rows:
-        writer.writerow([r.label, csv_number(r.sensitivity), csv_number(r.spread), csv_number(r.best_lr),
-                         csv_number(r.best_loss), r.lrs, r.grid_lrs, r.seeds, r.runs, r.diverged, r.missing])
-    return buffer.getvalue()
 
 
 # ----------------------------------------------------------------------------- normexp verify
 
 
-VERIFY_HEADER = ["path", "problem", "fix"]
-
-
-def verification_to_rich(result):  # result: normexp.verify.Verification -> rich.console.Group
-    """The findings of `normexp verify` as a table, then one line: clean, or what is left to do."""
-    from rich.console import Group
-    from rich.text import Text
-
-    rows = [[f.path, f.problem if f.severity == "problem" else f"note: {f.problem}", f.remedy]
-            for f in result.findings]
-    title = f"{result.out_dir}: {result.verified} of {result.runs} runs verified"
-    parts = [_rich_table(VERIFY_HEADER, rows, "lll", title=title)] if rows else [Text(title)]
-    if result.clean:
-        parts.append(Text("clean" + (" after the fixes above" if result.fixed and rows else ""), style="bold"))
-    else:
-        left = f"{result.remaining} problem{'s' if result.remaining != 1 else ''}"
-        hint = (f"rerun the sweep (normexp sweep {result.out_dir / 'sweep.yaml'} --out {result.out_dir})"
-                if result.fixed else f"normexp verify {result.out_dir} --fix")
-        parts.append(Text(f"{left} {'left' if result.fixed else 'found'}: {hint}", style="bold"))
-    return Group(*parts)

@@ -46,24 +46,14 @@ from typing import NoReturn
 
 import pandas as pd
 
+from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
+from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, variant_groups, variant_label
 from normexp.config import SYMLINK_LOOP, ConfigError, Sweep, is_symlink_loop, load_sweep
 from normexp.executors import usable_cores
-from normexp.report import (
-    PLACEMENT_LABELS,
-    build_report,
-    gradnorm_to_markdown,
-    is_trained,
-    n_choices,
-    properties_to_markdown,
-    sensitivity_to_markdown,
-    speed_to_markdown,
-    to_markdown,
-    variant_groups,
-    variant_label,
-)
+from normexp.report import build_report, to_markdown
 from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note
-from normexp.sensitivity import build_sensitivity, sensitivity_engines
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
+from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -420,6 +410,7 @@ def speed_verdict(timings) -> str:
 def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print) -> Path:
     from normexp.config import RunConfig  # noqa: F401 - torch-backed modules below
     from normexp.diagnostics import gradnorm_study, norm_properties, norm_speed
+    from normexp.plot import save_gradnorm_plot
 
     out.mkdir(parents=True, exist_ok=True)
     sections, times = [], {}
@@ -465,6 +456,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     start = time.perf_counter()
     spec = load_sweep(CONFIGS / "studies" / "gradnorm.yaml", ["seeds=0,1,2"] if quick else [])
     summary = gradnorm_study(spec, out / "gradnorm")
+    save_gradnorm_plot(summary, out / "gradnorm" / "gradnorm.png")
     times["gradnorm"] = time.perf_counter() - start
     sections.append(_section("Xiong et al. at initialisation: how does the last block's gradient scale with "
                              "depth, and how do hidden-state norms grow?", "gradnorm", gradnorm_to_markdown(summary),

@@ -17,10 +17,12 @@ from normexp.config import RunConfig
 from normexp.engines import batched
 from normexp.engines.batched import StackedLinear, plan_batches, train_batch
 from normexp.engines.reference import train_run
+from normexp.optim import StackedOptimizer
+from normexp.registry import KINDS, placements_for
 from normexp.results import load_metrics, load_summary
 
-ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
-ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]
+ALL_PLACEMENTS = placements_for("ffn")  # from the registry: a placement or kind added there is tested here
+ALL_KINDS = list(KINDS)
 
 
 def runs(placement="pre", kind="layernorm", optim="adam", n=3, steps=8, depth=3, width=8, **train):
@@ -61,23 +63,6 @@ def test_every_placement_and_kind_bit_for_bit(placement, kind):
     assert_same_as_reference(runs(placement, kind))
 
 
-NEW_PLACEMENTS = ["rezero", "respost", "resdual", "admin"]
-NEW_KINDS = ["dyt", "derf"]
-# the new placements under every kind, and the new kinds under every placement; the default suite
-# keeps a cover of each placement and kind, the rest of the product runs with -m slow
-NEW_CASES = sorted({(p, k) for p in NEW_PLACEMENTS for k in ALL_KINDS + NEW_KINDS}
-                   | {(p, k) for p in ALL_PLACEMENTS for k in NEW_KINDS})
-QUICK_KINDS = ("layernorm", "rmsnorm_gemma", "scalenorm", "dyt", "derf")
-
-
-@pytest.mark.parametrize("placement,kind", [
-    pytest.param(p, k, marks=() if k in QUICK_KINDS else pytest.mark.slow) for p, k in NEW_CASES])
-def test_new_placements_and_kinds_bit_for_bit(placement, kind):
-    """ReZero, res-post-norm, ResiDual, Admin, DyT and Derf: the batched engine stacks them through the
-    model's own forward() and matches the reference bit for bit."""
-    assert_same_as_reference(runs(placement, kind))
-
-
 def test_respost_zero_init_and_dyt_alpha_bit_for_bit():
     configs = [c.model_copy(update={"norm": c.norm.model_copy(update={"output_norm_init": "zeros",
                                                                      "dyt_alpha0": 1.5})})
@@ -85,10 +70,10 @@ def test_respost_zero_init_and_dyt_alpha_bit_for_bit():
     assert_same_as_reference(configs)
 
 
-def test_new_placements_batch_and_are_never_left_alone():
-    configs = [cfg for p in NEW_PLACEMENTS for cfg in runs(p, "dyt", n=2)]
+def test_every_placement_batches_and_none_is_left_alone():
+    configs = [cfg for p in ALL_PLACEMENTS for cfg in runs(p, "dyt", n=2)]
     batches, alone = plan_batches(configs)
-    assert sorted(len(b) for b in batches) == [2, 2, 2, 2] and not alone
+    assert sorted(len(b) for b in batches) == [2] * len(ALL_PLACEMENTS) and not alone
 
 
 @pytest.mark.parametrize("optim", ["adam", "adamw", "sgd"])
@@ -191,11 +176,11 @@ def test_sweep_engines_agree_through_the_cli(write_yaml, tmp_path):
     assert ref.drop(columns="status").equals(bat.drop(columns="status"))
 
 
-def _sgd_steps(momenta: list[float], grads: list[torch.Tensor]) -> tuple[torch.Tensor, batched.StackedOptimizer]:
+def _sgd_steps(momenta: list[float], grads: list[torch.Tensor]) -> tuple[torch.Tensor, StackedOptimizer]:
     """Two runs' (2,) parameters stepped by the stacked SGD with `grads` (each (2, 2)) in turn."""
     cfgs = [RunConfig.model_validate({"optim": {"name": "sgd", "lr": 0.1, "momentum": m}}) for m in momenta]
     param = torch.zeros(2, 2, requires_grad=True)
-    optimizer = batched.StackedOptimizer([param], cfgs)
+    optimizer = StackedOptimizer([param], cfgs)
     for grad in grads:
         param.grad = grad.clone()
         optimizer.step([0.1, 0.1])

@@ -21,7 +21,8 @@ from normexp.cli import app
 from normexp.config import ConfigError, RunConfig, load_sweep
 from normexp.engines import reference
 from normexp.engines.batched import plan_batches, train_batch
-from normexp.engines.reference import seeded_init, train_run
+from normexp.engines.common import seeded_init
+from normexp.engines.reference import train_run
 from normexp.plot import BLOCK_METRIC_LABELS
 from normexp.results import _EXACT, ResultsError, load_blocks, load_metrics
 from normexp.store import config_hash, run_id

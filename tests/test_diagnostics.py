@@ -7,16 +7,10 @@ import math
 import pytest
 from typer.testing import CliRunner
 
+from normexp.analysis.gradnorm import branch_gain, fit_slope, summarise_gradnorm
 from normexp.cli import app
 from normexp.config import ModelConfig, RunConfig
-from normexp.diagnostics import (
-    branch_gain,
-    fit_slope,
-    gradnorm_at_init,
-    norm_properties,
-    norm_speed,
-    summarise_gradnorm,
-)
+from normexp.diagnostics import gradnorm_at_init, norm_properties, norm_speed
 from normexp.engines.reference import train_run
 
 runner = CliRunner()

@@ -155,3 +155,18 @@ def test_the_site_builds_strictly(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "configs" / "index.html").exists()
+
+
+def test_the_sources_page_names_every_registered_placement_and_kind_with_its_paper_and_label():
+    """docs/sources.md has a row for each placement and kind of normexp/registry.py, and the registry's
+    paper for it is the page's (its first author and year); every kind has a module in NORM_CLASSES."""
+    from normexp.models.norms import NORM_CLASSES
+    from normexp.registry import KINDS, PLACEMENTS
+
+    page = (REPO / "docs" / "sources.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip().strip("`"): line for line in page.splitlines() if line.startswith("| `")}
+    for name, method in {**PLACEMENTS, **KINDS}.items():
+        assert name in rows, name
+        first_author_and_year = " ".join(method.paper.split(",")[0].split()[:1])
+        assert first_author_and_year in rows[name] or name in ("none", "rmsnorm_torch"), (name, method.paper)
+    assert set(NORM_CLASSES) == set(KINDS)

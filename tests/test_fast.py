@@ -20,14 +20,24 @@ from normexp.engines import fast
 from normexp.engines.fast import FastOptimizer, compile_pays, plan_fast, should_compile, stretches, train_fast
 from normexp.engines.reference import train_run
 from normexp.executors import plan_units
+from normexp.registry import KINDS, placements_for
 from normexp.results import load_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_fast import (  # noqa: E402
-    compare, contract_holds, deep_grid, per_kind, run_fast, stable_grid, unstable_grid, with_threads, yardstick)
+    compare,
+    contract_holds,
+    deep_grid,
+    per_kind,
+    run_fast,
+    stable_grid,
+    unstable_grid,
+    with_threads,
+    yardstick,
+)
 
-ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
-ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]
+ALL_PLACEMENTS = placements_for("ffn")  # from the registry: a placement or kind added there is tested here
+ALL_KINDS = list(KINDS)
 
 
 def runs(placement="pre", kind="rmsnorm", optim="adam", n=4, steps=8, depth=3, width=8):

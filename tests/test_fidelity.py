@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from normexp.config import NormConfig, RunConfig, sequence_shape, validate_run
-from normexp.engines.reference import seeded_init, train_run
+from normexp.engines.common import seeded_init
+from normexp.engines.reference import train_run
 from normexp.models.norms import DyT, make_norm
 from normexp.store import REVISED_DEFINITIONS
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from normexp.config import RunConfig, mixln_post_count, validate_run
-from normexp.engines.reference import seeded_init
+from normexp.engines.common import seeded_init
 from normexp.store import revised_definition, run_id
 
 # each revised placement whose earlier reading has a key, with that key (docs/sources.md)

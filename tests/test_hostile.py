@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from normexp.cli import app
 from normexp.config import MAX_ERROR_LINES, MAX_YAML_NODES, ConfigError, build_sweep, parse_yaml
 from normexp.engines import reference
-from normexp.report import number
 from normexp.results import load_metrics
+from normexp.tables import number
 
 runner = CliRunner()
 TINY = "name: t\nbase: {model: {depth: 2, width: 8}, train: {steps: 3}}\n"

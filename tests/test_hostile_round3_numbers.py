@@ -80,7 +80,7 @@ DIVERGING = [  # curves that end in nan or inf after finite steps, one that reco
 
 
 def test_a_diverged_run_counts_as_its_loss_at_init_not_its_last_finite_loss(tmp_path):
-    from normexp.sensitivity import build_sensitivity
+    from normexp.analysis.sensitivity import build_sensitivity
 
     expected = _by_the_definition(DIVERGING)
     # pre: m = [0.45, 0.15, (2.3 + 2.2) / 2], l* = 0.15; none: m = [1.7, 2.0, 2.0] (both diverged), l* = 1.7
@@ -91,8 +91,8 @@ def test_a_diverged_run_counts_as_its_loss_at_init_not_its_last_finite_loss(tmp_
 
 
 def test_the_lr_figure_draws_the_same_numbers(tmp_path):
+    from normexp.analysis.sensitivity import lr_table
     from normexp.plot import lr_figure
-    from normexp.sensitivity import lr_table
 
     fig = lr_figure(*lr_table(write_curves(tmp_path / "s", DIVERGING)))
     lines = {line.get_label().split(" ")[0]: list(line.get_ydata()) for line in fig.axes[0].lines}
@@ -232,7 +232,8 @@ def test_every_run_key_has_its_own_label_that_names_what_varies():
 
 
 def test_a_grid_over_the_optimizer_reads_optim_equals_in_the_report(tmp_path):
-    from normexp.report import build_report, to_markdown, variant_label
+    from normexp.analysis.variants import variant_label
+    from normexp.report import build_report, to_markdown
 
     assert variant_label({"optim.name": "adam", "schedule.kind": "cosine"}) == "optim=adam schedule=cosine"
     folder = tmp_path / "o"
@@ -277,10 +278,10 @@ _cell_text = st.text(st.sampled_from("ab |\\\n-:.="), max_size=12).map(str.strip
 @settings(deadline=None)
 @given(st.lists(st.lists(_cell_text, min_size=3, max_size=3), min_size=1, max_size=4))
 def test_every_markdown_cell_reads_back_whole(rows):
-    from normexp.report import _markdown_table
+    from normexp.tables import markdown_table
 
     header, *body = rows
-    lines = _markdown_table(header, body, "lrl")
+    lines = markdown_table(header, body, "lrl")
     assert len(lines) == len(rows) + 1 and not any("\n" in line for line in lines)
     assert _rendered_rows(lines) == rows
 
@@ -344,8 +345,9 @@ def _whole(text: str, cells) -> None:
 
 
 def test_report_tables_through_a_pipe_keep_every_cell_whole(wide):
-    from normexp.report import _pivot_cells, _sensitivity_rows, build_pivot, build_report, grid_cells
-    from normexp.sensitivity import build_sensitivity
+    from normexp.analysis.sensitivity import build_sensitivity
+    from normexp.report import _pivot_cells, build_pivot, build_report, grid_cells
+    from normexp.tables import _sensitivity_rows
 
     header, rows = grid_cells(build_report(wide))
     _whole(_piped("report", str(wide)), [*header, *(c for r in rows for c in r)])
@@ -394,10 +396,10 @@ def test_diagnostics_tables_through_a_pipe_keep_every_cell_whole(tmp_path):
 def test_on_a_narrow_terminal_a_cell_wraps_instead_of_being_cut():
     from rich.console import Console
 
-    from normexp.report import _rich_table
+    from normexp.tables import rich_table
 
     console = Console(force_terminal=True, width=30, record=True, color_system=None)
-    console.print(_rich_table(["schedule.min_lr_ratio", "value"], [["post-layernorm-s0-4cc00c4527", "8.7400e+07"]], "lr"))
+    console.print(rich_table(["schedule.min_lr_ratio", "value"], [["post-layernorm-s0-4cc00c4527", "8.7400e+07"]], "lr"))
     text = console.export_text()
     assert "…" not in text
     body = [line.split("│") for line in text.splitlines() if line.startswith("│")]
@@ -432,7 +434,8 @@ def test_log_blocks_works_on_every_placement_and_both_exact_engines_agree(placem
 def test_resdual_logs_the_normed_stream_x_a():
     from test_blocks import logging, small
 
-    from normexp.engines.reference import seeded_init, train_run
+    from normexp.engines.common import seeded_init
+    from normexp.engines.reference import train_run
 
     cfg = small("resdual", "layernorm", depth=3, width=5)
     rows = train_run(logging(cfg)).blocks
@@ -463,7 +466,7 @@ seeds: [0, 1]
 def test_transformer_gradnorm_shows_every_depth(tmp_path):
     from normexp.config import build_sweep as build
     from normexp.diagnostics import gradnorm_study, layer_gradnorm_at_init
-    from normexp.report import gradnorm_tables
+    from normexp.tables import gradnorm_tables
 
     spec = build(__import__("yaml").safe_load(TF_GRADNORM))
     summary = gradnorm_study(spec, tmp_path / "g")
@@ -536,7 +539,8 @@ def test_a_folder_of_two_engines_says_so_wherever_its_numbers_are_shown(tmp_path
 
 
 def test_one_engine_says_nothing(tmp_path):
-    from normexp.report import build_report, engine_note
+    from normexp.analysis.variants import engine_note
+    from normexp.report import build_report
     from normexp.results import load_summary
 
     folder = write_curves(tmp_path / "one", DIVERGING, engine="fast")

@@ -11,11 +11,10 @@ from normexp.config import ModelConfig, NormConfig, RunConfig
 from normexp.engines.reference import train_run
 from normexp.models.ffn import Block, Net, block_placements, deepnorm_constants
 from normexp.models.norms import make_norm
+from normexp.registry import KINDS, placements_for
 
-ALL_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none", "rezero", "respost", "resdual",
-                  "admin"]
-ALL_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm",
-             "dyt", "derf"]
+ALL_PLACEMENTS = placements_for("ffn")  # normexp/registry.py
+ALL_KINDS = list(KINDS)
 SMALL = ModelConfig(depth=4, width=8)
 
 

@@ -13,14 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normexp.config import ModelConfig, NormConfig, RunConfig
-from normexp.engines.reference import seeded_init
+from normexp.engines.common import seeded_init
 from normexp.models.ffn import Net
 from normexp.models.norms import Derf, DyT, make_norm
+from normexp.registry import KINDS, placements_for
 
-OLD_PLACEMENTS = ["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]
-NEW_PLACEMENTS = ["rezero", "respost", "resdual", "admin"]
-OLD_KINDS = ["layernorm", "rmsnorm", "rmsnorm_torch", "rmsnorm_llama", "rmsnorm_gemma", "prmsnorm", "scalenorm"]
-ALL_KINDS = [*OLD_KINDS, "dyt", "derf"]
+ALL_KINDS = list(KINDS)  # normexp/registry.py
 SMALL = ModelConfig(depth=4, width=8)
 
 
@@ -112,8 +110,8 @@ def test_admin_profiling_draws_nothing_and_leaves_the_seed_weights():
     assert torch.equal(admin_net.head.weight, post_net.head.weight)
 
 
-@pytest.mark.parametrize("placement", [p for p in OLD_PLACEMENTS + NEW_PLACEMENTS if p != "deepnorm"])
-@pytest.mark.parametrize("kind", ["layernorm", "dyt", "derf"])
+@pytest.mark.parametrize("placement", [p for p in placements_for("ffn") if p != "deepnorm"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_new_placements_and_kinds_keep_the_seed_weights(placement, kind):
     """Same seed, same fc and head weights, and the generator ends where it ends for Pre-LN: no
     placement or kind draws a random number. (DeepNorm rescales its fc weights by design.)"""
@@ -199,8 +197,8 @@ def test_bad_placement_keys_exit_2_naming_the_key(write_yaml, tmp_path, line, ex
         assert "Traceback" not in result.output and not out.exists()
 
 
-@pytest.mark.parametrize("placement", NEW_PLACEMENTS)
-def test_gradnorm_at_init_reads_every_new_placement(placement):
+@pytest.mark.parametrize("placement", placements_for("ffn"))
+def test_gradnorm_at_init_reads_every_placement(placement):
     """ResiDual's blocks take the pair of streams: the gradnorm diagnostic follows x_a."""
     from normexp.diagnostics import gradnorm_at_init
 

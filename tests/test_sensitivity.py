@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from normexp.analysis.sensitivity import build_sensitivity, clipped_final, variant_sensitivity
 from normexp.cli import app
 from normexp.config import RunConfig, build_sweep
-from normexp.sensitivity import build_sensitivity, clipped_final, variant_sensitivity
 from normexp.store import SWEEP_FILE, FinishedRun, run_id, write_run
 
 LRS = [0.001, 0.01, 0.1]

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from normexp.config import RunConfig
-from normexp.engines.reference import grad_norm, seeded_init, step_lr, train_run
-from normexp.optim import build_optimizer
+from normexp.engines.common import grad_norm, seeded_init
+from normexp.engines.reference import train_run
+from normexp.optim import build_optimizer, step_lr
 
 
 def torch_optim_run(cfg: RunConfig) -> tuple[list[float], list[float]]:

@@ -28,7 +28,8 @@ from normexp.config import (
     validate_run,
 )
 from normexp.data import Task, _distinct_keys, make_task
-from normexp.engines.reference import batch_order, loss_and_acc, seeded_init, train_run
+from normexp.engines.common import batch_order, loss_and_acc, seeded_init
+from normexp.engines.reference import train_run
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
 from normexp.store import run_id
@@ -381,7 +382,8 @@ def test_the_batched_engine_hands_transformer_runs_to_the_reference():
 
 
 def test_gradnorm_on_the_transformer_measures_each_sublayers_output_projection(tmp_path):
-    from normexp.diagnostics import growth_verdict, layer_gradnorm_at_init
+    from normexp.analysis.gradnorm import growth_verdict
+    from normexp.diagnostics import layer_gradnorm_at_init
 
     cfg = tiny("post", task="assoc_recall")
     rows = layer_gradnorm_at_init(cfg)

@@ -47,7 +47,8 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 from normexp.config import OptimConfig, RunConfig, model_step_flops
-from normexp.engines.reference import RunResult, batch_order, loss_and_acc, seeded_init, step_lr, torch_threads
+from normexp.engines.common import RunResult, batch_order, loss_and_acc, seeded_init, torch_threads
+from normexp.optim import step_lr
 
 MAX_CHUNK = 64  # runs per batch; larger batches gain little on a CPU and hold more activations
 COMPILE_ESTIMATE_S = 60.0  # a cold compile of the article's step on 2 CPU cores

@@ -1,4 +1,4 @@
-"""The normalization layers, and `make_norm()`: the only place a norm kind's name maps to a class.
+"""The normalization layers, and `NORM_CLASSES`: the only place a norm kind's name maps to a module.
 
 All normalize over the last dimension. Formulas follow SPEC §3 and shared/seeds/001:
 
@@ -28,6 +28,7 @@ res-post-norm init, `norm.output_norm_init: zeros`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -149,26 +150,23 @@ def dyt_alpha0(cfg: NormConfig, site: str | None) -> float:
     return own if own is not None else cfg.dyt_alpha0
 
 
+# The one mapping from a kind's name (normexp/registry.py's KINDS) to its module: (d, cfg, site) -> module.
+NORM_CLASSES: dict[str, Callable[[int, NormConfig, str | None], nn.Module]] = {
+    "layernorm": lambda d, cfg, site: nn.LayerNorm(d, eps=cfg.eps),
+    "rmsnorm": lambda d, cfg, site: RMSNorm(d, cfg.eps),
+    "rmsnorm_torch": lambda d, cfg, site: nn.RMSNorm(d, eps=cfg.eps),
+    "rmsnorm_llama": lambda d, cfg, site: LlamaRMSNorm(d, cfg.eps),
+    "rmsnorm_gemma": lambda d, cfg, site: GemmaRMSNorm(d, cfg.eps),
+    "prmsnorm": lambda d, cfg, site: PartialRMSNorm(d, cfg.eps, cfg.prms_fraction),
+    "scalenorm": lambda d, cfg, site: ScaleNorm(d, cfg.eps),
+    "dyt": lambda d, cfg, site: DyT(d, dyt_alpha0(cfg, site), cfg.dyt_bias),
+    "derf": lambda d, cfg, site: Derf(d, cfg.derf_alpha0),
+}
+
+
 def make_norm(d: int, cfg: NormConfig, site: str | None = None) -> nn.Module:
     """Build the norm `cfg.kind` over `d` features with `cfg.eps`; `site` (attn, ffn, final) picks
     DyT's per-site alpha0."""
-    kind = cfg.kind
-    if kind == "layernorm":
-        return nn.LayerNorm(d, eps=cfg.eps)
-    if kind == "rmsnorm":
-        return RMSNorm(d, cfg.eps)
-    if kind == "rmsnorm_torch":
-        return nn.RMSNorm(d, eps=cfg.eps)
-    if kind == "rmsnorm_llama":
-        return LlamaRMSNorm(d, cfg.eps)
-    if kind == "rmsnorm_gemma":
-        return GemmaRMSNorm(d, cfg.eps)
-    if kind == "prmsnorm":
-        return PartialRMSNorm(d, cfg.eps, cfg.prms_fraction)
-    if kind == "scalenorm":
-        return ScaleNorm(d, cfg.eps)
-    if kind == "dyt":
-        return DyT(d, dyt_alpha0(cfg, site), cfg.dyt_bias)
-    if kind == "derf":
-        return Derf(d, cfg.derf_alpha0)
-    raise ValueError(f"unknown norm kind {kind!r}")
+    if cfg.kind not in NORM_CLASSES:
+        raise ValueError(f"unknown norm kind {cfg.kind!r}")
+    return NORM_CLASSES[cfg.kind](d, cfg, site)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from normexp.report import variant_groups
+from normexp.analysis.variants import engine_note, variant_groups
 from normexp.results import ResultsError, load_metrics, load_summary, varying_keys
 
 LR_KEY = "optim.lr"
@@ -101,7 +101,6 @@ def variant_sensitivity(group: pd.DataFrame, grid_lrs: list[float]) -> tuple[flo
 def sensitivity_engines(run_dir: str | Path) -> str:
     """`report.engine_note` for the sensitivity's cells (a variant at one lr): which average runs of the
     fast engine with exact ones, or ""."""
-    from normexp.report import engine_note
 
     summary = load_summary(run_dir)
     return engine_note(summary, [*(k for k in varying_keys(summary) if k not in ("seed", LR_KEY)), LR_KEY])

@@ -1,0 +1,112 @@
+"""The house's layers, held: the import graph of normexp (every import, lazy ones too, read from the
+source) has no circle and no import running back up a layer; pure-number analysis and the figures never
+load torch; what the engines share imports no engine; no engine reaches the store, the sweep or the
+executors. A new module must be given a layer here, so that its place is a decision, not an accident.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
+
+# Bottom to top: a module imports from its own layer or below, never above.
+LAYERS = {
+    "foundation": ["normexp", "normexp.registry", "normexp.config", "normexp.environment", "normexp.stopping",
+                   "normexp.blocklog"],
+    "records": ["normexp.store", "normexp.results", "normexp.verify"],  # the run folder: written, read, verified
+    "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
+                 "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
+    "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
+               "normexp.data", "normexp.optim"],
+    "engine base": ["normexp.engines", "normexp.engines.common"],
+    "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
+                "normexp.diagnostics"],
+    "running": ["normexp.executors", "normexp.sweep"],
+    "presentation": ["normexp.tables", "normexp.report", "normexp.plot", "normexp.progress"],
+    "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
+}
+LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
+ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
+NO_TORCH = ("normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
+            "normexp.analysis.gradnorm", "normexp.plot", "normexp.report", "normexp.tables", "normexp.results")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every normexp module and the normexp modules it imports (at the top or inside a function)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "normexp":
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] == "normexp"}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+GRAPH = import_graph()
+
+
+def test_every_module_has_a_layer():
+    assert set(GRAPH) - set(LAYER_OF) == set(), "give each new module a layer in tests/test_layers.py"
+    assert set(LAYER_OF) - set(GRAPH) == set(), "a layer names a module that no longer exists"
+
+
+def test_no_import_runs_back_up_a_layer():
+    layer_names = list(LAYERS)
+    upward = [f"{m} ({layer_names[LAYER_OF[m]]}) imports {d} ({layer_names[LAYER_OF[d]]})"
+              for m, deps in GRAPH.items() for d in deps if LAYER_OF[d] > LAYER_OF[m]]
+    assert upward == []
+
+
+def test_no_import_circle():
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = "open"
+        for dep in sorted(GRAPH[module]):
+            if state.get(dep) == "open":
+                return [*path, module, dep]
+            if dep not in state and (cycle := visit(dep, [*path, module])):
+                return cycle
+        state[module] = "done"
+        return None
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            assert visit(module, []) is None
+
+
+def test_what_engines_share_imports_no_engine_and_no_engine_reaches_the_run_folder():
+    assert not GRAPH["normexp.engines.common"] & set(ENGINES)
+    forbidden = {"normexp.store", "normexp.sweep", "normexp.executors", "normexp.results", "normexp.verify"}
+    assert {engine: GRAPH[engine] & forbidden for engine in ENGINES} == {engine: set() for engine in ENGINES}
+    assert GRAPH["normexp.engines.reference"] & set(ENGINES) == set()  # the definition of correct stands alone
+
+
+def test_analysis_imports_no_presentation_and_no_torch_backed_module():
+    torch_backed = {m for m in GRAPH if LAYER_OF[m] >= LAYER_OF["normexp.models"]}
+    for module in LAYERS["analysis"]:
+        assert GRAPH[module] & torch_backed == set(), module
+
+
+@pytest.mark.parametrize("module", NO_TORCH)
+def test_importing_analysis_and_presentation_loads_no_torch_rich_or_typer(module):
+    code = (f"import sys, {module}; heavy = [m for m in ('torch', 'rich', 'typer') if m in sys.modules]; "
+            "print(','.join(heavy))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == ""
