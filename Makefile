@@ -79,10 +79,10 @@ test-all: install-dev
 reproduce: install
 	$(NORMEXP) sweep configs/warmup.yaml --force
 
-# every study in configs/studies (the FFN ones on the batched engine, the Transformer's on the fast one,
+# `normexp studies`: every study in configs/studies (the FFN ones on the batched engine, the Transformer's on the fast one,
 # a worker process per core), then runs/REPORT.md with computed verdicts
 studies: install
-	$(PY) -m normexp.studies --out runs
+	$(NORMEXP) studies --out runs
 
 lint: install-dev
 	$(VENV)/bin/ruff check normexp tests benchmarks examples docs

@@ -534,6 +534,19 @@ def norms_bench(
 
 
 @app.command()
+def studies(
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for every study's runs and REPORT.md.")] = Path("runs"),
+    quick: Annotated[bool, typer.Option("--quick", help="A smoke test: 2 seeds per sweep, no big-shape speed table.")]
+    = False,
+) -> None:
+    """Run every study shipped with normexp (configs/studies) and write OUT/REPORT.md, each verdict computed
+    from its numbers. A rerun resumes; Ctrl-C stops cleanly and keeps every finished run."""
+    from normexp.studies import run_command
+
+    run_command(out_dir, quick)
+
+
+@app.command()
 def validate(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,

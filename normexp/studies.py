@@ -1,6 +1,7 @@
-"""The studies shipped in configs/: run them all and write runs/REPORT.md (`make studies`).
+"""The studies shipped with the package (normexp/configs/, a checkout's configs/): run them all and write
+runs/REPORT.md (`make studies`).
 
-    python -m normexp.studies [--out runs] [--quick]
+    normexp studies [--out runs] [--quick]        (python -m normexp.studies: the same)
 
 Each study states its question, shows its table and figure, and ends with a verdict paragraph that
 is computed from the numbers it just measured (nothing in a verdict is written in advance):
@@ -55,8 +56,7 @@ from normexp.results import finished_runs, load_blocks, load_metrics, load_summa
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
+CONFIGS = Path(__file__).resolve().parent / "configs"  # package data: a checkout's configs/ links here
 
 
 def _finished_summary(run_dir: Path) -> pd.DataFrame:
@@ -472,7 +472,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
                              props_verdict(props) + " " + speed_verdict(timings), times["norms"]))
     report = out / "REPORT.md"
     total = sum(times.values())
-    header = (f"# normexp studies\n\nWritten by `make studies` (`python -m normexp.studies"
+    header = (f"# normexp studies\n\nWritten by `make studies` (`normexp studies"
               f"{' --quick' if quick else ''}`); every verdict below is computed from these runs. "
               f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
     report.write_text(header + "\n".join(sections))
@@ -496,29 +496,39 @@ def _fail(message: str) -> NoReturn:
     sys.exit(USAGE_ERROR)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run normexp's studies and write REPORT.md.")
-    parser.add_argument("--out", type=Path, default=Path("runs"))
-    parser.add_argument("--quick", action="store_true", help="a smoke test: 2 seeds per sweep (gradnorm 3, "
-                        "the article's table its 1), no big-shape speed table")
-    args = parser.parse_args()
+QUICK_HELP = "a smoke test: 2 seeds per sweep (gradnorm 3, the article's table its 1), no big-shape speed table"
+
+
+def run_command(out: Path, quick: bool = False) -> None:
+    """`normexp studies` (and `python -m normexp.studies`): every study into `out`, stopping cleanly on
+    a first Ctrl-C or SIGTERM (finished runs kept, a rerun resumes) and exiting 128 + signal; a folder
+    in use, an unusable `out` or an edited study config is one `error:` line and exit 2."""
     stopping.on_stop_signals(stopping.stop_cleanly)
     from normexp.executors import ExecutorError
     from normexp.store import StoreError
 
-    if is_symlink_loop(args.out):  # else mkdir says "File exists"
-        _fail(f"--out {args.out}: {SYMLINK_LOOP}")
+    if is_symlink_loop(out):  # else mkdir says "File exists"
+        _fail(f"--out {out}: {SYMLINK_LOOP}")
     try:
-        run_studies(args.out, args.quick)
+        run_studies(out, quick)
     except (StoreError, ExecutorError, ConfigError) as exc:  # a folder in use or full, an edited study config
         _fail(str(exc))
     except OSError as exc:  # --out names a file, or a folder that cannot be written
-        _fail(f"{args.out}: cannot use as the output folder: {exc.strerror} ({exc.filename})")
+        _fail(f"{out}: cannot use as the output folder: {exc.strerror} ({exc.filename})")
     except (SweepInterrupted, KeyboardInterrupt):
         signum = stopping.received or signal.SIGINT
-        print(f"{signal.Signals(signum).name}: studies stopped; every finished run is kept in {args.out}. "
+        print(f"{signal.Signals(signum).name}: studies stopped; every finished run is kept in {out}. "
               "Run the same command again to resume.", file=sys.stderr)
         sys.exit(128 + signum)
+
+
+def main() -> None:
+    """`python -m normexp.studies`: the same as `normexp studies`."""
+    parser = argparse.ArgumentParser(description="Run normexp's studies and write REPORT.md.")
+    parser.add_argument("--out", type=Path, default=Path("runs"))
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    args = parser.parse_args()
+    run_command(args.out, args.quick)
 
 
 if __name__ == "__main__":
