@@ -46,7 +46,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel
@@ -54,6 +54,8 @@ from pydantic_core import to_jsonable_python
 
 from normexp.config import (
     ConfigError,
+    NormKind,
+    Placement,
     RunConfig,
     Sweep,
     flatten,
@@ -167,6 +169,21 @@ def config_hash(cfg: RunConfig, revised: bool = True) -> str:
 def run_id(cfg: RunConfig, revised: bool = True) -> str:
     """A readable, unique folder name: `post-layernorm-s0-1a2b3c4d5e`."""
     return f"{cfg.norm.placement}-{cfg.norm.kind}-s{cfg.seed}-{config_hash(cfg, revised)[:10]}"
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    return "(?:" + "|".join(re.escape(name) for name in names) + ")"
+
+
+# The names `run_id` makes, and only those: a folder so named is normexp's (verify --fix may remove it when
+# it is broken); any other is a user's and never touched. Built from the config's own names, so a placement
+# or norm kind added there is matched here.
+RUN_ID = re.compile(rf"{_one_of(get_args(Placement))}-{_one_of(get_args(NormKind))}-s(?:0|[1-9][0-9]*)-[0-9a-f]{{10}}")
+
+
+def is_run_id(name: str) -> bool:
+    """Whether `name` has the form of a run id (`run_id`): `post-layernorm-s0-1a2b3c4d5e`."""
+    return RUN_ID.fullmatch(name) is not None
 
 
 def earlier_run_id(cfg: RunConfig) -> str | None:
@@ -387,17 +404,32 @@ def write_failed(run_dir: Path, cfg: RunConfig, status: str, error: str) -> bool
 
 
 _STRAY = re.compile(r"\.(?P<name>.+)\.(?P<what>tmp|old)-\d+")
+TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE)  # the files `atomic_write` writes in a sweep folder
+RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, FAILED_FILE, DONE_FILE)  # ... and in a run folder
+
+
+def _is_stray(path: Path, files: tuple[str, ...], run_folders: bool) -> bool:
+    """Whether `path` bears a temporary name that normexp gives: `.FILE.tmp-PID`, a regular file, for one
+    of `files`; or (`run_folders`: in the sweep folder) `.RUN_ID.tmp-PID` or `.RUN_ID.old-PID`, a real
+    folder. Never a symbolic link: normexp makes none, so one is a user's."""
+    match = _STRAY.fullmatch(path.name)
+    if match is None or path.is_symlink():
+        return False
+    if path.is_dir():
+        return run_folders and is_run_id(match["name"])
+    return match["what"] == "tmp" and match["name"] in files and path.is_file()
 
 
 def stray_paths(out_dir: Path) -> list[Path]:
     """Temporary files and folders that only a killed writer leaves behind, in `out_dir` and in its
-    run folders: `.NAME.tmp-PID` (a file or run folder being written), `.NAME.old-PID` (a run folder
-    being replaced)."""
+    run folders: `.NAME.tmp-PID` (a file or run folder being written), `.RUN_ID.old-PID` (a run folder
+    being replaced). Only names normexp gives count, and only in folders it writes (the sweep folder,
+    folders named by a run id): a user's `my_analysis/.draft.tmp-12` is not normexp's to remove."""
     top = sorted(out_dir.iterdir()) if out_dir.is_dir() else []
-    found = [p for p in top if _STRAY.fullmatch(p.name)]
+    found = [p for p in top if _is_stray(p, TOP_FILES, run_folders=True)]
     for folder in top:
-        if folder.is_dir() and not folder.is_symlink() and not _STRAY.fullmatch(folder.name):
-            found += [p for p in sorted(folder.iterdir()) if _STRAY.fullmatch(p.name)]
+        if is_run_id(folder.name) and folder.is_dir() and not folder.is_symlink():
+            found += [p for p in sorted(folder.iterdir()) if _is_stray(p, RUN_DIR_FILES, run_folders=False)]
     return found
 
 
@@ -409,11 +441,11 @@ def recover_strays(out_dir: Path) -> list[str]:
     for path in stray_paths(out_dir):
         match = _STRAY.fullmatch(path.name)
         target = path.with_name(match["name"])
-        if match["what"] == "old" and path.parent == out_dir and not target.exists():
+        if match["what"] == "old" and path.parent == out_dir and not os.path.lexists(target):
             os.replace(path, target)
             actions.append(f"{path.name}: put back as {target.name}")
             continue
-        if path.is_dir() and not path.is_symlink():
+        if path.is_dir():  # a real folder: `stray_paths` lists no symbolic link
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
