@@ -29,6 +29,7 @@ re-read (config, metrics and numbers must agree, as above) and, if it holds, sta
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import ctypes
 import errno
@@ -43,7 +44,7 @@ import re
 import shutil
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -323,6 +324,20 @@ def _staging_dir(run_dir: Path) -> Path:
     return staging
 
 
+@contextlib.contextmanager
+def _staged(run_dir: Path) -> Iterator[Path]:
+    """A staging folder for `run_dir` (`_staging_dir`) that is removed if the block raises: a write that
+    fails (a full disk) leaves no `.<run_id>.tmp-<pid>` of its own behind. Nothing else is touched; a
+    finished result already in `run_dir` stays (`swap_in` puts it back if the swap itself fails)."""
+    staging = _staging_dir(run_dir)
+    try:
+        yield staging
+    except BaseException:
+        if staging.is_dir() and not staging.is_symlink():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
     if not sys.platform.startswith("linux"):
@@ -351,7 +366,11 @@ def swap_in(staging: Path, run_dir: Path) -> None:
     else:
         old = run_dir.with_name(f".{run_dir.name}.old-{os.getpid()}")
         os.replace(run_dir, old)
-        os.replace(staging, run_dir)
+        try:
+            os.replace(staging, run_dir)
+        except OSError:  # a full disk, say: the finished result goes back at once, not at the next sweep
+            os.replace(old, run_dir)
+            raise
         shutil.rmtree(old)
     _fsync_dir(run_dir.parent)
 
@@ -361,8 +380,16 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = ""
     done marker that vouches for them. done.json also records what made the run (`provenance`: the
     commit, CPU, torch build) and the sweep's `command` line; neither enters the run id, and a
     done.json without them (written before they were recorded) is as valid as ever.
-    The folder is built aside and swapped in whole. Returns done.json's fields."""
-    staging = _staging_dir(run_dir)
+    The folder is built aside and swapped in whole (nothing is left aside if that fails). Returns
+    done.json's fields."""
+    with _staged(run_dir) as staging:
+        done = _write_staged(staging, run_dir.name, cfg, run, command)
+        swap_in(staging, run_dir)
+    return done
+
+
+def _write_staged(staging: Path, rid: str, cfg: RunConfig, run: FinishedRun, command: str) -> dict[str, Any]:
+    """Write a finished run's files into its staging folder, done.json last; returns done.json's fields."""
     config_text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     metrics_text = metrics_csv(run.metrics)
     atomic_write(staging / CONFIG_FILE, config_text)
@@ -371,7 +398,7 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = ""
     if blocks_text is not None:
         atomic_write(staging / BLOCKS_FILE, blocks_text)
     done = {
-        "run_id": run_dir.name,
+        "run_id": rid,
         "config_hash": config_hash(cfg),
         **run_stats(run.metrics, run.status),
         "wall_s": run.wall_s,
@@ -386,7 +413,6 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = ""
                   **({BLOCKS_FILE: file_record(BLOCKS_FILE, blocks_text)} if blocks_text is not None else {})},
     }
     atomic_write(staging / DONE_FILE, encode_done(done))
-    swap_in(staging, run_dir)
     return done
 
 
@@ -395,11 +421,11 @@ def write_failed(run_dir: Path, cfg: RunConfig, status: str, error: str) -> bool
     verified finished result already there (a --force rerun that failed) is kept: returns False."""
     if inspect_run(run_dir, cfg).finished:
         return False
-    staging = _staging_dir(run_dir)
-    atomic_write(staging / CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    record = {"run_id": run_dir.name, "config_hash": config_hash(cfg), "status": status, "error": error}
-    atomic_write(staging / FAILED_FILE, json.dumps(record, indent=2) + "\n")
-    swap_in(staging, run_dir)
+    with _staged(run_dir) as staging:
+        atomic_write(staging / CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        record = {"run_id": run_dir.name, "config_hash": config_hash(cfg), "status": status, "error": error}
+        atomic_write(staging / FAILED_FILE, json.dumps(record, indent=2) + "\n")
+        swap_in(staging, run_dir)
     return True
 
 
