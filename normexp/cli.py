@@ -3,11 +3,20 @@
 Exit codes: 0 every run finished; 1 some run failed; 2 bad usage, bad config or an output folder in
 use; 128 + the signal's number when Ctrl-C (130), SIGTERM (143) or SIGHUP (129) stopped the sweep
 (finished runs kept: rerunning the same command resumes).
+
+Standard output that cannot be written (`> /dev/full`, a full disk; normexp/output.py) ends a command with
+one `error: cannot write the output: ...` line on stderr and exit 2 (a reader that closed its pipe, as
+`| head` does: exit 1, silently, as before). A sweep is the exception: its output is a report on its work,
+not the work. It trains on, writes every run folder and summary.csv, then says on stderr that its output
+could not be written, with the closing line it would have printed; its exit code is the runs' (0 or 1).
+
 torch and pandas are imported inside the commands that need them, so `normexp --help` stays instant.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shlex
 import signal
@@ -20,7 +29,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from normexp import stopping
+from normexp import output, stopping
 from normexp.config import (
     DEFAULT_MAX_RUNS,
     SYMLINK_LOOP,
@@ -104,21 +113,45 @@ def sweep(
         _require_cuda()
     options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast,
                            workers=workers, cluster=cluster, compile=compile_)
-    if not quiet and out_dir is None:  # the default folder, said before anything is written to it
-        out.print(f"writing to {target} (the default for sweep '{spec.name}'; --out DIR to choose)")
-    outcome = _run(spec, target, options, quiet, _invocation(config))
+    outcome = None
+    try:  # output that cannot be written ends no sweep (see the module docstring)
+        with contextlib.suppress(output.OutputLost):
+            if not quiet and out_dir is None:  # the default folder, said before anything is written to it
+                out.print(f"writing to {target} (the default for sweep '{spec.name}'; --out DIR to choose)")
+        outcome = _run(spec, target, options, quiet, _invocation(config))
+        with contextlib.suppress(output.OutputLost):
+            _print_outcome(outcome, target, quiet)
+    finally:
+        _say_if_output_lost(outcome, target)
+    if outcome.failed:
+        raise typer.Exit(Exit.FAILED)
+
+
+def _say_if_output_lost(outcome: SweepOutcome | None, target: Path) -> None:
+    """Say on stderr that the sweep's output could not be written, with the closing line it lost (none
+    when the sweep was stopped or failed: its own message says how it ended); its exit code stays."""
+    lost = output.take_loss(sys.stdout)
+    if lost is not None:
+        went_on = f"; the sweep went on: {_closing(outcome, target)}" if outcome is not None else ""
+        err.print(f"cannot write the output: {lost.strerror or lost}{went_on}", soft_wrap=True)
+
+
+def _print_outcome(outcome: SweepOutcome, target: Path, quiet: bool) -> None:
+    """What a sweep prints once its runs are done: the report and the closing line (--quiet: the failures)."""
     if quiet and outcome.failed:
         err.print(f"{_plural(outcome.failed, 'run')} failed · see {target / 'summary.csv'}")
     if not quiet:
         _print_report(target)
-        out.print(f"{outcome.count('completed', 'diverged')} ran, {outcome.count('skipped')} already done, "
-                  f"{outcome.failed} failed{_integrity_counts(outcome)} · results in {target}")
+        out.print(_closing(outcome, target))
         if outcome.held != outcome.total or outcome.invocations > 1:
             out.print(f"{target} now holds {_plural(outcome.held, 'run')} from "
                       f"{_plural(outcome.invocations, 'invocation')} (history.jsonl); report shows all, "
                       f"report --only-last this sweep's {outcome.total}")
-    if outcome.failed:
-        raise typer.Exit(Exit.FAILED)
+
+
+def _closing(outcome: SweepOutcome, target: Path) -> str:
+    return (f"{outcome.count('completed', 'diverged')} ran, {outcome.count('skipped')} already done, "
+            f"{outcome.failed} failed{_integrity_counts(outcome)} · results in {target}")
 
 
 def _integrity_counts(outcome: SweepOutcome) -> str:
@@ -242,11 +275,17 @@ def _out_folder(value: str | None, name: str) -> Path:
     if not value.strip():
         raise fail("--out: empty; name a folder (or leave --out out for runs/<name>)")
     option = Path(value)
-    if is_symlink_loop(option):  # checked first: to exists() a loop is simply missing
+    try:
+        loop = is_symlink_loop(option)  # checked first: to exists() a loop is simply missing
+        dangling = not loop and option.is_symlink() and not option.exists()
+        is_file = not loop and option.exists() and not option.is_dir()
+    except OSError as exc:  # a name too long for the file system, a folder on the way that cannot be searched
+        raise fail(f"--out {option}: cannot use as the output folder: {exc.strerror}") from None
+    if loop:
         raise fail(f"--out {option}: {SYMLINK_LOOP}")
-    if option.is_symlink() and not option.exists():
+    if dangling:
         raise fail(f"--out {option}: a symbolic link to {os.readlink(option)}, which does not exist")
-    if option.exists() and not option.is_dir():
+    if is_file:
         raise fail(f"--out {option}: is a file, not a folder")
     return option
 
@@ -566,5 +605,29 @@ def doctor() -> None:
 
 
 def main() -> None:
-    """Run the command line (normexp/__main__.py calls this once its Ctrl-C handler is in place)."""
-    app()
+    """Run the command line (normexp/__main__.py calls this once its Ctrl-C handler is in place). Output
+    that cannot be written ends it as the module docstring says; the last of it is flushed here, while
+    that can still be said."""
+    output.guard_streams()
+    try:
+        app()
+    except output.OutputLost:
+        pass  # the command ends here; said below
+    finally:
+        _exit_if_output_lost()
+
+
+def _exit_if_output_lost() -> None:
+    """Flush standard output; if it could not be written (now or before) and no command said so, end
+    with one `error:` line and exit 2, or silently with 1 for a reader that closed its pipe on purpose
+    (`| head`), as before."""
+    with contextlib.suppress(output.OutputLost):
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    lost = output.take_loss(sys.stdout)
+    if lost is None:
+        return
+    if lost.errno == errno.EPIPE:
+        sys.exit(Exit.FAILED)
+    fail(f"cannot write the output: {lost.strerror or lost}")
+    sys.exit(Exit.USAGE)

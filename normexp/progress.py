@@ -1,5 +1,7 @@
 """Turn a sweep's events into what the user sees: a Rich progress bar on a terminal, one plain line
-per run otherwise (logs, CI), only the failed runs with --quiet. The core never imports this module."""
+per run otherwise (logs, CI), only the failed runs with --quiet. A sweep never stops because these lines
+cannot be written (`> /dev/full`): the output is silenced (normexp/output.py) and the runs go on. The core
+never imports this module."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from normexp.output import OutputLost
 from normexp.sweep import EventCallback, SweepEvent
 
 
@@ -22,6 +25,21 @@ def _line(event: SweepEvent) -> str:
 
 @contextlib.contextmanager
 def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventCallback]:
+    with _shown(console, total, quiet) as show:
+        yield _unfailing(show)
+
+
+def _unfailing(show: EventCallback) -> EventCallback:
+    """`show`, except that an output that cannot be written stops the lines, not the sweep: the callback
+    runs while runs are recorded, and an exception there would lose trained runs."""
+    def call(event: SweepEvent) -> None:
+        with contextlib.suppress(OutputLost):
+            show(event)
+    return call
+
+
+@contextlib.contextmanager
+def _shown(console: Console, total: int, quiet: bool) -> Iterator[EventCallback]:
     if quiet:  # failures are errors: still one line each
         def failures(event: SweepEvent) -> None:
             if event.kind == "failed":

@@ -29,6 +29,7 @@ re-read (config, metrics and numbers must agree, as above) and, if it holds, sta
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import ctypes
 import errno
@@ -43,10 +44,10 @@ import re
 import shutil
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel
@@ -54,6 +55,8 @@ from pydantic_core import to_jsonable_python
 
 from normexp.config import (
     ConfigError,
+    NormKind,
+    Placement,
     RunConfig,
     Sweep,
     flatten,
@@ -167,6 +170,21 @@ def config_hash(cfg: RunConfig, revised: bool = True) -> str:
 def run_id(cfg: RunConfig, revised: bool = True) -> str:
     """A readable, unique folder name: `post-layernorm-s0-1a2b3c4d5e`."""
     return f"{cfg.norm.placement}-{cfg.norm.kind}-s{cfg.seed}-{config_hash(cfg, revised)[:10]}"
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    return "(?:" + "|".join(re.escape(name) for name in names) + ")"
+
+
+# The names `run_id` makes, and only those: a folder so named is normexp's (verify --fix may remove it when
+# it is broken); any other is a user's and never touched. Built from the config's own names, so a placement
+# or norm kind added there is matched here.
+RUN_ID = re.compile(rf"{_one_of(get_args(Placement))}-{_one_of(get_args(NormKind))}-s(?:0|[1-9][0-9]*)-[0-9a-f]{{10}}")
+
+
+def is_run_id(name: str) -> bool:
+    """Whether `name` has the form of a run id (`run_id`): `post-layernorm-s0-1a2b3c4d5e`."""
+    return RUN_ID.fullmatch(name) is not None
 
 
 def earlier_run_id(cfg: RunConfig) -> str | None:
@@ -306,6 +324,20 @@ def _staging_dir(run_dir: Path) -> Path:
     return staging
 
 
+@contextlib.contextmanager
+def _staged(run_dir: Path) -> Iterator[Path]:
+    """A staging folder for `run_dir` (`_staging_dir`) that is removed if the block raises: a write that
+    fails (a full disk) leaves no `.<run_id>.tmp-<pid>` of its own behind. Nothing else is touched; a
+    finished result already in `run_dir` stays (`swap_in` puts it back if the swap itself fails)."""
+    staging = _staging_dir(run_dir)
+    try:
+        yield staging
+    except BaseException:
+        if staging.is_dir() and not staging.is_symlink():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
     if not sys.platform.startswith("linux"):
@@ -334,7 +366,11 @@ def swap_in(staging: Path, run_dir: Path) -> None:
     else:
         old = run_dir.with_name(f".{run_dir.name}.old-{os.getpid()}")
         os.replace(run_dir, old)
-        os.replace(staging, run_dir)
+        try:
+            os.replace(staging, run_dir)
+        except OSError:  # a full disk, say: the finished result goes back at once, not at the next sweep
+            os.replace(old, run_dir)
+            raise
         shutil.rmtree(old)
     _fsync_dir(run_dir.parent)
 
@@ -344,8 +380,16 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = ""
     done marker that vouches for them. done.json also records what made the run (`provenance`: the
     commit, CPU, torch build) and the sweep's `command` line; neither enters the run id, and a
     done.json without them (written before they were recorded) is as valid as ever.
-    The folder is built aside and swapped in whole. Returns done.json's fields."""
-    staging = _staging_dir(run_dir)
+    The folder is built aside and swapped in whole (nothing is left aside if that fails). Returns
+    done.json's fields."""
+    with _staged(run_dir) as staging:
+        done = _write_staged(staging, run_dir.name, cfg, run, command)
+        swap_in(staging, run_dir)
+    return done
+
+
+def _write_staged(staging: Path, rid: str, cfg: RunConfig, run: FinishedRun, command: str) -> dict[str, Any]:
+    """Write a finished run's files into its staging folder, done.json last; returns done.json's fields."""
     config_text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     metrics_text = metrics_csv(run.metrics)
     atomic_write(staging / CONFIG_FILE, config_text)
@@ -354,7 +398,7 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = ""
     if blocks_text is not None:
         atomic_write(staging / BLOCKS_FILE, blocks_text)
     done = {
-        "run_id": run_dir.name,
+        "run_id": rid,
         "config_hash": config_hash(cfg),
         **run_stats(run.metrics, run.status),
         "wall_s": run.wall_s,
@@ -369,7 +413,6 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = ""
                   **({BLOCKS_FILE: file_record(BLOCKS_FILE, blocks_text)} if blocks_text is not None else {})},
     }
     atomic_write(staging / DONE_FILE, encode_done(done))
-    swap_in(staging, run_dir)
     return done
 
 
@@ -378,26 +421,41 @@ def write_failed(run_dir: Path, cfg: RunConfig, status: str, error: str) -> bool
     verified finished result already there (a --force rerun that failed) is kept: returns False."""
     if inspect_run(run_dir, cfg).finished:
         return False
-    staging = _staging_dir(run_dir)
-    atomic_write(staging / CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    record = {"run_id": run_dir.name, "config_hash": config_hash(cfg), "status": status, "error": error}
-    atomic_write(staging / FAILED_FILE, json.dumps(record, indent=2) + "\n")
-    swap_in(staging, run_dir)
+    with _staged(run_dir) as staging:
+        atomic_write(staging / CONFIG_FILE, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        record = {"run_id": run_dir.name, "config_hash": config_hash(cfg), "status": status, "error": error}
+        atomic_write(staging / FAILED_FILE, json.dumps(record, indent=2) + "\n")
+        swap_in(staging, run_dir)
     return True
 
 
 _STRAY = re.compile(r"\.(?P<name>.+)\.(?P<what>tmp|old)-\d+")
+TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE)  # the files `atomic_write` writes in a sweep folder
+RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, FAILED_FILE, DONE_FILE)  # ... and in a run folder
+
+
+def _is_stray(path: Path, files: tuple[str, ...], run_folders: bool) -> bool:
+    """Whether `path` bears a temporary name that normexp gives: `.FILE.tmp-PID`, a regular file, for one
+    of `files`; or (`run_folders`: in the sweep folder) `.RUN_ID.tmp-PID` or `.RUN_ID.old-PID`, a real
+    folder. Never a symbolic link: normexp makes none, so one is a user's."""
+    match = _STRAY.fullmatch(path.name)
+    if match is None or path.is_symlink():
+        return False
+    if path.is_dir():
+        return run_folders and is_run_id(match["name"])
+    return match["what"] == "tmp" and match["name"] in files and path.is_file()
 
 
 def stray_paths(out_dir: Path) -> list[Path]:
     """Temporary files and folders that only a killed writer leaves behind, in `out_dir` and in its
-    run folders: `.NAME.tmp-PID` (a file or run folder being written), `.NAME.old-PID` (a run folder
-    being replaced)."""
+    run folders: `.NAME.tmp-PID` (a file or run folder being written), `.RUN_ID.old-PID` (a run folder
+    being replaced). Only names normexp gives count, and only in folders it writes (the sweep folder,
+    folders named by a run id): a user's `my_analysis/.draft.tmp-12` is not normexp's to remove."""
     top = sorted(out_dir.iterdir()) if out_dir.is_dir() else []
-    found = [p for p in top if _STRAY.fullmatch(p.name)]
+    found = [p for p in top if _is_stray(p, TOP_FILES, run_folders=True)]
     for folder in top:
-        if folder.is_dir() and not folder.is_symlink() and not _STRAY.fullmatch(folder.name):
-            found += [p for p in sorted(folder.iterdir()) if _STRAY.fullmatch(p.name)]
+        if is_run_id(folder.name) and folder.is_dir() and not folder.is_symlink():
+            found += [p for p in sorted(folder.iterdir()) if _is_stray(p, RUN_DIR_FILES, run_folders=False)]
     return found
 
 
@@ -409,11 +467,11 @@ def recover_strays(out_dir: Path) -> list[str]:
     for path in stray_paths(out_dir):
         match = _STRAY.fullmatch(path.name)
         target = path.with_name(match["name"])
-        if match["what"] == "old" and path.parent == out_dir and not target.exists():
+        if match["what"] == "old" and path.parent == out_dir and not os.path.lexists(target):
             os.replace(path, target)
             actions.append(f"{path.name}: put back as {target.name}")
             continue
-        if path.is_dir() and not path.is_symlink():
+        if path.is_dir():  # a real folder: `stray_paths` lists no symbolic link
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)

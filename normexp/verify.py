@@ -15,7 +15,10 @@ What is checked, each problem one `Finding`:
 `fix` removes what can be redone (corrupt and unfinished run folders, unverifiable folders of other
 sweeps, temporary files; a run folder caught mid-swap is put back), stamps runs of release 0.1 that
 re-read consistently, and rebuilds summary.csv. Nothing else is deleted: verified runs of every
-invocation stay, and missing runs are left for the sweep to redo. `fix` holds the folder's lock;
+invocation stay, and missing runs are left for the sweep to redo. Only what normexp writes is ever
+removed: folders named by a run id (`store.RUN_ID`) and its own temporary names (`store.stray_paths`);
+a user's folder (`my_analysis/` holding a `config.yaml`) and any symbolic link are left alone, at most
+named in a note. `fix` holds the folder's lock;
 a plain check refuses a folder a sweep is writing. Nothing here prints: the CLI renders the result.
 """
 
@@ -38,6 +41,7 @@ from normexp.store import (
     cached_statuses,
     folder_runs,
     inspect_run,
+    is_run_id,
     lock_owner,
     read_sweep,
     recover_strays,
@@ -167,17 +171,27 @@ def _run_finding(run_dir: Path, state: RunState, fix: bool) -> Finding | None:
         return Finding(name, f"failed: {state.problem.splitlines()[-1] if state.problem else ''}", REDO)
     if state.kind == "superseded":  # never removed: it is a result, of the earlier definition
         return Finding(name, state.problem, f"left in place; {REDO} under the new definition")
+    what = f"corrupt: {state.problem}" if state.kind == "corrupt" else f"unfinished: {state.problem}"
+    if run_dir.is_symlink():  # normexp makes no link: the link and what it points to are the user's
+        return Finding(name, what, f"left alone (a symbolic link, not a folder normexp wrote); replace it with "
+                       f"the run's folder, or remove it and {REDO}")
     if fix:
         shutil.rmtree(run_dir)
-    what = f"corrupt: {state.problem}" if state.kind == "corrupt" else f"unfinished: {state.problem}"
     return Finding(name, what, f"removed; {REDO}" if fix else f"--fix removes it; {REDO}")
 
 
 def _foreign(out_dir: Path, ids: set[str], fix: bool) -> list[Finding]:
-    """Folders that hold a run, but no run of this sweep."""
+    """Folders that hold a run, but no run of this sweep. Only a folder named by a run id is normexp's:
+    any other that holds a file named like a run's (a user's `my_analysis/config.yaml`, a renamed run
+    folder, a symbolic link) is named in a note, never touched."""
     findings = []
     for folder in sorted(p for p in out_dir.iterdir() if p.is_dir() and p.name not in ids):
         if folder.name.startswith(".") or not any((folder / f).exists() for f in RUN_FILES):
+            continue
+        if folder.is_symlink() or not is_run_id(folder.name):
+            findings.append(Finding(folder.name, "holds files named like a run's, but is no run folder normexp "
+                                    "wrote (" + ("a symbolic link" if folder.is_symlink() else "not named by a run id")
+                                    + "): not a result", "left alone", "note"))
             continue
         state = inspect_run(folder, thorough=True)
         if state.finished:

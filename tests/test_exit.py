@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SMALL_SWEEP
 
 # A module-level object whose __del__ runs only in the interpreter's teardown.
 TEARDOWN_WITNESS = ("class Witness:\n    def __del__(self):\n        print('teardown ran', flush=True)\n"
@@ -85,3 +86,65 @@ def test_doctor_with_stdout_closed_ends_with_0():
     result = subprocess.run([sys.executable, "-m", "normexp", "doctor"], capture_output=True, text=True, cwd=REPO,
                             timeout=120, env=BUFFERED, preexec_fn=lambda: os.close(1))
     assert (result.returncode, result.stderr) == (0, "")
+
+
+# ----------------------------------------------------------------------------- output that cannot be written
+
+
+def normexp_process(*args: object, cwd: Path, stdout: object = subprocess.PIPE,
+                    stderr: object = subprocess.PIPE) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "normexp", *map(str, args)], stdout=stdout, stderr=stderr,
+                          text=True, cwd=cwd, timeout=120, env=BUFFERED)
+
+
+@pytest.mark.parametrize("command", ["sweep", "gradnorm"])
+def test_an_out_name_too_long_for_the_file_system_is_one_error_line(tmp_path, command):
+    """ENAMETOOLONG: one `error:` line naming the path, exit 2, nothing written."""
+    (tmp_path / "one.yaml").write_text(ONE_RUN)
+    name = "x" * 300
+    result = normexp_process(command, "one.yaml", "--out", name, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --out ") and name in lines[0], result.stderr
+    assert "File name too long" in lines[0] and result.stdout == ""
+    assert [p.name for p in tmp_path.iterdir()] == ["one.yaml"]
+
+
+@pytest.mark.parametrize("stderr_too", [False, True], ids=["stdout", "stdout-and-stderr"])
+def test_a_sweep_whose_output_cannot_be_written_trains_on_and_says_so(tmp_path, stderr_too):
+    """`normexp sweep CONFIG > /dev/full`: the progress lines and the report are lost, the sweep is not.
+    Every run is trained and verified, summary.csv written, the exit code is the runs' (0), and stderr
+    (where it can be written) says that the output could not be."""
+    from normexp.verify import verify_sweep
+
+    (tmp_path / "small.yaml").write_text(SMALL_SWEEP)
+    with open("/dev/full", "w") as full:
+        result = normexp_process("sweep", "small.yaml", "--out", "out", cwd=tmp_path, stdout=full,
+                                 stderr=full if stderr_too else subprocess.PIPE)
+    assert result.returncode == 0, result.stderr
+    found = verify_sweep(tmp_path / "out")
+    assert found.clean and found.verified == found.runs == 8
+    assert (tmp_path / "out" / "summary.csv").is_file()
+    if not stderr_too:
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and "cannot write the output: No space left on device" in lines[0], result.stderr
+        assert "8 ran, 0 already done, 0 failed" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def small_out(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("small")
+    (folder / "small.yaml").write_text(SMALL_SWEEP)
+    assert normexp_process("sweep", "small.yaml", "--out", "out", "-q", cwd=folder).returncode == 0
+    return folder / "out"
+
+
+@pytest.mark.parametrize("command", [["report", "OUT"], ["report", "OUT", "--format", "csv"], ["verify", "OUT"],
+                                     ["doctor"]])
+def test_a_command_whose_output_cannot_be_written_says_so_in_one_line(small_out, command):
+    """`normexp report DIR > /dev/full`, `normexp doctor > /dev/full`: one `error:` line, exit 2."""
+    args = [small_out if arg == "OUT" else arg for arg in command]
+    with open("/dev/full", "w") as full:
+        result = normexp_process(*args, cwd=small_out.parent, stdout=full)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "error: cannot write the output: No space left on device\n"

@@ -268,7 +268,7 @@ def test_verify_finds_everything_and_changes_nothing_without_fix(sweep_dir, pris
     (dirs[3] / "done.json").unlink()  # unfinished
     (out / ".summary.csv.tmp-4242").write_text("half")
     (dirs[4] / ".metrics.csv.tmp-4242").write_text("half")
-    shutil.copytree(dirs[5], out / ".x.tmp-77")
+    shutil.copytree(dirs[5], out / f".{dirs[5].name}.tmp-77")  # a run folder being built
     other = normexp("sweep", config, "--out", tmp_path / "other", "--set", "optim.lr=0.03", "-q")
     assert other.exit_code == 0
     foreign = run_dirs(tmp_path / "other")
@@ -284,7 +284,7 @@ def test_verify_finds_everything_and_changes_nothing_without_fix(sweep_dir, pris
     assert problems == {
         ".summary.csv.tmp-4242": "left by a killed writer",
         f"{dirs[4].name}/.metrics.csv.tmp-4242": "left by a killed writer",
-        ".x.tmp-77": "left by a killed writer",
+        f".{dirs[5].name}.tmp-77": "left by a killed writer",
         dirs[0].name: "corrupt: metrics.csv: 0 rows, done.json vouches for 4",
         dirs[1].name: "missing",
         dirs[2].name: "no checksums (written by release 0.1); re-read and consistent",
@@ -326,6 +326,112 @@ def test_verify_refuses_a_folder_a_sweep_is_writing(sweep_dir):
         for args in (["verify", out], ["verify", out, "--fix"]):
             result = normexp(*args)
             assert result.exit_code == 2 and "sweep is writing here" in result.output
+
+
+# ----------------------------------------------------------------------------- what verify --fix may remove
+
+# Folders a user may keep in a sweep folder, none of them named by a run id (`store.RUN_ID`): the run id's
+# shape with one part off (case, hex digits, a seed's leading zero, a norm kind the config has not, a suffix).
+USER_FOLDERS = ["my_analysis", "post-layernorm-s0-notahexid", "post-layernorm-s0-0123456789a",
+                "post-layernorm-s0-012345678", "Post-layernorm-s0-0123456789", "post-layernorm-s01-0123456789",
+                "post-layernorm-s0-0123456789.bak", "post-groupnorm-s0-0123456789", "post-layernorm-0-0123456789",
+                "x-post-layernorm-s0-0123456789", "post-layernorm-s0-ABCDEF0123", "post--s0-0123456789"]
+
+
+@pytest.mark.parametrize("run_file", ["config.yaml", "metrics.csv", "done.json", "failed.json"])
+@pytest.mark.parametrize("name", USER_FOLDERS)
+def test_verify_fix_leaves_a_folder_not_named_by_a_run_id_alone(sweep_dir, name, run_file):
+    """A user's folder holding a file named like a run's (`my_analysis/config.yaml`) is not normexp's:
+    verify names it in a note at most, and --fix never touches it."""
+    _, out = sweep_dir
+    folder = out / name
+    folder.mkdir()
+    (folder / run_file).write_text("{}\n" if run_file.endswith(".json") else "my: notes\n")
+    (folder / "notes.txt").write_text("weeks of work")
+    (folder / ".draft.tmp-12").write_text("a draft")
+    before = snapshot(folder)
+    found = verify_sweep(out)
+    assert found.clean and all(f.severity == "note" for f in found.findings if f.path.startswith(name))
+    result = normexp("verify", out, "--fix")
+    assert result.exit_code == 0, result.output
+    assert snapshot(folder) == before
+
+
+def test_only_normexp_s_own_temporary_names_are_tidied(sweep_dir, tmp_path):
+    """A killed writer leaves `.summary.csv.tmp-PID`, `.<run_id>.tmp-PID/`, `<run_id>/.done.json.tmp-PID`:
+    those go. Whatever else is named `.NAME.tmp-N` (a user's draft, in a user's folder or in a run
+    folder, a hidden user folder, a symbolic link) stays, and so does what a link points to."""
+    _, out = sweep_dir
+    rid = run_dirs(out)[0].name
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    user = ["my_analysis/.draft.tmp-12", "my_analysis/.config.yaml.tmp-12", "my_analysis/.x.old-3/notes.txt",
+            ".draft.tmp-12/notes.txt", ".notes.txt.tmp-5", f"{rid}/.notes.txt.tmp-5", f"{rid}/.draft.old-5/a.txt"]
+    for path in user:
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+        (out / path).write_text("mine")
+    (out / f".{rid}.tmp-9").symlink_to(outside)
+    (out / ".summary.csv.tmp-9").symlink_to(outside / "precious.txt")
+    (out / "my_analysis" / "metrics.csv").write_text("step,loss\n")
+    own = [out / ".summary.csv.tmp-4242", out / rid / ".done.json.tmp-4242", out / f".{rid}.tmp-77"]
+    own[0].write_text("half")
+    own[1].write_text("half")
+    shutil.copytree(out / rid, own[2])
+    before = {path: (out / path).read_bytes() for path in user}
+    assert sorted(store.stray_paths(out)) == sorted(own)
+    assert normexp("verify", out, "--fix").exit_code == 0
+    store.recover_strays(out)  # what a sweep does first
+    assert not any(path.exists() for path in own)
+    assert {path: (out / path).read_bytes() for path in user} == before
+    assert (out / f".{rid}.tmp-9").is_symlink() and (out / ".summary.csv.tmp-9").is_symlink()
+    assert (outside / "precious.txt").read_text() == "keep" and normexp("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("of_this_sweep", [False, True], ids=["another-id", "this-sweep-s-id"])
+def test_verify_fix_never_removes_through_a_symlink_named_like_a_run_id(sweep_dir, tmp_path, of_this_sweep):
+    """A symbolic link is never normexp's: whatever the link's name and whatever its target holds (a
+    broken run), --fix leaves the link and its target as they are."""
+    _, out = sweep_dir
+    outside = tmp_path / "outside"
+    if of_this_sweep:
+        link = run_dirs(out)[0]
+        shutil.move(link, outside)
+        DAMAGE["metrics truncated"](outside)
+    else:
+        link = out / "post-layernorm-s7-abcdef0123"
+        outside.mkdir()
+        (outside / "config.yaml").write_text("model: {depth: [\n")
+        (outside / "done.json").write_text("{}\n")
+    (outside / "precious.txt").write_text("keep")
+    link.symlink_to(outside)
+    before = snapshot(outside)
+    result = normexp("verify", out, "--fix")
+    assert result.exit_code == (1 if of_this_sweep else 0), result.output  # the run is not verified: a problem
+    assert link.is_symlink() and snapshot(outside) == before
+
+
+def test_every_run_id_matches_the_run_id_pattern():
+    """`store.RUN_ID` is what tells a run folder from a user's: every id `run_id` can make matches it."""
+    from typing import get_args
+
+    from pydantic import ValidationError
+
+    from normexp.config import NormKind, Placement, RunConfig
+
+    made = 0
+    for placement in get_args(Placement):
+        for kind in get_args(NormKind):
+            assert store.is_run_id(f"{placement}-{kind}-s0-0123456789")
+            for seed in (0, 7, 2**63 - 1):
+                try:
+                    cfg = RunConfig.model_validate({"norm": {"placement": placement, "kind": kind}, "seed": seed})
+                except ValidationError:
+                    continue
+                assert store.is_run_id(run_id(cfg)) and store.is_run_id(run_id(cfg, revised=False))
+                made += 1
+    assert made > 200
+    assert not any(store.is_run_id(name) for name in USER_FOLDERS)
 
 
 # ----------------------------------------------------------------------------- random damage (property)

@@ -227,6 +227,75 @@ def test_full_disk_is_explained_and_resumable(write_yaml, tmp_path, monkeypatch)
     assert result.exit_code == 0 and "2 ran, 1 already done" in result.output
 
 
+@pytest.mark.parametrize("where", ["metrics.csv", "done.json", "rename"])
+def test_a_full_disk_leaves_no_staging_folder_behind(write_yaml, tmp_path, monkeypatch, where):
+    """ENOSPC while the second run's folder is written (a file of it, or the rename that puts it in
+    place): its staging folder `.RUN.tmp-PID/` is removed on the way out, not left to the next sweep,
+    and the finished run is intact."""
+    config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
+    out = tmp_path / "out"
+    real_write, real_replace, written = store.atomic_write, store.os.replace, []
+
+    def full(path):
+        return OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    def write(path, text):
+        written.append(path.name)
+        if where != "rename" and written.count(where) == 2:
+            raise full(path)
+        real_write(path, text)
+
+    def replace(src, dst):
+        if where == "rename" and Path(src).is_dir() and written.count("done.json") == 2:
+            raise full(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(store, "atomic_write", write)
+    monkeypatch.setattr(store.os, "replace", replace)
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert result.exit_code == 2 and "disk full" in result.output, result.output
+    assert not list(out.glob("**/.*.tmp-*")) and not list(out.glob("**/.*.old-*"))
+    finished = [p.parent for p in out.glob("*/done.json")]
+    assert len(finished) == 1 and store.inspect_run(finished[0]).finished
+    monkeypatch.undo()
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
+    assert result.exit_code == 0 and "2 ran, 1 already done" in result.output
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_full_disk_while_a_run_folder_is_replaced_keeps_the_finished_one(tmp_path, monkeypatch, exchange):
+    """A --force rerun whose swap fails with ENOSPC: the finished folder stays in place, whole (put back at
+    once where two renames were under way), and the new one's staging folder is gone."""
+    from normexp.config import RunConfig
+
+    cfg = RunConfig.model_validate({"model": {"depth": 2, "width": 4}, "train": {"steps": 2}})
+    run_dir = tmp_path / store.run_id(cfg)
+
+    def finished(loss: float) -> store.FinishedRun:
+        metrics = {"step": [0, 1, 2], "loss": [loss] * 3, "acc": [0.5] * 3, "lr": [0.01] * 3, "grad_norm": [1.0] * 3}
+        return store.FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu")
+
+    store.write_run(run_dir, cfg, finished(1.0))
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    real_replace = store.os.replace
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir))
+
+    def replace(src, dst):
+        if Path(src).name.startswith(f".{run_dir.name}.tmp-"):
+            no_space()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(store, "_exchange", no_space if exchange else lambda a, b: False)
+    monkeypatch.setattr(store.os, "replace", replace)
+    with pytest.raises(OSError, match="No space left"):
+        store.write_run(run_dir, cfg, finished(2.0))
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    assert store.inspect_run(run_dir, cfg).finished and sorted(tmp_path.iterdir()) == [run_dir]
+
+
 def test_truncated_done_marker_does_not_count(write_yaml, tmp_path):
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1]\n")
     out = tmp_path / "out"
