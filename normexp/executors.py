@@ -37,7 +37,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from normexp.config import RunConfig, model_step_flops
-from normexp.stopping import STOP_SIGNALS
+from normexp.stopping import STOP_SIGNALS, stop_signals_deferred
 from normexp.store import FinishedRun
 
 CRASHED = "crashed"
@@ -326,15 +326,23 @@ class PoolExecutor:
         self.close()
 
     def _start_worker(self) -> _Worker:
+        """Start a worker that a terminal's Ctrl-C cannot reach before it ignores it: the stop signals
+        are blocked from its first instruction (its mask is this thread's) until `_worker_main` has set
+        its handlers, so that no worker prints a KeyboardInterrupt from its start-up imports."""
         import multiprocessing
+        from multiprocessing import resource_tracker
 
         context = multiprocessing.get_context("spawn")
         mine, theirs = context.Pipe()
         process = context.Process(target=_worker_main, args=(theirs, os.getpid()), daemon=True)
         worker = _Worker(process, mine)
-        with _signals_held():  # until the worker has set its own handlers (and is known to close())
-            process.start()
-            self._workers.append(worker)
+        # Here a stop signal waits until the worker is started and known to close(): one that cut the
+        # start short would leave the worker to print an EOFError reading what it was never sent.
+        with stop_signals_deferred():
+            resource_tracker.ensure_running()  # before the mask: starting the tracker unblocks SIGINT and SIGTERM
+            with _signals_held():
+                process.start()
+                self._workers.append(worker)
         theirs.close()
         return worker
 

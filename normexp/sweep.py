@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
-from normexp.stopping import STOP_SIGNALS
+from normexp.stopping import stop_signals_deferred
 from normexp.store import (
     SWEEP_FILE,
     FinishedRun,
@@ -276,31 +274,10 @@ def _record_unit(result: UnitResult, out_dir: Path, outcome: SweepOutcome, emit:
     takes effect once the unit's folders are in place (milliseconds a run: about a second for a
     64-run batch), so an interrupted sweep leaves no half-built folder behind, nor a trained
     batch-mate unwritten."""
-    with _stop_signals_deferred():
+    with stop_signals_deferred():
         for index, (cfg, run) in enumerate(zip(result.unit.runs, result.outcomes)):
             if result.unit.recorded(index):  # a fast batch's runs that were done are left as they are
                 _record_now(cfg, run, result.status, out_dir, outcome, emit)
-
-
-@contextlib.contextmanager
-def _stop_signals_deferred() -> Iterator[None]:
-    """Stop signals (Ctrl-C, SIGTERM, SIGHUP) that arrive in the block are raised again when it ends,
-    for the handlers in place before it. (A thread's signal mask cannot do this: the kernel may hand a
-    process-wide signal to any thread, torch's own among them.) Outside the main thread, which alone
-    runs Python's signal handlers, the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    previous = {signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
-                for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for signum in dict.fromkeys(pending):
-            signal.raise_signal(signum)
 
 
 def _record_now(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
