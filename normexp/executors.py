@@ -433,6 +433,8 @@ class DaskExecutor:
         self._cluster = self.client = None
         self._futures: list = []  # submitted by run(): cancelled by close()
         dask.config.set({"distributed.scheduler.allowed-failures": 1})  # a dying worker: retried once
+        if workers is None:
+            check_scheduler(address, CONNECT_TIMEOUT_S)  # Ctrl-C is not held meanwhile: nothing is started yet
         try:
             with _signals_held({signal.SIGINT}):  # the cluster's processes leave Ctrl-C to the coordinator
                 if workers is not None:
@@ -442,7 +444,7 @@ class DaskExecutor:
                                                  silence_logs=logging.ERROR)  # not "task cancelled" on a stop
                     self.client = Client(self._cluster)
                 else:
-                    self.client = Client(address, timeout="10s")
+                    self.client = Client(address, timeout=f"{CONNECT_TIMEOUT_S}s")
         except (OSError, TimeoutError) as exc:
             raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({exc})") from None
         except BaseException:  # a signal held during start-up arrives here: stop what started
@@ -473,6 +475,60 @@ class DaskExecutor:
             self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+
+CONNECT_TIMEOUT_S = 10.0  # for a scheduler to answer (a connection refused is retried that long)
+
+
+def check_scheduler(address: str, timeout: float) -> None:
+    """Make sure that a Dask scheduler answers at `address` within `timeout` seconds, before a Client
+    connects to it: Dask's handshake waits for an answer forever (an endpoint that accepts and stays
+    silent hung the sweep), and reads whatever another server answers as its frame sizes (an HTTP
+    server's "HTTP/1.1" asked for 3 EiB: a MemoryError traceback). An ExecutorError says which."""
+    import asyncio
+
+    answer = _identity(address, timeout)
+    if isinstance(answer, asyncio.TimeoutError | TimeoutError):
+        raise ExecutorError(f"--cluster {address}: cannot reach the scheduler (no answer within {timeout:g} s)")
+    if isinstance(answer, OSError):  # refused, reset, closed: Dask's comm errors are OSErrors
+        raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({answer})")
+    if isinstance(answer, BaseException):
+        raise ExecutorError(f"--cluster {address}: not a Dask scheduler (what answers there does not speak "
+                            "Dask's protocol)")
+    kind = answer.get("type") if isinstance(answer, dict) else None
+    if kind != "Scheduler":
+        what = f"a Dask {kind} answers there" if isinstance(kind, str) else "its answer is not Dask's"
+        raise ExecutorError(f"--cluster {address}: not a Dask scheduler ({what}; give the scheduler's address)")
+
+
+def _identity(address: str, timeout: float) -> object:
+    """What a Dask server at `address` says it is (its `identity` answer), or the exception met asking,
+    within `timeout` seconds. Asked from a thread with its own event loop: the caller may be running
+    one (a notebook); the main thread only waits, so that Ctrl-C ends the wait at once."""
+    import asyncio
+
+    from distributed.comm import connect
+
+    async def ask() -> object:
+        comm = await connect(address, timeout=timeout)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            await comm.close()
+
+    answers: list[object] = []
+
+    def probe() -> None:
+        try:
+            answers.append(asyncio.run(asyncio.wait_for(ask(), timeout)))
+        except BaseException as exc:  # noqa: BLE001 - check_scheduler says what it means
+            answers.append(exc)
+
+    thread = threading.Thread(target=probe, name="normexp-check-scheduler", daemon=True)  # never keeps us alive
+    thread.start()
+    thread.join()
+    return answers[0]
 
 
 def dask_setup(worker: object) -> None:

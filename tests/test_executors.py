@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pandas as pd
 import pytest
@@ -103,6 +106,81 @@ def test_unreachable_scheduler_is_a_clear_error(write_yaml, tmp_path):
     result = runner.invoke(app, ["sweep", str(write_yaml(GRID.replace("THREADS", "1"))), "--out", str(tmp_path / "o"),
                                  "--cluster", "tcp://127.0.0.1:9"])
     assert result.exit_code == 2 and "cannot reach the scheduler" in result.output
+
+
+
+@contextlib.contextmanager
+def tcp_server(answer: bytes | None, hold_s: float = 8.0) -> Iterator[str]:
+    """The address of a TCP server on 127.0.0.1 that accepts every connection and, to whatever it reads,
+    answers `answer` and closes; with None it stays silent and closes after `hold_s`. It stops when the
+    block ends (its thread, a daemon, also by itself within a minute)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop, held = threading.Event(), []
+
+    def serve() -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                conn, _ = listener.accept()
+                held.append((conn, time.monotonic()))
+            for conn, since in list(held):
+                if answer is not None:
+                    with contextlib.suppress(OSError):
+                        conn.settimeout(1)
+                        conn.recv(65536)
+                        conn.sendall(answer)
+                if answer is not None or time.monotonic() - since > hold_s:
+                    conn.close()
+                    held.remove((conn, since))
+        for conn, _ in held:
+            conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+
+
+def cluster_sweep(write_yaml, tmp_path, address: str):
+    """`normexp sweep --cluster ADDRESS` in this process: (its result, seconds it took)."""
+    start = time.monotonic()
+    result = runner.invoke(app, ["sweep", str(write_yaml(GRID.replace("THREADS", "1"))), "--out", str(tmp_path / "o"),
+                                 "--cluster", address])
+    return result, time.monotonic() - start
+
+
+def non_daemon_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if not thread.daemon}
+
+
+def test_a_scheduler_address_that_accepts_and_stays_silent_is_an_error_in_bounded_time(write_yaml, tmp_path,
+                                                                                        monkeypatch):
+    """Dask's handshake waits for an answer forever: normexp bounds it (10 s; 1 s here), with one error
+    line and no thread left that would keep the process alive."""
+    pytest.importorskip("distributed")
+    monkeypatch.setattr(executors, "CONNECT_TIMEOUT_S", 1.0, raising=False)
+    threads = non_daemon_threads()
+    with tcp_server(None) as address:  # silent; closes after 8 s, so that a hang is a failure, not a hung test
+        result, took = cluster_sweep(write_yaml, tmp_path, address)
+    assert result.exit_code == 2 and result.output.startswith(f"error: --cluster {address}: cannot reach the "
+                                                              "scheduler (no answer within 1 s)"), result.output
+    assert len(result.output.strip().splitlines()) == 1 and took < 6
+    assert non_daemon_threads() == threads and not (tmp_path / "o").exists()
+
+
+def test_a_server_at_the_cluster_address_that_is_not_dask_is_named_so(write_yaml, tmp_path):
+    """An HTTP server's answer, read as Dask's frame sizes, asked for 3 EiB: a MemoryError traceback."""
+    pytest.importorskip("distributed")
+    with tcp_server(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n") as address:
+        result, took = cluster_sweep(write_yaml, tmp_path, address)
+    assert result.exit_code == 2 and result.output.startswith(f"error: --cluster {address}: not a Dask scheduler"), \
+        result.output
+    assert len(result.output.strip().splitlines()) == 1 and took < 10 and not (tmp_path / "o").exists()
 
 
 def test_dask_executor_class_is_importable():
