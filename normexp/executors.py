@@ -13,7 +13,9 @@ kernels; it is recorded in each run's done.json).
   fast engine batches two at a time in threads, the rest one after another.
 - `PoolExecutor(workers)`: a local process pool (`--workers N`).
 - `DaskExecutor(address)`: `--cluster local[:N]` starts an embedded LocalCluster, `--cluster
-  tcp://HOST:PORT` uses a running scheduler. Needs the `dask` extra.
+  tcp://HOST:PORT` uses a running scheduler (checked first: one that does not answer, or is not a
+  Dask scheduler, is an ExecutorError). While the scheduler has no workers, it says so every 30 s
+  (its `notify`: the sweep's "waiting" events). Needs the `dask` extra.
 
 A worker that dies costs the unit it was training one attempt: the unit is retried once; if the retry
 dies too, its runs are marked `crashed`. Units on other workers, and units not yet started, go on.
@@ -418,13 +420,24 @@ def _watch_parent(parent: int, every_s: float = 0.2) -> None:
     os._exit(1)
 
 
-class DaskExecutor:
-    """Submit units to a Dask cluster: `local[:N]` (an embedded LocalCluster) or a scheduler address."""
+Notify = Callable[[str], None]  # what an executor says to the user while it waits (not about one run)
+IDLE_NOTICE_S = 30.0  # while a cluster has no workers, the sweep says so this often
+POLL_S = 0.1  # how often a waiting sweep looks for finished units (as distributed.as_completed does)
 
-    def __init__(self, address: str) -> None:
+
+class DaskExecutor:
+    """Submit units to a Dask cluster: `local[:N]` (an embedded LocalCluster) or a scheduler address.
+    While the scheduler has no workers, `notify` is told so every `idle_notice_s` (IDLE_NOTICE_S when
+    the executor is made): a sweep on a cluster whose workers have not joined yet, or are gone, would
+    otherwise wait in silence."""
+
+    def __init__(self, address: str, notify: Notify | None = None) -> None:
         import logging
 
         workers = check_cluster_address(address)
+        self.address = address
+        self.notify = notify or (lambda text: None)
+        self.idle_notice_s = IDLE_NOTICE_S
         try:
             import dask
             from distributed import Client, LocalCluster
@@ -443,6 +456,7 @@ class DaskExecutor:
                                                  preload=[__name__],  # see dask_setup
                                                  silence_logs=logging.ERROR)  # not "task cancelled" on a stop
                     self.client = Client(self._cluster)
+                    self.address = self._cluster.scheduler_address
                 else:
                     self.client = Client(address, timeout=f"{CONNECT_TIMEOUT_S}s")
         except (OSError, TimeoutError) as exc:
@@ -456,12 +470,38 @@ class DaskExecutor:
 
         futures = {self.client.submit(run_unit, unit, pure=False): unit for unit in units}
         self._futures = list(futures)
-        for future in as_completed(futures):
+        for future in self._as_they_finish(as_completed(futures)):
             unit = futures[future]
             try:
                 yield future.result()
             except Exception as exc:  # noqa: BLE001 - KilledWorker and friends
                 yield crashed(unit, f"{type(exc).__name__}: {exc}")
+
+    def _as_they_finish(self, pending: Any) -> Iterator[Any]:
+        """The futures of `pending` (a distributed.as_completed) as they finish; every `idle_notice_s`
+        without one, the scheduler is asked whether it has workers, and `notify` told if it has none.
+        A stop signal interrupts the wait (in time.sleep) as it did Dask's."""
+        waiting_since = checked_at = time.monotonic()
+        while not pending.is_empty():
+            if pending.has_ready():
+                yield next(pending)
+                waiting_since = checked_at = time.monotonic()
+            elif time.monotonic() - checked_at >= self.idle_notice_s:
+                checked_at = time.monotonic()
+                self._say_if_no_workers(checked_at - waiting_since)
+            else:
+                time.sleep(POLL_S)
+
+    def _say_if_no_workers(self, waited_s: float) -> None:
+        import asyncio
+
+        try:
+            workers = self.client.nthreads(callback_timeout=CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError, TimeoutError):  # the scheduler is gone: its futures will say so
+            return
+        if not workers:
+            self.notify(f"the Dask scheduler at {self.address} has no workers: nothing trains until one joins "
+                        f"(waiting {waited_s:.0f} s so far); start some with: dask worker {self.address}")
 
     def close(self) -> None:
         """Cancel what is outstanding and stop the cluster, without Dask's warnings about work lost
@@ -578,9 +618,9 @@ class ExecutorError(RuntimeError):
 Executor = InProcessExecutor | PoolExecutor | DaskExecutor
 
 
-def make_executor(workers: int | None, cluster: str | None) -> Executor:
+def make_executor(workers: int | None, cluster: str | None, notify: Notify | None = None) -> Executor:
     if cluster:
-        return DaskExecutor(cluster)
+        return DaskExecutor(cluster, notify)
     if workers and workers > 1:
         return PoolExecutor(workers)
     return InProcessExecutor()

@@ -1,5 +1,7 @@
 """Turn a sweep's events into what the user sees: a Rich progress bar on a terminal, one plain line
-per run otherwise (logs, CI), only the failed runs with --quiet. The core never imports this module."""
+per run otherwise (logs, CI), only the failed runs with --quiet. A "waiting" event (nothing can train
+for now) is shown in every mode: on `notices` (stderr), or above the bar on a terminal. The core never
+imports this module."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from normexp.sweep import EventCallback, SweepEvent
 
 
 def _line(event: SweepEvent) -> str:
+    if event.kind == "waiting":
+        return event.error
     if event.kind == "corrupt":
         return f"{event.run_id} corrupt, redone: {event.error}"
     loss = f" final loss {event.final_loss:.4f}" if event.final_loss is not None else ""
@@ -21,17 +25,19 @@ def _line(event: SweepEvent) -> str:
 
 
 @contextlib.contextmanager
-def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventCallback]:
+def sweep_progress(console: Console, total: int, quiet: bool,
+                   notices: Console | None = None) -> Iterator[EventCallback]:
+    notices = notices or console
     if quiet:  # failures are errors: still one line each
         def failures(event: SweepEvent) -> None:
-            if event.kind == "failed":
-                console.print(_line(event), markup=False)
+            if event.kind in ("failed", "waiting"):
+                (notices if event.kind == "waiting" else console).print(_line(event), markup=False)
         yield failures
         return
     if not console.is_terminal:
         def plain(event: SweepEvent) -> None:
             if event.kind != "skipped":
-                console.print(_line(event), markup=False)
+                (notices if event.kind == "waiting" else console).print(_line(event), markup=False)
         yield plain
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -41,6 +47,6 @@ def sweep_progress(console: Console, total: int, quiet: bool) -> Iterator[EventC
 
         def bar(event: SweepEvent) -> None:
             progress.update(task, completed=event.done)
-            if event.kind in ("failed", "redone", "corrupt"):
+            if event.kind in ("failed", "redone", "corrupt", "waiting"):  # above the bar (it would draw over stderr)
                 progress.console.print(_line(event), markup=False)
         yield bar

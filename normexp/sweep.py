@@ -79,9 +79,11 @@ class SweepOptions:
 @dataclass(frozen=True)
 class SweepEvent:
     """One thing that happened to one run: skipped (already done), corrupt (found so, to be redone),
-    redone (done, but not as this sweep would train it: `error` says why), finished, or failed."""
+    redone (done, but not as this sweep would train it: `error` says why), finished, or failed. Or,
+    about no run (`run_id` empty), waiting: nothing can train for now, `error` says why (a Dask
+    scheduler without workers)."""
 
-    kind: Literal["skipped", "corrupt", "redone", "finished", "failed"]
+    kind: Literal["skipped", "corrupt", "redone", "finished", "failed", "waiting"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
@@ -139,7 +141,9 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     outcome = SweepOutcome(out_dir, len(sweep.runs), command=invocation.command)
     emit = on_event or (lambda event: None)
     threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
-    executor = make_executor(options.workers, options.cluster)  # fails before anything is written
+    executor = make_executor(options.workers, options.cluster,  # fails before anything is written
+                             lambda why: emit(SweepEvent("waiting", "", len(outcome.statuses), outcome.total,
+                                                         error=why)))
     try:
         with SweepLock(out_dir):
             _run_locked(sweep, out_dir, options, executor, outcome, emit, threads, invocation)

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -181,6 +182,94 @@ def test_a_server_at_the_cluster_address_that_is_not_dask_is_named_so(write_yaml
     assert result.exit_code == 2 and result.output.startswith(f"error: --cluster {address}: not a Dask scheduler"), \
         result.output
     assert len(result.output.strip().splitlines()) == 1 and took < 10 and not (tmp_path / "o").exists()
+
+
+
+TINY = {"name": "w", "base": {"model": {"depth": 2, "width": 8}, "train": {"steps": 3}}, "seeds": [0, 1]}
+
+
+@contextlib.contextmanager
+def scheduler_without_workers(join_after_s: float = 10.0) -> Iterator[Any]:
+    """An in-process Dask cluster with no worker yet: one joins after `join_after_s` anyway (were the
+    sweep to wait silently, the test fails instead of hanging), or when the test scales it."""
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", host="127.0.0.1",
+                      dashboard_address=None) as cluster:
+        anyway = threading.Timer(join_after_s, cluster.scale, (1,))
+        anyway.start()
+        try:
+            yield cluster
+        finally:
+            anyway.cancel()
+
+
+def test_a_scheduler_without_workers_is_said_until_one_joins(tmp_path, monkeypatch):
+    """The sweep says that the scheduler has no workers (every 30 s; 1 s here) until one joins, then
+    trains as usual."""
+    pytest.importorskip("distributed")
+    from normexp.config import build_sweep
+    from normexp.sweep import SweepOptions, run_sweep
+
+    monkeypatch.setattr(executors, "IDLE_NOTICE_S", 1.0, raising=False)
+    said = []
+    with scheduler_without_workers() as cluster:
+        def on_event(event) -> None:
+            if event.kind == "waiting":
+                said.append((time.monotonic() - start, event.error))
+                if len(said) == 2:
+                    cluster.scale(1)  # a worker joins after the second notice
+
+        start = time.monotonic()
+        outcome = run_sweep(build_sweep(TINY), tmp_path / "out", SweepOptions(cluster=cluster.scheduler_address),
+                            on_event)
+    assert outcome.count("completed") == 2
+    assert len(said) in (2, 3) and said[0][0] < 5, said  # a third, at most, while the worker starts
+    assert f"{cluster.scheduler_address} has no workers" in said[0][1], said
+
+
+def test_a_stop_signal_while_waiting_for_workers_interrupts_the_sweep(tmp_path, monkeypatch):
+    pytest.importorskip("distributed")
+    import signal
+
+    from normexp.config import build_sweep
+    from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+
+    monkeypatch.setattr(executors, "IDLE_NOTICE_S", 1.0, raising=False)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    def ctrl_c_when_told(event) -> None:
+        if event.kind == "waiting":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        with scheduler_without_workers() as cluster, pytest.raises(SweepInterrupted) as stopped:
+            run_sweep(build_sweep(TINY), tmp_path / "out", SweepOptions(cluster=cluster.scheduler_address),
+                      ctrl_c_when_told)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert set(stopped.value.outcome.statuses.values()) == {"interrupted"}
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_waiting_for_workers_is_said_on_stderr(monkeypatch, quiet):
+    """The command prints the notice to stderr, --quiet or not: it is all there is to see meanwhile."""
+    import io
+
+    from rich.console import Console
+
+    from normexp import cli
+    from normexp.sweep import SweepEvent
+
+    out, err = (Console(file=io.StringIO(), width=200) for _ in range(2))
+    monkeypatch.setattr(cli, "out", out)
+    monkeypatch.setattr(cli, "err", err)
+    with cli._progress(3, quiet) as on_event:
+        on_event(SweepEvent("waiting", "", 0, 3, error="the scheduler has no workers"))
+    assert err.file.getvalue() == "the scheduler has no workers\n" and out.file.getvalue() == ""
 
 
 def test_dask_executor_class_is_importable():
