@@ -272,6 +272,20 @@ def test_waiting_for_workers_is_said_on_stderr(monkeypatch, quiet):
     assert err.file.getvalue() == "the scheduler has no workers\n" and out.file.getvalue() == ""
 
 
+
+def test_the_scheduler_check_tells_a_worker_from_a_scheduler():
+    """A Dask worker's address answers Dask's protocol, but is not where a sweep can submit its runs."""
+    pytest.importorskip("distributed")
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=1, processes=False, protocol="tcp", host="127.0.0.1",
+                      dashboard_address=None) as cluster:
+        executors.check_scheduler(cluster.scheduler_address, 10)
+        worker = next(iter(cluster.scheduler_info["workers"]))
+        with pytest.raises(executors.ExecutorError, match="not a Dask scheduler .a Dask Worker answers there"):
+            executors.check_scheduler(worker, 10)
+
+
 def test_dask_executor_class_is_importable():
     assert DaskExecutor.__doc__
 
