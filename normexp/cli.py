@@ -225,7 +225,7 @@ def _import_engines(options: SweepOptions) -> None:
 def _progress(total: int, quiet: bool):
     from normexp.progress import sweep_progress
 
-    return sweep_progress(err if quiet else out, total, quiet)
+    return sweep_progress(err if quiet else out, total, quiet, notices=err)
 
 
 def show(renderable: object) -> None:

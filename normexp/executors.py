@@ -13,7 +13,9 @@ kernels; it is recorded in each run's done.json).
   fast engine batches two at a time in threads, the rest one after another.
 - `PoolExecutor(workers)`: a local process pool (`--workers N`).
 - `DaskExecutor(address)`: `--cluster local[:N]` starts an embedded LocalCluster, `--cluster
-  tcp://HOST:PORT` uses a running scheduler. Needs the `dask` extra.
+  tcp://HOST:PORT` uses a running scheduler (checked first: one that does not answer, or is not a
+  Dask scheduler, is an ExecutorError). While the scheduler has no workers, it says so every 30 s
+  (its `notify`: the sweep's "waiting" events). Needs the `dask` extra.
 
 A worker that dies costs the unit it was training one attempt: the unit is retried once; if the retry
 dies too, its runs are marked `crashed`. Units on other workers, and units not yet started, go on.
@@ -37,7 +39,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from normexp.config import RunConfig, model_step_flops
-from normexp.stopping import STOP_SIGNALS
+from normexp.stopping import STOP_SIGNALS, stop_signals_deferred
 from normexp.store import FinishedRun
 
 CRASHED = "crashed"
@@ -326,15 +328,23 @@ class PoolExecutor:
         self.close()
 
     def _start_worker(self) -> _Worker:
+        """Start a worker that a terminal's Ctrl-C cannot reach before it ignores it: the stop signals
+        are blocked from its first instruction (its mask is this thread's) until `_worker_main` has set
+        its handlers, so that no worker prints a KeyboardInterrupt from its start-up imports."""
         import multiprocessing
+        from multiprocessing import resource_tracker
 
         context = multiprocessing.get_context("spawn")
         mine, theirs = context.Pipe()
         process = context.Process(target=_worker_main, args=(theirs, os.getpid()), daemon=True)
         worker = _Worker(process, mine)
-        with _signals_held():  # until the worker has set its own handlers (and is known to close())
-            process.start()
-            self._workers.append(worker)
+        # Here a stop signal waits until the worker is started and known to close(): one that cut the
+        # start short would leave the worker to print an EOFError reading what it was never sent.
+        with stop_signals_deferred():
+            resource_tracker.ensure_running()  # before the mask: starting the tracker unblocks SIGINT and SIGTERM
+            with _signals_held():
+                process.start()
+                self._workers.append(worker)
         theirs.close()
         return worker
 
@@ -410,13 +420,24 @@ def _watch_parent(parent: int, every_s: float = 0.2) -> None:
     os._exit(1)
 
 
-class DaskExecutor:
-    """Submit units to a Dask cluster: `local[:N]` (an embedded LocalCluster) or a scheduler address."""
+Notify = Callable[[str], None]  # what an executor says to the user while it waits (not about one run)
+IDLE_NOTICE_S = 30.0  # while a cluster has no workers, the sweep says so this often
+POLL_S = 0.1  # how often a waiting sweep looks for finished units (as distributed.as_completed does)
 
-    def __init__(self, address: str) -> None:
+
+class DaskExecutor:
+    """Submit units to a Dask cluster: `local[:N]` (an embedded LocalCluster) or a scheduler address.
+    While the scheduler has no workers, `notify` is told so every `idle_notice_s` (IDLE_NOTICE_S when
+    the executor is made): a sweep on a cluster whose workers have not joined yet, or are gone, would
+    otherwise wait in silence."""
+
+    def __init__(self, address: str, notify: Notify | None = None) -> None:
         import logging
 
         workers = check_cluster_address(address)
+        self.address = address
+        self.notify = notify or (lambda text: None)
+        self.idle_notice_s = IDLE_NOTICE_S
         try:
             import dask
             from distributed import Client, LocalCluster
@@ -425,6 +446,8 @@ class DaskExecutor:
         self._cluster = self.client = None
         self._futures: list = []  # submitted by run(): cancelled by close()
         dask.config.set({"distributed.scheduler.allowed-failures": 1})  # a dying worker: retried once
+        if workers is None:
+            check_scheduler(address, CONNECT_TIMEOUT_S)  # Ctrl-C is not held meanwhile: nothing is started yet
         try:
             with _signals_held({signal.SIGINT}):  # the cluster's processes leave Ctrl-C to the coordinator
                 if workers is not None:
@@ -433,8 +456,9 @@ class DaskExecutor:
                                                  preload=[__name__],  # see dask_setup
                                                  silence_logs=logging.ERROR)  # not "task cancelled" on a stop
                     self.client = Client(self._cluster)
+                    self.address = self._cluster.scheduler_address
                 else:
-                    self.client = Client(address, timeout="10s")
+                    self.client = Client(address, timeout=f"{CONNECT_TIMEOUT_S}s")
         except (OSError, TimeoutError) as exc:
             raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({exc})") from None
         except BaseException:  # a signal held during start-up arrives here: stop what started
@@ -446,12 +470,38 @@ class DaskExecutor:
 
         futures = {self.client.submit(run_unit, unit, pure=False): unit for unit in units}
         self._futures = list(futures)
-        for future in as_completed(futures):
+        for future in self._as_they_finish(as_completed(futures)):
             unit = futures[future]
             try:
                 yield future.result()
             except Exception as exc:  # noqa: BLE001 - KilledWorker and friends
                 yield crashed(unit, f"{type(exc).__name__}: {exc}")
+
+    def _as_they_finish(self, pending: Any) -> Iterator[Any]:
+        """The futures of `pending` (a distributed.as_completed) as they finish; every `idle_notice_s`
+        without one, the scheduler is asked whether it has workers, and `notify` told if it has none.
+        A stop signal interrupts the wait (in time.sleep) as it did Dask's."""
+        waiting_since = checked_at = time.monotonic()
+        while not pending.is_empty():
+            if pending.has_ready():
+                yield next(pending)
+                waiting_since = checked_at = time.monotonic()
+            elif time.monotonic() - checked_at >= self.idle_notice_s:
+                checked_at = time.monotonic()
+                self._say_if_no_workers(checked_at - waiting_since)
+            else:
+                time.sleep(POLL_S)
+
+    def _say_if_no_workers(self, waited_s: float) -> None:
+        import asyncio
+
+        try:
+            workers = self.client.nthreads(callback_timeout=CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError, TimeoutError):  # the scheduler is gone: its futures will say so
+            return
+        if not workers:
+            self.notify(f"the Dask scheduler at {self.address} has no workers: nothing trains until one joins "
+                        f"(waiting {waited_s:.0f} s so far); start some with: dask worker {self.address}")
 
     def close(self) -> None:
         """Cancel what is outstanding and stop the cluster, without Dask's warnings about work lost
@@ -465,6 +515,60 @@ class DaskExecutor:
             self.client.close()
         if self._cluster is not None:
             self._cluster.close()
+
+
+CONNECT_TIMEOUT_S = 10.0  # for a scheduler to answer (a connection refused is retried that long)
+
+
+def check_scheduler(address: str, timeout: float) -> None:
+    """Make sure that a Dask scheduler answers at `address` within `timeout` seconds, before a Client
+    connects to it: Dask's handshake waits for an answer forever (an endpoint that accepts and stays
+    silent hung the sweep), and reads whatever another server answers as its frame sizes (an HTTP
+    server's "HTTP/1.1" asked for 3 EiB: a MemoryError traceback). An ExecutorError says which."""
+    import asyncio
+
+    answer = _identity(address, timeout)
+    if isinstance(answer, asyncio.TimeoutError | TimeoutError):
+        raise ExecutorError(f"--cluster {address}: cannot reach the scheduler (no answer within {timeout:g} s)")
+    if isinstance(answer, OSError):  # refused, reset, closed: Dask's comm errors are OSErrors
+        raise ExecutorError(f"--cluster {address}: cannot reach the scheduler ({answer})")
+    if isinstance(answer, BaseException):
+        raise ExecutorError(f"--cluster {address}: not a Dask scheduler (what answers there does not speak "
+                            "Dask's protocol)")
+    kind = answer.get("type") if isinstance(answer, dict) else None
+    if kind != "Scheduler":
+        what = f"a Dask {kind} answers there" if isinstance(kind, str) else "its answer is not Dask's"
+        raise ExecutorError(f"--cluster {address}: not a Dask scheduler ({what}; give the scheduler's address)")
+
+
+def _identity(address: str, timeout: float) -> object:
+    """What a Dask server at `address` says it is (its `identity` answer), or the exception met asking,
+    within `timeout` seconds. Asked from a thread with its own event loop: the caller may be running
+    one (a notebook); the main thread only waits, so that Ctrl-C ends the wait at once."""
+    import asyncio
+
+    from distributed.comm import connect
+
+    async def ask() -> object:
+        comm = await connect(address, timeout=timeout)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            await comm.close()
+
+    answers: list[object] = []
+
+    def probe() -> None:
+        try:
+            answers.append(asyncio.run(asyncio.wait_for(ask(), timeout)))
+        except BaseException as exc:  # noqa: BLE001 - check_scheduler says what it means
+            answers.append(exc)
+
+    thread = threading.Thread(target=probe, name="normexp-check-scheduler", daemon=True)  # never keeps us alive
+    thread.start()
+    thread.join()
+    return answers[0]
 
 
 def dask_setup(worker: object) -> None:
@@ -514,9 +618,9 @@ class ExecutorError(RuntimeError):
 Executor = InProcessExecutor | PoolExecutor | DaskExecutor
 
 
-def make_executor(workers: int | None, cluster: str | None) -> Executor:
+def make_executor(workers: int | None, cluster: str | None, notify: Notify | None = None) -> Executor:
     if cluster:
-        return DaskExecutor(cluster)
+        return DaskExecutor(cluster, notify)
     if workers and workers > 1:
         return PoolExecutor(workers)
     return InProcessExecutor()

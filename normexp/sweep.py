@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
-from normexp.stopping import STOP_SIGNALS
+from normexp.stopping import stop_signals_deferred
 from normexp.store import (
     SWEEP_FILE,
     FinishedRun,
@@ -81,9 +79,11 @@ class SweepOptions:
 @dataclass(frozen=True)
 class SweepEvent:
     """One thing that happened to one run: skipped (already done), corrupt (found so, to be redone),
-    redone (done, but not as this sweep would train it: `error` says why), finished, or failed."""
+    redone (done, but not as this sweep would train it: `error` says why), finished, or failed. Or,
+    about no run (`run_id` empty), waiting: nothing can train for now, `error` says why (a Dask
+    scheduler without workers)."""
 
-    kind: Literal["skipped", "corrupt", "redone", "finished", "failed"]
+    kind: Literal["skipped", "corrupt", "redone", "finished", "failed", "waiting"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
@@ -141,7 +141,9 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     outcome = SweepOutcome(out_dir, len(sweep.runs), command=invocation.command)
     emit = on_event or (lambda event: None)
     threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
-    executor = make_executor(options.workers, options.cluster)  # fails before anything is written
+    executor = make_executor(options.workers, options.cluster,  # fails before anything is written
+                             lambda why: emit(SweepEvent("waiting", "", len(outcome.statuses), outcome.total,
+                                                         error=why)))
     try:
         with SweepLock(out_dir):
             _run_locked(sweep, out_dir, options, executor, outcome, emit, threads, invocation)
@@ -276,31 +278,10 @@ def _record_unit(result: UnitResult, out_dir: Path, outcome: SweepOutcome, emit:
     takes effect once the unit's folders are in place (milliseconds a run: about a second for a
     64-run batch), so an interrupted sweep leaves no half-built folder behind, nor a trained
     batch-mate unwritten."""
-    with _stop_signals_deferred():
+    with stop_signals_deferred():
         for index, (cfg, run) in enumerate(zip(result.unit.runs, result.outcomes)):
             if result.unit.recorded(index):  # a fast batch's runs that were done are left as they are
                 _record_now(cfg, run, result.status, out_dir, outcome, emit)
-
-
-@contextlib.contextmanager
-def _stop_signals_deferred() -> Iterator[None]:
-    """Stop signals (Ctrl-C, SIGTERM, SIGHUP) that arrive in the block are raised again when it ends,
-    for the handlers in place before it. (A thread's signal mask cannot do this: the kernel may hand a
-    process-wide signal to any thread, torch's own among them.) Outside the main thread, which alone
-    runs Python's signal handlers, the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    previous = {signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
-                for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for signum in dict.fromkeys(pending):
-            signal.raise_signal(signum)
 
 
 def _record_now(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,

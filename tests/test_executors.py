@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -103,6 +107,183 @@ def test_unreachable_scheduler_is_a_clear_error(write_yaml, tmp_path):
     result = runner.invoke(app, ["sweep", str(write_yaml(GRID.replace("THREADS", "1"))), "--out", str(tmp_path / "o"),
                                  "--cluster", "tcp://127.0.0.1:9"])
     assert result.exit_code == 2 and "cannot reach the scheduler" in result.output
+
+
+
+@contextlib.contextmanager
+def tcp_server(answer: bytes | None, hold_s: float = 8.0) -> Iterator[str]:
+    """The address of a TCP server on 127.0.0.1 that accepts every connection and, to whatever it reads,
+    answers `answer` and closes; with None it stays silent and closes after `hold_s`. It stops when the
+    block ends (its thread, a daemon, also by itself within a minute)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop, held = threading.Event(), []
+
+    def serve() -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                conn, _ = listener.accept()
+                held.append((conn, time.monotonic()))
+            for conn, since in list(held):
+                if answer is not None:
+                    with contextlib.suppress(OSError):
+                        conn.settimeout(1)
+                        conn.recv(65536)
+                        conn.sendall(answer)
+                if answer is not None or time.monotonic() - since > hold_s:
+                    conn.close()
+                    held.remove((conn, since))
+        for conn, _ in held:
+            conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+
+
+def cluster_sweep(write_yaml, tmp_path, address: str):
+    """`normexp sweep --cluster ADDRESS` in this process: (its result, seconds it took)."""
+    start = time.monotonic()
+    result = runner.invoke(app, ["sweep", str(write_yaml(GRID.replace("THREADS", "1"))), "--out", str(tmp_path / "o"),
+                                 "--cluster", address])
+    return result, time.monotonic() - start
+
+
+def non_daemon_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if not thread.daemon}
+
+
+def test_a_scheduler_address_that_accepts_and_stays_silent_is_an_error_in_bounded_time(write_yaml, tmp_path,
+                                                                                        monkeypatch):
+    """Dask's handshake waits for an answer forever: normexp bounds it (10 s; 1 s here), with one error
+    line and no thread left that would keep the process alive."""
+    pytest.importorskip("distributed")
+    monkeypatch.setattr(executors, "CONNECT_TIMEOUT_S", 1.0, raising=False)
+    threads = non_daemon_threads()
+    with tcp_server(None) as address:  # silent; closes after 8 s, so that a hang is a failure, not a hung test
+        result, took = cluster_sweep(write_yaml, tmp_path, address)
+    assert result.exit_code == 2 and result.output.startswith(f"error: --cluster {address}: cannot reach the "
+                                                              "scheduler (no answer within 1 s)"), result.output
+    assert len(result.output.strip().splitlines()) == 1 and took < 6
+    assert non_daemon_threads() == threads and not (tmp_path / "o").exists()
+
+
+def test_a_server_at_the_cluster_address_that_is_not_dask_is_named_so(write_yaml, tmp_path):
+    """An HTTP server's answer, read as Dask's frame sizes, asked for 3 EiB: a MemoryError traceback."""
+    pytest.importorskip("distributed")
+    with tcp_server(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n") as address:
+        result, took = cluster_sweep(write_yaml, tmp_path, address)
+    assert result.exit_code == 2 and result.output.startswith(f"error: --cluster {address}: not a Dask scheduler"), \
+        result.output
+    assert len(result.output.strip().splitlines()) == 1 and took < 10 and not (tmp_path / "o").exists()
+
+
+
+TINY = {"name": "w", "base": {"model": {"depth": 2, "width": 8}, "train": {"steps": 3}}, "seeds": [0, 1]}
+
+
+@contextlib.contextmanager
+def scheduler_without_workers(join_after_s: float = 10.0) -> Iterator[Any]:
+    """An in-process Dask cluster with no worker yet: one joins after `join_after_s` anyway (were the
+    sweep to wait silently, the test fails instead of hanging), or when the test scales it."""
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", host="127.0.0.1",
+                      dashboard_address=None) as cluster:
+        anyway = threading.Timer(join_after_s, cluster.scale, (1,))
+        anyway.start()
+        try:
+            yield cluster
+        finally:
+            anyway.cancel()
+
+
+def test_a_scheduler_without_workers_is_said_until_one_joins(tmp_path, monkeypatch):
+    """The sweep says that the scheduler has no workers (every 30 s; 1 s here) until one joins, then
+    trains as usual."""
+    pytest.importorskip("distributed")
+    from normexp.config import build_sweep
+    from normexp.sweep import SweepOptions, run_sweep
+
+    monkeypatch.setattr(executors, "IDLE_NOTICE_S", 1.0, raising=False)
+    said = []
+    with scheduler_without_workers() as cluster:
+        def on_event(event) -> None:
+            if event.kind == "waiting":
+                said.append((time.monotonic() - start, event.error))
+                if len(said) == 2:
+                    cluster.scale(1)  # a worker joins after the second notice
+
+        start = time.monotonic()
+        outcome = run_sweep(build_sweep(TINY), tmp_path / "out", SweepOptions(cluster=cluster.scheduler_address),
+                            on_event)
+    assert outcome.count("completed") == 2
+    assert len(said) in (2, 3) and said[0][0] < 5, said  # a third, at most, while the worker starts
+    assert f"{cluster.scheduler_address} has no workers" in said[0][1], said
+
+
+def test_a_stop_signal_while_waiting_for_workers_interrupts_the_sweep(tmp_path, monkeypatch):
+    pytest.importorskip("distributed")
+    import signal
+
+    from normexp.config import build_sweep
+    from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+
+    monkeypatch.setattr(executors, "IDLE_NOTICE_S", 1.0, raising=False)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    def ctrl_c_when_told(event) -> None:
+        if event.kind == "waiting":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        with scheduler_without_workers() as cluster, pytest.raises(SweepInterrupted) as stopped:
+            run_sweep(build_sweep(TINY), tmp_path / "out", SweepOptions(cluster=cluster.scheduler_address),
+                      ctrl_c_when_told)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert set(stopped.value.outcome.statuses.values()) == {"interrupted"}
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_waiting_for_workers_is_said_on_stderr(monkeypatch, quiet):
+    """The command prints the notice to stderr, --quiet or not: it is all there is to see meanwhile."""
+    import io
+
+    from rich.console import Console
+
+    from normexp import cli
+    from normexp.sweep import SweepEvent
+
+    out, err = (Console(file=io.StringIO(), width=200) for _ in range(2))
+    monkeypatch.setattr(cli, "out", out)
+    monkeypatch.setattr(cli, "err", err)
+    with cli._progress(3, quiet) as on_event:
+        on_event(SweepEvent("waiting", "", 0, 3, error="the scheduler has no workers"))
+    assert err.file.getvalue() == "the scheduler has no workers\n" and out.file.getvalue() == ""
+
+
+
+def test_the_scheduler_check_tells_a_worker_from_a_scheduler():
+    """A Dask worker's address answers Dask's protocol, but is not where a sweep can submit its runs."""
+    pytest.importorskip("distributed")
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=1, processes=False, protocol="tcp", host="127.0.0.1",
+                      dashboard_address=None) as cluster:
+        executors.check_scheduler(cluster.scheduler_address, 10)
+        worker = next(iter(cluster.scheduler_info["workers"]))
+        with pytest.raises(executors.ExecutorError, match="not a Dask scheduler .a Dask Worker answers there"):
+            executors.check_scheduler(worker, 10)
 
 
 def test_dask_executor_class_is_importable():

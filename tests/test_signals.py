@@ -6,6 +6,7 @@ every process it started can be found afterwards."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import signal
 import subprocess
@@ -233,6 +234,25 @@ def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path):
     _, stderr = proc.communicate(timeout=300)
     assert_stopped_cleanly(proc, out, signal.SIGINT, stderr)
     assert_no_process_left(proc.pid)
+
+
+def test_a_terminals_ctrl_c_while_workers_start_is_one_line(config, tmp_path):
+    """A terminal's Ctrl-C as the first `--workers` process appears, and moments later while the workers
+    load normexp: the sweep's own lines and exit 130 (or 0, had it finished), never a worker's traceback
+    (KeyboardInterrupt inside an import, or EOFError from a worker whose start-up the coordinator cut
+    short), and no process left."""
+    for attempt, delay in enumerate((0.0, 0.1, 0.3)):
+        out = tmp_path / f"out{attempt}"
+        proc = start(config, out, "-q", "--workers", "2")
+        wait_for(lambda p=proc: pool_workers(p.pid) or p.poll() is not None, "the first worker", timeout=120)
+        time.sleep(delay)
+        with contextlib.suppress(ProcessLookupError):  # a sweep that already finished
+            os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode in (0, 130) and "Traceback" not in stderr, (delay, stderr)
+        assert proc.returncode == 0 or "Resume with: normexp sweep" in stderr, (delay, stderr)
+        assert len(stderr.strip().splitlines()) <= 2, (delay, stderr)
+        assert_no_process_left(proc.pid)
 
 
 @pytest.mark.slow
