@@ -28,7 +28,7 @@ LAYERS = {
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.diagnostics"],
     "running": ["normexp.executors", "normexp.sweep"],
-    "presentation": ["normexp.tables", "normexp.report", "normexp.plot", "normexp.progress"],
+    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.progress"],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
