@@ -200,7 +200,8 @@ def print_contract(name: str, configs: Sequence[RunConfig], compile: bool) -> No
         f = compare(sub, [fast[i] for i in idx], base)
         s = pooled([compare(sub, [runs[i] for i in idx], base) for runs in reordered])
         t = compare(sub, [ref1[i] for i in idx], base)
-        print(f"  {kind:<14} {f.flips:>4} / {s.flips:<4.3g} / {t.flips:<4} {f.share:>6.1%} / {s.share:<6.1%} / {t.share:<6.1%}"
+        print(f"  {kind:<14} {f.flips:>4} / {s.flips:<4.3g} / {t.flips:<4} {f.share:>6.1%} / {s.share:<6.1%} / "
+              f"{t.share:<6.1%}"
               f" {f.max_dloss:>6.3g} / {s.max_dloss:<6.3g} / {t.max_dloss:<6.3g}  "
               f"{'holds' if contract_holds(f, s) else 'BROKEN'}")
 

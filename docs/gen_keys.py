@@ -41,17 +41,24 @@ MEANINGS = {
     "norm.eps": "epsilon of every norm",
     "norm.peri_input_norm": "peri: the extra norm on the model input (off: Peri == Sandwich)",
     "norm.mixln_fraction": "mixln: the first floor(f * N) blocks are Post-LN, the rest Pre-LN",
-    "norm.deepnorm_alpha": "deepnorm: the residual multiplier; unset: M^(1/4) for M residual sublayers (FFN toy: N, Transformer: 2N)",
+    "norm.deepnorm_alpha": "deepnorm: the residual multiplier; unset: M^(1/4) for M residual sublayers (FFN toy: "
+                           "N, Transformer: 2N)",
     "norm.deepnorm_beta": "deepnorm: the init scale of the branch weights; unset: (4M)^(-1/4)",
     "norm.prms_fraction": "prmsnorm: the RMS is taken over the first max(1, int(d * p)) features",
     "norm.output_norm_init": "respost: the branch norm's gain at init; `zeros` (Swin V2) starts every block as the "
                              "identity",
-    "norm.deepnorm_count": "deepnorm, FFN toy: `sublayers` (M = N, DeepNet\'s count of sublayers) or `two_per_block` (M = 2N, normexp\'s earlier reading)",
-    "norm.b2t_rescale": "b2t: multiply every layer weight (q, k, v, out, fc1, fc2) by N^(-1/2) at init, as the authors\' rescaling_init; false: not",
-    "norm.resdual_stream": "resdual: where the dual stream x_d starts: `input` (the authors\') or `zeros` (normexp\'s earlier reading)",
-    "norm.resdual_final_norm": "resdual: apply model.final_norm on top of x_a + Norm_d(x_d) (normexp\'s earlier reading); false: the authors\' output",
-    "norm.admin_profile": "admin: `measured` (Transformer-Clinic\'s sequential profile) or `closed_form` sqrt(1 + sum Var F_j)",
-    "norm.rezero_gate": "rezero, Transformer: `layer` (one gate shared by a layer\'s two sublayers, the authors\') or `sublayer`",
+    "norm.deepnorm_count": "deepnorm, FFN toy: `sublayers` (M = N, DeepNet\'s count of sublayers) or "
+                           "`two_per_block` (M = 2N, normexp\'s earlier reading)",
+    "norm.b2t_rescale": "b2t: multiply every layer weight (q, k, v, out, fc1, fc2) by N^(-1/2) at init, as the "
+                        "authors\' rescaling_init; false: not",
+    "norm.resdual_stream": "resdual: where the dual stream x_d starts: `input` (the authors\') or `zeros` "
+                           "(normexp\'s earlier reading)",
+    "norm.resdual_final_norm": "resdual: apply model.final_norm on top of x_a + Norm_d(x_d) (normexp\'s earlier "
+                               "reading); false: the authors\' output",
+    "norm.admin_profile": "admin: `measured` (Transformer-Clinic\'s sequential profile) or `closed_form` sqrt(1 "
+                          "+ sum Var F_j)",
+    "norm.rezero_gate": "rezero, Transformer: `layer` (one gate shared by a layer\'s two sublayers, the "
+                        "authors\') or `sublayer`",
     "norm.dyt_alpha0_attn": "dyt, Transformer: alpha0 of the attention sublayers\' norms; unset: dyt_alpha0",
     "norm.dyt_alpha0_ffn": "dyt, Transformer: alpha0 of the FFN sublayers\' norms; unset: dyt_alpha0",
     "norm.dyt_alpha0_final": "dyt: alpha0 of the final norm; unset: dyt_alpha0",

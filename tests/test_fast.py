@@ -202,7 +202,8 @@ def assert_contract_per_kind(configs, fast_results):
 def small_chaotic_grid():
     """48 Post-LN runs (depth 8, lr x warmup x 4 seeds x 3 kinds, 30 steps), their reference and S per kind.
     Chaotic enough that RMSNorm's fast runs move (its reference does not move with the thread count)."""
-    configs = [with_threads(c, 2) for c in unstable_grid(4, 30, CONTRACT_KINDS, lrs=(0.01, 0.03), warmups=(0, 10), depth=8)]
+    grid = unstable_grid(4, 30, CONTRACT_KINDS, lrs=(0.01, 0.03), warmups=(0, 10), depth=8)
+    configs = [with_threads(c, 2) for c in grid]
     reference = [train_run(c) for c in configs]
     kinds = {kind: [i for i, c in enumerate(configs) if c.norm.kind == kind] for kind in CONTRACT_KINDS}
     s = {kind: yardstick([configs[i] for i in idx], [reference[i] for i in idx]) for kind, idx in kinds.items()}

@@ -166,7 +166,8 @@ def test_negative_zero_is_zero(name):
     zero = validate_run(_nested({"optim.name": name, "optim.weight_decay": 0.0, "optim.momentum": 0.0}))
     negative = validate_run(_nested({"optim.name": name, "optim.weight_decay": -0.0, "optim.momentum": -0.0}))
     assert run_id(zero) == run_id(negative)
-    sweep = build_sweep({"name": "z", "base": _nested({"optim.name": name}), "grid": {"optim.weight_decay": [0.0, -0.0]}})
+    sweep = build_sweep({"name": "z", "base": _nested({"optim.name": name}),
+                         "grid": {"optim.weight_decay": [0.0, -0.0]}})
     assert len(sweep.runs) == 1
 
 
@@ -353,7 +354,8 @@ def test_report_tables_through_a_pipe_keep_every_cell_whole(wide):
     _whole(_piped("report", str(wide)), [*header, *(c for r in rows for c in r)])
     by = build_report(wide, by=["schedule.min_lr_ratio", "optim.lr"])
     header, rows = grid_cells(by)
-    _whole(_piped("report", str(wide), "--by", "schedule.min_lr_ratio,optim.lr"), [*header, *(c for r in rows for c in r)])
+    _whole(_piped("report", str(wide), "--by", "schedule.min_lr_ratio,optim.lr"),
+           [*header, *(c for r in rows for c in r)])
     pivot = build_pivot(wide, "optim.lr", "schedule.warmup_steps")
     text = _piped("report", str(wide), "--pivot", "optim.lr,schedule.warmup_steps")
     for i in range(len(pivot.panels)):
@@ -399,7 +401,8 @@ def test_on_a_narrow_terminal_a_cell_wraps_instead_of_being_cut():
     from normexp.tables import rich_table
 
     console = Console(force_terminal=True, width=30, record=True, color_system=None)
-    console.print(rich_table(["schedule.min_lr_ratio", "value"], [["post-layernorm-s0-4cc00c4527", "8.7400e+07"]], "lr"))
+    console.print(rich_table(["schedule.min_lr_ratio", "value"], [["post-layernorm-s0-4cc00c4527", "8.7400e+07"]],
+                             "lr"))
     text = console.export_text()
     assert "…" not in text
     body = [line.split("│") for line in text.splitlines() if line.startswith("│")]
@@ -559,7 +562,8 @@ def test_plot_blocks_where_a_variant_has_no_values_draws_an_empty_panel(write_ya
     from normexp.plot import blocks_figure
     from normexp.results import load_blocks
 
-    config = write_yaml(f"name: b\nbase: {{model: {{depth: 2, width: 4}}, train: {{steps: {steps}, log_blocks: true}}}}\n"
+    config = write_yaml(f"name: b\nbase: "
+                        f"{{model: {{depth: 2, width: 4}}, train: {{steps: {steps}, log_blocks: true}}}}\n"
                         "grid: {norm.placement: [post, pre, none, rezero, sandwich]}\n")
     out = tmp_path / "out"
     runner = CliRunner()
@@ -569,7 +573,8 @@ def test_plot_blocks_where_a_variant_has_no_values_draws_an_empty_panel(write_ya
     assert (out / f"blocks-{metric}.png").stat().st_size > 0 and "Traceback" not in result.output
     tidy = load_blocks(out, all_config=True)
     fig = blocks_figure(tidy, ["norm.placement"], metric)
-    said = {ax.get_title().split(" (")[0]: " ".join(t.get_text() for t in ax.texts) for ax in fig.axes if ax.get_title()}
+    said = {ax.get_title().split(" (")[0]: " ".join(t.get_text() for t in ax.texts)
+            for ax in fig.axes if ax.get_title()}
     plt.close(fig)
     for label, placement in (("Post", "post"), ("Pre", "pre"), ("NoNorm", "none"), ("ReZero", "rezero"),
                              ("Sandwich", "sandwich")):

@@ -103,7 +103,8 @@ def test_norms_props_and_gradnorm_are_whole_off_a_terminal(tmp_path):
     assert props.returncode == 0, props.stderr
     _whole(props.stdout, normexp("norms", "props", "--format", "markdown").stdout)
     (tmp_path / "g.yaml").write_text("name: g\nbase: {model: {width: 4}}\n"
-                                     "grid: {norm.placement: [post, pre], model.depth: [2, 4], optim.lr: [0.01, 0.1]}\n")
+                                     "grid: {norm.placement: [post, pre], model.depth: [2, 4], optim.lr: [0.01, "
+                                     "0.1]}\n")
     table = normexp("gradnorm", str(tmp_path / "g.yaml"), "--out", str(tmp_path / "g"))
     markdown = normexp("gradnorm", str(tmp_path / "g.yaml"), "--out", str(tmp_path / "g2"), "--format", "markdown")
     assert table.returncode == markdown.returncode == 0, table.stderr + markdown.stderr
@@ -123,7 +124,8 @@ def test_on_a_narrow_terminal_a_cell_wraps_and_is_never_cut(wide, columns):
         # folded, not cut: the first column's text, read down the table, holds every variant label whole
         first = "".join(re.split("[│┃]", line)[1] for line in text.splitlines() if line[:1] in "│┃")
         first = re.sub(r"\s", "", first)
-        for label in ("min_lr_ratio=0.1", "warmup_steps=1") if view != ["--pivot", "schedule.warmup_steps,schedule.min_lr_ratio"] else ():
+        labels_kept = view != ["--pivot", "schedule.warmup_steps,schedule.min_lr_ratio"]
+        for label in ("min_lr_ratio=0.1", "warmup_steps=1") if labels_kept else ():
             assert label in first, (label, text)
 
 
@@ -224,7 +226,8 @@ def test_an_empty_blocks_panel_is_as_wide_as_a_drawn_one_and_its_text_stays_insi
     from normexp.store import SWEEP_FILE, FinishedRun, run_id, write_run
 
     nan = float("nan")
-    sweep = build_sweep({"name": "e", "base": {"model": {"depth": 2, "width": 4}, "train": {"steps": 2, "log_blocks": True}},
+    sweep = build_sweep({"name": "e", "base": {"model": {"depth": 2, "width": 4},
+                                              "train": {"steps": 2, "log_blocks": True}},
                          "grid": {"norm.placement": ["post", "sandwich"]}})
     folder = tmp_path / "e"
     folder.mkdir()
@@ -234,7 +237,8 @@ def test_an_empty_blocks_panel_is_as_wide_as_a_drawn_one_and_its_text_stays_insi
         for column in ("fc1_grad", "fc2_grad", "fc1_update", "fc2_update", "stream_rms", "norm_rms"):
             blocks[column] = [1.0] * 6
         blocks["norm_out_rms"] = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5] if cfg.norm.placement == "sandwich" else [nan] * 6
-        metrics = {"step": [0, 1, 2], "loss": [2.3, 2.0, 1.5], "acc": [0.1] * 3, "lr": [0.01] * 3, "grad_norm": [1.0] * 3}
+        metrics = {"step": [0, 1, 2], "loss": [2.3, 2.0, 1.5], "acc": [0.1] * 3, "lr": [0.01] * 3,
+                   "grad_norm": [1.0] * 3}
         write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu", blocks))
     fig = blocks_figure(load_blocks(folder, all_config=True), ["norm.placement"], "norm_out_rms")
     fig.canvas.draw()
