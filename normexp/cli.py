@@ -23,7 +23,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, get_args
+from typing import TYPE_CHECKING, Annotated, get_args
 
 import typer
 from rich.console import Console
@@ -41,6 +41,9 @@ from normexp.config import (
     load_sweep,
 )
 from normexp.sweep import Invocation, SweepOptions, SweepOutcome
+
+if TYPE_CHECKING:
+    from normexp.results import Folder
 
 app = typer.Typer(
     add_completion=False,
@@ -378,25 +381,38 @@ def report(
         if given:  # the pivot and the sensitivity are of the final loss, over every varying key
             raise fail(f"{given[0]} and {mode}: {given[0]} applies to the step table only")
     if pivot is not None:
-        _print_pivot(run_dir, pivot, fmt)
-        _exit_if_runs_missing(run_dir, shown=fmt != "csv")
+        folder = _load_folder(run_dir)
+        _print_pivot(folder, pivot, fmt)
+        _exit_if_runs_missing(folder, shown=fmt != "csv")
         return
     if lr_sensitivity:
-        _print_sensitivity(run_dir, fmt)
-        _exit_if_runs_missing(run_dir, shown=False)
+        folder = _load_folder(run_dir)
+        _print_sensitivity(folder, fmt)
+        _exit_if_runs_missing(folder, shown=False)
         return
     step_items, keys = _listed("--steps", steps), _listed("--by", by)
     try:
         step_list = [int(s) for s in step_items] if step_items else None
     except ValueError:
         raise fail(f"--steps: expected comma-separated integers, got {steps!r}") from None
+    folder = _load_folder(run_dir)
     try:
-        table = build_report(run_dir, step_list, metric, keys, only_last)
+        table = build_report(folder, step_list, metric, keys, only_last)
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: to_rich(table), lambda: to_markdown(table), lambda: to_csv(table))
     _say_engines(table.engines, fmt)
-    _exit_if_runs_missing(run_dir, shown=fmt != "csv")
+    _exit_if_runs_missing(folder, shown=fmt != "csv")
+
+
+def _load_folder(run_dir: Path) -> Folder:
+    """The sweep folder, read and verified once for the whole command (normexp/results.py)."""
+    from normexp.results import ResultsError, load_folder
+
+    try:
+        return load_folder(run_dir)
+    except ResultsError as exc:
+        raise fail(str(exc)) from None
 
 
 def _say_engines(note: str, fmt: str) -> None:
@@ -405,7 +421,7 @@ def _say_engines(note: str, fmt: str) -> None:
         err.print(note, soft_wrap=True)
 
 
-def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
+def _print_pivot(folder: Folder, option: str, fmt: str) -> None:
     from normexp.report import build_pivot, pivot_to_csv, pivot_to_markdown, pivot_to_rich
     from normexp.results import ResultsError
 
@@ -415,23 +431,23 @@ def _print_pivot(run_dir: Path, option: str, fmt: str) -> None:
     if keys[0] == keys[1]:
         raise fail(f"--pivot {option}: the row key and the column key must differ")
     try:
-        table = build_pivot(run_dir, *keys)
+        table = build_pivot(folder, *keys)
     except ResultsError as exc:
         raise fail(str(exc)) from None
     _emit(fmt, lambda: pivot_to_rich(table), lambda: pivot_to_markdown(table), lambda: pivot_to_csv(table))
     _say_engines(table.engines, fmt)
 
 
-def _print_sensitivity(run_dir: Path, fmt: str) -> None:
+def _print_sensitivity(folder: Folder, fmt: str) -> None:
     from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
     from normexp.results import ResultsError
     from normexp.tables import sensitivity_to_csv, sensitivity_to_markdown, sensitivity_to_rich
 
     try:
-        rows = build_sensitivity(run_dir)
+        rows = build_sensitivity(folder)
     except ResultsError as exc:
         raise fail(str(exc)) from None
-    engines = sensitivity_engines(run_dir)
+    engines = sensitivity_engines(folder)
     _emit(fmt, lambda: sensitivity_to_rich(rows, engines), lambda: sensitivity_to_markdown(rows, engines),
           lambda: sensitivity_to_csv(rows))
     _say_engines(engines, fmt)
@@ -460,29 +476,27 @@ def plot(
         _check_choice("--block-metric", block_metric, tuple(BLOCK_METRIC_LABELS))
     if output is not None and output.suffix.lower() != ".png":
         raise fail(f"-o {output}: the file name must end in .png")
+    folder = _load_folder(run_dir)
     try:
         if blocks:
-            paths = [save_blocks_plot(run_dir, output, block_metric or "fc2_update")]
+            paths = [save_blocks_plot(folder, output, block_metric or "fc2_update")]
         else:
-            paths = save_plots(run_dir, output, metric)
+            paths = save_plots(folder, output, metric)
     except ResultsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"cannot write {exc.filename}: {exc.strerror}") from None
     for path in paths:
         out.print(f"wrote {path}")
-    _exit_if_runs_missing(run_dir, shown=False)
+    _exit_if_runs_missing(folder, shown=False)
 
 
-def _exit_if_runs_missing(run_dir: Path, shown: bool) -> None:
+def _exit_if_runs_missing(folder: Folder, shown: bool) -> None:
     """Runs of the sweep missing, failed or corrupt: what exists was printed; name them (unless the
     output did) and exit 1, so that a script notices."""
-    from normexp.results import ResultsError, load_summary, missing_note
+    from normexp.results import missing_note
 
-    try:
-        note = missing_note(load_summary(run_dir), run_dir)
-    except ResultsError:
-        return
+    note = missing_note(folder.summary, folder.path)
     if note:
         if not shown:
             err.print(note, soft_wrap=True)

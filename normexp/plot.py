@@ -34,11 +34,10 @@ from normexp.analysis.gradnorm import SUBLAYERS, LayerGradnorm  # noqa: E402
 from normexp.analysis.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 from normexp.analysis.variants import engine_note, n_choices, trained_threshold, variant_groups  # noqa: E402
 from normexp.results import (  # noqa: E402
+    Folder,
+    as_folder,
     check_metric,
     finished_runs,
-    load_blocks,
-    load_metrics,
-    load_summary,
     missing_note,
     varying_keys,
 )
@@ -168,13 +167,13 @@ def _phase_text(mean: float, finite: float, runs: float) -> str:
     return f"{mean:.2g}" if finite == runs else f"{mean:.2g}\n{int(finite)}/{int(runs)}"
 
 
-def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: str = "loss") -> list[Path]:
+def save_plots(source: str | Path | Folder, output: str | Path | None = None, metric: str = "loss") -> list[Path]:
     """Write the curves figure (and the phase diagram when two numeric axes vary); return the paths.
     Runs missing, failed or corrupt are drawn nowhere, and named at the foot of each figure."""
-    run_dir = Path(run_dir)
+    folder = as_folder(source)
+    run_dir, summary = folder.path, folder.summary
     output = Path(output) if output else run_dir / f"{metric}.png"
-    summary = load_summary(run_dir)
-    tidy = load_metrics(run_dir, all_config=True)
+    tidy = folder.metrics(all_config=True)
     check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]
     note = "\n".join(filter(None, [engine_note(summary, keys), missing_note(summary, run_dir)]))
@@ -185,7 +184,7 @@ def save_plots(run_dir: str | Path, output: str | Path | None = None, metric: st
     plt.close(fig)
     paths.append(output)
     if summary["optim.lr"].nunique() >= MIN_LRS:
-        fig = lr_figure(*lr_table(run_dir))
+        fig = lr_figure(*lr_table(folder))
         _footnote(fig, note)
         by_lr = output.with_name(f"{output.stem}-lr{output.suffix}")
         fig.savefig(by_lr, dpi=120)
@@ -420,11 +419,12 @@ def _block_lines(ax, group: pd.DataFrame, metric: str) -> None:
     ax.legend(fontsize="small")
 
 
-def save_blocks_plot(run_dir: str | Path, output: str | Path | None = None, metric: str = "fc2_update") -> Path:
+def save_blocks_plot(source: str | Path | Folder, output: str | Path | None = None,
+                     metric: str = "fc2_update") -> Path:
     """Write `blocks_figure` of a sweep folder's blocks.csv files; return the path."""
-    run_dir = Path(run_dir)
-    output = Path(output) if output else run_dir / f"blocks-{metric}.png"
-    tidy = load_blocks(run_dir, all_config=True)
+    folder = as_folder(source)
+    output = Path(output) if output else folder.path / f"blocks-{metric}.png"
+    tidy = folder.blocks(all_config=True)
     keys = [k for k in varying_keys(tidy) if k != "seed"]  # among the runs that logged blocks
     fig = blocks_figure(tidy, keys, metric)
     fig.savefig(output, dpi=110)

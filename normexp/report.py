@@ -25,22 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from normexp.analysis.variants import engine_note, is_trained, n_choices, trained_threshold, variant_groups
-from normexp.config import ReportConfig, key_label
+from normexp.config import Sweep, key_label
 from normexp.results import (
+    Folder,
     ResultsError,
+    as_folder,
     check_metric,
     config_columns,
     finished_runs,
-    load_metrics,
-    load_summary,
     missing_note,
     unfinished_runs,
     varying_keys,
 )
-from normexp.store import SWEEP_FILE
 from normexp.tables import csv_number, markdown_table, number, rich_table
 
 WIDE = 6  # more variants than this: the table is transposed (variants down, steps across)
@@ -135,37 +133,28 @@ def _verdict_label(column: Column) -> str:
     return c.label if c.trained in (0, c.runs) else f"{c.label} ({c.trained}/{c.runs} {c.unit})"
 
 
-def sweep_report_section(run_dir: Path) -> ReportConfig:
-    """The `report:` section of the sweep that wrote `run_dir` (the defaults if it is unreadable)."""
-    try:
-        data = yaml.safe_load((run_dir / SWEEP_FILE).read_text())
-        return ReportConfig.model_validate(data["report"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
-        return ReportConfig()
-
-
 def _check_keys(keys: Sequence[str], summary: pd.DataFrame, option: str) -> None:
     unknown = [k for k in keys if k not in config_columns(summary)]
     if unknown:
         raise ResultsError(f"{option} {','.join(unknown)}: not a config key of this sweep")
 
 
-def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric: str | None = None,
+def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None, metric: str | None = None,
                  by: Sequence[str] | None = None, only_last: bool = False) -> Report:
     """Group a folder's finished runs (every invocation's, or the latest sweep's with `only_last`)
     into the table's columns and compute each cell. Unset arguments come from the latest sweep's
     `report:` section, then from the defaults. Its columns are extended by every key that varies
     only across invocations (another depth run into the folder), so no two configs share a column
     unless `by` says so."""
-    run_dir = Path(run_dir)
-    section = sweep_report_section(run_dir)
-    summary = load_summary(run_dir, only_last)
-    tidy = load_metrics(run_dir, all_config=True, only_last=only_last)
+    folder = as_folder(source)
+    run_dir, section = folder.path, folder.sweep.report
+    summary = folder.view(only_last)
+    tidy = folder.metrics(all_config=True, only_last=only_last)
     varying = [k for k in varying_keys(summary) if k != "seed"]
     if by:
         keys = list(by)
     elif section.columns:
-        latest = set(varying_keys(load_summary(run_dir, only_last=True)))
+        latest = set(varying_keys(folder.latest))
         keys = [*section.columns, *(k for k in varying if k not in section.columns and k not in latest)]
     else:
         keys = varying
@@ -185,7 +174,7 @@ def build_report(run_dir: str | Path, steps: Sequence[int] | None = None, metric
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
     columns = [_column(label, group, keys, steps, metric, missing.get(label, 0))
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric) + _mixed(summary) + _about(run_dir), metric, steps, columns, n_classes,
+    return Report(_title(summary, metric) + _mixed(summary) + _about(folder.sweep), metric, steps, columns, n_classes,
                   missing_note(summary, run_dir), engine_note(summary, keys))
 
 
@@ -198,16 +187,10 @@ def _mixed(summary: pd.DataFrame) -> str:
     return "".join(f" · {part}" for part in parts)
 
 
-def _about(run_dir: Path) -> str:
+def _about(sweep: Sweep) -> str:
     """The latest sweep's tags and notes, for the title area ("" where it has neither)."""
-    try:
-        data = yaml.safe_load((run_dir / SWEEP_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return ""
-    data = data if isinstance(data, dict) else {}
-    tags, notes = data.get("tags") or [], data.get("notes") or ""
-    text = f" · tags: {', '.join(map(str, tags))}" if isinstance(tags, list) and tags else ""
-    return text + (f"\n{notes.strip()}" if isinstance(notes, str) and notes.strip() else "")
+    text = f" · tags: {', '.join(map(str, sweep.tags))}" if sweep.tags else ""
+    return text + (f"\n{sweep.notes.strip()}" if sweep.notes.strip() else "")
 
 
 def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
@@ -338,8 +321,9 @@ class Pivot:
         return any(((n < runs) & (runs > 0)).to_numpy().any() for _, _, _, n, runs in self.panels)
 
 
-def build_pivot(run_dir: str | Path, rows: str, cols: str) -> Pivot:
-    summary = load_summary(run_dir)
+def build_pivot(source: str | Path | Folder, rows: str, cols: str) -> Pivot:
+    folder = as_folder(source)
+    run_dir, summary = folder.path, folder.summary
     _check_keys([rows, cols], summary, "--pivot")
     finished = finished_runs(summary)
     if finished.empty:

@@ -11,25 +11,33 @@ This module imports pandas but never torch.
 Nothing here trusts a file it has not checked: the summary is rebuilt from the run folders as
 `store.inspect_run` verifies them (summary.csv is a cache of that table), so a missing or corrupt run
 is never counted as a result: its status says what it is, and `missing_note` names it.
+
+A command reads a folder once: `load_folder` verifies each run once and keeps the summary, and each
+`Folder` loads the runs' metrics (or blocks) on first use and keeps them; the report, the pivot, the LR
+sensitivity, the figures and the studies' verdicts all take a `Folder` (or a path, loaded then).
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from normexp.config import run_keys
+from normexp.config import Sweep, run_keys
 from normexp.store import (
     BLOCKS_FILE,
     FINISHED_STATUSES,
     METRICS_FILE,
+    RunState,
     StoreError,
     cached_statuses,
     folder_runs,
     read_sweep,
-    summary_csv,
+    rows_csv,
+    run_id,
+    summary_row,
 )
 
 FINISHED = FINISHED_STATUSES
@@ -42,20 +50,80 @@ class ResultsError(ValueError):
     """The folder is not a sweep's output (no readable sweep.yaml) or has no finished run."""
 
 
-def load_summary(run_dir: str | Path, only_last: bool = False) -> pd.DataFrame:
-    """One row per run the folder holds (run_id, flattened config, status, final/min loss...), as in
-    summary.csv but rebuilt from the verified run folders: a corrupt run has status `corrupt` (and
-    its problem under `error`), a missing one `pending` (or `interrupted`), neither has numbers.
-    The folder holds the latest sweep's runs and every verified run of earlier invocations
-    (`store.folder_runs`); `only_last` keeps the latest sweep's grid alone."""
+@dataclass
+class Folder:
+    """A sweep folder, read and verified once: `summary` holds every run it has (the latest sweep's and
+    the verified runs of earlier invocations, as `load_summary` describes), `latest` the latest sweep's
+    runs alone, `sweep` the latest sweep (its `report:` section, notes and tags). Metrics and blocks are
+    read on first use and kept."""
+
+    path: Path
+    sweep: Sweep
+    summary: pd.DataFrame
+    latest: pd.DataFrame
+    _tables: dict[tuple[str, bool, bool], pd.DataFrame] = field(default_factory=dict, repr=False)
+
+    def view(self, only_last: bool = False) -> pd.DataFrame:
+        return self.latest if only_last else self.summary
+
+    def metrics(self, all_config: bool = False, only_last: bool = False) -> pd.DataFrame:
+        """`load_metrics` of this folder (a copy: callers may add columns)."""
+        key = (METRICS_FILE, all_config, only_last)
+        if key not in self._tables:
+            summary = self.view(only_last)
+            finished = finished_runs(summary)
+            if finished.empty:
+                note = missing_note(summary, self.path)
+                raise ResultsError(f"{self.path}: no finished runs yet" + (f"; {note}" if note else ""))
+            self._tables[key] = _attach(self.path, summary, finished, METRICS_FILE, all_config)
+        return _copy(self._tables[key])
+
+    def blocks(self, all_config: bool = False) -> pd.DataFrame:
+        """`load_blocks` of this folder (a copy)."""
+        key = (BLOCKS_FILE, all_config, False)
+        if key not in self._tables:
+            self._tables[key] = _blocks(self.path, self.summary, all_config)
+        return _copy(self._tables[key])
+
+
+def load_folder(run_dir: str | Path) -> Folder:
+    """Read the sweep folder `run_dir` once: each run it holds is verified once (`store.inspect_run`)."""
     run_dir = Path(run_dir)
     try:
         sweep = read_sweep(run_dir)
     except StoreError as exc:
         raise ResultsError(str(exc)) from None
-    runs = sweep.runs if only_last else folder_runs(run_dir, sweep)
-    text = summary_csv(run_dir, runs, cached_statuses(run_dir))
+    verified: dict[str, RunState] = {}
+    runs = folder_runs(run_dir, sweep, verified)
+    statuses = cached_statuses(run_dir)
+    rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid))
+            for cfg, rid in ((cfg, run_id(cfg)) for cfg in runs)]
+    first = runs[0] if runs else None
+    return Folder(run_dir, sweep, _frame(rows_csv(rows, first)), _frame(rows_csv(rows[:len(sweep.runs)], first)))
+
+
+def as_folder(source: str | Path | Folder) -> Folder:
+    """`source` itself if it is a loaded `Folder`, else the folder at that path, loaded."""
+    return source if isinstance(source, Folder) else load_folder(source)
+
+
+def _frame(text: str) -> pd.DataFrame:
     return pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=["nan", "NaN", ""], **_EXACT)
+
+
+def _copy(table: pd.DataFrame) -> pd.DataFrame:
+    copy = table.copy()
+    copy.attrs = dict(table.attrs)
+    return copy
+
+
+def load_summary(run_dir: str | Path | Folder, only_last: bool = False) -> pd.DataFrame:
+    """One row per run the folder holds (run_id, flattened config, status, final/min loss...), as in
+    summary.csv but rebuilt from the verified run folders: a corrupt run has status `corrupt` (and
+    its problem under `error`), a missing one `pending` (or `interrupted`), neither has numbers.
+    The folder holds the latest sweep's runs and every verified run of earlier invocations
+    (`store.folder_runs`); `only_last` keeps the latest sweep's grid alone."""
+    return as_folder(run_dir).view(only_last).copy()
 
 
 def finished_runs(summary: pd.DataFrame) -> pd.DataFrame:
@@ -96,24 +164,22 @@ def varying_keys(summary: pd.DataFrame) -> list[str]:
     return [k for k in config_columns(summary) if summary[k].nunique(dropna=False) > 1]
 
 
-def load_metrics(run_dir: str | Path, all_config: bool = False, only_last: bool = False) -> pd.DataFrame:
+def load_metrics(run_dir: str | Path | Folder, all_config: bool = False, only_last: bool = False) -> pd.DataFrame:
     """Every finished run's metrics, tidy: one row per (run, step) with run_id, `seed`, the varying
     config keys (or every config key with `all_config=True`), status, step, loss, acc, lr, grad_norm.
     Only verified runs are loaded; `.attrs["unfinished"]` maps the others' run_id to their status.
     `only_last`: the latest sweep's runs only (see `load_summary`)."""
-    summary = load_summary(run_dir, only_last)
-    finished = finished_runs(summary)
-    if finished.empty:
-        note = missing_note(summary, run_dir)
-        raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
-    return _attach(run_dir, summary, finished, METRICS_FILE, all_config)
+    return as_folder(run_dir).metrics(all_config, only_last)
 
 
-def load_blocks(run_dir: str | Path, all_config: bool = False) -> pd.DataFrame:
+def load_blocks(run_dir: str | Path | Folder, all_config: bool = False) -> pd.DataFrame:
     """Every finished run's blocks.csv (runs with `train.log_blocks`), tidy like `load_metrics`: one
     row per (run, logged step, block) with the same config columns, then step, block, fc1_grad,
     fc2_grad, fc1_update, fc2_update, stream_rms, norm_rms, norm_out_rms (see normexp/blocklog.py)."""
-    summary = load_summary(run_dir)
+    return as_folder(run_dir).blocks(all_config)
+
+
+def _blocks(run_dir: Path, summary: pd.DataFrame, all_config: bool) -> pd.DataFrame:
     finished = finished_runs(summary)
     if "train.log_blocks" in finished:
         finished = finished[finished["train.log_blocks"].astype(str) == "True"]

@@ -709,11 +709,13 @@ def stamp_run(run_dir: Path, state: RunState) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the summary
 
 
-def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending") -> dict[str, Any]:
-    """One summary.csv row for `cfg`, from its run folder as verified by `inspect_run`."""
+def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending",
+                state: RunState | None = None) -> dict[str, Any]:
+    """One summary.csv row for `cfg`, from its run folder as verified by `inspect_run` (or as `state`
+    says, where the caller has just inspected it against `cfg`)."""
     rid = run_id(cfg)
     row: dict[str, Any] = {"run_id": rid, **flatten(cfg)}
-    state = inspect_run(out_dir / rid, cfg)
+    state = state if state is not None else inspect_run(out_dir / rid, cfg)
     if state.finished:
         return {**row, **{k: state.done[k] for k in SUMMARY_STATS}, "error": ""}
     earlier = superseded_folder(out_dir, cfg) if state.kind == "absent" else None
@@ -737,8 +739,13 @@ def superseded_folder(out_dir: Path, cfg: RunConfig) -> Path | None:
 def summary_csv(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> str:
     """summary.csv's text, rebuilt from the verified run folders (`statuses` names unfinished runs' state)."""
     statuses = statuses or {}
-    rows = [summary_row(out_dir, cfg, statuses.get(run_id(cfg), "pending")) for cfg in runs]
-    columns = list(dict.fromkeys(["run_id", *flatten(runs[0]), *SUMMARY_STATS, "error"])) if runs else []
+    return rows_csv([summary_row(out_dir, cfg, statuses.get(run_id(cfg), "pending")) for cfg in runs],
+                    runs[0] if runs else None)
+
+
+def rows_csv(rows: Sequence[dict[str, Any]], first: RunConfig | None) -> str:
+    """summary.csv's text from its rows (`summary_row`), its columns those of the `first` run's config."""
+    columns = list(dict.fromkeys(["run_id", *flatten(first), *SUMMARY_STATS, "error"])) if first else []
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", restval="")
     writer.writeheader()
@@ -796,17 +803,21 @@ def read_sweep(out_dir: Path) -> Sweep:
         raise StoreError(f"{path}: cannot be read back: {str(exc).splitlines()[0]}") from None
 
 
-def folder_runs(out_dir: Path, sweep: Sweep) -> list[RunConfig]:
+def folder_runs(out_dir: Path, sweep: Sweep, verified: dict[str, RunState] | None = None) -> list[RunConfig]:
     """Every run the folder holds: the latest sweep's runs (finished or not), then each verified run
     of an earlier invocation (another grid, another --set), in folder order. A folder accumulates
-    runs: a sweep of another grid adds its runs and hides none."""
+    runs: a sweep of another grid adds its runs and hides none. `verified`, if given, receives the
+    state of each earlier run found, by run id, so that a caller need not inspect it again."""
     runs = list(sweep.runs)
     ids = {run_id(cfg) for cfg in runs}
     for folder in sorted(p for p in out_dir.iterdir() if p.is_dir()) if out_dir.is_dir() else ():
         if folder.name in ids or folder.name.startswith(".") or not (folder / DONE_FILE).is_file():
             continue
-        if inspect_run(folder).finished:  # config.yaml parsed and checked against the folder's run id
+        state = inspect_run(folder)
+        if state.finished:  # config.yaml parsed and checked against the folder's run id
             runs.append(validate_run(parse_yaml(_read_text(folder / CONFIG_FILE), CONFIG_FILE)))
+            if verified is not None:
+                verified[folder.name] = state
     return runs
 
 

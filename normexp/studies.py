@@ -52,27 +52,27 @@ from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, v
 from normexp.config import SYMLINK_LOOP, ConfigError, Sweep, is_symlink_loop, load_sweep
 from normexp.executors import usable_cores
 from normexp.report import build_report, to_markdown
-from normexp.results import finished_runs, load_blocks, load_metrics, load_summary, missing_note
+from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 
 CONFIGS = Path(__file__).resolve().parent / "configs"  # package data: a checkout's configs/ links here
 
 
-def _finished_summary(run_dir: Path) -> pd.DataFrame:
+def _finished_summary(source: Path | Folder) -> pd.DataFrame:
     """The summary rows of the study's verified runs: a missing or corrupt run enters no verdict, nor
     does a run another invocation added to the folder (a study judges its own grid)."""
-    return finished_runs(load_summary(run_dir, only_last=True)).copy()
+    return finished_runs(as_folder(source).latest).copy()
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
     return is_trained(summary["final_loss"], summary["status"], n_choices(summary))
 
 
-def _judged(run_dir: Path) -> pd.DataFrame:
+def _judged(source: Path | Folder) -> pd.DataFrame:
     """The summary with `trained` per run, and the final loss of diverged runs blanked, so that no mean
     loss in a verdict mixes them in (`coverage` says how many there were)."""
-    summary = _finished_summary(run_dir)
+    summary = _finished_summary(source)
     summary["trained"] = _trained(summary)
     summary["final_loss"] = summary["final_loss"].where(summary["status"] != "diverged")
     return summary
@@ -122,24 +122,25 @@ def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
     return out / name, outcome.count("skipped")
 
 
-def _figures(run_dir: Path, x_key: str | None = None) -> list[str]:
+def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
     from normexp.plot import final_loss_figure, save_blocks_plot, save_plots
 
-    paths = save_plots(run_dir, run_dir / "loss.png")
+    run_dir = folder.path
+    paths = save_plots(folder, run_dir / "loss.png")
     if x_key:
-        fig = final_loss_figure(load_summary(run_dir, only_last=True), x_key)
+        fig = final_loss_figure(folder.latest.copy(), x_key)
         fig.savefig(run_dir / "final_loss.png", dpi=120)
         paths.append(run_dir / "final_loss.png")
     if run_dir.name == "blocks":
-        paths += [save_blocks_plot(run_dir, metric=metric) for metric in BLOCKS_FIGURES]
+        paths += [save_blocks_plot(folder, metric=metric) for metric in BLOCKS_FIGURES]
     return [str(p.relative_to(run_dir.parent)) for p in paths]
 
 
 # ----------------------------------------------------------------------------- verdicts
 
 
-def article_verdict(run_dir: Path) -> str:
-    report = build_report(run_dir, only_last=True)
+def article_verdict(source: Path | Folder) -> str:
+    report = build_report(source, only_last=True)
     final = {c.label: c.cells[max(c.cells)][0] for c in report.columns}
     post = [v for k, v in final.items() if k.startswith("Post")]
     pre = [v for k, v in final.items() if k.startswith("Pre")]
@@ -153,8 +154,8 @@ def _spread(values: list[float]) -> float:
     return max(values) - min(values) if values else math.nan
 
 
-def lr_warmup_verdict(run_dir: Path) -> str:
-    summary = _judged(run_dir)
+def lr_warmup_verdict(source: Path | Folder) -> str:
+    summary = _judged(source)
     cells = summary.groupby(["norm.placement", "optim.lr", "schedule.warmup_steps"])["trained"].mean()
     parts = []
     for placement in summary["norm.placement"].unique():
@@ -183,11 +184,12 @@ def lr_warmup_verdict(run_dir: Path) -> str:
         summary, ["norm.placement", "optim.lr", "schedule.warmup_steps"])
 
 
-def transformer_warmup_verdict(run_dir: Path) -> str:
+def transformer_warmup_verdict(source: Path | Folder) -> str:
     """Per placement: the (lr, warmup) cells where every seed trains, where warmup rescues a learning
     rate that fails without it, and the held-out accuracy of the trained runs."""
-    summary = _judged(run_dir)
-    finals = load_metrics(run_dir, only_last=True).sort_values("step").groupby("run_id").tail(1).set_index("run_id")
+    folder = as_folder(source)
+    summary = _judged(folder)
+    finals = folder.metrics(only_last=True).sort_values("step").groupby("run_id").tail(1).set_index("run_id")
     summary["val_acc"] = summary["run_id"].map(finals["val_acc"])
     keys = ["norm.placement", "optim.lr", "schedule.warmup_steps"]
     cells = summary.groupby(keys, sort=False)["trained"].mean()
@@ -211,8 +213,8 @@ def transformer_warmup_verdict(run_dir: Path) -> str:
     return ". ".join(parts) + ". " + coverage(summary, keys)
 
 
-def depth_verdict(run_dir: Path) -> str:
-    summary = _judged(run_dir)
+def depth_verdict(source: Path | Folder) -> str:
+    summary = _judged(source)
     by = summary.groupby(["norm.placement", "model.depth"]).agg(trained=("trained", "mean"),
                                                                  loss=("final_loss", "mean"))
     depths = sorted(summary["model.depth"].unique())
@@ -233,8 +235,8 @@ def depth_verdict(run_dir: Path) -> str:
             + coverage(summary, ["norm.placement", "model.depth"]))
 
 
-def placements_verdict(run_dir: Path) -> str:
-    summary = _judged(run_dir)
+def placements_verdict(source: Path | Folder) -> str:
+    summary = _judged(source)
     frac = summary.groupby(["norm.placement", "norm.kind"], sort=False)["trained"].mean().unstack("norm.kind")
     loss = summary.groupby(["norm.placement", "norm.kind"], sort=False)["final_loss"].mean().unstack("norm.kind")
     runs = summary.groupby("norm.placement", sort=False)["trained"].agg(["sum", "count"])
@@ -270,9 +272,9 @@ def placements_verdict(run_dir: Path) -> str:
     return text + " " + coverage(summary, ["norm.placement", "norm.kind"])
 
 
-def lr_sensitivity_verdict(run_dir: Path) -> str:
+def lr_sensitivity_verdict(source: Path | Folder) -> str:
     """The ranking by LR sensitivity at each warmup, and whether warmup lowers each placement's."""
-    every = build_sensitivity(run_dir)
+    every = build_sensitivity(source)
     rows = [r for r in every if not math.isnan(r.sensitivity)]
     undefined = [_variant(r) for r in every if math.isnan(r.sensitivity)]  # named below, never dropped unsaid
     # keyed by the whole variant but its warmup (placement, and any other varying key: no two variants merge)
@@ -327,10 +329,10 @@ def _every_seed_mean(rows: pd.DataFrame, column: str) -> pd.Series:
     return stats["mean"].where(whole)
 
 
-def blocks_verdict(run_dir: Path) -> str:
+def blocks_verdict(source: Path | Folder) -> str:
     """When Post-LN's last block takes its largest update relative to its weights, how that compares
     with Pre-LN's, per warmup; and the last block's gradient at step 0."""
-    tidy = load_blocks(run_dir, all_config=True)
+    tidy = as_folder(source).blocks(all_config=True)
     last = tidy[tidy["block"] == tidy["model.depth"]]
     update, grad = _every_seed_mean(last, "fc2_update"), _every_seed_mean(last, "fc2_grad")
     seeds = tidy["seed"].nunique()
@@ -436,17 +438,18 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         log(f"study {name} ...")
         start = time.perf_counter()
         run_dir, resumed = _sweep(name, specs[name], out)
-        figures = _figures(run_dir, x_key)
-        sensitivity = (sensitivity_to_markdown(build_sensitivity(run_dir), sensitivity_engines(run_dir))
+        folder = load_folder(run_dir)  # read and verified once for the study's table, figures and verdict
+        figures = _figures(folder, x_key)
+        sensitivity = (sensitivity_to_markdown(build_sensitivity(folder), sensitivity_engines(folder))
                        if name.startswith("lr_") else "")
-        table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(run_dir, only_last=True))
+        table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(folder, only_last=True))
         if name == "lr_warmup":
             from normexp.report import build_pivot, pivot_to_markdown
 
-            table += "\n" + pivot_to_markdown(build_pivot(run_dir, "optim.lr", "schedule.warmup_steps"))
+            table += "\n" + pivot_to_markdown(build_pivot(folder, "optim.lr", "schedule.warmup_steps"))
             table += "\n" + sensitivity
-        note = missing_note(load_summary(run_dir, only_last=True), run_dir)
-        verdict_text = verdict(run_dir) + (f" {note}." if note else "")
+        note = missing_note(folder.latest, run_dir)
+        verdict_text = verdict(folder) + (f" {note}." if note else "")
         times[name] = time.perf_counter() - start
         earlier = f"{resumed} of its runs {'was' if resumed == 1 else 'were'} done by an earlier call"
         sections.append(_section(question, name, table, figures, verdict_text, times[name],

@@ -180,3 +180,37 @@ def test_wide_reports_are_transposed(fake_sweep):
     lines = to_markdown(report).splitlines()
     assert lines[2] == "| variant | step 0 | step 2 | trained |"
     assert "| Pre lr=0.1 warmup_steps=0 | 2.6000 ± 0.1414 | 1.2750 ± 1.7324 | 1/2 |" in lines
+
+
+def _folder_with_an_earlier_run(out) -> int:
+    """A run of another invocation (depth 3), verified, beside the sweep's 16: the folder holds 17."""
+    other = build_sweep(parse_yaml(SWEEP.replace("depth: 2", "depth: 3"))).runs[0]
+    metrics = {"step": [0, 1, 2], "loss": [2.5, 2.4, 2.3], "acc": [0.1] * 3, "lr": [0.01] * 3, "grad_norm": [1.0] * 3}
+    write_run(out / run_id(other), other, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+    return 17
+
+
+@pytest.mark.parametrize("command", [["report"], ["report", "--format", "csv"], ["report", "--only-last"],
+                                     ["report", "--pivot", "optim.lr,schedule.warmup_steps"],
+                                     ["report", "--lr-sensitivity"], ["plot"]])
+def test_a_command_reads_and_verifies_each_run_of_a_folder_once(fake_sweep, monkeypatch, command):
+    """One load per command: each run the folder holds is inspected once, whatever the command draws
+    or tabulates from it (the report, its notes, the pivot, the sensitivity, every figure)."""
+    from normexp import store
+
+    runs = _folder_with_an_earlier_run(fake_sweep)
+    if "--lr-sensitivity" in command:  # it needs an lr axis of 3 values: a third lr's runs, written alike
+        sweep = build_sweep(parse_yaml(SWEEP.replace("[0.01, 0.1]", "[0.01, 0.1, 1.0]")))
+        atomic_write(fake_sweep / "sweep.yaml", sweep.to_yaml())
+        for cfg in (c for c in sweep.runs if c.optim.lr == 1.0):
+            metrics = {"step": [0, 1, 2], "loss": [2.5, 2.5, 2.5], "acc": [0.1] * 3, "lr": [1.0] * 3,
+                       "grad_norm": [1.0] * 3}
+            write_run(fake_sweep / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+            runs += 1
+    seen: list[str] = []
+    real = store.inspect_run
+    monkeypatch.setattr(store, "inspect_run",
+                        lambda run_dir, *a, **k: seen.append(run_dir.name) or real(run_dir, *a, **k))
+    result = CliRunner().invoke(app, [command[0], str(fake_sweep), *command[1:]])
+    assert result.exit_code == 0, result.output
+    assert len(seen) == len(set(seen)) == runs

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from normexp.analysis.variants import engine_note, variant_groups
-from normexp.results import ResultsError, load_metrics, load_summary, varying_keys
+from normexp.results import Folder, ResultsError, as_folder, varying_keys
 
 LR_KEY = "optim.lr"
 MIN_LRS = 3
@@ -59,17 +59,18 @@ def clipped_final(final: pd.Series, initial: pd.Series, diverged: pd.Series | No
     return np.minimum(final.where(ok, np.inf), initial.astype(float))
 
 
-def lr_table(run_dir: str | Path) -> tuple[pd.DataFrame, list[str]]:
+def lr_table(source: str | Path | Folder) -> tuple[pd.DataFrame, list[str]]:
     """One row per finished run: its config keys, seed, status, `initial` (loss at step 0), `final`
     (last recorded loss) and `clipped`; and the variant keys (varying keys but the seed and the lr).
     Raises ResultsError unless the sweep has an lr axis of at least MIN_LRS values."""
-    summary = load_summary(run_dir)
+    folder = as_folder(source)
+    summary = folder.summary
     lrs = sorted(summary[LR_KEY].astype(float).unique()) if LR_KEY in summary else []
     if len(lrs) < MIN_LRS:
         shown = ", ".join(f"{v:g}" for v in lrs) or "none"
         raise ResultsError(f"--lr-sensitivity: needs an {LR_KEY} axis of at least {MIN_LRS} values; "
                            f"this sweep has {len(lrs)} ({shown})")
-    tidy = load_metrics(run_dir, all_config=True)  # in the sweep's order, each run's steps in order
+    tidy = folder.metrics(all_config=True)  # in the sweep's order, each run's steps in order
     runs = tidy.groupby("run_id", sort=False)
     metrics = ["step", "loss", "acc", "lr", "grad_norm", "val_loss", "val_acc"]  # val_*: sequence tasks only
     table = runs.head(1).set_index("run_id").drop(columns=metrics, errors="ignore")
@@ -98,18 +99,18 @@ def variant_sensitivity(group: pd.DataFrame, grid_lrs: list[float]) -> tuple[flo
     return sensitivity, spread, best_lr, best
 
 
-def sensitivity_engines(run_dir: str | Path) -> str:
+def sensitivity_engines(source: str | Path | Folder) -> str:
     """`report.engine_note` for the sensitivity's cells (a variant at one lr): which average runs of the
     fast engine with exact ones, or ""."""
-
-    summary = load_summary(run_dir)
+    summary = as_folder(source).summary
     return engine_note(summary, [*(k for k in varying_keys(summary) if k not in ("seed", LR_KEY)), LR_KEY])
 
 
-def build_sensitivity(run_dir: str | Path) -> list[Sensitivity]:
+def build_sensitivity(source: str | Path | Folder) -> list[Sensitivity]:
     """Every variant's LR sensitivity, in the sweep's order."""
-    table, keys = lr_table(run_dir)
-    summary = load_summary(run_dir)
+    folder = as_folder(source)
+    table, keys = lr_table(folder)
+    summary = folder.summary
     grid_lrs = sorted(summary[LR_KEY].astype(float).unique())
     out = []
     for label, group in variant_groups(table, keys):
