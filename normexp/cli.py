@@ -32,6 +32,7 @@ from rich.markup import escape
 from normexp import output, stopping
 from normexp.config import (
     DEFAULT_MAX_RUNS,
+    METRICS,
     SYMLINK_LOOP,
     ConfigError,
     Metric,
@@ -356,7 +357,7 @@ def _listed(option: str, value: str | None) -> list[str] | None:
 def report(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
     steps: Annotated[str | None, typer.Option(help="Comma-separated steps [default: the sweep's].")] = None,
-    metric: Annotated[str | None, typer.Option(help="loss | acc | grad_norm | lr [default: the sweep's].")] = None,
+    metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
     by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
     pivot: Annotated[str | None, typer.Option(help="ROW_KEY,COL_KEY: a final-loss pivot instead.")] = None,
     lr_sensitivity: Annotated[bool, typer.Option(
@@ -457,7 +458,7 @@ def _print_sensitivity(folder: Folder, fmt: str) -> None:
 def plot(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="PNG [default: RUN_DIR/<metric>.png].")] = None,
-    metric: Annotated[str, typer.Option(help="loss | acc | grad_norm | lr.")] = "loss",
+    metric: Annotated[str, typer.Option(help=f"{' | '.join(METRICS)}.")] = "loss",
     blocks: Annotated[bool, typer.Option("--blocks", help="Per-block dynamics of runs with train.log_blocks.")] = False,
     block_metric: Annotated[str | None, typer.Option(
         help="With --blocks: fc1_grad | fc2_grad | fc1_update | fc2_update | stream_rms | norm_rms | norm_out_rms "

@@ -50,7 +50,10 @@ ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
 Arch = Literal["ffn", "transformer"]
 TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
 SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
-Metric = Literal["loss", "acc", "grad_norm", "lr", "val_loss", "val_acc"]
+METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's columns, in order: one per recorded step
+VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
+METRICS = ("loss", "acc", "grad_norm", "lr", *VAL_COLUMNS)  # what a report or a figure can show
+Metric = Literal[METRICS]
 
 FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal, 2^-149)
 

@@ -54,6 +54,7 @@ from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from normexp.config import (
+    METRIC_COLUMNS,
     ConfigError,
     NormKind,
     Placement,
@@ -77,7 +78,7 @@ BLOCKS_FILE = "blocks.csv"
 FAILED_FILE = "failed.json"
 DONE_FILE = "done.json"
 
-METRIC_HEADER = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's first columns
+METRIC_HEADER = METRIC_COLUMNS  # metrics.csv's first columns
 VOUCHED_FILES = (CONFIG_FILE, METRICS_FILE)  # the files a done.json records checksums of
 FINISHED_STATUSES = ("completed", "diverged")
 SUMMARY_STATS = ("status", "final_loss", "min_loss", "final_acc", "diverged", "steps_done", "wall_s",

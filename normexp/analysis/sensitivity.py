@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from normexp.analysis.variants import engine_note, variant_groups
+from normexp.config import METRIC_COLUMNS, VAL_COLUMNS
 from normexp.results import Folder, ResultsError, as_folder, varying_keys
 
 LR_KEY = "optim.lr"
@@ -72,7 +73,7 @@ def lr_table(source: str | Path | Folder) -> tuple[pd.DataFrame, list[str]]:
                            f"this sweep has {len(lrs)} ({shown})")
     tidy = folder.metrics(all_config=True)  # in the sweep's order, each run's steps in order
     runs = tidy.groupby("run_id", sort=False)
-    metrics = ["step", "loss", "acc", "lr", "grad_norm", "val_loss", "val_acc"]  # val_*: sequence tasks only
+    metrics = [*METRIC_COLUMNS, *VAL_COLUMNS]  # val_*: sequence tasks only
     table = runs.head(1).set_index("run_id").drop(columns=metrics, errors="ignore")
     # the loss of each run's first and last recorded row, nan included: GroupBy.first()/last() would skip
     # a diverged run's nan and hand back the loss of the step before it

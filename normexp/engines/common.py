@@ -16,17 +16,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from normexp.config import RunConfig
+from normexp.config import METRIC_COLUMNS, VAL_COLUMNS, RunConfig
 from normexp.data import Task, make_task
 from normexp.models.ffn import Net
 from normexp.models.transformer import Transformer
-
-METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")
-
-
-
-VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
-
 
 
 @dataclass
