@@ -40,7 +40,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from normexp.registry import KINDS, PLACEMENTS
+from normexp.registry import (
+    KINDS,
+    PLACEMENTS,
+    PluginError,
+    check_kind_plugin,
+    check_placement_plugin,
+    is_plugin,
+    placement_archs,
+)
 
 Placement = Literal[tuple(PLACEMENTS)]  # normexp/registry.py: every placement, registered once
 NormKind = Literal[tuple(KINDS)]
@@ -166,6 +174,20 @@ class NormConfig(_Section):
     resdual_final_norm: bool = False  # resdual: also model.final_norm on x_a + Norm_d(x_d) (normexp's earlier reading)
     admin_profile: Literal["measured", "closed_form"] = "measured"  # admin: how omega is profiled (models/ffn.py)
     rezero_gate: Literal["layer", "sublayer"] = "layer"  # rezero, transformer: one gate per layer (authors)
+
+    @field_validator("placement", "kind", mode="wrap")
+    @classmethod
+    def _own_placement_or_kind(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        """A registered name, or a user's own by reference (`package.module:Attribute`), imported and
+        checked here so that a bad reference is a config error naming the key."""
+        if not is_plugin(value):
+            return handler(value)
+        check = check_placement_plugin if info.field_name == "placement" else check_kind_plugin
+        try:
+            check(value)
+        except PluginError as exc:
+            raise PydanticCustomError("value_error", "{error}", {"error": str(exc)}) from None
+        return value
 
     @model_validator(mode="after")
     def _inert_keys_at_default(self, info: ValidationInfo) -> NormConfig:
@@ -419,9 +441,11 @@ def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
             return "data.task", f"{cfg.data.task} is a sequence task: it needs model.arch transformer"
         if cfg.model.n_heads != ModelConfig.model_fields["n_heads"].default:
             return "model.n_heads", "applies to model.arch transformer only (the FFN has no attention)"
-        if "ffn" not in PLACEMENTS[cfg.norm.placement].archs:  # b2t: the one placement of the Transformer only
+        if cfg.norm.placement == "b2t":
             return "norm.placement", ("b2t skips from a layer's input to its second sublayer's norm: it needs "
                                       "model.arch transformer (an FFN block has one sublayer)")
+        if "ffn" not in placement_archs(cfg.norm.placement):
+            return "norm.placement", "applies to model.arch transformer only (its archs)"
         return _arch_only_problem(cfg)
     if cfg.data.task == "random_labels":
         return "data.task", f"model.arch transformer trains on a sequence task: one of {', '.join(SEQUENCE_TASKS)}"
@@ -429,6 +453,8 @@ def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
         return "model.n_classes", "applies to model.arch ffn only (the transformer predicts data.vocab tokens)"
     if cfg.train.log_blocks:
         return "train.log_blocks", "records FFN blocks only: not supported with model.arch transformer"
+    if "transformer" not in placement_archs(cfg.norm.placement):
+        return "norm.placement", "applies to model.arch ffn only (its archs)"
     return _arch_only_problem(cfg)
 
 

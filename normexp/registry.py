@@ -7,12 +7,21 @@ and one forgotten in the models fails the tests that build every registered name
 stay next to each other where they are read: a kind's class in `normexp/models/norms.py`
 (`NORM_CLASSES`), a placement's line in `Block.forward` (`normexp/models/ffn.py`).
 
+A placement or kind of your own, from your own package, is named by reference: `norm.kind:
+mypkg.norms:MyNorm`, `norm.placement: mypkg.placements:Halfway` (docs/extending.md says what each must
+provide). It is validated, labelled (by its attribute's name), hashed into run ids (prefix `ext_`) and
+trained on every engine like a registered one; only resolving it imports the user's module.
+
 This module is data only (no torch), so that the config layer and the analysis layer can read it.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -56,3 +65,74 @@ KINDS: dict[str, Method] = {m.name: m for m in (
 def placements_for(arch: str) -> list[str]:
     """The placements that apply to the architecture `arch` (`model.arch`), in registry order."""
     return [name for name, method in PLACEMENTS.items() if arch in method.archs]
+
+
+# ----------------------------------------------------------------------------- a user's own, by reference
+
+PLUGIN_REF = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # package.module:attribute
+PLUGIN_PREFIX = "ext_"  # a user's placement or kind in a run id: ext_<attribute>, never a registered name
+
+
+class PluginError(ValueError):
+    """A reference that names no usable placement or kind; the message says why."""
+
+
+def is_plugin(name: str) -> bool:
+    """Whether `name` is a reference to a user's own placement or kind (`package.module:attribute`)."""
+    return isinstance(name, str) and PLUGIN_REF.fullmatch(name) is not None
+
+
+@functools.cache
+def load_plugin(ref: str) -> Any:
+    """The object `ref` (`package.module:attribute`) names, imported once per process."""
+    module, _, attribute = ref.partition(":")
+    try:
+        found = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's import is this one error
+        raise PluginError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
+    if not hasattr(found, attribute):
+        raise PluginError(f"{module} has no attribute {attribute}")
+    return getattr(found, attribute)
+
+
+def check_placement_plugin(ref: str) -> None:
+    """PluginError unless `ref` names a placement: an object with `forward(block, x)`, and `archs` (if
+    given) a subset of ffn and transformer."""
+    found = load_plugin(ref)
+    if not callable(getattr(found, "forward", None)):
+        raise PluginError(f"{ref}: a placement needs forward(block, x) (docs/extending.md)")
+    if not set(plugin_archs(found)) <= {"ffn", "transformer"}:
+        raise PluginError(f"{ref}: archs must name ffn and/or transformer, got {plugin_archs(found)}")
+
+
+def check_kind_plugin(ref: str) -> None:
+    """PluginError unless `ref` names a norm kind: a class (or factory) called as `Kind(d, eps)`."""
+    if not callable(load_plugin(ref)):
+        raise PluginError(f"{ref}: a norm kind is a class called as Kind(d, eps) (docs/extending.md)")
+
+
+def plugin_archs(found: Any) -> tuple[str, ...]:
+    return tuple(getattr(found, "archs", ("ffn", "transformer")))
+
+
+def placement_archs(name: str) -> tuple[str, ...]:
+    """The architectures the placement `name` (registered, or a user's by reference) applies to."""
+    return plugin_archs(load_plugin(name)) if is_plugin(name) else PLACEMENTS[name].archs
+
+
+def stackable(name: str) -> bool:
+    """Whether the batched engine may stack runs of this placement or kind: every registered one; a
+    user's only if it says `stackable = True` (its forward treats a leading run axis as a batch axis)."""
+    return not is_plugin(name) or bool(getattr(load_plugin(name), "stackable", False))
+
+
+def label(name: str, registry: dict[str, Method]) -> str:
+    """A table's label: the registered one, or a user's attribute name (no import needed)."""
+    return name.partition(":")[2] if is_plugin(name) else registry[name].label if name in registry else name
+
+
+def short_name(name: str) -> str:
+    """The placement's or kind's part of a run id: its name, or ext_<attribute> for a user's."""
+    if not is_plugin(name):
+        return name
+    return PLUGIN_PREFIX + re.sub(r"[^a-z0-9_]", "_", name.partition(":")[2].lower())

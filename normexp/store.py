@@ -67,6 +67,7 @@ from normexp.config import (
     validate_run,
 )
 from normexp.environment import provenance
+from normexp.registry import PLUGIN_PREFIX, short_name
 
 SWEEP_FILE = "sweep.yaml"
 HISTORY_FILE = "history.jsonl"
@@ -169,8 +170,10 @@ def config_hash(cfg: RunConfig, revised: bool = True) -> str:
 
 
 def run_id(cfg: RunConfig, revised: bool = True) -> str:
-    """A readable, unique folder name: `post-layernorm-s0-1a2b3c4d5e`."""
-    return f"{cfg.norm.placement}-{cfg.norm.kind}-s{cfg.seed}-{config_hash(cfg, revised)[:10]}"
+    """A readable, unique folder name: `post-layernorm-s0-1a2b3c4d5e` (a user's own placement or kind
+    reads `ext_<attribute>`; its whole reference is in the hash)."""
+    norm = cfg.norm
+    return f"{short_name(norm.placement)}-{short_name(norm.kind)}-s{cfg.seed}-{config_hash(cfg, revised)[:10]}"
 
 
 def _one_of(names: tuple[str, ...]) -> str:
@@ -180,7 +183,9 @@ def _one_of(names: tuple[str, ...]) -> str:
 # The names `run_id` makes, and only those: a folder so named is normexp's (verify --fix may remove it when
 # it is broken); any other is a user's and never touched. Built from the config's own names, so a placement
 # or norm kind added there is matched here.
-RUN_ID = re.compile(rf"{_one_of(get_args(Placement))}-{_one_of(get_args(NormKind))}-s(?:0|[1-9][0-9]*)-[0-9a-f]{{10}}")
+_OWN = rf"{re.escape(PLUGIN_PREFIX)}[a-z0-9_]+"  # a user's placement or kind (registry.short_name)
+RUN_ID = re.compile(rf"(?:{_one_of(get_args(Placement))}|{_OWN})-(?:{_one_of(get_args(NormKind))}|{_OWN})"
+                    r"-s(?:0|[1-9][0-9]*)-[0-9a-f]{10}")
 
 
 def is_run_id(name: str) -> bool:

@@ -9,6 +9,7 @@ import pandas as pd
 
 from normexp.config import key_label
 from normexp.registry import KINDS, PLACEMENTS
+from normexp.registry import label as method_label
 from normexp.results import finished_runs
 
 PLACEMENT_LABELS = {name: method.label for name, method in PLACEMENTS.items()}  # normexp/registry.py
@@ -28,9 +29,9 @@ def variant_label(values: dict[str, object]) -> str:
     parts = []
     placement, kind = values.get("norm.placement"), values.get("norm.kind")
     if placement is not None or kind is not None:
-        head = PLACEMENT_LABELS.get(str(placement), "") if placement is not None else ""
+        head = method_label(str(placement), PLACEMENTS) if placement is not None else ""
         if kind is not None:
-            head = f"{head}-{KIND_LABELS.get(str(kind), kind)}" if head else str(KIND_LABELS.get(str(kind), kind))
+            head = f"{head}-{method_label(str(kind), KINDS)}" if head else method_label(str(kind), KINDS)
         parts.append(head)
     parts += [f"{key_label(key)}={'null' if is_null(value) else value}" for key, value in values.items()
               if key not in ("norm.placement", "norm.kind")]

@@ -44,6 +44,7 @@ from normexp.config import RunConfig
 from normexp.engines.common import RunResult, seeded_init, torch_threads
 from normexp.models.ffn import Net
 from normexp.optim import REPLAYED_OPTIMIZERS, SharedOptimizer, StackedOptimizer, step_lr
+from normexp.registry import stackable
 
 CHUNK_BYTES = 2**30  # memory budget of one chunk of runs: parameters, optimizer state, activations
 MAX_CHUNK = 64  # larger batches gain little here and hold more activations
@@ -317,12 +318,16 @@ def _grad_norms(model: nn.Module) -> list[float]:
 
 def plan_batches(runs: Sequence[RunConfig]) -> tuple[list[list[RunConfig]], list[RunConfig]]:
     """Group runs into batches, chunked to bound memory, and list the runs left to the reference
-    engine: groups of one (a batch of one gains nothing) and every Transformer run (this engine stacks
-    the FFN toy only; the reference gives a Transformer run its exact bits)."""
+    engine: groups of one (a batch of one gains nothing), every Transformer run (this engine stacks
+    the FFN toy only; the reference gives a Transformer run its exact bits) and every run of a user's
+    placement or kind that does not say `stackable = True`."""
     groups: dict[tuple, list[RunConfig]] = {}
-    alone = [cfg for cfg in runs if cfg.model.arch == "transformer"]
+    def stacks(cfg: RunConfig) -> bool:  # a user's placement or kind stacks only if it says it may
+        return cfg.model.arch == "ffn" and stackable(cfg.norm.placement) and stackable(cfg.norm.kind)
+
+    alone = [cfg for cfg in runs if not stacks(cfg)]
     for cfg in runs:
-        if cfg.model.arch == "ffn":
+        if stacks(cfg):
             groups.setdefault(batch_key(cfg), []).append(cfg)
     batches = []
     for group in groups.values():

@@ -36,13 +36,14 @@ head; each Linear runs its default init before the xavier re-init, exactly as th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from normexp.config import Init, ModelConfig, NormConfig, mixln_post_count
 from normexp.models.norms import make_norm, silence
+from normexp.registry import PluginError, is_plugin, load_plugin
 
 
 def make_linear(d_in: int, d_out: int, init: Init) -> nn.Linear:
@@ -122,9 +123,15 @@ class Block(nn.Module):
             self.gate = Scale((), 0.0)  # the official code's `resweight`: one scalar per block
         if placement == "admin":
             self.omega = Scale((d,), 1.0)  # set by Net.profile_at_init
+        self.own = load_plugin(placement) if is_plugin(placement) else None  # a user's placement
+        if self.own is not None:
+            self.norm = None  # it builds the modules it uses, and only those (each needs its gradient)
+            build_own(self, lambda: make_norm(d, cfg, site))
 
     def forward(self, x: torch.Tensor | Streams) -> torch.Tensor | Streams:
         """x -> x; for `resdual`, the pair of streams (x_a, x_d) -> (x_a, x_d)."""
+        if self.own is not None:  # a user's placement: its own one line (docs/extending.md)
+            return self.own.forward(self, x)
         if self.placement == "rezero":  # Bachlechner et al. 2020, "ReZero is All You Need"
             return x + self.gate(self.branch(x))
         if self.placement == "respost":  # Liu et al. 2022, Swin Transformer V2; OLMo 2 (2024)
@@ -146,6 +153,19 @@ class Block(nn.Module):
 
     def extra_repr(self) -> str:
         return f"placement={self.placement!r}" + (f", alpha={self.alpha:.4g}" if self.alpha != 1.0 else "")
+
+
+def build_own(block: Block, norm: Callable[[], nn.Module]) -> None:
+    """A user's placement's `build(block, norm)`, if it has one: it adds the modules its forward uses
+    (`norm()` builds one of the run's kind at this site). Like every init here it may draw no random
+    number, or each later weight of the seed would move (SPEC §1)."""
+    if not hasattr(block.own, "build"):
+        return
+    before = torch.random.get_rng_state()
+    block.own.build(block, norm)
+    if not torch.equal(before, torch.random.get_rng_state()):
+        raise PluginError(f"{block.placement}: build() drew random numbers; a placement must not (fill its "
+                          "parameters with constants)")
 
 
 def residual_stack(blocks: Iterable[nn.Module], x: torch.Tensor, dual_norm: nn.Module | None,

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from normexp.config import NormConfig
+from normexp.registry import PluginError, is_plugin, load_plugin
 
 
 class RMSNorm(nn.Module):
@@ -166,7 +167,22 @@ NORM_CLASSES: dict[str, Callable[[int, NormConfig, str | None], nn.Module]] = {
 
 def make_norm(d: int, cfg: NormConfig, site: str | None = None) -> nn.Module:
     """Build the norm `cfg.kind` over `d` features with `cfg.eps`; `site` (attn, ffn, final) picks
-    DyT's per-site alpha0."""
+    DyT's per-site alpha0. A user's kind (`package.module:Kind`) is built as `Kind(d, eps)`."""
+    if is_plugin(cfg.kind):
+        return own_norm(cfg.kind, d, cfg.eps)
     if cfg.kind not in NORM_CLASSES:
         raise ValueError(f"unknown norm kind {cfg.kind!r}")
     return NORM_CLASSES[cfg.kind](d, cfg, site)
+
+
+def own_norm(ref: str, d: int, eps: float) -> nn.Module:
+    """A user's norm kind, `Kind(d, eps)`; it may draw no random number (every later weight of the seed
+    would move, SPEC §1), and must be a module: either is a clear error, not a silent change."""
+    before = torch.random.get_rng_state()
+    module = load_plugin(ref)(d, eps)
+    if not torch.equal(before, torch.random.get_rng_state()):
+        raise PluginError(f"{ref}: drew random numbers at init; a norm kind must not (set its parameters to "
+                          "constants, e.g. ones and zeros)")
+    if not isinstance(module, nn.Module):
+        raise PluginError(f"{ref}({d}, {eps}) returned a {type(module).__name__}, not a torch.nn.Module")
+    return module
