@@ -1,4 +1,4 @@
-"""The keys table of docs/configs.md, derived from normexp/config.py's pydantic models.
+"""The keys table of docs/configs.md, derived from normexp/config/schema.py's pydantic models.
 
 The key names, types, allowed values, bounds and defaults come from the code; only the "meaning" column is
 written here (MEANINGS). tests/test_docs.py fails when a key of the code has no meaning, when a meaning names

@@ -38,7 +38,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from normexp.config import RunConfig, model_step_flops
+from normexp.config import RunConfig
+from normexp.engines.cost import model_step_flops
 from normexp.stopping import STOP_SIGNALS, stop_signals_deferred
 from normexp.store import FinishedRun
 

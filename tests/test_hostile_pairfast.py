@@ -11,8 +11,9 @@ import threading
 import pytest
 import torch
 
-from normexp.config import RunConfig, build_sweep, model_step_flops
+from normexp.config import RunConfig, build_sweep
 from normexp.engines import fast, reference
+from normexp.engines.cost import model_step_flops
 from normexp.executors import InProcessExecutor, pairs_well, plan_units
 from normexp.results import load_summary
 from normexp.sweep import SweepOptions, run_sweep

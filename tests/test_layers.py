@@ -17,14 +17,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
-    "foundation": ["normexp", "normexp.registry", "normexp.config", "normexp.environment", "normexp.stopping",
-                   "normexp.blocklog"],
+    "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
+                   "normexp.config.schema", "normexp.config.grid", "normexp.config", "normexp.environment",
+                   "normexp.stopping", "normexp.blocklog"],
     "records": ["normexp.store", "normexp.results", "normexp.verify"],  # the run folder: written, read, verified
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
-    "engine base": ["normexp.engines", "normexp.engines.common"],
+    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.diagnostics"],
     "running": ["normexp.executors", "normexp.sweep"],
@@ -33,7 +34,7 @@ LAYERS = {
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
-NO_TORCH = ("normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
+NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
             "normexp.analysis.gradnorm", "normexp.plot", "normexp.report", "normexp.tables", "normexp.results")
 
 

@@ -57,16 +57,13 @@ class RunResult:
                 self.metrics.setdefault(column, []).append(value)
 
 
-
 StepCallback = Callable[[int, float], None]
-
 
 
 # Seeding and drawing use torch's global generator: runs started from several threads of one process
 # (a Dask worker with several threads, the sweep's paired runs) take turns, so each run sees exactly
 # its own draws.
 INIT_LOCK = threading.Lock()
-
 
 
 @contextlib.contextmanager
@@ -82,7 +79,6 @@ def torch_threads(threads: int | None) -> Iterator[int]:
             torch.set_num_threads(before)
 
 
-
 def grad_norm(params: list[torch.nn.Parameter]) -> float:
     """The global L2 norm of all gradients (what clip_grad_norm_ would see): each tensor's norm (one
     `_foreach_norm` call, the per-tensor `vector_norm` kernel), then the norm of those norms."""
@@ -90,13 +86,11 @@ def grad_norm(params: list[torch.nn.Parameter]) -> float:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item() if grads else 0.0
 
 
-
 def build_model(cfg: RunConfig) -> Net | Transformer:
     """The run's model (`model.arch`): the article's FFN toy, or the causal Transformer."""
     if cfg.model.arch == "transformer":
         return Transformer(cfg.model, cfg.norm, cfg.data)
     return Net(cfg.model, cfg.norm)
-
 
 
 def seeded_init(cfg: RunConfig) -> tuple[Net | Transformer, Task]:
@@ -110,7 +104,6 @@ def seeded_init(cfg: RunConfig) -> tuple[Net | Transformer, Task]:
     return model, task
 
 
-
 def loss_and_acc(logits: torch.Tensor, y: torch.Tensor,
                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy and accuracy. Sequence tasks: logits (n, T, vocab) are read at the answer
@@ -118,7 +111,6 @@ def loss_and_acc(logits: torch.Tensor, y: torch.Tensor,
     if positions is not None:
         logits, y = logits[:, positions].flatten(0, 1), y.flatten()
     return F.cross_entropy(logits, y), (logits.argmax(-1) == y).float().mean()
-
 
 
 def batch_order(n_samples: int, batch_size: int, seed: int, steps: int) -> list[torch.Tensor]:
@@ -134,7 +126,6 @@ def batch_order(n_samples: int, batch_size: int, seed: int, steps: int) -> list[
     return order[:steps + 1]
 
 
-
 @torch.no_grad()
 def validate(model: torch.nn.Module, task: Task) -> tuple[float, float] | None:
     """(val_loss, val_acc) on the held-out split, or None for a task without one."""
@@ -142,3 +133,5 @@ def validate(model: torch.nn.Module, task: Task) -> tuple[float, float] | None:
         return None
     loss, acc = loss_and_acc(model(task.val_x), task.val_y, task.positions)
     return loss.item(), acc.item()
+
+

@@ -46,8 +46,9 @@ from pathlib import Path
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
-from normexp.config import OptimConfig, RunConfig, model_step_flops
+from normexp.config import OptimConfig, RunConfig
 from normexp.engines.common import RunResult, batch_order, loss_and_acc, seeded_init, torch_threads
+from normexp.engines.cost import model_step_flops
 from normexp.optim import step_lr
 
 MAX_CHUNK = 64  # runs per batch; larger batches gain little on a CPU and hold more activations

@@ -1,0 +1,68 @@
+"""Configs: one run's typed config, a sweep file, YAML loading, `--set` overrides and grid expansion.
+
+YAML stops here. Everything past this package receives validated pydantic objects
+(`RunConfig` and its sections), never dicts:
+
+- `schema.py`: the run's sections (model, norm, data, optim, schedule, train) and `RunConfig`; every
+  section forbids unknown keys and validates strictly (no "32" -> 32, no true -> 1); keys a run does not
+  use go back to their default; which keys fit which architecture.
+- `grid.py`: the sweep file (`SweepFile`), `--set` overrides, and the expansion to runs: the Cartesian
+  product of the grid axes (in file order, with `--set` axes replacing or appending), seeds innermost.
+- `loader.py`: YAML read with a safe loader that also rejects duplicate keys and keys that are not
+  strings, and reads `1e-3` as a float (YAML 1.2), as users expect.
+- `errors.py`: every error is a `ConfigError` whose message names the key path
+  (`base.optim.lr: must be > 0`) and, for a typo, the closest valid key. The CLI prints it and exits 2.
+
+Import from `normexp.config`: the names below are its interface.
+"""
+
+from normexp.config.errors import MAX_ERROR_LINES, ConfigError, TooManyRuns
+from normexp.config.grid import DEFAULT_MAX_RUNS, Sweep, SweepFile, build_sweep, load_sweep, parse_set
+from normexp.config.loader import MAX_YAML_NODES, SYMLINK_LOOP, is_symlink_loop, parse_yaml, read_mapping
+from normexp.config.schema import (
+    ACTS_ONLY_UNDER,
+    ACTS_ONLY_UNDER_BY_SECTION,
+    ARCH_ONLY,
+    DEFAULT_SEQ_LEN,
+    GENERIC_LEAVES,
+    METRIC_COLUMNS,
+    METRICS,
+    SEQUENCE_TASKS,
+    VAL_COLUMNS,
+    Arch,
+    DataConfig,
+    Init,
+    Metric,
+    ModelConfig,
+    NormConfig,
+    NormKind,
+    OptimConfig,
+    OptimName,
+    Placement,
+    ReportConfig,
+    RunConfig,
+    ScheduleConfig,
+    ScheduleKind,
+    TaskName,
+    TrainConfig,
+    arch_problem,
+    flatten,
+    inert_keys,
+    key_label,
+    load_run_config,
+    mixln_post_count,
+    run_keys,
+    sequence_shape,
+    validate_run,
+)
+
+__all__ = [
+    "ACTS_ONLY_UNDER", "ACTS_ONLY_UNDER_BY_SECTION", "ARCH_ONLY", "DEFAULT_MAX_RUNS", "DEFAULT_SEQ_LEN",
+    "GENERIC_LEAVES", "MAX_ERROR_LINES", "MAX_YAML_NODES", "METRICS", "METRIC_COLUMNS", "SEQUENCE_TASKS",
+    "SYMLINK_LOOP", "VAL_COLUMNS", "Arch", "ConfigError", "DataConfig", "Init", "Metric", "ModelConfig",
+    "NormConfig", "NormKind", "OptimConfig", "OptimName", "Placement", "ReportConfig", "RunConfig",
+    "ScheduleConfig", "ScheduleKind", "Sweep", "SweepFile", "TaskName", "TooManyRuns", "TrainConfig",
+    "arch_problem", "build_sweep", "flatten", "inert_keys", "is_symlink_loop", "key_label", "load_run_config",
+    "load_sweep", "mixln_post_count", "parse_set", "parse_yaml", "read_mapping", "run_keys", "sequence_shape",
+    "validate_run",
+]

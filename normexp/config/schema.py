@@ -1,0 +1,496 @@
+"""One run's typed config: its sections (model, norm, data, optim, schedule, train) and `RunConfig`.
+
+Every section forbids unknown keys and validates strictly (no "32" -> 32, no true -> 1). A key that a run
+does not use (an optimizer key under another optimizer, a placement's key under another placement) goes
+back to its default, so runs that train alike are one run with one id. Cross-key rules (which keys fit
+which architecture, sequence shapes) are here too; errors are worded by `errors.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from normexp.config.errors import ConfigError, _brief, _format_errors, _section_fields
+from normexp.config.loader import read_mapping
+from normexp.registry import (
+    KINDS,
+    PLACEMENTS,
+    PluginError,
+    check_kind_plugin,
+    check_placement_plugin,
+    is_plugin,
+    placement_archs,
+)
+
+Placement = Literal[tuple(PLACEMENTS)]  # normexp/registry.py: every placement, registered once
+NormKind = Literal[tuple(KINDS)]
+Init = Literal["xavier_uniform", "xavier_normal", "torch_default"]
+OptimName = Literal["adam", "adamw", "sgd", "radam"]
+ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
+Arch = Literal["ffn", "transformer"]
+TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
+SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
+METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's columns, in order: one per recorded step
+VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
+METRICS = ("loss", "acc", "grad_norm", "lr", *VAL_COLUMNS)  # what a report or a figure can show
+Metric = Literal[METRICS]
+
+FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal, 2^-149)
+
+
+def _not_0_in_float32(value: float) -> float:
+    """Refuse a positive value that float32 rounds to 0: runs train in float32, where an eps, a learning
+    rate or an init scale of 1e-50 is exactly 0 (a division by zero, a step that moves nothing), not the
+    positive number the config shows. The value itself is kept as written (run ids are of it)."""
+    try:
+        in_float32 = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's largest: far from 0
+        return value
+    if in_float32 == 0:
+        raise PydanticCustomError("zero_in_float32", "is 0 in float32 (training's precision; the smallest "
+                                  "positive float32 is {tiniest}), got {value}",
+                                  {"tiniest": f"{FLOAT32_TINIEST:.2g}", "value": _brief(value)})
+    return value
+
+
+# > 0, and > 0 in float32 too (a positive float is an eps, a learning rate or a scale in float32 training)
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), AfterValidator(_not_0_in_float32)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # Adam's decay rates: 1 divides by 1 - 1
+
+DEFAULT_REPORT_STEPS = (0, 1, 2, 3, 5, 10, 20, 30)
+# Keys whose declared default (None) a validator resolves from other keys of the run. A sweep keeps them
+# open in its base until each run's grid and --set values are in, so every run resolves them alone.
+RESOLVED_PER_RUN = ("optim.weight_decay",)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_validator(mode="after")
+    def _unsigned_zeros(self) -> _Section:
+        """-0.0 is 0.0 (weight_decay: -0.0 trains as 0.0): written as 0.0, so that both are one run id."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            unsigned = _unsigned_zero(value)
+            if unsigned is not value:
+                object.__setattr__(self, name, unsigned)
+        return self
+
+
+def _unsigned_zero(value: Any) -> Any:
+    """`value` with any float -0.0 in it (a tuple's items too) made 0.0; `value` itself if it has none."""
+    if isinstance(value, float) and value == 0 and math.copysign(1.0, value) < 0:
+        return 0.0
+    if isinstance(value, tuple) and any(_unsigned_zero(v) is not v for v in value):
+        return tuple(_unsigned_zero(v) for v in value)
+    return value
+
+
+class ModelConfig(_Section):
+    depth: int = Field(32, ge=1, le=10_000)
+    width: int = Field(32, ge=1, le=65_536)
+    hidden_mult: int = Field(4, ge=1, le=64)
+    n_classes: int = Field(10, ge=2)
+    final_norm: bool = True
+    init: Init = "xavier_uniform"
+    arch: Arch = "ffn"  # transformer: the causal decoder of normexp/models/transformer.py
+    n_heads: int = Field(4, ge=1, le=1024)  # transformer only: attention heads, each width / n_heads wide
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.arch == "transformer" and self.width % self.n_heads:
+            raise cross_key_error("model.n_heads", f"must divide model.width {self.width}, got {self.n_heads}")
+        return self
+
+
+class NormConfig(_Section):
+    placement: Placement = "pre"
+    kind: NormKind = "layernorm"
+    eps: PositiveFloat = 1e-5
+    peri_input_norm: bool = True
+    mixln_fraction: Fraction = 0.25
+    deepnorm_alpha: PositiveFloat | None = None  # None: M^(1/4), M residual sublayers (DeepNet)
+    deepnorm_beta: PositiveFloat | None = None  # None: (4M)^(-1/4)
+    # FFN toy: what DeepNet's M counts. sublayers: a block is one residual sublayer, M = N (DeepNet's
+    # rule); two_per_block: M = 2N, (2N)^(1/4) and (8N)^(-1/4) (normexp's earlier reading)
+    deepnorm_count: Literal["sublayers", "two_per_block"] = "sublayers"
+    prms_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.0625
+    output_norm_init: Literal["ones", "zeros"] = "ones"  # respost: the branch norm's gain (zeros: Swin V2)
+    dyt_alpha0: PositiveFloat = 0.5  # dyt: the initial alpha of tanh(alpha * x) (Zhu et al. 2025)
+    # dyt, per site as in DyT's LLaMA runs: the attention sublayers' norms, the FFN's (the FFN toy's
+    # blocks), the final norm. None: dyt_alpha0 (a value equal to dyt_alpha0 is folded to None)
+    dyt_alpha0_attn: PositiveFloat | None = None
+    dyt_alpha0_ffn: PositiveFloat | None = None
+    dyt_alpha0_final: PositiveFloat | None = None
+    dyt_bias: bool = True  # dyt: the learnable bias (false: none, as in DyT's LLaMA runs)
+    derf_alpha0: PositiveFloat = 0.5  # derf: the initial alpha of erf(alpha * x + shift) (Chen et al. 2025)
+    b2t_rescale: bool = True  # b2t: every layer weight (q, k, v, out, fc1, fc2) * N^(-1/2) at init, as shipped
+    resdual_stream: Literal["input", "zeros"] = "input"  # resdual: x_d starts as the first block's input (authors)
+    resdual_final_norm: bool = False  # resdual: also model.final_norm on x_a + Norm_d(x_d) (normexp's earlier reading)
+    admin_profile: Literal["measured", "closed_form"] = "measured"  # admin: how omega is profiled (models/ffn.py)
+    rezero_gate: Literal["layer", "sublayer"] = "layer"  # rezero, transformer: one gate per layer (authors)
+
+    @field_validator("placement", "kind", mode="wrap")
+    @classmethod
+    def _own_placement_or_kind(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        """A registered name, or a user's own by reference (`package.module:Attribute`), imported and
+        checked here so that a bad reference is a config error naming the key."""
+        if not is_plugin(value):
+            return handler(value)
+        check = check_placement_plugin if info.field_name == "placement" else check_kind_plugin
+        try:
+            check(value)
+        except PluginError as exc:
+            raise PydanticCustomError("value_error", "{error}", {"error": str(exc)}) from None
+        return value
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> NormConfig:
+        """A key that this run's placement or kind does not use is put back to its default: runs that
+        train alike are one run, with one id. A sweep's base keeps what it was given (see build_sweep)."""
+        for site in DYT_SITES:  # a site's alpha0 written out equal to dyt_alpha0 is the same run as unset
+            if getattr(self, site) == self.dyt_alpha0:
+                object.__setattr__(self, site, None)
+        return _inert_keys_to_default(self, info)
+
+
+def _inert_keys_to_default(section: _Section, info: ValidationInfo) -> _Section:
+    """Put each key that `section` leaves unused (`inert_keys`) back to its default, unless the context
+    says `keep_inert` (a sweep's base, whose grid runs may use them)."""
+    if (info.context or {}).get("keep_inert"):
+        return section
+    for key in inert_keys(section):
+        object.__setattr__(section, key, type(section).model_fields[key].default)
+    return section
+
+
+# Keys that act only under some placements or norm kinds: key -> (the key that decides, where it acts).
+ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
+    "peri_input_norm": ("placement", frozenset({"peri"})),
+    "mixln_fraction": ("placement", frozenset({"mixln"})),
+    "deepnorm_alpha": ("placement", frozenset({"deepnorm"})),
+    "deepnorm_beta": ("placement", frozenset({"deepnorm"})),
+    "output_norm_init": ("placement", frozenset({"respost"})),
+    "prms_fraction": ("kind", frozenset({"prmsnorm"})),
+    "dyt_alpha0": ("kind", frozenset({"dyt"})),
+    "dyt_alpha0_attn": ("kind", frozenset({"dyt"})),
+    "dyt_alpha0_ffn": ("kind", frozenset({"dyt"})),
+    "dyt_alpha0_final": ("kind", frozenset({"dyt"})),
+    "dyt_bias": ("kind", frozenset({"dyt"})),
+    "derf_alpha0": ("kind", frozenset({"derf"})),
+    "deepnorm_count": ("placement", frozenset({"deepnorm"})),
+    "b2t_rescale": ("placement", frozenset({"b2t"})),
+    "resdual_stream": ("placement", frozenset({"resdual"})),
+    "resdual_final_norm": ("placement", frozenset({"resdual"})),
+    "admin_profile": ("placement", frozenset({"admin"})),
+    "rezero_gate": ("placement", frozenset({"rezero"})),
+}
+DYT_SITES = ("dyt_alpha0_attn", "dyt_alpha0_ffn", "dyt_alpha0_final")
+# Keys of ACTS_ONLY_UNDER that act on one architecture only: key -> the model.arch where it acts
+ARCH_ONLY = {"rezero_gate": "transformer", "deepnorm_count": "ffn", "dyt_alpha0_attn": "transformer"}
+
+
+def mixln_post_count(depth: int, fraction: float) -> int:
+    """How many of Mix-LN's first layers are Post-LN: floor(f * N), an integer count (Li et al.:
+    "3 of 12, 6 of 24" at f = 0.25). The product is rounded to 9 decimals first, so that a float
+    product just under the integer it stands for (0.58 * 50 = 28.999999999999996) counts as that integer."""
+    return math.floor(round(fraction * depth, 9))
+
+
+def inert_keys(section: NormConfig | OptimConfig | ScheduleConfig) -> list[str]:
+    """The keys of the section's ACTS_ONLY_UNDER table (`ACTS_ONLY_UNDER_BY_SECTION`) that its own
+    deciding key (the norm's placement or kind, the optimizer's name, the schedule's kind) leaves unused."""
+    table = ACTS_ONLY_UNDER_BY_SECTION[_SECTION_NAMES[type(section)]]
+    return [key for key, (decider, where) in table.items() if getattr(section, decider) not in where]
+
+
+class DataConfig(_Section):
+    task: TaskName = "random_labels"
+    n_samples: int = Field(64, ge=1, le=10_000_000)  # sequence tasks: the training split's size
+    vocab: int = Field(16, ge=2, le=65_536)  # sequence tasks: token count (modular_add: p + 2 tokens)
+    seq_len: int | None = Field(None, ge=2, le=4096)  # sequence tasks: tokens per sequence; None: the task's
+    n_val: int = Field(128, ge=1, le=10_000_000)  # sequence tasks: the held-out split's size
+    batch_size: int | None = Field(None, ge=1, le=10_000_000)  # sequence tasks: minibatch; None: full batch
+
+    @model_validator(mode="after")
+    def _task_shape(self) -> DataConfig:
+        if self.task == "random_labels":
+            for key in ("vocab", "seq_len", "n_val", "batch_size"):
+                if getattr(self, key) != DataConfig.model_fields[key].default:
+                    raise cross_key_error(f"data.{key}", "applies to the sequence tasks "
+                                          f"({', '.join(SEQUENCE_TASKS)}), not to random_labels")
+            return self
+        problem = sequence_problem(self)
+        if problem is not None:
+            raise cross_key_error(*problem)
+        if self.seq_len == DEFAULT_SEQ_LEN[self.task]:
+            # the task's own length written out is the same run as leaving it unset: one config, one run id
+            object.__setattr__(self, "seq_len", None)
+        return self
+
+
+@dataclass(frozen=True)
+class SequenceShape:
+    """The layout of a sequence task (normexp/data.py draws it): every sequence has `seq_len` tokens;
+    the model reads the first seq_len - 1 and is scored where its next token is an answer, at input
+    `positions`; `capacity` is how many distinct sequences the task has."""
+
+    seq_len: int
+    positions: tuple[int, ...]
+    capacity: int
+
+
+MODULAR_ADD_MAX_VOCAB = 2050  # p = 2048: randperm(p^2) is 32 MiB (Power et al. use p = 97)
+DEFAULT_SEQ_LEN = {"assoc_recall": 16, "copy": 17, "modular_add": 5}
+
+
+def sequence_shape(data: DataConfig) -> SequenceShape:
+    """assoc_recall: k1 v1 .. kP vP q1 a1 .. qP aP (P = seq_len / 4 distinct keys from the lower half of
+    the vocabulary, values from the upper half, the queries a permutation of the keys); copy: s1 .. sn 0
+    s1 .. sn (n = (seq_len - 1) / 2 tokens from 1..vocab-1, 0 the separator); modular_add: a + b = c
+    with p = vocab - 2 (tokens p and p + 1 are '+' and '=')."""
+    length = data.seq_len if data.seq_len is not None else DEFAULT_SEQ_LEN[data.task]
+    if data.task == "assoc_recall":
+        pairs, keys = length // 4, data.vocab // 2
+        positions = tuple(2 * pairs + 2 * j for j in range(pairs))
+        capacity = math.perm(keys, pairs) * (data.vocab - keys) ** pairs * math.factorial(pairs) if keys >= pairs else 0
+        return SequenceShape(length, positions, capacity)
+    if data.task == "copy":
+        n = (length - 1) // 2
+        return SequenceShape(length, tuple(range(n, 2 * n)), (data.vocab - 1) ** n)
+    return SequenceShape(length, (3,), max(data.vocab - 2, 0) ** 2)
+
+
+def sequence_problem(data: DataConfig) -> tuple[str, str] | None:
+    """(key, why) for the first data key a sequence task cannot work with, else None."""
+    shape, given = sequence_shape(data), data.seq_len
+    if data.task == "assoc_recall" and given is not None and (given % 4 or given < 8):
+        return "data.seq_len", f"assoc_recall needs a multiple of 4, at least 8 (2 pairs, 2 queries), got {given}"
+    if data.task == "copy" and given is not None and (given % 2 == 0 or given < 5):
+        return "data.seq_len", f"copy needs an odd length, at least 5 (2 tokens, separator, 2 copies), got {given}"
+    if data.task == "modular_add" and given is not None and given != 5:
+        return "data.seq_len", f"modular_add sequences are 'a + b = c', 5 tokens: leave it unset, got {given}"
+    if data.task == "modular_add" and data.vocab > MODULAR_ADD_MAX_VOCAB:
+        return "data.vocab", (f"modular_add shuffles all p^2 sums (p = vocab - 2): at most {MODULAR_ADD_MAX_VOCAB} "
+                              f"tokens ({(MODULAR_ADD_MAX_VOCAB - 2) ** 2} sums), got {data.vocab}")
+    smallest = {"assoc_recall": max(2 * (shape.seq_len // 4), 4), "copy": 3, "modular_add": 4}[data.task]
+    if data.vocab < smallest:
+        return "data.vocab", f"{data.task} at seq_len {shape.seq_len} needs >= {smallest} tokens, got {data.vocab}"
+    wanted = data.n_samples + data.n_val
+    # modular_add splits its p^2 sums exactly; the others draw at random, so keep them far from full
+    if shape.capacity < (wanted if data.task == "modular_add" else 2 * wanted):
+        return "data.vocab", (f"{data.task} has {shape.capacity} distinct sequences at vocab {data.vocab}, too few "
+                              f"for n_samples + n_val = {wanted} distinct ones: raise vocab or lower the counts")
+    if data.batch_size is not None and data.batch_size > data.n_samples:
+        return "data.batch_size", f"must be <= data.n_samples {data.n_samples}, got {data.batch_size}"
+    return None
+
+
+class OptimConfig(_Section):
+    name: OptimName = "adam"
+    lr: PositiveFloat = 0.01
+    betas: Annotated[tuple[Beta, Beta], Field(strict=False)] = (0.9, 0.999)  # adam, adamw, radam only
+    eps: PositiveFloat = 1e-8  # adam, adamw, radam only
+    weight_decay: NonNegFloat | None = None  # None: the optimizer's own default (adamw 0.01, others 0)
+    momentum: Fraction = 0.9  # sgd only
+
+    @model_validator(mode="after")
+    def _resolve_weight_decay(self) -> OptimConfig:
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", 0.01 if self.name == "adamw" else 0.0)
+        return self
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> OptimConfig:
+        """As NormConfig's: momentum under Adam, betas and eps under SGD go back to their defaults."""
+        return _inert_keys_to_default(self, info)
+
+
+class ScheduleConfig(_Section):
+    kind: ScheduleKind = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: Fraction = 0.0  # cosine only
+
+    @model_validator(mode="after")
+    def _warmup_needs_a_schedule(self) -> ScheduleConfig:
+        if self.kind == "constant" and self.warmup_steps > 0:
+            raise ValueError(
+                "warmup_steps has no effect with kind 'constant': "
+                "use kind linear_warmup, inverse_sqrt or cosine"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> ScheduleConfig:
+        """As NormConfig's: min_lr_ratio under any kind but cosine goes back to its default."""
+        return _inert_keys_to_default(self, info)
+
+
+ADAM_FAMILY = frozenset({"adam", "adamw", "radam"})  # normexp/optim.py: the optimizers that take betas and eps
+# The optimizer's and the schedule's keys that act only under some optimizers or kinds (normexp/optim.py
+# and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay acts under all.
+OPTIM_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
+    "betas": ("name", ADAM_FAMILY),
+    "eps": ("name", ADAM_FAMILY),
+    "momentum": ("name", frozenset({"sgd"})),
+}
+SCHEDULE_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
+    "min_lr_ratio": ("kind", frozenset({"cosine"})),
+}
+ACTS_ONLY_UNDER_BY_SECTION = {"norm": ACTS_ONLY_UNDER, "optim": OPTIM_ACTS_ONLY_UNDER,
+                              "schedule": SCHEDULE_ACTS_ONLY_UNDER}
+_SECTION_NAMES = {NormConfig: "norm", OptimConfig: "optim", ScheduleConfig: "schedule"}
+
+
+class TrainConfig(_Section):
+    steps: int = Field(30, ge=0, le=10_000_000)
+    threads: int | None = Field(None, ge=1, le=1024)  # torch intra-op threads; None: torch's default
+    stop_on_nonfinite: bool = True
+    log_blocks: bool = False  # write <run_id>/blocks.csv: per-block gradients, updates, activations
+    log_every: int = Field(1, ge=1, le=10_000_000)  # blocks.csv keeps steps 0, k, 2k, ...
+
+    @field_validator("log_every")
+    @classmethod
+    def _log_every_needs_log_blocks(cls, value: int, info: ValidationInfo) -> int:
+        if value != 1 and not info.data.get("log_blocks"):
+            raise ValueError(f"thins blocks.csv, so it needs log_blocks: true (got log_every {value} without it)")
+        return value
+
+
+class RunConfig(_Section):
+    """One training run, fully resolved: enough to rerun it alone."""
+
+    model: ModelConfig = ModelConfig()
+    norm: NormConfig = NormConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: TrainConfig = TrainConfig()
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+    @model_validator(mode="after")
+    def _arch_fits(self, info: ValidationInfo) -> RunConfig:
+        problem = arch_problem(self)
+        if problem is not None:
+            raise cross_key_error(*problem)
+        if self.norm.placement == "resdual" and not self.norm.resdual_final_norm and not self.model.final_norm:
+            if not (info.context or {}).get("keep_inert"):  # ResiDual ends without a final norm either way
+                object.__setattr__(self, "model", self.model.model_copy(update={"final_norm": True}))
+        return self
+
+
+def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
+    """(key, why) for the first key that does not fit `model.arch`, else None."""
+    if cfg.model.arch == "ffn":
+        if cfg.data.task != "random_labels":
+            return "data.task", f"{cfg.data.task} is a sequence task: it needs model.arch transformer"
+        if cfg.model.n_heads != ModelConfig.model_fields["n_heads"].default:
+            return "model.n_heads", "applies to model.arch transformer only (the FFN has no attention)"
+        if cfg.norm.placement == "b2t":
+            return "norm.placement", ("b2t skips from a layer's input to its second sublayer's norm: it needs "
+                                      "model.arch transformer (an FFN block has one sublayer)")
+        if "ffn" not in placement_archs(cfg.norm.placement):
+            return "norm.placement", "applies to model.arch transformer only (its archs)"
+        return _arch_only_problem(cfg)
+    if cfg.data.task == "random_labels":
+        return "data.task", f"model.arch transformer trains on a sequence task: one of {', '.join(SEQUENCE_TASKS)}"
+    if cfg.model.n_classes != ModelConfig.model_fields["n_classes"].default:
+        return "model.n_classes", "applies to model.arch ffn only (the transformer predicts data.vocab tokens)"
+    if cfg.train.log_blocks:
+        return "train.log_blocks", "records FFN blocks only: not supported with model.arch transformer"
+    if "transformer" not in placement_archs(cfg.norm.placement):
+        return "norm.placement", "applies to model.arch ffn only (its archs)"
+    return _arch_only_problem(cfg)
+
+
+def _arch_only_problem(cfg: RunConfig) -> tuple[str, str] | None:
+    """(key, why) for a key of ARCH_ONLY set away from its default under the other architecture."""
+    why = {"rezero_gate": "an FFN block is one sublayer, so its gate is the layer's",
+           "deepnorm_count": "the Transformer's layer has two sublayers, so both readings give M = 2N",
+           "dyt_alpha0_attn": "the FFN toy has no attention sublayer"}
+    for key, arch in ARCH_ONLY.items():
+        if cfg.model.arch != arch and getattr(cfg.norm, key) != NormConfig.model_fields[key].default:
+            return f"norm.{key}", f"applies to model.arch {arch} only ({why[key]})"
+    return None
+
+
+def cross_key_error(key: str, why: str) -> PydanticCustomError:
+    """A check across keys, blamed on `key` (a dotted path): the error formatters put it in the path."""
+    return PydanticCustomError("cross_key", "{key}: {why}", {"key": key, "why": why})
+
+
+class ReportConfig(_Section):
+    steps: list[Annotated[int, Field(ge=0)]] = list(DEFAULT_REPORT_STEPS)
+    columns: list[str] | None = None  # dotted keys that make the table's columns; None: the grid keys
+    metric: Metric = "loss"
+
+
+def run_keys() -> list[str]:
+    """Every dotted leaf key of a run config: `model.depth`, ..., `seed`."""
+    keys = []
+    for name, sub in _section_fields(RunConfig).items():
+        keys += [f"{name}.{leaf}" for leaf in sub.model_fields] if sub else [name]
+    return keys
+
+
+GENERIC_LEAVES = ("name", "kind")  # `name=adam`, `kind=cosine`: the section says what is named
+
+
+def key_label(key: str) -> str:
+    """A dotted key's short label in a table or figure: its leaf (`lr`, `warmup_steps`) where that names
+    one key alone; its section for a generic leaf (`optim.name` -> `optim`, `schedule.kind` -> `schedule`);
+    the whole key where two sections share the leaf (`norm.eps`, `optim.eps`). A key that is not a run
+    key (a column of an older folder) keeps its leaf unless it is generic."""
+    section, _, leaf = key.rpartition(".")
+    if not section:
+        return key
+    if leaf in GENERIC_LEAVES:
+        return section
+    shared = sum(k.rpartition(".")[2] == leaf for k in run_keys())
+    return key if shared > 1 else leaf
+
+
+def validate_run(data: dict, prefix: str = "", keep_inert: bool = False) -> RunConfig:
+    """Validate one run's config mapping, naming bad keys under `prefix` (e.g. 'base'). `keep_inert`
+    keeps the keys its placement or kind does not use (a sweep's base: a grid run may use them)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: must be a mapping, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data, context={"keep_inert": keep_inert})
+    except ValidationError as exc:
+        raise _format_errors(exc, RunConfig, prefix) from None
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Load a single run's `config.yaml` (as written into a run folder)."""
+    return validate_run(read_mapping(path))
+
+
+def flatten(cfg: RunConfig) -> dict[str, Any]:
+    """A run config as one flat mapping of dotted keys (tuples become lists)."""
+    flat = {}
+    for section, values in cfg.model_dump(mode="json").items():
+        if isinstance(values, dict):
+            flat.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            flat[section] = values
+    return flat

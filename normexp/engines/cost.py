@@ -1,0 +1,16 @@
+"""What a run costs, before it runs: FLOPs per model-step, from its config alone (no torch). The executors
+pair small runs by it; the fast engine decides whether compiling pays by it."""
+
+from __future__ import annotations
+
+from normexp.config import RunConfig, sequence_shape
+
+
+def model_step_flops(cfg: RunConfig) -> float:
+    """FLOPs of one training step of one run: the forward matmuls, times 3 (forward and backward)."""
+    n, d, depth = cfg.data.n_samples, cfg.model.width, cfg.model.depth
+    hidden = d * cfg.model.hidden_mult
+    if cfg.model.arch == "transformer":  # per token: FFN, q k v out, scores and mixing; the head
+        t = sequence_shape(cfg.data).seq_len - 1
+        return 3 * 2 * n * t * (depth * (2 * d * hidden + 4 * d * d + 2 * t * d) + d * cfg.data.vocab)
+    return 3 * 2 * n * (2 * d * hidden * depth + d * cfg.model.n_classes)
