@@ -34,8 +34,9 @@ LAYERS = {
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
-NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
-            "normexp.analysis.gradnorm", "normexp.plot", "normexp.report", "normexp.tables", "normexp.results")
+NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
+            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
+            "normexp.tables", "normexp.results")
 
 
 def module_name(path: Path) -> str:
