@@ -59,7 +59,8 @@ from normexp.store import (
 )
 
 if TYPE_CHECKING:
-    from normexp.executors import Executor, UnitResult
+    from normexp.executors import Executor
+    from normexp.units import UnitResult
 
 T = TypeVar("T")
 EngineName = Literal["auto", "reference", "batched", "fast"]
@@ -135,7 +136,8 @@ EventCallback = Callable[[SweepEvent], None]
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
               on_event: EventCallback | None = None, invocation: Invocation = Invocation()) -> SweepOutcome:
     """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
-    from normexp.executors import default_threads, make_executor
+    from normexp.executors import make_executor
+    from normexp.units import default_threads
 
     out_dir = Path(out_dir)
     outcome = SweepOutcome(out_dir, len(sweep.runs), command=invocation.command)
@@ -259,7 +261,7 @@ def refuse_another_sweep(out_dir: Path, sweep: Sweep,
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
              outcome: SweepOutcome, emit: EventCallback, threads: int, planned: list[RunConfig]) -> None:
-    from normexp.executors import plan_units
+    from normexp.units import plan_units
 
     engine = options.engine if options.engine in ("reference", "fast") else "batched"
     units = plan_units(pending, engine, options.device, threads, options.compile, planned)

@@ -397,12 +397,12 @@ def test_worker_processes_write_the_same_blocks_csv(write_yaml, tmp_path):
 
 def test_the_fast_engine_hands_logging_runs_to_the_exact_engines():
     """blocks.csv is the reference's bits: under --engine fast, logging runs train on the batched engine."""
-    from normexp.executors import plan_units
+    from normexp.units import plan_units
 
     configs = runs("pre", "layernorm", n=4)
     units = plan_units(configs[:2] + [logging(c) for c in configs[2:]], "fast", "cpu", 1)
     by_logging = {unit.runs[0].train.log_blocks: unit for unit in units}
-    assert len(units) == 2 and by_logging[True].batched and not by_logging[True].fast and by_logging[False].fast
+    assert len(units) == 2 and by_logging[True].engine == "batched" and by_logging[False].engine == "fast"
 
 
 def test_done_json_vouches_for_blocks_csv(write_yaml, tmp_path):

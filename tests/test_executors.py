@@ -19,17 +19,9 @@ from normexp.cli import app
 from normexp.config import RunConfig
 from normexp.engines.fast import train_fast
 from normexp.engines.reference import train_run
-from normexp.executors import (
-    DaskExecutor,
-    InProcessExecutor,
-    PoolExecutor,
-    WorkUnit,
-    crashed,
-    pairs_well,
-    plan_units,
-    run_unit,
-)
+from normexp.executors import DaskExecutor, InProcessExecutor, PoolExecutor, pairs_well
 from normexp.results import load_metrics, load_summary
+from normexp.units import Stopped, WorkUnit, crashed, plan_units, run_unit
 
 GRID = """\
 name: ex
@@ -63,12 +55,12 @@ def test_plan_units_batches_and_singles():
     runs = [RunConfig.model_validate({"seed": s, "optim": {"name": "adam"}}) for s in range(3)]
     runs += [RunConfig.model_validate({"optim": {"name": "radam", "lr": lr}}) for lr in (0.01, 0.003)]
     units = plan_units(runs, "batched", "cpu", threads=1)
-    assert sorted((u.batched, len(u.configs)) for u in units) == [(False, 1)] * 2 + [(True, 3)]
-    assert all(not u.batched for u in plan_units(runs, "reference", "cpu", threads=1))
+    assert sorted((u.engine, len(u.configs)) for u in units) == [("batched", 3)] + [("reference", 1)] * 2
+    assert all(u.engine == "reference" for u in plan_units(runs, "reference", "cpu", threads=1))
 
 
 def test_run_unit_reports_errors_per_run():
-    bad = WorkUnit((RunConfig().model_dump(mode="json"),), batched=False, device="nope", threads=1)
+    bad = WorkUnit((RunConfig().model_dump(mode="json"),), engine="reference", device="nope", threads=1)
     result = run_unit(bad)
     assert isinstance(result.outcomes[0], str) and "device" in result.outcomes[0].lower()
     assert crashed(bad, "gone").status == "crashed"
@@ -88,7 +80,7 @@ def die(unit: WorkUnit) -> None:
 
 def test_pool_retries_a_dead_worker_once_then_marks_crashed(monkeypatch):
     unit = WorkUnit((RunConfig(model={"depth": 1, "width": 4}, train={"steps": 1}).model_dump(mode="json"),),
-                    batched=False, device="cpu", threads=1)
+                    engine="reference", device="cpu", threads=1)
     monkeypatch.setattr("normexp.executors.run_unit", die)  # the worker dies at once, every time
     results = list(PoolExecutor(1).run([unit]))
     assert len(results) == 1 and results[0].status == "crashed"
@@ -310,7 +302,7 @@ def test_slurm_example_renders_a_job_script_without_slurm():
 def _seeds_unit(threads: int = 1) -> WorkUnit:
     runs = [RunConfig.model_validate({"model": {"depth": 2, "width": 8}, "train": {"steps": 4}, "seed": s})
             for s in range(3)]
-    return WorkUnit(tuple(r.model_dump(mode="json") for r in runs), batched=True, device="cpu", threads=threads)
+    return WorkUnit(tuple(r.model_dump(mode="json") for r in runs), engine="batched", device="cpu", threads=threads)
 
 
 def test_a_failing_run_does_not_fail_its_batch_mates(monkeypatch):
@@ -460,7 +452,7 @@ def test_closing_the_executor_stops_paired_runs_at_their_next_step(engine):
     def consume():
         try:
             outcome.extend(executor.run(units))
-        except executors.Stopped:
+        except Stopped:
             outcome.append("stopped")
 
     consumer = threading.Thread(target=consume)

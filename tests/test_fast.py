@@ -19,9 +19,9 @@ from normexp.config import OptimConfig, RunConfig
 from normexp.engines import fast
 from normexp.engines.fast import FastOptimizer, compile_pays, plan_fast, should_compile, stretches, train_fast
 from normexp.engines.reference import train_run
-from normexp.executors import plan_units
 from normexp.registry import KINDS, placements_for
 from normexp.results import load_summary
+from normexp.units import plan_units
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_fast import (  # noqa: E402
@@ -153,8 +153,8 @@ def test_plan_fast_chunks_each_structure_and_keeps_every_run():
 
 def test_plan_units_fast_decides_compile_per_structure_unless_told():
     configs = runs(n=4)
-    assert all(u.fast and not u.compile for u in plan_units(configs, "fast", "cpu", 1))
-    assert all(u.fast and u.compile for u in plan_units(configs, "fast", "cpu", 1, compile=True))
+    assert all(u.engine == "fast" and not u.compile for u in plan_units(configs, "fast", "cpu", 1))
+    assert all(u.engine == "fast" and u.compile for u in plan_units(configs, "fast", "cpu", 1, compile=True))
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from normexp.cli import app
 from normexp.config import load_sweep
 from normexp.engines.fast import plan_fast
-from normexp.executors import plan_units
 from normexp.store import run_id
+from normexp.units import plan_units
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_reliability import done_markers, start_sweep  # noqa: E402

@@ -15,9 +15,10 @@ from test_reliability import failing_for_seed_1
 from normexp import executors
 from normexp.config import RunConfig, load_sweep
 from normexp.engines import reference
-from normexp.executors import InProcessExecutor, pairs_well, plan_units
+from normexp.executors import InProcessExecutor, pairs_well
 from normexp.results import load_summary
 from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+from normexp.units import plan_units
 
 
 def test_a_stop_signal_while_fail_fast_stops_the_paired_runs_interrupts_the_sweep(write_yaml, tmp_path, monkeypatch):

@@ -14,9 +14,10 @@ import torch
 from normexp.config import RunConfig, build_sweep
 from normexp.engines import fast, reference
 from normexp.engines.cost import model_step_flops
-from normexp.executors import InProcessExecutor, pairs_well, plan_units
+from normexp.executors import InProcessExecutor, pairs_well
 from normexp.results import load_summary
 from normexp.sweep import SweepOptions, run_sweep
+from normexp.units import plan_units
 
 
 def runs(width: int, placements=("post", "pre"), seeds=(0, 1, 2), steps: int = 5) -> list[RunConfig]:
