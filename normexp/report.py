@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from normexp.analysis.variants import engine_note, is_trained, n_choices, trained_threshold, variant_groups
+from normexp.analysis.variants import engine_note, is_null, is_trained, n_choices, trained_threshold, variant_groups
 from normexp.config import Sweep, key_label
 from normexp.results import (
     Folder,
@@ -352,13 +352,18 @@ def _short(key: str) -> str:
     return key_label(key)
 
 
+def _key_value(value: object) -> str:
+    """A key's value as the labels write it: a null (an unset key, read back as nan) is `null`."""
+    return "null" if is_null(value) else str(value)
+
+
 def _pivot_cells(pivot: Pivot, corner: str, panel: int) -> tuple[list[str], list[list[str]], str]:
     """One panel's header, rows and alignment; `corner` labels the row and column keys."""
     _, mean, std, n, runs = pivot.panels[panel]
     lost = pivot.lost[panel]
-    header = [corner, *(str(c) for c in mean.columns)]
-    rows = [[str(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c], runs.at[row, c], lost.at[row, c])
-                         for c in mean.columns)] for row in mean.index]
+    header = [corner, *(_key_value(c) for c in mean.columns)]
+    rows = [[_key_value(row), *(pivot.cell(mean.at[row, c], std.at[row, c], n.at[row, c], runs.at[row, c],
+                                           lost.at[row, c]) for c in mean.columns)] for row in mean.index]
     return header, rows, "l" + "r" * len(mean.columns)
 
 

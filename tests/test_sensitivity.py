@@ -136,3 +136,26 @@ def test_the_study_verdict_ranks_and_compares_warmups(tmp_path):
     assert "with 12 warmup steps (least sensitive first): Post 0.100, Pre 0.167" in text
     assert "lowers the sensitivity of Post 0.733 -> 0.100" in text and "spread of the two for Pre" in text
     assert "(24 runs, 2+ seeds per variant" in text
+
+
+def test_a_variant_whose_key_is_unset_counts_no_run_missing(tmp_path):
+    """A null (unset) grid value reads back as nan, which equals nothing: the variant's runs in the sweep
+    were counted as none, and its `missing` came out negative (-6 for 6 runs)."""
+    from normexp.config import build_sweep, parse_yaml
+    from normexp.report import build_pivot, pivot_to_markdown
+    from normexp.store import FinishedRun, atomic_write, run_id, write_run, write_summary
+
+    sweep = build_sweep(parse_yaml(
+        "name: n\nbase: {model: {depth: 2, width: 4}, norm: {placement: deepnorm}, train: {steps: 1}}\n"
+        "grid: {norm.deepnorm_alpha: [null, 2.0], optim.lr: [0.01, 1.0, 10.0]}\nseeds: [0, 1]\n"))
+    out = tmp_path / "n"
+    out.mkdir()
+    atomic_write(out / "sweep.yaml", sweep.to_yaml())
+    for cfg in sweep.runs:
+        metrics = {"step": [0, 1], "loss": [2.3, cfg.optim.lr], "acc": [0.1] * 2, "lr": [cfg.optim.lr] * 2,
+                   "grad_norm": [1.0] * 2}
+        write_run(out / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+    write_summary(out, sweep.runs)
+    rows = build_sensitivity(out)
+    assert [(r.runs, r.missing) for r in rows] == [(6, 0), (6, 0)]
+    assert "| null |" in pivot_to_markdown(build_pivot(out, "norm.deepnorm_alpha", "optim.lr"))

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from normexp.analysis.variants import engine_note, variant_groups
+from normexp.analysis.variants import engine_note, is_null, variant_groups
 from normexp.config import METRIC_COLUMNS, VAL_COLUMNS
 from normexp.results import Folder, ResultsError, as_folder, varying_keys
 
@@ -117,8 +117,9 @@ def build_sensitivity(source: str | Path | Folder) -> list[Sensitivity]:
     for label, group in variant_groups(table, keys):
         values = {k: group[k].iloc[0] for k in keys}
         in_sweep = summary
-        for key, value in values.items():
-            in_sweep = in_sweep[in_sweep[key].astype(str) == str(value)]
+        for key, value in values.items():  # a null (unset) key reads back as nan, equal to nothing
+            same = in_sweep[key].isna() if is_null(value) else in_sweep[key].astype(str) == str(value)
+            in_sweep = in_sweep[same]
         sensitivity, spread, best_lr, best = variant_sensitivity(group, grid_lrs)
         out.append(Sensitivity(
             label, values, sensitivity, spread, best_lr, best, int(group[LR_KEY].nunique()), len(grid_lrs),
