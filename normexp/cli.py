@@ -589,7 +589,7 @@ def norms_bench(
 
 @app.command()
 def studies(
-    out_dir: Annotated[Path, typer.Option("--out", help="Folder for every study's runs and REPORT.md.")] = Path("runs"),
+    out_dir: Annotated[str, typer.Option("--out", help="Folder for every study's runs and REPORT.md.")] = "runs",
     quick: Annotated[bool, typer.Option("--quick", help="A smoke test: 2 seeds per sweep, no big-shape speed table.")]
     = False,
 ) -> None:

@@ -91,13 +91,15 @@ def load_folder(run_dir: str | Path) -> Folder:
     run_dir = Path(run_dir)
     try:
         sweep = read_sweep(run_dir)
+        verified: dict[str, RunState] = {}
+        runs = folder_runs(run_dir, sweep, verified)
+        statuses = cached_statuses(run_dir)
+        rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid))
+                for cfg, rid in ((cfg, run_id(cfg)) for cfg in runs)]
     except StoreError as exc:
         raise ResultsError(str(exc)) from None
-    verified: dict[str, RunState] = {}
-    runs = folder_runs(run_dir, sweep, verified)
-    statuses = cached_statuses(run_dir)
-    rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid))
-            for cfg, rid in ((cfg, run_id(cfg)) for cfg in runs)]
+    except OSError as exc:  # a name too long for the file system, a folder that cannot be listed
+        raise ResultsError(f"{run_dir}: cannot read: {exc.strerror or exc}") from None
     first = runs[0] if runs else None
     return Folder(run_dir, sweep, _frame(rows_csv(rows, first)), _frame(rows_csv(rows[:len(sweep.runs)], first)))
 

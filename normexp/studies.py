@@ -53,6 +53,7 @@ from normexp.config import SYMLINK_LOOP, ConfigError, Sweep, is_symlink_loop, lo
 from normexp.executors import usable_cores
 from normexp.report import build_report, to_markdown
 from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note
+from normexp.store import StoreError, lock_owner
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 
@@ -462,6 +463,10 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     specs = {name: _spec(name, quick) for name, *_ in studies}
     for name, spec in specs.items():  # before anything trains, not after the studies before it
         refuse_another_sweep(out / name, spec, remedy="choose another --out")
+        owner = lock_owner(out / name)
+        if owner is not None:
+            raise StoreError(f"{out / name}: another sweep is writing here ({owner}); wait for it, or choose "
+                             "another --out")
     for name, question, x_key, verdict in studies:
         log(f"study {name} ...")
         start = time.perf_counter()
@@ -530,33 +535,50 @@ def _fail(message: str) -> NoReturn:
 QUICK_HELP = "a smoke test: 2 seeds per sweep (gradnorm 3, the article's table its 1), no big-shape speed table"
 
 
-def run_command(out: Path, quick: bool = False) -> None:
+def run_command(out_option: str | Path, quick: bool = False) -> None:
     """`normexp studies` (and `python -m normexp.studies`): every study into `out`, stopping cleanly on
     a first Ctrl-C or SIGTERM (finished runs kept, a rerun resumes) and exiting 128 + signal; a folder
     in use, an unusable `out` or an edited study config is one `error:` line and exit 2."""
     stopping.on_stop_signals(stopping.stop_cleanly)
     from normexp.executors import ExecutorError
-    from normexp.store import StoreError
 
-    if is_symlink_loop(out):  # else mkdir says "File exists"
-        _fail(f"--out {out}: {SYMLINK_LOOP}")
+    out = _check_out(str(out_option))
     try:
         run_studies(out, quick)
     except (StoreError, ExecutorError, ConfigError) as exc:  # a folder in use or full, an edited study config
         _fail(str(exc))
-    except OSError as exc:  # --out names a file, or a folder that cannot be written
-        _fail(f"{out}: cannot use as the output folder: {exc.strerror} ({exc.filename})")
+    except OSError as exc:  # a folder that cannot be written, a full disk: say which file
+        where = f" ({exc.filename})" if exc.filename else ""
+        _fail(f"--out {out}: cannot write the studies{where}: {exc.strerror or exc}")
     except (SweepInterrupted, KeyboardInterrupt):
         signum = stopping.received or signal.SIGINT
-        print(f"{signal.Signals(signum).name}: studies stopped; every finished run is kept in {out}. "
-              "Run the same command again to resume.", file=sys.stderr)
+        kept = f"every finished run is kept in {out}" if out.is_dir() else "nothing was written yet"
+        print(f"{signal.Signals(signum).name}: studies stopped; {kept}. Run the same command again to resume.",
+              file=sys.stderr)
         sys.exit(128 + signum)
+
+
+def _check_out(option: str) -> Path:
+    """--out must name a folder, or a path where one can be made: as `normexp sweep` checks its --out."""
+    if not option.strip():  # Path("") is the current folder: every study would land there
+        _fail("--out: empty; name a folder for the studies (the default is runs)")
+    out = Path(option)
+    try:
+        if is_symlink_loop(out):  # else mkdir says "File exists"
+            _fail(f"--out {out}: {SYMLINK_LOOP}")
+        if out.is_symlink() and not out.exists():
+            _fail(f"--out {out}: a symbolic link to {os.readlink(out)}, which does not exist")
+        if out.exists() and not out.is_dir():
+            _fail(f"--out {out}: is a file, not a folder")
+    except OSError as exc:  # a name too long for the file system
+        _fail(f"--out {out}: cannot use as the output folder: {exc.strerror}")
+    return out
 
 
 def main() -> None:
     """`python -m normexp.studies`: the same as `normexp studies`."""
     parser = argparse.ArgumentParser(description="Run normexp's studies and write REPORT.md.")
-    parser.add_argument("--out", type=Path, default=Path("runs"))
+    parser.add_argument("--out", default="runs")
     parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
     run_command(args.out, args.quick)

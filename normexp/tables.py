@@ -223,7 +223,7 @@ SENSITIVITY_HEADER = ["variant", "LR sensitivity", "best lr", "l* (best seed-mea
 
 
 SENSITIVITY_NOTE = ("LR sensitivity = mean over the lr grid of [min(final loss, loss at init) - l*], l* the "
-                    "variant's best seed-mean final loss; ± the std over seeds (Wortsman et al. 2023). "
+                    "lowest of those seed-means (the best lr's); ± the std over seeds (Wortsman et al. 2023). "
                     "Lower: less sensitive.")
 
 

@@ -252,3 +252,10 @@ def test_the_smallest_positive_float32_is_not_0(key):
 def test_eps_1e_50_exits_2(write_yaml):
     result = CliRunner().invoke(app, ["validate", str(write_yaml("name: t\nbase: {optim: {eps: 1e-50}}\n"))])
     assert result.exit_code == 2 and result.output.startswith("error: base.optim.eps: is 0 in float32"), result.output
+
+
+def test_set_of_a_list_key_without_brackets_says_to_bracket_it():
+    """`--set optim.betas=0.9,0.99` is two grid values, 0.9 and 0.99, neither a pair: say how to write one."""
+    with pytest.raises(ConfigError, match=r"optim.betas is a list, written in brackets .*optim.betas=\[0.9,0.99\]"):
+        parse_set("optim.betas=0.9,0.99")
+    assert parse_set("optim.betas=[0.9,0.99],[0.8,0.9]") == ("optim.betas", [[0.9, 0.99], [0.8, 0.9]])

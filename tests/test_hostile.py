@@ -410,13 +410,25 @@ def test_the_studies_exit_2_on_an_output_folder_they_cannot_use(tmp_path, monkey
     other = tmp_path / "other"
     (other / "depth").mkdir(parents=True)
     (other / "depth" / "sweep.yaml").write_text("name: not-depth\nbase: {}\ngrid: {}\nseeds: [0]\n")
-    busy, loop = tmp_path / "busy", tmp_path / "loop"
+    busy, late, loop, dangling = tmp_path / "busy", tmp_path / "late", tmp_path / "loop", tmp_path / "dangling"
     loop.symlink_to(loop)
-    with SweepLock(busy / "warmup"):
-        for out, said in ((a_file, "cannot use as the output folder"), (other, "holds sweep 'not-depth'"),
-                          (busy, "another sweep is writing here"), (loop, "a symbolic link loop")):
+    dangling.symlink_to(tmp_path / "nowhere")
+    with SweepLock(busy / "warmup"), SweepLock(late / "blocks"):  # the first study's folder, and the last's
+        for out, said in ((a_file, "is a file, not a folder"), (other, "holds sweep 'not-depth'"),
+                          (busy, "another sweep is writing here"), (late, "another sweep is writing here"),
+                          (loop, "a symbolic link loop"), (dangling, "which does not exist"), ("", "--out: empty")):
             code, stderr = _studies(out, monkeypatch, capsys)
             assert code == 2 and stderr.startswith("error: ") and said in stderr, (code, stderr)
             assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
     assert a_file.read_text() == "" and not (other / "warmup").exists()
     assert sorted(p.name for p in (busy / "warmup").iterdir()) == [".lock"]
+    assert sorted(p.name for p in late.iterdir()) == ["blocks"]  # refused before the first study trained
+
+
+@pytest.mark.parametrize("command", [["report"], ["report", "--lr-sensitivity"],
+                                     ["report", "--pivot", "optim.lr,seed"], ["plot"]])
+def test_a_folder_name_too_long_to_read_is_one_error_line(tmp_path, command):
+    too_long = str(tmp_path / ("x" * 300))
+    result = runner.invoke(app, [command[0], too_long, *command[1:]])
+    assert result.exit_code == 2 and "cannot read: File name too long" in result.output, result.output
+    assert "Traceback" not in result.output and "cannot write" not in result.output

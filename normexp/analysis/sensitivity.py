@@ -8,7 +8,7 @@ that share every other varying key) and per run r at learning rate lr:
     c_r       = min(final loss_r, loss_r at step 0)     a diverged run (nan / inf) counts as c_r = l0_r:
                                                          no progress, not infinity
     m(lr)     = mean over the variant's seeds of c_r
-    l*        = min over the lr grid of m(lr)            the variant's best seed-mean final loss
+    l*        = min over the lr grid of m(lr)            the best lr's seed-mean of the clipped loss
     LR sensitivity = mean over the lr grid of [m(lr) - l*]
 
 The seed spread is the standard deviation over seeds of each seed's own mean_lr [c - l*] (their mean is

@@ -26,6 +26,7 @@ from normexp.config.errors import (
     _format_errors,
     _key_path,
     _loc,
+    _tuple_field_at,
 )
 from normexp.config.loader import parse_yaml, read_mapping
 from normexp.config.schema import (
@@ -118,6 +119,9 @@ def parse_set(option: str) -> tuple[str, list[Any]]:
     if not raw.strip():
         raise ConfigError(f"--set {key}: no values given")
     values = [parse_yaml(part.strip(), f"--set {key}") for part in _split_values(raw)]
+    if len(values) > 1 and _tuple_field_at(RunConfig, key.split(".")) and not any(isinstance(v, list) for v in values):
+        raise ConfigError(f"--set {key}={raw}: each value of {key} is a list, written in brackets (commas "
+                          f"outside brackets separate the grid's values): {key}=[{raw}]")
     return key, values
 
 
