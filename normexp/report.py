@@ -219,10 +219,20 @@ def _title(summary: pd.DataFrame, metric: str) -> str:
              "schedule": "schedule.kind", "warmup": "schedule.warmup_steps", "steps": "train.steps"}
     varying = set(varying_keys(summary))
     parts = [f"{name}={first[key]}" for name, key in fixed.items() if key not in varying and key in first]
-    seeds = summary["seed"].nunique()
     finished = len(finished_runs(summary))
     covered = f" · {finished} of {len(summary)} runs finished" if finished < len(summary) else ""
-    return f"{metric} per step · {' '.join(parts)} · {seeds} seed{'s' if seeds > 1 else ''}{covered}"
+    return f"{metric} per step · {' '.join(parts)} · {_seeds(summary)}{covered}"
+
+
+def _seeds(summary: pd.DataFrame) -> str:
+    """How many seeds each configuration has: '3 seeds', or '1 to 3 seeds per configuration' in a folder
+    whose invocations ran some configurations with more seeds than others."""
+    others = [k for k in varying_keys(summary) if k != "seed"]
+    counts = summary.groupby(others, dropna=False)["seed"].nunique() if others else summary[["seed"]].nunique()
+    low, high = int(counts.min()), int(counts.max())
+    if low == high:
+        return f"{low} seed{'s' if low > 1 else ''}"
+    return f"{low} to {high} seeds per configuration"
 
 
 def grid_cells(report: Report) -> tuple[list[str], list[list[str]]]:

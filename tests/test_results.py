@@ -214,3 +214,10 @@ def test_a_command_reads_and_verifies_each_run_of_a_folder_once(fake_sweep, monk
     result = CliRunner().invoke(app, [command[0], str(fake_sweep), *command[1:]])
     assert result.exit_code == 0, result.output
     assert len(seen) == len(set(seen)) == runs
+
+
+def test_the_title_counts_seeds_per_configuration(fake_sweep):
+    """A folder where one invocation ran more seeds than another says so, not the largest count alone."""
+    assert "· 2 seeds" in build_report(fake_sweep).title
+    _folder_with_an_earlier_run(fake_sweep)  # one configuration of one seed beside 8 of two
+    assert "1 to 2 seeds per configuration" in build_report(fake_sweep).title
