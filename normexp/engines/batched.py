@@ -41,7 +41,7 @@ from torch import nn
 
 from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
-from normexp.engines.common import RunResult, seeded_init, torch_threads
+from normexp.engines.common import RunResult, record_live, seeded_init, share_wall_time, torch_threads
 from normexp.models.ffn import Net
 from normexp.optim import REPLAYED_OPTIMIZERS, SharedOptimizer, StackedOptimizer, step_lr
 from normexp.registry import stackable
@@ -269,7 +269,7 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
         results = [RunResult(threads=threads, engine="batched") for _ in runs]
         blocks = (BlockRecorder(model, first.train.log_every, len(runs), stacked=True)
                   if first.train.log_blocks else None)
-        active = list(range(len(runs)))  # runs still recording
+        live = [True] * len(runs)  # runs still recording
         steps = first.train.steps
         for step in range(steps + 1):
             logits = model(x)
@@ -281,16 +281,12 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
                 param.grad = None
             losses.sum().backward()
             norms = _grad_norms(model)
-            recording = list(active)
-            for r in recording:
-                stop = results[r].check_loss(loss_values[r], runs[r].train.stop_on_nonfinite)
-                results[r].record(step, loss_values[r], accs[r], lrs[r], math.nan if stop else norms[r])
-                if stop:
-                    active.remove(r)
+            recording = [r for r in range(len(runs)) if live[r]]
+            record_live(results, live, step, loss_values, accs, lrs, norms, first.train.stop_on_nonfinite)
             logged = blocks is not None and blocks.due(step)
             if logged:  # a run that stops here has no gradients in the reference: it skips backward
-                blocks.observe(step, recording, [r in active for r in recording])
-            if not active:
+                blocks.observe(step, recording, [live[r] for r in recording])
+            if not any(live):
                 break
             if step < steps:
                 optimizer.step(lrs)
@@ -300,10 +296,7 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
             blocks.close()
             for r, result in enumerate(results):
                 result.blocks = blocks.rows(r)
-    wall = (time.perf_counter() - start) / len(runs)
-    for result in results:
-        result.wall_s = wall
-    return results
+    return share_wall_time(results, start)
 
 
 def _grad_norms(model: nn.Module) -> list[float]:

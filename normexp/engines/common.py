@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -135,3 +136,33 @@ def validate(model: torch.nn.Module, task: Task) -> tuple[float, float] | None:
     return loss.item(), acc.item()
 
 
+
+
+# ----------------------------------------------------------------------------- the loops' shared skeleton
+#
+# The three loops record, stop and time runs alike, and do so here. Each keeps its own step, because
+# exactness allows no shared one: the reference runs torch's own ops for one run (the definition of
+# correct); the batched engine stacks runs in the reference's very kernels (per-run losses summed, per-run
+# gradient norms in the reference's memory order) to keep its bits; the fast engine steps vmap'd
+# functional gradients and its own fused optimizer, within its contract of the reference.
+
+
+def record_live(results: list[RunResult], live: list[bool], step: int, losses: list[float], accs: list[float],
+                lrs: list[float], norms: list[float], stop_on_nonfinite: bool,
+                vals: list[tuple[float, float] | None] | None = None) -> None:
+    """Record step `step` of each run still `live`; a run whose loss is non-finite is diverged, and with
+    `stop_on_nonfinite` it stops there: its gradient norm is recorded as nan and it is live no more."""
+    for r, result in enumerate(results):
+        if live[r]:
+            stop = result.check_loss(losses[r], stop_on_nonfinite)
+            result.record(step, losses[r], accs[r], lrs[r], math.nan if stop else norms[r],
+                          vals[r] if vals is not None else None)
+            live[r] = not stop
+
+
+def share_wall_time(results: list[RunResult], start: float) -> list[RunResult]:
+    """Give each run of a batch an equal share of the time since `start` (perf_counter); return them."""
+    wall = (time.perf_counter() - start) / len(results)
+    for result in results:
+        result.wall_s = wall
+    return results

@@ -47,7 +47,15 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 from normexp.config import OptimConfig, RunConfig
-from normexp.engines.common import RunResult, batch_order, loss_and_acc, seeded_init, torch_threads
+from normexp.engines.common import (
+    RunResult,
+    batch_order,
+    loss_and_acc,
+    record_live,
+    seeded_init,
+    share_wall_time,
+    torch_threads,
+)
 from normexp.engines.cost import model_step_flops
 from normexp.optim import step_lr
 
@@ -354,21 +362,15 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
                 with torch.no_grad():
                     held_out = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
                 vals = [tuple(v) for v in held_out.t().tolist()]
-            for r, (loss, acc, norm) in enumerate(metrics.t().tolist()):
-                if live[r]:
-                    stop = results[r].check_loss(loss, stop_on_nonfinite)
-                    results[r].record(step, loss, acc, lrs[r], math.nan if stop else norm, vals[r])
-                    live[r] = not stop
+            losses, accs, norms = metrics.tolist()
+            record_live(results, live, step, losses, accs, lrs, norms, stop_on_nonfinite, vals)
             if not any(live):
                 break
             if on_step is not None:
                 on_step(step)
             if step < steps:
                 optimizer.step(list(grads.values()), lrs, live)
-    wall = (time.perf_counter() - start) / len(runs)
-    for result in results:
-        result.wall_s = wall
-    return results
+    return share_wall_time(results, start)
 
 
 # One compiled step per structure and device, kept for the process's life: later batches (other seeds

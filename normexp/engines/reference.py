@@ -28,6 +28,7 @@ from normexp.engines.common import (
     grad_norm,
     loss_and_acc,
     seeded_init,
+    share_wall_time,
     torch_threads,
     validate,
 )
@@ -117,5 +118,4 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         if blocks is not None:
             blocks.close()
             result.blocks = blocks.rows()
-    result.wall_s = time.perf_counter() - start
-    return result
+    return share_wall_time([result], start)[0]
