@@ -90,6 +90,18 @@ class StoreError(RuntimeError):
     """A problem with the output folder (in use, unwritable, disk full). The CLI exits 2 on it."""
 
 
+IN_THE_WAY_REMEDY = "move it and rerun"
+
+
+class InTheWay(StoreError):
+    """Something normexp did not write (a file, a symbolic link) stands where a run folder must go: it is
+    left as it is, and the sweep records that run as failed. `problem`: what it is, and what to do."""
+
+    def __init__(self, run_dir: Path, what: str) -> None:
+        self.problem = f"{what}; {IN_THE_WAY_REMEDY}"
+        super().__init__(f"{run_dir}: {self.problem}")
+
+
 # The keys a run id covered when run ids were defined (release 0.1): they are always hashed, as then.
 # A key added since enters the hash only where a run sets it away from its declared default, so a release
 # that adds a defaulted key keeps the id, and the folder, of every finished run that leaves it there.
@@ -321,6 +333,23 @@ def encode_done(done: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- writing a run folder
 
 
+def in_the_way(run_dir: Path) -> str | None:
+    """What stands at `run_dir` that normexp did not write and so never replaces, removes or follows to
+    delete: a symbolic link (normexp makes none: the link and its target are the user's) or anything
+    that is not a folder. None where a run folder may go (nothing there, or a real folder)."""
+    if run_dir.is_symlink():
+        return "a symbolic link normexp did not write is in the way"
+    if os.path.lexists(run_dir) and not run_dir.is_dir():
+        return "a file normexp did not write is in the way"
+    return None
+
+
+def _refuse_in_the_way(run_dir: Path) -> None:
+    what = in_the_way(run_dir)
+    if what is not None:
+        raise InTheWay(run_dir, what)
+
+
 def _staging_dir(run_dir: Path) -> Path:
     """Where a run folder is built before it is swapped in: a hidden sibling, unique to this process."""
     staging = run_dir.with_name(f".{run_dir.name}.tmp-{os.getpid()}")
@@ -334,7 +363,9 @@ def _staging_dir(run_dir: Path) -> Path:
 def _staged(run_dir: Path) -> Iterator[Path]:
     """A staging folder for `run_dir` (`_staging_dir`) that is removed if the block raises: a write that
     fails (a full disk) leaves no `.<run_id>.tmp-<pid>` of its own behind. Nothing else is touched; a
-    finished result already in `run_dir` stays (`swap_in` puts it back if the swap itself fails)."""
+    finished result already in `run_dir` stays (`swap_in` puts it back if the swap itself fails).
+    InTheWay, before anything is written, where a file or link stands at `run_dir`."""
+    _refuse_in_the_way(run_dir)
     staging = _staging_dir(run_dir)
     try:
         yield staging
@@ -364,7 +395,8 @@ def swap_in(staging: Path, run_dir: Path) -> None:
     """Make the complete folder `staging` the run folder `run_dir`. A reader sees the old folder or the
     new one, never neither; where the file system cannot swap in one step, the old folder waits as
     `.<run_id>.old-<pid>` for the instant between two renames, and `recover_strays` puts it back if a
-    crash falls in that instant."""
+    crash falls in that instant. InTheWay, touching nothing, where a file or link stands at `run_dir`."""
+    _refuse_in_the_way(run_dir)  # again: one may have appeared while the run's files were written
     if not run_dir.exists():
         os.replace(staging, run_dir)
     elif _exchange(staging, run_dir):
@@ -488,7 +520,8 @@ def recover_strays(out_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- verifying a run folder
 
 
-RunStateKind = Literal["finished", "unstamped", "absent", "failed", "unfinished", "corrupt", "superseded"]
+RunStateKind = Literal["finished", "unstamped", "absent", "failed", "unfinished", "corrupt", "superseded",
+                       "blocked"]
 
 
 @dataclass(frozen=True)
@@ -499,8 +532,9 @@ class RunState:
     checksums) whose files re-read consistently. absent: no folder. failed: failed.json (retried by
     the next sweep). unfinished: a folder without a done marker. corrupt: `problem` says what does not
     hold. superseded: intact, but trained under normexp's earlier definition of its placement (its
-    folder has the id that definition gave; `problem` says which). Only finished and unstamped runs
-    have results."""
+    folder has the id that definition gave; `problem` says which). blocked: a file or symbolic link
+    normexp did not write stands at the run folder's path (`in_the_way`; a link to a folder holding a
+    finished run is read as that run). Only finished and unstamped runs have results."""
 
     kind: RunStateKind
     problem: str = ""
@@ -545,6 +579,17 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:
+    blocked = in_the_way(run_dir)
+    if blocked is None:
+        return _inspect_folder(run_dir, cfg, thorough)
+    if run_dir.is_dir():  # a link to a folder: reading through it is harmless, and a result there counts
+        state = _inspect_folder(run_dir, cfg, thorough)
+        if state.finished or state.kind == "superseded":
+            return state
+    return RunState("blocked", blocked)
+
+
+def _inspect_folder(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:
     if not run_dir.is_dir():
         return RunState("absent")
     try:
@@ -729,6 +774,8 @@ def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending",
         return {**row, "status": "superseded", "error": f"{earlier.name}: {superseded_problem(cfg)}"}
     if state.kind == "failed":
         return {**row, "status": state.failed.get("status", "failed"), "error": state.problem}
+    if state.kind == "blocked":  # the sweep records such a run as failed, and says why
+        return {**row, "status": "failed", "error": f"{state.problem}; {IN_THE_WAY_REMEDY}"}
     if state.kind == "corrupt":
         return {**row, "status": "corrupt", "error": state.problem}
     return {**row, "status": pending_status, "error": ""}

@@ -18,8 +18,9 @@ re-read consistently, and rebuilds summary.csv. Nothing else is deleted: verifie
 invocation stay, and missing runs are left for the sweep to redo. Only what normexp writes is ever
 removed: folders named by a run id (`store.RUN_ID`) and its own temporary names (`store.stray_paths`);
 a user's folder (`my_analysis/` holding a `config.yaml`) and any symbolic link are left alone, at most
-named in a note. `fix` holds the folder's lock;
-a plain check refuses a folder a sweep is writing. Nothing here prints: the CLI renders the result.
+named in a note (a file or link where a run of the sweep belongs is a problem, in that run's way, and
+left alone too). `fix` holds the folder's lock; a plain check refuses a folder a sweep is writing.
+Nothing here prints: the CLI renders the result.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from normexp.config import RunConfig
 from normexp.store import (
     DONE_FILE,
     FAILED_FILE,
+    IN_THE_WAY_REMEDY,
     SUMMARY_FILE,
     VOUCHED_FILES,
     RunState,
@@ -171,10 +173,9 @@ def _run_finding(run_dir: Path, state: RunState, fix: bool) -> Finding | None:
         return Finding(name, f"failed: {state.problem.splitlines()[-1] if state.problem else ''}", REDO)
     if state.kind == "superseded":  # never removed: it is a result, of the earlier definition
         return Finding(name, state.problem, f"left in place; {REDO} under the new definition")
+    if state.kind == "blocked":  # a file or link: the user's, and what a link points to as well
+        return Finding(name, state.problem, f"left alone: {IN_THE_WAY_REMEDY} the sweep")
     what = f"corrupt: {state.problem}" if state.kind == "corrupt" else f"unfinished: {state.problem}"
-    if run_dir.is_symlink():  # normexp makes no link: the link and what it points to are the user's
-        return Finding(name, what, f"left alone (a symbolic link, not a folder normexp wrote); replace it with "
-                       f"the run's folder, or remove it and {REDO}")
     if fix:
         shutil.rmtree(run_dir)
     return Finding(name, what, f"removed; {REDO}" if fix else f"--fix removes it; {REDO}")
