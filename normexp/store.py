@@ -17,7 +17,8 @@
 Every file is written to a temporary name, fsynced and renamed, so a reader (or a rerun after
 `kill -9`) never sees half a file. A run folder is built whole under a temporary name
 (`.<run_id>.tmp-<pid>`) and swapped in at once, so a reader sees the old result or the new one,
-never neither, and a crash at any moment loses no finished result (`recover_strays` tidies up).
+never neither, and a crash at any moment loses no finished result (`recover_strays` tidies up). Only
+normexp's own files go with a replaced folder: whatever else a user put in it moves into the new one.
 
 A finished run is verified, not trusted (`inspect_run`). Its done.json vouches for config.yaml and
 metrics.csv with their SHA-256 and row counts, and for itself with a checksum over its own canonical
@@ -332,15 +333,31 @@ def encode_done(done: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- writing a run folder
 
+_STRAY = re.compile(r"\.(?P<name>.+)\.(?P<what>tmp|old)-\d+")
+TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE)  # the files `atomic_write` writes in a sweep folder
+RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, FAILED_FILE, DONE_FILE)  # ... and in a run folder
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _what(path: Path) -> str:
+    return "symbolic link" if path.is_symlink() else "folder" if path.is_dir() else "file"
+
 
 def in_the_way(run_dir: Path) -> str | None:
     """What stands at `run_dir` that normexp did not write and so never replaces, removes or follows to
-    delete: a symbolic link (normexp makes none: the link and its target are the user's) or anything
-    that is not a folder. None where a run folder may go (nothing there, or a real folder)."""
-    if run_dir.is_symlink():
-        return "a symbolic link normexp did not write is in the way"
-    if os.path.lexists(run_dir) and not run_dir.is_dir():
-        return "a file normexp did not write is in the way"
+    delete: a symbolic link (normexp makes none: the link and its target are the user's), anything that
+    is not a folder, or, in a folder, something not a file under one of the names normexp writes there
+    (it could not be carried into the new run folder beside normexp's file). None where a run folder
+    may go."""
+    if run_dir.is_symlink() or (os.path.lexists(run_dir) and not run_dir.is_dir()):
+        return f"a {_what(run_dir)} normexp did not write is in the way"
+    for name in RUN_DIR_FILES:
+        entry = run_dir / name
+        if os.path.lexists(entry) and (entry.is_symlink() or not entry.is_file()):
+            return f"{name} in it: a {_what(entry)} normexp did not write is in the way"
     return None
 
 
@@ -350,11 +367,59 @@ def _refuse_in_the_way(run_dir: Path) -> None:
         raise InTheWay(run_dir, what)
 
 
+def _own_entry(entry: Path) -> bool:
+    """Whether `entry`, in a run folder (or one being built or replaced), is a file normexp writes there:
+    one of RUN_DIR_FILES, or its temporary name (`.done.json.tmp-PID`). Anything else is the user's."""
+    match = _STRAY.fullmatch(entry.name)
+    named = entry.name in RUN_DIR_FILES or (match is not None and match["what"] == "tmp"
+                                            and match["name"] in RUN_DIR_FILES)
+    return named and entry.is_file() and not entry.is_symlink()
+
+
+def foreign_entries(folder: Path) -> list[Path]:
+    """The entries of a run folder that normexp did not write (a user's notes, folders, links)."""
+    return [entry for entry in sorted(folder.iterdir()) if not _own_entry(entry)]
+
+
+def _carry_over(src: Path, dst: Path) -> None:
+    """Move every entry of `src` that normexp did not write into `dst`, as it is: a rename, so the same
+    bytes, links still links, nothing followed. An entry whose name `dst` already holds stays."""
+    moved = False
+    for entry in foreign_entries(src):
+        if not os.path.lexists(dst / entry.name):
+            os.rename(entry, dst / entry.name)
+            moved = True
+    if moved:
+        _fsync_dir(src)
+        _fsync_dir(dst)
+
+
+def _carriable(folder: Path, run_dir: Path) -> bool:
+    """Whether everything in `folder` that normexp did not write can go into `run_dir` (`_carry_over`)."""
+    foreign = foreign_entries(folder)
+    return not foreign or (_real_dir(run_dir) and not any(os.path.lexists(run_dir / e.name) for e in foreign))
+
+
+def _discard(folder: Path, run_dir: Path) -> bool:
+    """Remove `folder` (a run folder being built, or the old one swapped out) once what normexp did not
+    write in it has gone into `run_dir`, where that is a real folder. False, and `folder` stays, where
+    some of it could not go: normexp removes its own files only."""
+    if _real_dir(run_dir):
+        _carry_over(folder, run_dir)
+    if foreign_entries(folder):
+        return False
+    shutil.rmtree(folder)
+    return True
+
+
 def _staging_dir(run_dir: Path) -> Path:
-    """Where a run folder is built before it is swapped in: a hidden sibling, unique to this process."""
+    """Where a run folder is built before it is swapped in: a hidden sibling, unique to this process.
+    One left by a killed process of the same id is discarded first (`_discard`), if it can be."""
     staging = run_dir.with_name(f".{run_dir.name}.tmp-{os.getpid()}")
-    if staging.exists():
-        shutil.rmtree(staging)
+    if _real_dir(staging):
+        _discard(staging, run_dir)
+    if os.path.lexists(staging):
+        raise InTheWay(staging, f"a {_what(staging)} normexp did not write is in the way")
     staging.mkdir(parents=True)
     return staging
 
@@ -363,15 +428,17 @@ def _staging_dir(run_dir: Path) -> Path:
 def _staged(run_dir: Path) -> Iterator[Path]:
     """A staging folder for `run_dir` (`_staging_dir`) that is removed if the block raises: a write that
     fails (a full disk) leaves no `.<run_id>.tmp-<pid>` of its own behind. Nothing else is touched; a
-    finished result already in `run_dir` stays (`swap_in` puts it back if the swap itself fails).
+    finished result already in `run_dir` stays (`swap_in` puts it back if the swap itself fails), and so
+    do the user's files in it (`swap_in` may have moved them into the staging folder: they go back).
     InTheWay, before anything is written, where a file or link stands at `run_dir`."""
     _refuse_in_the_way(run_dir)
     staging = _staging_dir(run_dir)
     try:
         yield staging
     except BaseException:
-        if staging.is_dir() and not staging.is_symlink():
-            shutil.rmtree(staging, ignore_errors=True)
+        if _real_dir(staging):
+            with contextlib.suppress(OSError):  # the error that got us here is the one to report
+                _discard(staging, run_dir)
         raise
 
 
@@ -395,12 +462,18 @@ def swap_in(staging: Path, run_dir: Path) -> None:
     """Make the complete folder `staging` the run folder `run_dir`. A reader sees the old folder or the
     new one, never neither; where the file system cannot swap in one step, the old folder waits as
     `.<run_id>.old-<pid>` for the instant between two renames, and `recover_strays` puts it back if a
-    crash falls in that instant. InTheWay, touching nothing, where a file or link stands at `run_dir`."""
+    crash falls in that instant. What the old folder holds that normexp did not write (a user's notes)
+    is moved into the new one first, so that it is in place with it (a crash puts it back: `recover_strays`);
+    only normexp's own files go with the old folder. InTheWay, touching nothing, where a file or link
+    stands at `run_dir` (`in_the_way`)."""
     _refuse_in_the_way(run_dir)  # again: one may have appeared while the run's files were written
     if not run_dir.exists():
         os.replace(staging, run_dir)
-    elif _exchange(staging, run_dir):
-        shutil.rmtree(staging)  # it now holds the old folder
+        _fsync_dir(run_dir.parent)
+        return
+    _carry_over(run_dir, staging)
+    if _exchange(staging, run_dir):
+        _discard(staging, run_dir)  # it now holds the old folder
     else:
         old = run_dir.with_name(f".{run_dir.name}.old-{os.getpid()}")
         os.replace(run_dir, old)
@@ -409,7 +482,7 @@ def swap_in(staging: Path, run_dir: Path) -> None:
         except OSError:  # a full disk, say: the finished result goes back at once, not at the next sweep
             os.replace(old, run_dir)
             raise
-        shutil.rmtree(old)
+        _discard(old, run_dir)
     _fsync_dir(run_dir.parent)
 
 
@@ -467,20 +540,19 @@ def write_failed(run_dir: Path, cfg: RunConfig, status: str, error: str) -> bool
     return True
 
 
-_STRAY = re.compile(r"\.(?P<name>.+)\.(?P<what>tmp|old)-\d+")
-TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE)  # the files `atomic_write` writes in a sweep folder
-RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, FAILED_FILE, DONE_FILE)  # ... and in a run folder
-
-
 def _is_stray(path: Path, files: tuple[str, ...], run_folders: bool) -> bool:
     """Whether `path` bears a temporary name that normexp gives: `.FILE.tmp-PID`, a regular file, for one
     of `files`; or (`run_folders`: in the sweep folder) `.RUN_ID.tmp-PID` or `.RUN_ID.old-PID`, a real
-    folder. Never a symbolic link: normexp makes none, so one is a user's."""
+    folder, that can be put back as RUN_ID or whose entries normexp did not write can go into RUN_ID
+    (`swap_in` moves a user's files into the folder it swaps in). Never a symbolic link: normexp makes
+    none, so one is a user's."""
     match = _STRAY.fullmatch(path.name)
     if match is None or path.is_symlink():
         return False
     if path.is_dir():
-        return run_folders and is_run_id(match["name"])
+        target = path.with_name(match["name"])
+        put_back = match["what"] == "old" and not os.path.lexists(target)
+        return run_folders and is_run_id(match["name"]) and (put_back or _carriable(path, target))
     return match["what"] == "tmp" and match["name"] in files and path.is_file()
 
 
@@ -499,8 +571,9 @@ def stray_paths(out_dir: Path) -> list[Path]:
 
 def recover_strays(out_dir: Path) -> list[str]:
     """Tidy what a killed writer left in `out_dir` (call it holding the lock): put back a run folder
-    caught between the two renames of `swap_in`, remove everything else `stray_paths` finds.
-    Returns what it did, one line each."""
+    caught between the two renames of `swap_in`, then remove everything else `stray_paths` finds, a
+    folder once the user's files in it have gone back into its run folder. Returns what it did, one
+    line each."""
     actions = []
     for path in stray_paths(out_dir):
         match = _STRAY.fullmatch(path.name)
@@ -508,11 +581,17 @@ def recover_strays(out_dir: Path) -> list[str]:
         if match["what"] == "old" and path.parent == out_dir and not os.path.lexists(target):
             os.replace(path, target)
             actions.append(f"{path.name}: put back as {target.name}")
-            continue
+    for path in stray_paths(out_dir):  # again: a folder put back may be where a user's files go
         if path.is_dir():  # a real folder: `stray_paths` lists no symbolic link
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+            theirs = len(foreign_entries(path))
+            if not _discard(path, path.with_name(_STRAY.fullmatch(path.name)["name"])):
+                actions.append(f"{path.relative_to(out_dir)}: left in place (it holds files normexp did not write)")
+                continue
+            actions.append(f"{path.relative_to(out_dir)}: removed" + (
+                f", once the {theirs} entries normexp did not write in it went back into its run folder"
+                if theirs else ""))
+            continue
+        path.unlink(missing_ok=True)
         actions.append(f"{path.relative_to(out_dir)}: removed")
     return actions
 
@@ -579,14 +658,11 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:
+    state = _inspect_folder(run_dir, cfg, thorough)
+    if state.finished or state.kind == "superseded":
+        return state  # a result counts, read through a link too: reading is harmless
     blocked = in_the_way(run_dir)
-    if blocked is None:
-        return _inspect_folder(run_dir, cfg, thorough)
-    if run_dir.is_dir():  # a link to a folder: reading through it is harmless, and a result there counts
-        state = _inspect_folder(run_dir, cfg, thorough)
-        if state.finished or state.kind == "superseded":
-            return state
-    return RunState("blocked", blocked)
+    return state if blocked is None else RunState("blocked", blocked)
 
 
 def _inspect_folder(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:

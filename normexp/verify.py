@@ -154,7 +154,7 @@ def _strays(out_dir: Path, fix: bool) -> list[Finding]:
         return [Finding(line.split(": ", 1)[0], "left by a killed writer", line.split(": ", 1)[1])
                 for line in recover_strays(out_dir)]
     return [Finding(path, "left by a killed writer", "--fix removes it (or puts back a run folder caught "
-                    "mid-replacement)") for path in strays]
+                    "mid-replacement; files of yours in it go back into the run folder)") for path in strays]
 
 
 def _run_finding(run_dir: Path, state: RunState, fix: bool) -> Finding | None:

@@ -178,3 +178,153 @@ def test_fail_fast_stops_at_a_file_in_the_way(sweep_dir, pristine):
     no_traceback(result)
     assert result.exit_code == 1 and (out / IDS[0]).read_text() == "a file of mine"
     assert all(done_of(out / rid) == done_of(pristine / "out" / rid) for rid in IDS[1:])  # none retrained
+
+
+# ----------------------------------------------------------------------------- B: a user's files in a run folder
+
+USER_FILES = {"README.user": b"my notes\n", "sub/user.txt": b"weeks of work", ".notes.txt.tmp-5": b"a draft",
+              ".config.yaml.tmp-5/inside.txt": b"a folder with normexp's temporary name"}
+
+
+def add_user_files(run_dir: Path, outside: Path) -> None:
+    for name, data in USER_FILES.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(data)
+    outside.mkdir(exist_ok=True)
+    (outside / "precious.txt").write_text("keep")
+    (run_dir / "elsewhere").symlink_to(outside)
+
+
+def assert_user_files(run_dir: Path, outside: Path) -> None:
+    assert {name: (run_dir / name).read_bytes() for name in USER_FILES} == USER_FILES
+    assert (run_dir / "elsewhere").is_symlink() and (run_dir / "elsewhere").readlink() == outside
+    assert snapshot(outside) == {"precious.txt": b"keep"}
+
+
+@pytest.mark.parametrize("how", ["force", "force-batched", "corrupt", "corrupt-and-fails"])
+def test_a_replaced_run_folder_keeps_the_user_s_files(sweep_dir, pristine, tmp_path, monkeypatch, how):
+    """--force, or the redo of a corrupt run (finished or failed), builds the run folder anew: every entry
+    of the old one that normexp did not write goes into the new one, unchanged."""
+    from normexp.engines import reference
+
+    config, out = sweep_dir
+    victim, outside = out / IDS[0], tmp_path / "outside"
+    add_user_files(victim, outside)
+    args = ["--engine", "batched" if how == "force-batched" else "reference"]
+    if how.startswith("force"):
+        args.append("--force")
+    else:
+        (victim / "metrics.csv").write_text("step,loss\n")
+    if how == "corrupt-and-fails":
+        monkeypatch.setattr(reference, "train_run", lambda cfg, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+    result = normexp("sweep", config, "--out", out, *args)
+    no_traceback(result)
+    assert result.exit_code == (1 if how == "corrupt-and-fails" else 0), result.output
+    assert_user_files(victim, outside)
+    assert hidden(out) == [f"{IDS[0]}/.config.yaml.tmp-5", f"{IDS[0]}/.notes.txt.tmp-5"]  # the user's own
+    if how == "corrupt-and-fails":
+        assert inspect_run(victim).kind == "failed"
+        return
+    assert inspect_run(victim).finished and done_of(victim) != done_of(pristine / "out" / IDS[0])
+    verified = normexp("verify", out)
+    assert verified.exit_code == 0 and verify_sweep(out).findings == [], verified.output
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_full_disk_during_the_swap_leaves_the_user_s_files_in_the_finished_folder(sweep_dir, tmp_path,
+                                                                                    monkeypatch, exchange):
+    import errno
+
+    from normexp.config import load_run_config
+
+    _, out = sweep_dir
+    victim, outside = out / IDS[0], tmp_path / "outside"
+    add_user_files(victim, outside)
+    before = snapshot(victim)
+    real_replace = store.os.replace
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(victim))
+
+    def replace(src, dst):
+        if Path(src).name.startswith(f".{victim.name}.tmp-"):
+            no_space()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(store, "_exchange", no_space if exchange else lambda a, b: False)
+    monkeypatch.setattr(store.os, "replace", replace)
+    metrics = {"step": [0, 1, 2], "loss": [1.0] * 3, "acc": [0.5] * 3, "lr": [0.01] * 3, "grad_norm": [1.0] * 3}
+    with pytest.raises(OSError, match="No space left"):
+        store.write_run(victim, load_run_config(victim / "config.yaml"),
+                        store.FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+    monkeypatch.undo()
+    assert snapshot(victim) == before and inspect_run(victim).finished
+    assert_user_files(victim, outside)
+    assert not list(out.glob(".*.tmp-*")) and not list(out.glob(".*.old-*"))
+
+
+def built_copy(run_dir: Path, to: Path) -> Path:
+    """A run folder as `write_run` builds it aside: a complete copy of normexp's own files."""
+    to.mkdir()
+    for name in ("config.yaml", "metrics.csv", "done.json"):
+        shutil.copy2(run_dir / name, to / name)
+    return to
+
+
+@pytest.mark.parametrize("caught", ["before-the-swap", "after-the-exchange", "between-two-renames"])
+def test_a_crash_while_a_run_folder_is_replaced_loses_none_of_the_user_s_files(sweep_dir, tmp_path, caught):
+    """A sweep killed mid-replacement leaves the user's files in the folder being built or in the old one;
+    the next sweep's tidying (`recover_strays`) puts them back into the run folder, and removes nothing of
+    theirs."""
+    config, out = sweep_dir
+    victim, outside = out / IDS[0], tmp_path / "outside"
+    add_user_files(victim, outside)
+    staging = built_copy(victim, out / f".{IDS[0]}.tmp-99")
+    user = [p for p in victim.iterdir() if p.name not in ("config.yaml", "metrics.csv", "done.json")]
+    for entry in user:  # carried into the new folder, as write_run does before it swaps it in
+        entry.rename(staging / entry.name)
+    if caught == "after-the-exchange":  # the new folder is in place; the old one waits to be removed
+        victim.rename(tmp_path / "old")
+        staging.rename(victim)
+        (tmp_path / "old").rename(staging)
+    elif caught == "between-two-renames":  # the old folder waits under its .old name, none in place
+        victim.rename(out / f".{IDS[0]}.old-99")
+    assert store.stray_paths(out)
+    result = normexp("sweep", config, "--out", out)
+    assert result.exit_code == 0 and "0 ran, 4 already done" in result.output, result.output
+    assert_user_files(victim, outside)
+    assert not store.stray_paths(out) and not list(out.glob(f".{IDS[0]}.*"))
+    assert normexp("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "done.json"])
+def test_a_user_s_folder_under_one_of_normexp_s_names_is_in_the_way(sweep_dir, name):
+    """It could not be carried into the new run folder beside normexp's file of that name: the run fails
+    with the reason, and the folder stays whole where it is."""
+    config, out = sweep_dir
+    victim = out / IDS[0]
+    (victim / name).unlink()
+    (victim / name).mkdir()
+    (victim / name / "mine.txt").write_text("keep")
+    before = snapshot(victim)
+    for args in (["sweep", config, "--out", out], ["sweep", config, "--out", out, "--force"]):
+        result = normexp(*args)
+        no_traceback(result)
+        assert result.exit_code == 1 and f"{name} in it: a folder normexp did not write {IN_THE_WAY}" in " ".join(
+            result.output.split()), result.output
+        assert snapshot(victim) == before and hidden(out) == []
+    assert load_summary(out).set_index("run_id").loc[IDS[0], "status"] == "failed"
+
+
+def test_a_stray_folder_whose_user_files_cannot_go_back_is_left_in_place(sweep_dir):
+    """A folder being built whose entries of the user's have namesakes in the run folder: normexp would
+    have to choose one and remove the other; it removes neither."""
+    _, out = sweep_dir
+    stray = built_copy(out / IDS[0], out / f".{IDS[0]}.tmp-77")
+    (stray / "notes.txt").write_text("one")
+    (out / IDS[0] / "notes.txt").write_text("the other")
+    before = snapshot(out)
+    assert store.stray_paths(out) == []
+    store.recover_strays(out)
+    assert normexp("verify", out, "--fix").exit_code == 0
+    assert snapshot(out) == before
