@@ -193,9 +193,9 @@ def _one_of(names: tuple[str, ...]) -> str:
     return "(?:" + "|".join(re.escape(name) for name in names) + ")"
 
 
-# The names `run_id` makes, and only those: a folder so named is normexp's (verify --fix may remove it when
-# it is broken); any other is a user's and never touched. Built from the config's own names, so a placement
-# or norm kind added there is matched here.
+# The names `run_id` makes, and only those: a folder so named may be normexp's (verify --fix removes it when
+# it is broken and holds normexp's files alone: `remove_run_folder`); any other is a user's and never
+# touched. Built from the config's own names, so a placement or norm kind added there is matched here.
 _OWN = rf"{re.escape(PLUGIN_PREFIX)}[a-z0-9_]+"  # a user's placement or kind (registry.short_name)
 RUN_ID = re.compile(rf"(?:{_one_of(get_args(Placement))}|{_OWN})-(?:{_one_of(get_args(NormKind))}|{_OWN})"
                     r"-s(?:0|[1-9][0-9]*)-[0-9a-f]{10}")
@@ -350,15 +350,40 @@ def in_the_way(run_dir: Path) -> str | None:
     """What stands at `run_dir` that normexp did not write and so never replaces, removes or follows to
     delete: a symbolic link (normexp makes none: the link and its target are the user's), anything that
     is not a folder, or, in a folder, something not a file under one of the names normexp writes there
-    (it could not be carried into the new run folder beside normexp's file). None where a run folder
-    may go."""
+    (it could not be carried into the new run folder beside normexp's file). Or a folder that is not
+    normexp's (`not_normexp_s`) holding a file under one of those names: the user's, which a new run
+    folder would replace. None where a run folder may go."""
     if run_dir.is_symlink() or (os.path.lexists(run_dir) and not run_dir.is_dir()):
         return f"a {_what(run_dir)} normexp did not write is in the way"
     for name in RUN_DIR_FILES:
         entry = run_dir / name
         if os.path.lexists(entry) and (entry.is_symlink() or not entry.is_file()):
             return f"{name} in it: a {_what(entry)} normexp did not write is in the way"
+    named = [name for name in RUN_DIR_FILES if (run_dir / name).is_file()]
+    if named and not_normexp_s(run_dir):
+        return (f"a folder normexp did not write (files of yours with {', '.join(named)}, but no {DONE_FILE} "
+                f"or {FAILED_FILE}) is in the way")
     return None
+
+
+def not_normexp_s(folder: Path) -> bool:
+    """Whether a real folder named by a run id is not one normexp wrote: it holds files normexp does
+    not write, and neither done marker. normexp builds a run folder aside and swaps it in whole (with
+    done.json or failed.json), so no run it left unfinished looks so; a folder of normexp's own files
+    alone is what a killed older release could leave."""
+    if not _real_dir(folder) or any(os.path.lexists(folder / name) for name in (DONE_FILE, FAILED_FILE)):
+        return False
+    return bool(foreign_entries(folder))
+
+
+def remove_run_folder(run_dir: Path) -> bool:
+    """Remove a broken run folder that holds normexp's own files alone (config.yaml, metrics.csv, ...,
+    their temporary names). False, touching nothing, where anything in it is the user's, or it is a
+    link: normexp removes only what it wrote."""
+    if not _real_dir(run_dir) or foreign_entries(run_dir):
+        return False
+    shutil.rmtree(run_dir)
+    return True
 
 
 def _refuse_in_the_way(run_dir: Path) -> None:

@@ -328,3 +328,72 @@ def test_a_stray_folder_whose_user_files_cannot_go_back_is_left_in_place(sweep_d
     store.recover_strays(out)
     assert normexp("verify", out, "--fix").exit_code == 0
     assert snapshot(out) == before
+
+
+# ----------------------------------------------------------------------------- C: a user's folder named like a run
+
+OTHER_ID = "post-layernorm-s0-0123456789"  # named by a run id, of no run of this sweep
+USER_FOLDERS = {
+    "notes and a config": {"notes.txt": "weeks of work", "config.yaml": "my: settings\n"},
+    "a config and a draft": {"config.yaml": "my: settings\n", ".draft.tmp-12": "a draft"},
+    "metrics and a folder": {"metrics.csv": "step,loss\n0,1.0\n", "sub/x.txt": "mine"},
+    "a done.json and notes": {"done.json": "{}\n", "notes.txt": "weeks of work"},
+}
+
+
+def make_folder(folder: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+
+
+@pytest.mark.parametrize("files", list(USER_FOLDERS))
+def test_verify_fix_leaves_a_folder_named_like_a_run_that_holds_the_user_s_files(sweep_dir, files):
+    """normexp builds run folders aside and swaps them in whole: a folder named by a run id that holds
+    anything normexp does not write is not its to remove, whatever else it holds."""
+    _, out = sweep_dir
+    make_folder(out / OTHER_ID, USER_FOLDERS[files])
+    before = snapshot(out / OTHER_ID)
+    found = verify_sweep(out)
+    finding = next(f for f in found.findings if f.path == OTHER_ID)
+    assert finding.severity == "note" and "not normexp's: left in place" in finding.remedy and found.clean
+    result = normexp("verify", out, "--fix")
+    assert result.exit_code == 0 and "not normexp's" in " ".join(result.output.split()), result.output
+    assert snapshot(out / OTHER_ID) == before
+
+
+def test_verify_fix_removes_a_folder_holding_only_normexp_s_files(sweep_dir):
+    """What a killed older release could leave: a run folder without its done marker, normexp's files only."""
+    _, out = sweep_dir
+    make_folder(out / OTHER_ID, {"config.yaml": "model: {depth: 2}\n", "metrics.csv": "step,loss\n",
+                                 ".done.json.tmp-5": "{"})
+    assert not verify_sweep(out).clean
+    assert normexp("verify", out, "--fix").exit_code == 0 and not (out / OTHER_ID).exists()
+
+
+@pytest.mark.parametrize("files", ["notes only", "notes and a config"])
+def test_a_user_s_folder_at_a_run_of_the_sweep_is_kept_by_verify_and_by_the_sweep(sweep_dir, files):
+    """verify --fix leaves it; the sweep then moves the user's files into the run's folder, or, where the
+    folder holds a file under one of normexp's names (the user's config.yaml), fails that run and
+    leaves the folder as it is."""
+    config, out = sweep_dir
+    victim = out / IDS[0]
+    shutil.rmtree(victim)
+    theirs = {"notes.txt": "weeks of work", **({"config.yaml": "my: settings\n"} if files != "notes only" else {})}
+    make_folder(victim, theirs)
+    before = snapshot(victim)
+    finding = next(f for f in verify_sweep(out).findings if f.path == IDS[0])
+    assert finding.severity == "problem" and "missing" not in finding.problem
+    assert "not normexp's: left in place" in finding.remedy or IN_THE_WAY.split(";")[0] in finding.problem
+    result = normexp("verify", out, "--fix")
+    no_traceback(result)
+    assert result.exit_code == 1 and snapshot(victim) == before, result.output
+    result = normexp("sweep", config, "--out", out)
+    no_traceback(result)
+    if files == "notes only":
+        assert result.exit_code == 0 and "1 ran, 3 already done" in result.output, result.output
+        assert inspect_run(victim).finished and (victim / "notes.txt").read_text() == "weeks of work"
+        assert normexp("verify", out).exit_code == 0
+    else:
+        assert result.exit_code == 1 and IN_THE_WAY in " ".join(result.output.split()), result.output
+        assert snapshot(victim) == before and hidden(out) == []
