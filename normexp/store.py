@@ -17,7 +17,8 @@
 Every file is written to a temporary name, fsynced and renamed, so a reader (or a rerun after
 `kill -9`) never sees half a file. A run folder is built whole under a temporary name
 (`.<run_id>.tmp-<pid>`) and swapped in at once, so a reader sees the old result or the new one,
-never neither, and a crash at any moment loses no finished result (`recover_strays` tidies up).
+never neither, and a crash at any moment loses no finished result (`recover_strays` tidies up). Only
+normexp's own files go with a replaced folder: whatever else a user put in it moves into the new one.
 
 A finished run is verified, not trusted (`inspect_run`). Its done.json vouches for config.yaml and
 metrics.csv with their SHA-256 and row counts, and for itself with a checksum over its own canonical
@@ -88,6 +89,18 @@ SUMMARY_STATS = ("status", "final_loss", "min_loss", "final_acc", "diverged", "s
 
 class StoreError(RuntimeError):
     """A problem with the output folder (in use, unwritable, disk full). The CLI exits 2 on it."""
+
+
+IN_THE_WAY_REMEDY = "move it and rerun"
+
+
+class InTheWay(StoreError):
+    """Something normexp did not write (a file, a symbolic link) stands where a run folder must go: it is
+    left as it is, and the sweep records that run as failed. `problem`: what it is, and what to do."""
+
+    def __init__(self, run_dir: Path, what: str) -> None:
+        self.problem = f"{what}; {IN_THE_WAY_REMEDY}"
+        super().__init__(f"{run_dir}: {self.problem}")
 
 
 # The keys a run id covered when run ids were defined (release 0.1): they are always hashed, as then.
@@ -180,9 +193,9 @@ def _one_of(names: tuple[str, ...]) -> str:
     return "(?:" + "|".join(re.escape(name) for name in names) + ")"
 
 
-# The names `run_id` makes, and only those: a folder so named is normexp's (verify --fix may remove it when
-# it is broken); any other is a user's and never touched. Built from the config's own names, so a placement
-# or norm kind added there is matched here.
+# The names `run_id` makes, and only those: a folder so named may be normexp's (verify --fix removes it when
+# it is broken and holds normexp's files alone: `remove_run_folder`); any other is a user's and never
+# touched. Built from the config's own names, so a placement or norm kind added there is matched here.
 _OWN = rf"{re.escape(PLUGIN_PREFIX)}[a-z0-9_]+"  # a user's placement or kind (registry.short_name)
 RUN_ID = re.compile(rf"(?:{_one_of(get_args(Placement))}|{_OWN})-(?:{_one_of(get_args(NormKind))}|{_OWN})"
                     r"-s(?:0|[1-9][0-9]*)-[0-9a-f]{10}")
@@ -320,12 +333,118 @@ def encode_done(done: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- writing a run folder
 
+_STRAY = re.compile(r"\.(?P<name>.+)\.(?P<what>tmp|old)-\d+")
+TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE)  # the files `atomic_write` writes in a sweep folder
+RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, FAILED_FILE, DONE_FILE)  # ... and in a run folder
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _what(path: Path) -> str:
+    return "symbolic link" if path.is_symlink() else "folder" if path.is_dir() else "file"
+
+
+def in_the_way(run_dir: Path) -> str | None:
+    """What stands at `run_dir` that normexp did not write and so never replaces, removes or follows to
+    delete: a symbolic link (normexp makes none: the link and its target are the user's), anything that
+    is not a folder, or, in a folder, something not a file under one of the names normexp writes there
+    (it could not be carried into the new run folder beside normexp's file). Or a folder that is not
+    normexp's (`not_normexp_s`) holding a file under one of those names: the user's, which a new run
+    folder would replace. None where a run folder may go."""
+    if run_dir.is_symlink() or (os.path.lexists(run_dir) and not run_dir.is_dir()):
+        return f"a {_what(run_dir)} normexp did not write is in the way"
+    for name in RUN_DIR_FILES:
+        entry = run_dir / name
+        if os.path.lexists(entry) and (entry.is_symlink() or not entry.is_file()):
+            return f"{name} in it: a {_what(entry)} normexp did not write is in the way"
+    named = [name for name in RUN_DIR_FILES if (run_dir / name).is_file()]
+    if named and not_normexp_s(run_dir):
+        return (f"a folder normexp did not write (files of yours with {', '.join(named)}, but no {DONE_FILE} "
+                f"or {FAILED_FILE}) is in the way")
+    return None
+
+
+def not_normexp_s(folder: Path) -> bool:
+    """Whether a real folder named by a run id is not one normexp wrote: it holds files normexp does
+    not write, and neither done marker. normexp builds a run folder aside and swaps it in whole (with
+    done.json or failed.json), so no run it left unfinished looks so; a folder of normexp's own files
+    alone is what a killed older release could leave."""
+    if not _real_dir(folder) or any(os.path.lexists(folder / name) for name in (DONE_FILE, FAILED_FILE)):
+        return False
+    return bool(foreign_entries(folder))
+
+
+def remove_run_folder(run_dir: Path) -> bool:
+    """Remove a broken run folder that holds normexp's own files alone (config.yaml, metrics.csv, ...,
+    their temporary names). False, touching nothing, where anything in it is the user's, or it is a
+    link: normexp removes only what it wrote."""
+    if not _real_dir(run_dir) or foreign_entries(run_dir):
+        return False
+    shutil.rmtree(run_dir)
+    return True
+
+
+def _refuse_in_the_way(run_dir: Path) -> None:
+    what = in_the_way(run_dir)
+    if what is not None:
+        raise InTheWay(run_dir, what)
+
+
+def _own_entry(entry: Path) -> bool:
+    """Whether `entry`, in a run folder (or one being built or replaced), is a file normexp writes there:
+    one of RUN_DIR_FILES, or its temporary name (`.done.json.tmp-PID`). Anything else is the user's."""
+    match = _STRAY.fullmatch(entry.name)
+    named = entry.name in RUN_DIR_FILES or (match is not None and match["what"] == "tmp"
+                                            and match["name"] in RUN_DIR_FILES)
+    return named and entry.is_file() and not entry.is_symlink()
+
+
+def foreign_entries(folder: Path) -> list[Path]:
+    """The entries of a run folder that normexp did not write (a user's notes, folders, links)."""
+    return [entry for entry in sorted(folder.iterdir()) if not _own_entry(entry)]
+
+
+def _carry_over(src: Path, dst: Path) -> None:
+    """Move every entry of `src` that normexp did not write into `dst`, as it is: a rename, so the same
+    bytes, links still links, nothing followed. An entry whose name `dst` already holds stays."""
+    moved = False
+    for entry in foreign_entries(src):
+        if not os.path.lexists(dst / entry.name):
+            os.rename(entry, dst / entry.name)
+            moved = True
+    if moved:
+        _fsync_dir(src)
+        _fsync_dir(dst)
+
+
+def _carriable(folder: Path, run_dir: Path) -> bool:
+    """Whether everything in `folder` that normexp did not write can go into `run_dir` (`_carry_over`)."""
+    foreign = foreign_entries(folder)
+    return not foreign or (_real_dir(run_dir) and not any(os.path.lexists(run_dir / e.name) for e in foreign))
+
+
+def _discard(folder: Path, run_dir: Path) -> bool:
+    """Remove `folder` (a run folder being built, or the old one swapped out) once what normexp did not
+    write in it has gone into `run_dir`, where that is a real folder. False, and `folder` stays, where
+    some of it could not go: normexp removes its own files only."""
+    if _real_dir(run_dir):
+        _carry_over(folder, run_dir)
+    if foreign_entries(folder):
+        return False
+    shutil.rmtree(folder)
+    return True
+
 
 def _staging_dir(run_dir: Path) -> Path:
-    """Where a run folder is built before it is swapped in: a hidden sibling, unique to this process."""
+    """Where a run folder is built before it is swapped in: a hidden sibling, unique to this process.
+    One left by a killed process of the same id is discarded first (`_discard`), if it can be."""
     staging = run_dir.with_name(f".{run_dir.name}.tmp-{os.getpid()}")
-    if staging.exists():
-        shutil.rmtree(staging)
+    if _real_dir(staging):
+        _discard(staging, run_dir)
+    if os.path.lexists(staging):
+        raise InTheWay(staging, f"a {_what(staging)} normexp did not write is in the way")
     staging.mkdir(parents=True)
     return staging
 
@@ -334,13 +453,17 @@ def _staging_dir(run_dir: Path) -> Path:
 def _staged(run_dir: Path) -> Iterator[Path]:
     """A staging folder for `run_dir` (`_staging_dir`) that is removed if the block raises: a write that
     fails (a full disk) leaves no `.<run_id>.tmp-<pid>` of its own behind. Nothing else is touched; a
-    finished result already in `run_dir` stays (`swap_in` puts it back if the swap itself fails)."""
+    finished result already in `run_dir` stays (`swap_in` puts it back if the swap itself fails), and so
+    do the user's files in it (`swap_in` may have moved them into the staging folder: they go back).
+    InTheWay, before anything is written, where a file or link stands at `run_dir`."""
+    _refuse_in_the_way(run_dir)
     staging = _staging_dir(run_dir)
     try:
         yield staging
     except BaseException:
-        if staging.is_dir() and not staging.is_symlink():
-            shutil.rmtree(staging, ignore_errors=True)
+        if _real_dir(staging):
+            with contextlib.suppress(OSError):  # the error that got us here is the one to report
+                _discard(staging, run_dir)
         raise
 
 
@@ -364,11 +487,18 @@ def swap_in(staging: Path, run_dir: Path) -> None:
     """Make the complete folder `staging` the run folder `run_dir`. A reader sees the old folder or the
     new one, never neither; where the file system cannot swap in one step, the old folder waits as
     `.<run_id>.old-<pid>` for the instant between two renames, and `recover_strays` puts it back if a
-    crash falls in that instant."""
+    crash falls in that instant. What the old folder holds that normexp did not write (a user's notes)
+    is moved into the new one first, so that it is in place with it (a crash puts it back: `recover_strays`);
+    only normexp's own files go with the old folder. InTheWay, touching nothing, where a file or link
+    stands at `run_dir` (`in_the_way`)."""
+    _refuse_in_the_way(run_dir)  # again: one may have appeared while the run's files were written
     if not run_dir.exists():
         os.replace(staging, run_dir)
-    elif _exchange(staging, run_dir):
-        shutil.rmtree(staging)  # it now holds the old folder
+        _fsync_dir(run_dir.parent)
+        return
+    _carry_over(run_dir, staging)
+    if _exchange(staging, run_dir):
+        _discard(staging, run_dir)  # it now holds the old folder
     else:
         old = run_dir.with_name(f".{run_dir.name}.old-{os.getpid()}")
         os.replace(run_dir, old)
@@ -377,7 +507,7 @@ def swap_in(staging: Path, run_dir: Path) -> None:
         except OSError:  # a full disk, say: the finished result goes back at once, not at the next sweep
             os.replace(old, run_dir)
             raise
-        shutil.rmtree(old)
+        _discard(old, run_dir)
     _fsync_dir(run_dir.parent)
 
 
@@ -435,20 +565,19 @@ def write_failed(run_dir: Path, cfg: RunConfig, status: str, error: str) -> bool
     return True
 
 
-_STRAY = re.compile(r"\.(?P<name>.+)\.(?P<what>tmp|old)-\d+")
-TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE)  # the files `atomic_write` writes in a sweep folder
-RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, FAILED_FILE, DONE_FILE)  # ... and in a run folder
-
-
 def _is_stray(path: Path, files: tuple[str, ...], run_folders: bool) -> bool:
     """Whether `path` bears a temporary name that normexp gives: `.FILE.tmp-PID`, a regular file, for one
     of `files`; or (`run_folders`: in the sweep folder) `.RUN_ID.tmp-PID` or `.RUN_ID.old-PID`, a real
-    folder. Never a symbolic link: normexp makes none, so one is a user's."""
+    folder, that can be put back as RUN_ID or whose entries normexp did not write can go into RUN_ID
+    (`swap_in` moves a user's files into the folder it swaps in). Never a symbolic link: normexp makes
+    none, so one is a user's."""
     match = _STRAY.fullmatch(path.name)
     if match is None or path.is_symlink():
         return False
     if path.is_dir():
-        return run_folders and is_run_id(match["name"])
+        target = path.with_name(match["name"])
+        put_back = match["what"] == "old" and not os.path.lexists(target)
+        return run_folders and is_run_id(match["name"]) and (put_back or _carriable(path, target))
     return match["what"] == "tmp" and match["name"] in files and path.is_file()
 
 
@@ -467,8 +596,9 @@ def stray_paths(out_dir: Path) -> list[Path]:
 
 def recover_strays(out_dir: Path) -> list[str]:
     """Tidy what a killed writer left in `out_dir` (call it holding the lock): put back a run folder
-    caught between the two renames of `swap_in`, remove everything else `stray_paths` finds.
-    Returns what it did, one line each."""
+    caught between the two renames of `swap_in`, then remove everything else `stray_paths` finds, a
+    folder once the user's files in it have gone back into its run folder. Returns what it did, one
+    line each."""
     actions = []
     for path in stray_paths(out_dir):
         match = _STRAY.fullmatch(path.name)
@@ -476,11 +606,17 @@ def recover_strays(out_dir: Path) -> list[str]:
         if match["what"] == "old" and path.parent == out_dir and not os.path.lexists(target):
             os.replace(path, target)
             actions.append(f"{path.name}: put back as {target.name}")
-            continue
+    for path in stray_paths(out_dir):  # again: a folder put back may be where a user's files go
         if path.is_dir():  # a real folder: `stray_paths` lists no symbolic link
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+            theirs = len(foreign_entries(path))
+            if not _discard(path, path.with_name(_STRAY.fullmatch(path.name)["name"])):
+                actions.append(f"{path.relative_to(out_dir)}: left in place (it holds files normexp did not write)")
+                continue
+            actions.append(f"{path.relative_to(out_dir)}: removed" + (
+                f", once the {theirs} entries normexp did not write in it went back into its run folder"
+                if theirs else ""))
+            continue
+        path.unlink(missing_ok=True)
         actions.append(f"{path.relative_to(out_dir)}: removed")
     return actions
 
@@ -488,7 +624,8 @@ def recover_strays(out_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- verifying a run folder
 
 
-RunStateKind = Literal["finished", "unstamped", "absent", "failed", "unfinished", "corrupt", "superseded"]
+RunStateKind = Literal["finished", "unstamped", "absent", "failed", "unfinished", "corrupt", "superseded",
+                       "blocked"]
 
 
 @dataclass(frozen=True)
@@ -499,8 +636,9 @@ class RunState:
     checksums) whose files re-read consistently. absent: no folder. failed: failed.json (retried by
     the next sweep). unfinished: a folder without a done marker. corrupt: `problem` says what does not
     hold. superseded: intact, but trained under normexp's earlier definition of its placement (its
-    folder has the id that definition gave; `problem` says which). Only finished and unstamped runs
-    have results."""
+    folder has the id that definition gave; `problem` says which). blocked: a file or symbolic link
+    normexp did not write stands at the run folder's path (`in_the_way`; a link to a folder holding a
+    finished run is read as that run). Only finished and unstamped runs have results."""
 
     kind: RunStateKind
     problem: str = ""
@@ -545,6 +683,14 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:
+    state = _inspect_folder(run_dir, cfg, thorough)
+    if state.finished or state.kind == "superseded":
+        return state  # a result counts, read through a link too: reading is harmless
+    blocked = in_the_way(run_dir)
+    return state if blocked is None else RunState("blocked", blocked)
+
+
+def _inspect_folder(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:
     if not run_dir.is_dir():
         return RunState("absent")
     try:
@@ -729,6 +875,8 @@ def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending",
         return {**row, "status": "superseded", "error": f"{earlier.name}: {superseded_problem(cfg)}"}
     if state.kind == "failed":
         return {**row, "status": state.failed.get("status", "failed"), "error": state.problem}
+    if state.kind == "blocked":  # the sweep records such a run as failed, and says why
+        return {**row, "status": "failed", "error": f"{state.problem}; {IN_THE_WAY_REMEDY}"}
     if state.kind == "corrupt":
         return {**row, "status": "corrupt", "error": state.problem}
     return {**row, "status": pending_status, "error": ""}

@@ -20,9 +20,12 @@ The sweep process is the coordinator and the only writer of its output folder. I
 
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
-sweep retries it) and the sweep goes on, unless `fail_fast`. On KeyboardInterrupt the finished runs
-stay finished, the summary is written, and `SweepInterrupted` carries the outcome to the caller (the
-command line turns SIGTERM and SIGHUP into the same KeyboardInterrupt).
+sweep retries it) and the sweep goes on, unless `fail_fast`. So is a run whose folder's place holds a
+file or a symbolic link normexp did not write (`store.in_the_way`): that is left as it is, the run is
+not trained (or, found only as its result is written, not recorded), and summary.csv says why. On
+KeyboardInterrupt the finished runs stay finished, the summary is written, and `SweepInterrupted`
+carries the outcome to the caller (the command line turns SIGTERM and SIGHUP into the same
+KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from normexp.stopping import stop_signals_deferred
 from normexp.store import (
     SWEEP_FILE,
     FinishedRun,
+    InTheWay,
     StoreError,
     SweepLock,
     append_history,
     atomic_write,
     folder_runs,
+    in_the_way,
     inspect_run,
     other_threads,
     read_history,
@@ -164,8 +169,10 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep_yaml(sweep))
         pending = [cfg for cfg in sweep.runs
                    if options.force or not _finished(cfg, out_dir, options, threads, outcome, emit)]
+        pending = [cfg for cfg in pending if not _blocked(cfg, out_dir, outcome, emit)]
         _write_or_explain(append_history, out_dir, _history_record(sweep, invocation, options, len(pending)))
-        _execute(pending, out_dir, options, executor, outcome, emit, threads, sweep.runs)
+        if not (options.fail_fast and outcome.failed):
+            _execute(pending, out_dir, options, executor, outcome, emit, threads, sweep.runs)
     except KeyboardInterrupt:
         outcome.interrupted = True
         for result in getattr(executor, "unreported", ()):  # finished while the executor was stopped
@@ -233,6 +240,21 @@ def _finished(cfg: RunConfig, out_dir: Path, options: SweepOptions, threads: int
     return True
 
 
+def _blocked(cfg: RunConfig, out_dir: Path, outcome: SweepOutcome, emit: EventCallback) -> bool:
+    """Whether a file or link normexp did not write stands where `cfg`'s run folder must go: then the
+    run is recorded as failed (it could not be written; training it would be wasted) and not planned."""
+    rid = run_id(cfg)
+    what = in_the_way(out_dir / rid)
+    if what is not None:
+        _record_in_the_way(rid, InTheWay(out_dir / rid, what), outcome, emit)
+    return what is not None
+
+
+def _record_in_the_way(rid: str, blocked: InTheWay, outcome: SweepOutcome, emit: EventCallback) -> None:
+    outcome.statuses[rid] = "failed"
+    emit(SweepEvent("failed", rid, len(outcome.statuses), outcome.total, "failed", error=blocked.problem))
+
+
 def _redo_reason(done: dict, engine: str, threads: int) -> str | None:
     """Why a verified run cannot stay in this sweep: an exact sweep redoes the runs the fast engine
     trained (their numbers are close to the reference's, not equal; a fast sweep keeps exact ones),
@@ -288,6 +310,15 @@ def _record_unit(result: UnitResult, out_dir: Path, outcome: SweepOutcome, emit:
 
 def _record_now(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
                 emit: EventCallback) -> None:
+    rid = run_id(cfg)
+    try:
+        _write_now(cfg, run, error_status, out_dir, outcome, emit)
+    except InTheWay as exc:  # appeared while the run trained: the run fails, the sweep goes on
+        _record_in_the_way(rid, exc, outcome, emit)
+
+
+def _write_now(cfg: RunConfig, run: FinishedRun | str, error_status: str, out_dir: Path, outcome: SweepOutcome,
+               emit: EventCallback) -> None:
     rid = run_id(cfg)
     if isinstance(run, str):
         kept = not _write_or_explain(write_failed, out_dir / rid, cfg, error_status, run)

@@ -13,18 +13,20 @@ What is checked, each problem one `Finding`:
 - summary.csv against the table rebuilt from the verified run folders.
 
 `fix` removes what can be redone (corrupt and unfinished run folders, unverifiable folders of other
-sweeps, temporary files; a run folder caught mid-swap is put back), stamps runs of release 0.1 that
-re-read consistently, and rebuilds summary.csv. Nothing else is deleted: verified runs of every
-invocation stay, and missing runs are left for the sweep to redo. Only what normexp writes is ever
-removed: folders named by a run id (`store.RUN_ID`) and its own temporary names (`store.stray_paths`);
-a user's folder (`my_analysis/` holding a `config.yaml`) and any symbolic link are left alone, at most
-named in a note. `fix` holds the folder's lock;
-a plain check refuses a folder a sweep is writing. Nothing here prints: the CLI renders the result.
+sweeps, that hold normexp's files alone; temporary files; a run folder caught mid-swap is put back),
+stamps runs of release 0.1 that re-read consistently, and rebuilds summary.csv. Nothing else is
+deleted: verified runs of every invocation stay, and missing runs are left for the sweep to redo. Only
+what normexp writes is ever removed: folders named by a run id (`store.RUN_ID`) that hold normexp's own
+files alone (`store.remove_run_folder`), and its own temporary names (`store.stray_paths`). A user's
+folder (`my_analysis/` holding a `config.yaml`), a folder named by a run id that holds anything else (a
+user's notes: no part of it is removed) and any symbolic link are left alone, at most named in a note (a
+file, link or user's folder where a run of the sweep belongs is a problem, in that run's way, and left
+alone too). `fix` holds the folder's lock; a plain check refuses a folder a sweep is writing. Nothing
+here prints: the CLI renders the result.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -33,6 +35,7 @@ from normexp.config import RunConfig
 from normexp.store import (
     DONE_FILE,
     FAILED_FILE,
+    IN_THE_WAY_REMEDY,
     SUMMARY_FILE,
     VOUCHED_FILES,
     RunState,
@@ -40,11 +43,14 @@ from normexp.store import (
     SweepLock,
     cached_statuses,
     folder_runs,
+    foreign_entries,
     inspect_run,
     is_run_id,
     lock_owner,
+    not_normexp_s,
     read_sweep,
     recover_strays,
+    remove_run_folder,
     run_id,
     stamp_run,
     stray_paths,
@@ -152,7 +158,7 @@ def _strays(out_dir: Path, fix: bool) -> list[Finding]:
         return [Finding(line.split(": ", 1)[0], "left by a killed writer", line.split(": ", 1)[1])
                 for line in recover_strays(out_dir)]
     return [Finding(path, "left by a killed writer", "--fix removes it (or puts back a run folder caught "
-                    "mid-replacement)") for path in strays]
+                    "mid-replacement; files of yours in it go back into the run folder)") for path in strays]
 
 
 def _run_finding(run_dir: Path, state: RunState, fix: bool) -> Finding | None:
@@ -171,12 +177,14 @@ def _run_finding(run_dir: Path, state: RunState, fix: bool) -> Finding | None:
         return Finding(name, f"failed: {state.problem.splitlines()[-1] if state.problem else ''}", REDO)
     if state.kind == "superseded":  # never removed: it is a result, of the earlier definition
         return Finding(name, state.problem, f"left in place; {REDO} under the new definition")
+    if state.kind == "blocked":  # a file or link: the user's, and what a link points to as well
+        return Finding(name, state.problem, f"left alone: {IN_THE_WAY_REMEDY} the sweep")
     what = f"corrupt: {state.problem}" if state.kind == "corrupt" else f"unfinished: {state.problem}"
-    if run_dir.is_symlink():  # normexp makes no link: the link and what it points to are the user's
-        return Finding(name, what, f"left alone (a symbolic link, not a folder normexp wrote); replace it with "
-                       f"the run's folder, or remove it and {REDO}")
+    if foreign_entries(run_dir):  # some of it is the user's: no part of it is removed
+        whose = "not normexp's" if not_normexp_s(run_dir) else "holds files normexp did not write"
+        return Finding(name, what, f"{whose}: left in place; {REDO} (your files move into its new folder)")
     if fix:
-        shutil.rmtree(run_dir)
+        remove_run_folder(run_dir)
     return Finding(name, what, f"removed; {REDO}" if fix else f"--fix removes it; {REDO}")
 
 
@@ -202,8 +210,12 @@ def _foreign(out_dir: Path, ids: set[str], fix: bool) -> list[Finding]:
             findings.append(Finding(folder.name, f"{state.problem} (a run of another sweep, not in this "
                                     "sweep's results)", "left in place", "note"))
             continue
+        if foreign_entries(folder):  # some of it is the user's: no part of it is removed
+            findings.append(Finding(folder.name, "named like a run folder, but holds files normexp did not write "
+                                    "and no verified run", "not normexp's: left in place", "note"))
+            continue
         if fix:
-            shutil.rmtree(folder)
+            remove_run_folder(folder)
         findings.append(Finding(folder.name, f"a run folder of no run of this sweep, {state.kind}: {state.problem}",
                                 "removed" if fix else "--fix removes it"))
     return findings

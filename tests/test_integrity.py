@@ -366,6 +366,8 @@ def test_only_normexp_s_own_temporary_names_are_tidied(sweep_dir, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "precious.txt").write_text("keep")
+    own = [out / ".summary.csv.tmp-4242", out / rid / ".done.json.tmp-4242", out / f".{rid}.tmp-77"]
+    shutil.copytree(out / rid, own[2])  # a run folder being built: normexp's files (a user's go in at the swap)
     user = ["my_analysis/.draft.tmp-12", "my_analysis/.config.yaml.tmp-12", "my_analysis/.x.old-3/notes.txt",
             ".draft.tmp-12/notes.txt", ".notes.txt.tmp-5", f"{rid}/.notes.txt.tmp-5", f"{rid}/.draft.old-5/a.txt"]
     for path in user:
@@ -374,10 +376,8 @@ def test_only_normexp_s_own_temporary_names_are_tidied(sweep_dir, tmp_path):
     (out / f".{rid}.tmp-9").symlink_to(outside)
     (out / ".summary.csv.tmp-9").symlink_to(outside / "precious.txt")
     (out / "my_analysis" / "metrics.csv").write_text("step,loss\n")
-    own = [out / ".summary.csv.tmp-4242", out / rid / ".done.json.tmp-4242", out / f".{rid}.tmp-77"]
     own[0].write_text("half")
     own[1].write_text("half")
-    shutil.copytree(out / rid, own[2])
     before = {path: (out / path).read_bytes() for path in user}
     assert sorted(store.stray_paths(out)) == sorted(own)
     assert normexp("verify", out, "--fix").exit_code == 0
