@@ -179,7 +179,7 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool,
     stopping.received = None
     previous = stopping.on_stop_signals(_exit_at_once)  # nothing is written yet: a signal simply ends the process
     from normexp.executors import ExecutorError
-    from normexp.store import StoreError
+    from normexp.runfolder import StoreError
     from normexp.sweep import SweepInterrupted, run_sweep
 
     _import_engines(options)
@@ -311,7 +311,7 @@ def _require_cuda() -> None:
 
 
 def _print_grid(spec: Sweep) -> None:
-    from normexp.store import run_id
+    from normexp.runfolder import run_id
     from normexp.tables import rich_table
 
     keys = spec.varying_keys
@@ -512,7 +512,7 @@ def verify(
 ) -> None:
     """Check a sweep folder: checksums, row counts, config vs run id, stray files, summary, other sweeps' runs.
     Exit 0 if clean, 1 if not; nothing is changed without --fix."""
-    from normexp.store import StoreError
+    from normexp.runfolder import StoreError
     from normexp.tables import verification_to_rich
     from normexp.verify import verify_sweep
 

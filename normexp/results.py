@@ -9,7 +9,7 @@ Floats are read with round-trip precision, so losses compare bit for bit with th
 This module imports pandas but never torch.
 
 Nothing here trusts a file it has not checked: the summary is rebuilt from the run folders as
-`store.inspect_run` verifies them (summary.csv is a cache of that table), so a missing or corrupt run
+`runfolder.inspect_run` verifies them (summary.csv is a cache of that table), so a missing or corrupt run
 is never counted as a result: its status says what it is, and `missing_note` names it.
 
 A command reads a folder once: `load_folder` verifies each run once and keeps the summary, and each
@@ -26,19 +26,8 @@ from pathlib import Path
 import pandas as pd
 
 from normexp.config import Sweep, run_keys
-from normexp.store import (
-    BLOCKS_FILE,
-    FINISHED_STATUSES,
-    METRICS_FILE,
-    RunState,
-    StoreError,
-    cached_statuses,
-    folder_runs,
-    read_sweep,
-    rows_csv,
-    run_id,
-    summary_row,
-)
+from normexp.runfolder import BLOCKS_FILE, FINISHED_STATUSES, METRICS_FILE, RunState, StoreError, run_id
+from normexp.store import cached_statuses, folder_runs, read_sweep, rows_csv, summary_row
 
 FINISHED = FINISHED_STATUSES
 MISSING_LISTED = 5  # runs named in a missing-runs note before "and N more"
@@ -87,7 +76,7 @@ class Folder:
 
 
 def load_folder(run_dir: str | Path) -> Folder:
-    """Read the sweep folder `run_dir` once: each run it holds is verified once (`store.inspect_run`)."""
+    """Read the sweep folder `run_dir` once: each run it holds is verified once (`runfolder.inspect_run`)."""
     run_dir = Path(run_dir)
     try:
         sweep = read_sweep(run_dir)

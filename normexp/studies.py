@@ -53,7 +53,8 @@ from normexp.config import SYMLINK_LOOP, ConfigError, Sweep, is_symlink_loop, lo
 from normexp.executors import usable_cores
 from normexp.report import build_report, to_markdown
 from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note
-from normexp.store import StoreError, lock_owner
+from normexp.runfolder import StoreError
+from normexp.store import lock_owner
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 

@@ -7,7 +7,7 @@ The sweep process is the coordinator and the only writer of its output folder. I
    that holds a sweep of another name unless `force`,
 3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml` (this sweep's grid;
    the folder keeps the verified runs of earlier grids too, and `summary.csv` lists them all), then
-   finds the runs that are not verified finished (`store.inspect_run`; all of them with `force`). A corrupt run is
+   finds the runs that are not verified finished (`runfolder.inspect_run`; all of them with `force`). A corrupt run is
    redone (a "corrupt" event says why); a run of release 0.1, without checksums, is re-read and, if
    it holds, stamped with them and kept; a finished run recorded with another torch thread count
    than this sweep's, or by the fast engine when this sweep is exact, is redone (a "redone" event
@@ -21,7 +21,7 @@ The sweep process is the coordinator and the only writer of its output folder. I
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
 sweep retries it) and the sweep goes on, unless `fail_fast`. So is a run whose folder's place holds a
-file or a symbolic link normexp did not write (`store.in_the_way`): that is left as it is, the run is
+file or a symbolic link normexp did not write (`runfolder.in_the_way`): that is left as it is, the run is
 not trained (or, found only as its result is written, not recorded), and summary.csv says why. On
 KeyboardInterrupt the finished runs stay finished, the summary is written, and `SweepInterrupted`
 carries the outcome to the caller (the command line turns SIGTERM and SIGHUP into the same
@@ -39,22 +39,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
+from normexp.runfolder import SWEEP_FILE, InTheWay, StoreError, in_the_way, inspect_run, run_id
 from normexp.stopping import stop_signals_deferred
 from normexp.store import (
-    SWEEP_FILE,
     FinishedRun,
-    InTheWay,
-    StoreError,
     SweepLock,
     append_history,
     atomic_write,
     folder_runs,
-    in_the_way,
-    inspect_run,
     other_threads,
     read_history,
     recover_strays,
-    run_id,
     stamp_run,
     sweep_name,
     sweep_yaml,

@@ -81,7 +81,7 @@ def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compi
     its planned model-steps pay for it. Runs with `train.log_blocks` go to the exact engines instead:
     blocks.csv is the reference's bits or nothing."""
     from normexp.engines.fast import fast_key, plan_fast, should_compile
-    from normexp.store import run_id
+    from normexp.runfolder import run_id
 
     logging = [cfg for cfg in runs if cfg.train.log_blocks]
     exact = plan_units(logging, "batched", device, threads) if logging else []

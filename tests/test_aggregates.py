@@ -17,7 +17,8 @@ from normexp.config import RunConfig, build_sweep
 from normexp.plot import curves_figure, phase_figure
 from normexp.report import build_pivot, build_report, pivot_to_csv, pivot_to_markdown, to_csv, to_markdown, to_rich
 from normexp.results import load_metrics, load_summary, varying_keys
-from normexp.store import FinishedRun, atomic_write, run_id, write_run, write_summary
+from normexp.runfolder import run_id
+from normexp.store import FinishedRun, atomic_write, write_run, write_summary
 
 Outcome = Callable[[RunConfig], list[float]]  # a run's losses; a non-finite last loss: it diverged
 

@@ -25,7 +25,7 @@ from normexp.engines.common import seeded_init
 from normexp.engines.reference import train_run
 from normexp.plot import BLOCK_METRIC_LABELS
 from normexp.results import _EXACT, ResultsError, load_blocks, load_metrics
-from normexp.store import config_hash, run_id
+from normexp.runfolder import config_hash, run_id
 
 runner = CliRunner()
 

@@ -10,7 +10,7 @@ import torch
 
 from normexp.config import RunConfig, mixln_post_count, validate_run
 from normexp.engines.common import seeded_init
-from normexp.store import revised_definition, run_id
+from normexp.runfolder import revised_definition, run_id
 
 # each revised placement whose earlier reading has a key, with that key (docs/sources.md)
 EARLIER_READING = {

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import RunConfig, build_sweep
-from normexp.store import SWEEP_FILE, FinishedRun, run_id, write_run
+from normexp.runfolder import SWEEP_FILE, run_id
+from normexp.store import FinishedRun, write_run
 
 LRS = [0.001, 0.01, 0.1]
 

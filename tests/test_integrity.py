@@ -20,7 +20,8 @@ from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
 from normexp.report import build_pivot, build_report, pivot_to_markdown, to_markdown
 from normexp.results import ResultsError, load_metrics, load_summary
-from normexp.store import FinishedRun, inspect_run, run_id, write_run, write_summary
+from normexp.runfolder import inspect_run, run_id
+from normexp.store import FinishedRun, write_run, write_summary
 from normexp.verify import verify_sweep
 
 runner = CliRunner()
@@ -330,7 +331,7 @@ def test_verify_refuses_a_folder_a_sweep_is_writing(sweep_dir):
 
 # ----------------------------------------------------------------------------- what verify --fix may remove
 
-# Folders a user may keep in a sweep folder, none of them named by a run id (`store.RUN_ID`): the run id's
+# Folders a user may keep in a sweep folder, none of them named by a run id (`runfolder.RUN_ID`): the run id's
 # shape with one part off (case, hex digits, a seed's leading zero, a norm kind the config has not, a suffix).
 USER_FOLDERS = ["my_analysis", "post-layernorm-s0-notahexid", "post-layernorm-s0-0123456789a",
                 "post-layernorm-s0-012345678", "Post-layernorm-s0-0123456789", "post-layernorm-s01-0123456789",
@@ -412,7 +413,7 @@ def test_verify_fix_never_removes_through_a_symlink_named_like_a_run_id(sweep_di
 
 
 def test_every_run_id_matches_the_run_id_pattern():
-    """`store.RUN_ID` is what tells a run folder from a user's: every id `run_id` can make matches it."""
+    """`runfolder.RUN_ID` is what tells a run folder from a user's: every id `run_id` can make matches it."""
     from typing import get_args
 
     from pydantic import ValidationError

@@ -20,7 +20,8 @@ LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
                    "normexp.config.schema", "normexp.config.grid", "normexp.config", "normexp.environment",
                    "normexp.stopping", "normexp.blocklog"],
-    "records": ["normexp.store", "normexp.results", "normexp.verify"],  # the run folder: written, read, verified
+    # the run folder: read and checked, written, loaded, verified
+    "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.verify"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",

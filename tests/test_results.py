@@ -16,7 +16,8 @@ from normexp.config import build_sweep, parse_yaml
 from normexp.plot import curves_figure, numeric_axes, phase_figure, save_plots
 from normexp.report import build_pivot, build_report, pivot_to_markdown, to_markdown, to_rich
 from normexp.results import load_metrics, load_summary
-from normexp.store import FinishedRun, atomic_write, run_id, write_run, write_summary
+from normexp.runfolder import run_id
+from normexp.store import FinishedRun, atomic_write, write_run, write_summary
 
 # final losses: post stalls near chance, pre trains; seed 1 of pre at lr 0.1 fails to train
 LOSSES = {

@@ -326,7 +326,8 @@ def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_pl
     from normexp import store, sweep
     from normexp.config import RunConfig
     from normexp.engines.reference import train_run
-    from normexp.store import FinishedRun, inspect_run, run_id, stray_paths
+    from normexp.runfolder import inspect_run, run_id
+    from normexp.store import FinishedRun, stray_paths
     from normexp.units import UnitResult, plan_units
 
     cfg = RunConfig.model_validate({"model": {"depth": 2, "width": 4}, "train": {"steps": 2}})

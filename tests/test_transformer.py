@@ -32,7 +32,7 @@ from normexp.engines.common import batch_order, loss_and_acc, seeded_init
 from normexp.engines.reference import train_run
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
-from normexp.store import run_id
+from normexp.runfolder import run_id
 
 PLACEMENTS = list(get_args(Placement))
 KINDS = list(get_args(NormKind))

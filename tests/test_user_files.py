@@ -14,7 +14,7 @@ from normexp import store
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
 from normexp.results import load_summary
-from normexp.store import inspect_run
+from normexp.runfolder import inspect_run
 from normexp.verify import verify_sweep
 
 runner = CliRunner()
