@@ -49,6 +49,7 @@ from normexp.config import (
     ConfigError,
     RunConfig,
     Sweep,
+    build_sweep,
     flatten,
     load_sweep,
     parse_yaml,
@@ -510,12 +511,18 @@ def read_sweep(out_dir: Path) -> Sweep:
 
 
 def folder_runs(out_dir: Path, sweep: Sweep, verified: dict[str, RunState] | None = None) -> list[RunConfig]:
-    """Every run the folder holds: the latest sweep's runs (finished or not), then each verified run
-    of an earlier invocation (another grid, another --set), in folder order. A folder accumulates
-    runs: a sweep of another grid adds its runs and hides none. `verified`, if given, receives the
-    state of each earlier run found, by run id, so that a caller need not inspect it again."""
+    """Every run the folder holds: the latest sweep's runs (finished or not), then every run of an
+    earlier invocation that history.jsonl records (finished or not: one deleted or damaged since is
+    missing, never silently gone), then each verified run of an invocation no history records (an
+    earlier release's), in folder order. A folder accumulates runs: a sweep of another grid adds its
+    runs and hides none. `verified`, if given, receives the state of each run found by listing the
+    folder, by run id, so that a caller need not inspect it again."""
     runs = list(sweep.runs)
     ids = {run_id(cfg) for cfg in runs}
+    for cfg in _history_runs(out_dir):
+        if run_id(cfg) not in ids:
+            ids.add(run_id(cfg))
+            runs.append(cfg)
     for folder in sorted(p for p in out_dir.iterdir() if p.is_dir()) if out_dir.is_dir() else ():
         if folder.name in ids or folder.name.startswith(".") or not (folder / DONE_FILE).is_file():
             continue
@@ -524,6 +531,21 @@ def folder_runs(out_dir: Path, sweep: Sweep, verified: dict[str, RunState] | Non
             runs.append(validate_run(parse_yaml(_read_text(folder / CONFIG_FILE), CONFIG_FILE)))
             if verified is not None:
                 verified[folder.name] = state
+    return runs
+
+
+def _history_runs(out_dir: Path) -> list[RunConfig]:
+    """The runs of every invocation history.jsonl records, oldest first (from each one's resolved sweep;
+    one that no longer validates, say a placement of a user's package not installed here, is skipped)."""
+    runs = []
+    for record in read_history(out_dir):
+        resolved = record.get("resolved")
+        if not isinstance(resolved, str):
+            continue
+        try:
+            runs += build_sweep(parse_yaml(resolved, HISTORY_FILE), max_runs=sys.maxsize).runs
+        except ConfigError:
+            continue
     return runs
 
 

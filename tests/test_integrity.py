@@ -622,3 +622,24 @@ def test_a_folder_written_before_provenance_resumes_without_retraining(sweep_dir
     assert {k: v for k, v in after.items() if k.endswith("done.json")} == \
         {k: v for k, v in before.items() if k.endswith("done.json")}
     assert normexp("verify", out).exit_code == 0
+
+
+def test_a_run_of_an_earlier_invocation_deleted_or_damaged_is_missing_not_silently_gone(tmp_path):
+    """history.jsonl records every invocation's grid: an earlier invocation's run that was deleted or
+    damaged since is named missing or corrupt by report (exit 1), plot and verify, never dropped unsaid."""
+    config = tmp_path / "lr.yaml"
+    config.write_text("name: lr\nbase: {model: {depth: 2, width: 4}, train: {steps: 2}}\n"
+                      "grid: {norm.placement: [post], optim.lr: [0.01, 0.001]}\nseeds: [0, 1]\n")
+    out = tmp_path / "out"
+    assert normexp("sweep", config, "--out", out, "-q").exit_code == 0
+    assert normexp("sweep", config, "--set", "seeds=2", "--set", "norm.placement=pre", "--out", out,
+                   "-q").exit_code == 0
+    gone, damaged = sorted(out.glob("post-layernorm-s0-*"))
+    shutil.rmtree(gone)
+    (damaged / "metrics.csv").write_text("step,loss\n")
+    shown = normexp("report", out)
+    assert shown.exit_code == 1 and gone.name in shown.output and damaged.name in shown.output, shown.output
+    assert "(0 of 2 seeds; 1 missing)" in shown.output
+    assert normexp("plot", out, "-o", tmp_path / "p.png").exit_code == 1
+    checked = normexp("verify", out)
+    assert checked.exit_code != 0 and gone.name in checked.output and damaged.name in checked.output
