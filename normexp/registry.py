@@ -17,9 +17,12 @@ This module is data only (no torch), so that the config layer and the analysis l
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +80,26 @@ class PluginError(ValueError):
     """A reference that names no usable placement or kind; the message says why."""
 
 
+# Whether a reference is imported and checked where a config names it: when a config is read to train,
+# yes; when a run folder is read (report, plot, verify), no: its runs were checked when they trained, and
+# reading them must neither need the user's package nor run its code.
+_CHECKING = contextvars.ContextVar("normexp_checks_references", default=True)
+
+
+@contextlib.contextmanager
+def references_unchecked() -> Iterator[None]:
+    """Within: a user's placement or kind named in a config is taken as written, not imported."""
+    token = _CHECKING.set(False)
+    try:
+        yield
+    finally:
+        _CHECKING.reset(token)
+
+
+def checks_references() -> bool:
+    return _CHECKING.get()
+
+
 def is_plugin(name: str) -> bool:
     """Whether `name` is a reference to a user's own placement or kind (`package.module:attribute`)."""
     return isinstance(name, str) and PLUGIN_REF.fullmatch(name) is not None
@@ -88,7 +111,7 @@ def load_plugin(ref: str) -> Any:
     module, _, attribute = ref.partition(":")
     try:
         found = importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - any failure of the user's import is this one error
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of the user's import is this one error
         raise PluginError(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
     if not hasattr(found, attribute):
         raise PluginError(f"{module} has no attribute {attribute}")
@@ -96,13 +119,18 @@ def load_plugin(ref: str) -> Any:
 
 
 def check_placement_plugin(ref: str) -> None:
-    """PluginError unless `ref` names a placement: an object with `forward(block, x)`, and `archs` (if
-    given) a subset of ffn and transformer."""
+    """PluginError unless `ref` names a placement: an object with `forward(block, x)` that is no module
+    (a torch.nn.Module is a norm kind, not a placement), and `archs` (if given) a tuple of ffn and/or
+    transformer."""
     found = load_plugin(ref)
     if not callable(getattr(found, "forward", None)):
         raise PluginError(f"{ref}: a placement needs forward(block, x) (docs/extending.md)")
-    if not set(plugin_archs(found)) <= {"ffn", "transformer"}:
-        raise PluginError(f"{ref}: archs must name ffn and/or transformer, got {plugin_archs(found)}")
+    if any(c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in getattr(found, "__mro__", ())):
+        raise PluginError(f"{ref}: is a torch.nn.Module, which makes a norm kind (norm.kind), not a placement; "
+                          "a placement is forward(block, x) (docs/extending.md)")
+    archs = getattr(found, "archs", ("ffn", "transformer"))
+    if not isinstance(archs, tuple | list) or not archs or not set(archs) <= {"ffn", "transformer"}:
+        raise PluginError(f"{ref}: archs must be a tuple of ffn and/or transformer, got {archs!r}")
 
 
 def check_kind_plugin(ref: str) -> None:
@@ -117,7 +145,9 @@ def plugin_archs(found: Any) -> tuple[str, ...]:
 
 def placement_archs(name: str) -> tuple[str, ...]:
     """The architectures the placement `name` (registered, or a user's by reference) applies to."""
-    return plugin_archs(load_plugin(name)) if is_plugin(name) else PLACEMENTS[name].archs
+    if is_plugin(name):  # a folder being read: its runs were checked when they trained
+        return plugin_archs(load_plugin(name)) if checks_references() else ("ffn", "transformer")
+    return PLACEMENTS[name].archs
 
 
 def stackable(name: str) -> bool:
@@ -127,8 +157,9 @@ def stackable(name: str) -> bool:
 
 
 def label(name: str, registry: dict[str, Method]) -> str:
-    """A table's label: the registered one, or a user's attribute name (no import needed)."""
-    return name.partition(":")[2] if is_plugin(name) else registry[name].label if name in registry else name
+    """A table's label: the registered one, or a user's whole reference (two packages' `Halfway` are two
+    variants; no import needed)."""
+    return name if is_plugin(name) or name not in registry else registry[name].label
 
 
 def short_name(name: str) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from normexp.config import Sweep, run_keys
+from normexp.registry import references_unchecked
 from normexp.runfolder import BLOCKS_FILE, FINISHED_STATUSES, METRICS_FILE, RunState, StoreError, run_id
 from normexp.store import cached_statuses, folder_runs, read_sweep, rows_csv, summary_row
 
@@ -79,16 +80,21 @@ def load_folder(run_dir: str | Path) -> Folder:
     """Read the sweep folder `run_dir` once: each run it holds is verified once (`runfolder.inspect_run`)."""
     run_dir = Path(run_dir)
     try:
-        sweep = read_sweep(run_dir)
-        verified: dict[str, RunState] = {}
-        runs = folder_runs(run_dir, sweep, verified)
-        statuses = cached_statuses(run_dir)
-        rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid))
-                for cfg, rid in ((cfg, run_id(cfg)) for cfg in runs)]
+        with references_unchecked():  # a user's placement or kind: read as written, never imported
+            return _load_folder(run_dir)
     except StoreError as exc:
         raise ResultsError(str(exc)) from None
     except OSError as exc:  # a name too long for the file system, a folder that cannot be listed
         raise ResultsError(f"{run_dir}: cannot read: {exc.strerror or exc}") from None
+
+
+def _load_folder(run_dir: Path) -> Folder:
+    sweep = read_sweep(run_dir)
+    verified: dict[str, RunState] = {}
+    runs = folder_runs(run_dir, sweep, verified)
+    statuses = cached_statuses(run_dir)
+    rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid))
+            for cfg, rid in ((cfg, run_id(cfg)) for cfg in runs)]
     first = runs[0] if runs else None
     return Folder(run_dir, sweep, _frame(rows_csv(rows, first)), _frame(rows_csv(rows[:len(sweep.runs)], first)))
 
@@ -197,7 +203,11 @@ def _attach(run_dir: str | Path, summary: pd.DataFrame, finished: pd.DataFrame, 
     attach = list(dict.fromkeys(["run_id", *keys, "seed", "status"]))
     frames = []
     for row in finished[attach].itertuples(index=False):
-        table = pd.read_csv(Path(run_dir) / row.run_id / file, **_EXACT)
+        try:
+            table = pd.read_csv(Path(run_dir) / row.run_id / file, **_EXACT)
+        except (OSError, ValueError) as exc:  # deleted or replaced after it was verified (a sweep writing?)
+            raise ResultsError(f"{run_dir}/{row.run_id}/{file}: changed while it was read "
+                               f"({type(exc).__name__}); run the command again") from None
         for column, value in zip(attach, row):
             table[column] = value
         frames.append(table)

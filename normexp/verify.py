@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from normexp.config import RunConfig
+from normexp.registry import references_unchecked
 from normexp.runfolder import (
     DONE_FILE,
     FAILED_FILE,
@@ -94,8 +95,13 @@ class Verification:
 
 def verify_sweep(out_dir: str | Path, fix: bool = False) -> Verification:
     """Check `out_dir` (see the module docstring); with `fix`, repair what can be. StoreError if the
-    folder is not a sweep's output or a sweep is writing to it."""
-    out_dir = Path(out_dir)
+    folder is not a sweep's output or a sweep is writing to it. A user's placement or kind is read as
+    written, never imported: verifying needs neither their package nor their code."""
+    with references_unchecked():
+        return _verify(Path(out_dir), fix)
+
+
+def _verify(out_dir: Path, fix: bool) -> Verification:
     sweep = read_sweep(out_dir)
     if not fix:
         owner = lock_owner(out_dir)

@@ -66,6 +66,9 @@ class Drawing(Halfway):
 
 class NoForward:
     pass
+
+
+from torch.nn import LayerNorm  # noqa: E402 - a module: a norm kind, not a placement
 '''
 OWN, KIND = "usernorms:Halfway", "usernorms:CenterNorm"
 
@@ -140,8 +143,11 @@ def test_run_ids_name_it_and_hash_the_whole_reference(package):
     ("usernorms:Nope", "usernorms has no attribute Nope"),
     ("nosuchpackage:Halfway", "cannot import nosuchpackage"),
     ("usernorms:NoForward", "usernorms:NoForward: a placement needs forward(block, x)"),
+    ("usernorms:LayerNorm", "usernorms:LayerNorm: is a torch.nn.Module, which makes a norm kind"),
+    ("exits:X", "cannot import exits: SystemExit: 3"),
 ])
 def test_a_bad_reference_is_a_config_error_naming_the_key(package, ref, says):
+    (package / "exits.py").write_text("import sys\nsys.exit(3)\n")
     with pytest.raises(ConfigError) as error:
         build_sweep({"name": "x", "base": {"norm": {"placement": ref}}})
     assert f"base.norm.placement: {says}" in str(error.value)
@@ -166,6 +172,33 @@ def test_a_sweep_of_it_from_the_command_line(package, tmp_path):
     swept = normexp("sweep", str(tmp_path / "own.yaml"), "--out", str(out), "--engine", "batched", "-q")
     assert swept.returncode == 0, swept.stderr
     shown = normexp("report", str(out), "--format", "markdown")
-    assert shown.returncode == 0 and "Halfway-CenterNorm" in shown.stdout and "Pre-LN" in shown.stdout
+    assert shown.returncode == 0 and f"{OWN}-{KIND}" in shown.stdout and "Pre-LN" in shown.stdout
     assert normexp("verify", str(out)).returncode == 0
     assert len(list(out.glob("ext_halfway-ext_centernorm-s*"))) == 2
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")  # the package gone: its runs are read as written
+    for command in (("report", str(out), "--format", "csv"), ("verify", str(out)), ("plot", str(out))):
+        read = normexp(*command)
+        assert read.returncode == 0 and "Traceback" not in read.stderr, (command, read.stderr)
+    code = (f"import sys; from normexp.results import load_metrics; load_metrics({str(out)!r}); "
+            "print('torch' in sys.modules or 'usernorms' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert loaded.stdout.strip() == "False", loaded.stderr
+
+
+def test_a_module_its_forward_never_uses_is_named_on_the_exact_engines(package):
+    (package / "unused.py").write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        class Unused:
+            @staticmethod
+            def build(block, norm):
+                block.norm = norm()
+                block.spare = nn.Parameter(torch.zeros(3))
+
+            @staticmethod
+            def forward(block, x):
+                return x + block.branch(block.norm(x))
+    '''))
+    with pytest.raises(ValueError, match=r"shape \(3,\)\) received no gradient"):
+        train_run(configs(placement="unused:Unused")[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 import subprocess
 import sys
 
@@ -222,3 +223,13 @@ def test_the_title_counts_seeds_per_configuration(fake_sweep):
     assert "· 2 seeds" in build_report(fake_sweep).title
     _folder_with_an_earlier_run(fake_sweep)  # one configuration of one seed beside 8 of two
     assert "1 to 2 seeds per configuration" in build_report(fake_sweep).title
+
+
+def test_a_run_deleted_after_it_was_verified_is_one_error_not_a_traceback(fake_sweep, monkeypatch):
+    """Between verifying a folder and reading its metrics a run can go (another process): say so."""
+    from normexp.results import ResultsError, load_folder
+
+    folder = load_folder(fake_sweep)
+    shutil.rmtree(fake_sweep / folder.summary["run_id"].iloc[3])
+    with pytest.raises(ResultsError, match="changed while it was read"):
+        folder.metrics()

@@ -54,7 +54,9 @@ def _describe(err: dict, model: type[BaseModel]) -> str:
     if kind == "missing":
         return "required key is missing"
     if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}, got {_brief(value)}" + _closest(
+        own = (", or package.module:Attribute of your own (docs/extending.md)"
+               if tuple(map(str, err["loc"][-2:])) in (("norm", "placement"), ("norm", "kind")) else "")
+        return f"must be one of {ctx.get('expected')}{own}, got {_brief(value)}" + _closest(
             value, re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
         )
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}

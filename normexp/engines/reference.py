@@ -62,8 +62,14 @@ class ReferenceOptimizer:
                 group["lr"] = lr
             self.torch_optimizer.step()
             return
-        # torch.optim skips a tensor without a gradient; every parameter of a Net has one
-        self.flat.grad = torch.cat([p.grad.reshape(-1) for p in self.params])
+        # torch.optim skips a tensor without a gradient; every parameter of a Net has one, and a user's
+        # placement or kind whose forward leaves one unused is named here (docs/extending.md)
+        try:
+            self.flat.grad = torch.cat([p.grad.reshape(-1) for p in self.params])
+        except AttributeError:
+            unused = next(i for i, p in enumerate(self.params) if p.grad is None)
+            raise ValueError(f"parameter {unused} (shape {tuple(self.params[unused].shape)}) received no gradient: "
+                             "every module a placement or kind builds must be used by its forward") from None
         self.replayed.step([lr])
 
 
