@@ -33,12 +33,10 @@ from normexp import output, stopping
 from normexp.config import (
     DEFAULT_MAX_RUNS,
     METRICS,
-    SYMLINK_LOOP,
     ConfigError,
     Metric,
     Sweep,
     TooManyRuns,
-    is_symlink_loop,
     load_sweep,
 )
 from normexp.sweep import Invocation, SweepOptions, SweepOutcome
@@ -278,19 +276,12 @@ def _out_folder(value: str | None, name: str) -> Path:
         return Path("runs") / name
     if not value.strip():
         raise fail("--out: empty; name a folder (or leave --out out for runs/<name>)")
+    from normexp.store import out_folder_problem
+
     option = Path(value)
-    try:
-        loop = is_symlink_loop(option)  # checked first: to exists() a loop is simply missing
-        dangling = not loop and option.is_symlink() and not option.exists()
-        is_file = not loop and option.exists() and not option.is_dir()
-    except OSError as exc:  # a name too long for the file system, a folder on the way that cannot be searched
-        raise fail(f"--out {option}: cannot use as the output folder: {exc.strerror}") from None
-    if loop:
-        raise fail(f"--out {option}: {SYMLINK_LOOP}")
-    if dangling:
-        raise fail(f"--out {option}: a symbolic link to {os.readlink(option)}, which does not exist")
-    if is_file:
-        raise fail(f"--out {option}: is a file, not a folder")
+    problem = out_folder_problem(option)
+    if problem is not None:
+        raise fail(f"--out {option}: {problem}")
     return option
 
 

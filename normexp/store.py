@@ -46,11 +46,13 @@ from typing import Any
 import yaml
 
 from normexp.config import (
+    SYMLINK_LOOP,
     ConfigError,
     RunConfig,
     Sweep,
     build_sweep,
     flatten,
+    is_symlink_loop,
     load_sweep,
     parse_yaml,
     validate_run,
@@ -547,6 +549,21 @@ def _history_runs(out_dir: Path) -> list[RunConfig]:
         except ConfigError:
             continue
     return runs
+
+
+def out_folder_problem(out_dir: Path) -> str | None:
+    """Why `out_dir` cannot be an output folder (a symbolic link loop or a dangling link, a file, a name
+    the file system refuses), else None: it is a folder, or a path where one can be made."""
+    try:
+        if is_symlink_loop(out_dir):  # checked first: to exists() a loop is simply missing
+            return SYMLINK_LOOP
+        if out_dir.is_symlink() and not out_dir.exists():
+            return f"a symbolic link to {os.readlink(out_dir)}, which does not exist"
+        if out_dir.exists() and not out_dir.is_dir():
+            return "is a file, not a folder"
+    except OSError as exc:  # a name too long for the file system, a folder on the way that cannot be searched
+        return f"cannot use as the output folder: {exc.strerror}"
+    return None
 
 
 def append_history(out_dir: Path, record: dict[str, Any]) -> None:

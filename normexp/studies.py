@@ -49,12 +49,12 @@ import pandas as pd
 
 from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
 from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, variant_groups, variant_label
-from normexp.config import SYMLINK_LOOP, ConfigError, Sweep, is_symlink_loop, load_sweep
+from normexp.config import ConfigError, Sweep, load_sweep
 from normexp.executors import usable_cores
 from normexp.report import build_report, to_markdown
 from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note
 from normexp.runfolder import StoreError
-from normexp.store import lock_owner
+from normexp.store import lock_owner, out_folder_problem
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 
@@ -564,15 +564,9 @@ def _check_out(option: str) -> Path:
     if not option.strip():  # Path("") is the current folder: every study would land there
         _fail("--out: empty; name a folder for the studies (the default is runs)")
     out = Path(option)
-    try:
-        if is_symlink_loop(out):  # else mkdir says "File exists"
-            _fail(f"--out {out}: {SYMLINK_LOOP}")
-        if out.is_symlink() and not out.exists():
-            _fail(f"--out {out}: a symbolic link to {os.readlink(out)}, which does not exist")
-        if out.exists() and not out.is_dir():
-            _fail(f"--out {out}: is a file, not a folder")
-    except OSError as exc:  # a name too long for the file system
-        _fail(f"--out {out}: cannot use as the output folder: {exc.strerror}")
+    problem = out_folder_problem(out)  # as `normexp sweep` checks its --out (else mkdir says "File exists")
+    if problem is not None:
+        _fail(f"--out {out}: {problem}")
     return out
 
 
