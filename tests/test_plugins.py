@@ -68,6 +68,12 @@ class NoForward:
     pass
 
 
+class DrawingNorm(CenterNorm):
+    def __init__(self, d, eps):
+        super().__init__(d, eps)
+        torch.rand(1)
+
+
 from torch.nn import LayerNorm  # noqa: E402 - a module: a norm kind, not a placement
 '''
 OWN, KIND = "usernorms:Halfway", "usernorms:CenterNorm"
@@ -153,9 +159,11 @@ def test_a_bad_reference_is_a_config_error_naming_the_key(package, ref, says):
     assert f"base.norm.placement: {says}" in str(error.value)
 
 
-def test_a_placement_that_draws_random_numbers_is_refused(package):
-    with pytest.raises(ValueError, match="drew random numbers"):
+def test_a_placement_or_kind_that_draws_random_numbers_is_refused(package):
+    with pytest.raises(ValueError, match="usernorms:Drawing: a placement's build.. drew random numbers"):
         seeded_init(configs(placement="usernorms:Drawing")[0])
+    with pytest.raises(ValueError, match="usernorms:DrawingNorm: a norm kind drew random numbers"):
+        seeded_init(configs(kind="usernorms:DrawingNorm")[0])
 
 
 def test_a_sweep_of_it_from_the_command_line(package, tmp_path):

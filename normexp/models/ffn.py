@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from normexp.config import Init, ModelConfig, NormConfig, mixln_post_count
-from normexp.models.norms import make_norm, silence
-from normexp.registry import PluginError, is_plugin, load_plugin
+from normexp.models.norms import drawing_nothing, make_norm, silence
+from normexp.registry import is_plugin, load_plugin
 
 
 def make_linear(d_in: int, d_out: int, init: Init) -> nn.Linear:
@@ -159,13 +159,8 @@ def build_own(block: Block, norm: Callable[[], nn.Module]) -> None:
     """A user's placement's `build(block, norm)`, if it has one: it adds the modules its forward uses
     (`norm()` builds one of the run's kind at this site). Like every init here it may draw no random
     number, or each later weight of the seed would move (SPEC §1)."""
-    if not hasattr(block.own, "build"):
-        return
-    before = torch.random.get_rng_state()
-    block.own.build(block, norm)
-    if not torch.equal(before, torch.random.get_rng_state()):
-        raise PluginError(f"{block.placement}: build() drew random numbers; a placement must not (fill its "
-                          "parameters with constants)")
+    if hasattr(block.own, "build"):
+        drawing_nothing(lambda: block.own.build(block, norm), f"{block.placement}: a placement's build()")
 
 
 def residual_stack(blocks: Iterable[nn.Module], x: torch.Tensor, dual_norm: nn.Module | None,

@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from normexp.config import NormConfig
 from normexp.registry import PluginError, is_plugin, load_plugin
+
+T = TypeVar("T")
 
 
 class RMSNorm(nn.Module):
@@ -175,14 +178,21 @@ def make_norm(d: int, cfg: NormConfig, site: str | None = None) -> nn.Module:
     return NORM_CLASSES[cfg.kind](d, cfg, site)
 
 
+def drawing_nothing(make: Callable[[], T], what: str) -> T:
+    """`make()`, a user's code building modules, refused (PluginError) if it drew from torch's generator:
+    nothing normexp builds at init draws, or every later weight of the seed would move (SPEC §1)."""
+    before = torch.random.get_rng_state()
+    made = make()
+    if not torch.equal(before, torch.random.get_rng_state()):
+        raise PluginError(f"{what} drew random numbers at init, which it must not (give its parameters "
+                          "constant values, e.g. ones and zeros)")
+    return made
+
+
 def own_norm(ref: str, d: int, eps: float) -> nn.Module:
     """A user's norm kind, `Kind(d, eps)`; it may draw no random number (every later weight of the seed
     would move, SPEC §1), and must be a module: either is a clear error, not a silent change."""
-    before = torch.random.get_rng_state()
-    module = load_plugin(ref)(d, eps)
-    if not torch.equal(before, torch.random.get_rng_state()):
-        raise PluginError(f"{ref}: drew random numbers at init; a norm kind must not (set its parameters to "
-                          "constants, e.g. ones and zeros)")
+    module = drawing_nothing(lambda: load_plugin(ref)(d, eps), f"{ref}: a norm kind")
     if not isinstance(module, nn.Module):
         raise PluginError(f"{ref}({d}, {eps}) returned a {type(module).__name__}, not a torch.nn.Module")
     return module
