@@ -9,8 +9,9 @@ stay next to each other where they are read: a kind's class in `normexp/models/n
 
 A placement or kind of your own, from your own package, is named by reference: `norm.kind:
 mypkg.norms:MyNorm`, `norm.placement: mypkg.placements:Halfway` (docs/extending.md says what each must
-provide). It is validated, labelled (by its attribute's name), hashed into run ids (prefix `ext_`) and
-trained on every engine like a registered one; only resolving it imports the user's module.
+provide). It is validated, labelled (by its whole reference), hashed into run ids (prefix `ext_`) and
+trained on every engine like a registered one; only resolving it imports the user's module, and reading a
+run folder never does (`references_unchecked`).
 
 This module is data only (no torch), so that the config layer and the analysis layer can read it.
 """
@@ -26,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+ARCHS = ("ffn", "transformer")  # `model.arch`'s values
+
 
 @dataclass(frozen=True)
 class Method:
@@ -34,7 +37,7 @@ class Method:
     name: str
     label: str
     paper: str
-    archs: tuple[str, ...] = ("ffn", "transformer")  # the architectures it applies to
+    archs: tuple[str, ...] = ARCHS  # the architectures it applies to
 
 
 PLACEMENTS: dict[str, Method] = {m.name: m for m in (
@@ -128,8 +131,8 @@ def check_placement_plugin(ref: str) -> None:
     if any(c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in getattr(found, "__mro__", ())):
         raise PluginError(f"{ref}: is a torch.nn.Module, which makes a norm kind (norm.kind), not a placement; "
                           "a placement is forward(block, x) (docs/extending.md)")
-    archs = getattr(found, "archs", ("ffn", "transformer"))
-    if not isinstance(archs, tuple | list) or not archs or not set(archs) <= {"ffn", "transformer"}:
+    archs = getattr(found, "archs", ARCHS)
+    if not isinstance(archs, tuple | list) or not archs or not set(archs) <= set(ARCHS):
         raise PluginError(f"{ref}: archs must be a tuple of ffn and/or transformer, got {archs!r}")
 
 
@@ -140,13 +143,13 @@ def check_kind_plugin(ref: str) -> None:
 
 
 def plugin_archs(found: Any) -> tuple[str, ...]:
-    return tuple(getattr(found, "archs", ("ffn", "transformer")))
+    return tuple(getattr(found, "archs", ARCHS))
 
 
 def placement_archs(name: str) -> tuple[str, ...]:
     """The architectures the placement `name` (registered, or a user's by reference) applies to."""
     if is_plugin(name):  # a folder being read: its runs were checked when they trained
-        return plugin_archs(load_plugin(name)) if checks_references() else ("ffn", "transformer")
+        return plugin_archs(load_plugin(name)) if checks_references() else ARCHS
     return PLACEMENTS[name].archs
 
 

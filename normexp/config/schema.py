@@ -29,6 +29,7 @@ from pydantic_core import PydanticCustomError
 from normexp.config.errors import ConfigError, _brief, _format_errors, _section_fields
 from normexp.config.loader import read_mapping
 from normexp.registry import (
+    ARCHS,
     KINDS,
     PLACEMENTS,
     PluginError,
@@ -44,7 +45,7 @@ NormKind = Literal[tuple(KINDS)]
 Init = Literal["xavier_uniform", "xavier_normal", "torch_default"]
 OptimName = Literal["adam", "adamw", "sgd", "radam"]
 ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
-Arch = Literal["ffn", "transformer"]
+Arch = Literal[ARCHS]  # normexp/registry.py
 TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
 SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
 METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's columns, in order: one per recorded step

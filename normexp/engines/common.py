@@ -136,8 +136,6 @@ def validate(model: torch.nn.Module, task: Task) -> tuple[float, float] | None:
     return loss.item(), acc.item()
 
 
-
-
 # ----------------------------------------------------------------------------- the loops' shared skeleton
 #
 # The three loops record, stop and time runs alike, and do so here. Each keeps its own step, because
