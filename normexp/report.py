@@ -36,6 +36,7 @@ from normexp.results import (
     config_columns,
     finished_runs,
     missing_note,
+    require_finished,
     unfinished_runs,
     varying_keys,
 )
@@ -335,10 +336,7 @@ def build_pivot(source: str | Path | Folder, rows: str, cols: str) -> Pivot:
     folder = as_folder(source)
     run_dir, summary = folder.path, folder.summary
     _check_keys([rows, cols], summary, "--pivot")
-    finished = finished_runs(summary)
-    if finished.empty:
-        note = missing_note(summary, run_dir)
-        raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
+    finished = require_finished(summary, run_dir)
     planned = summary.copy()  # every run of the sweep: a missing one counts in its cell's n, not in its mean
     loss = planned["final_loss"].astype(float)
     planned["final_loss"] = loss.where(loss.map(math.isfinite) & planned.index.isin(finished.index))

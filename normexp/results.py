@@ -61,10 +61,7 @@ class Folder:
         key = (METRICS_FILE, all_config, only_last)
         if key not in self._tables:
             summary = self.view(only_last)
-            finished = finished_runs(summary)
-            if finished.empty:
-                note = missing_note(summary, self.path)
-                raise ResultsError(f"{self.path}: no finished runs yet" + (f"; {note}" if note else ""))
+            finished = require_finished(summary, self.path)
             self._tables[key] = _attach(self.path, summary, finished, METRICS_FILE, all_config)
         return _copy(self._tables[key])
 
@@ -126,6 +123,15 @@ def load_summary(run_dir: str | Path | Folder, only_last: bool = False) -> pd.Da
 def finished_runs(summary: pd.DataFrame) -> pd.DataFrame:
     """The rows of runs that finished training (completed or diverged): those with metrics."""
     return summary[summary["status"].isin(FINISHED)]
+
+
+def require_finished(summary: pd.DataFrame, run_dir: str | Path) -> pd.DataFrame:
+    """`finished_runs(summary)`, or ResultsError saying there are none yet (and which runs are missing)."""
+    finished = finished_runs(summary)
+    if finished.empty:
+        note = missing_note(summary, run_dir)
+        raise ResultsError(f"{run_dir}: no finished runs yet" + (f"; {note}" if note else ""))
+    return finished
 
 
 def unfinished_runs(summary: pd.DataFrame) -> dict[str, str]:
