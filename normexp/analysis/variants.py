@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from normexp.config import key_label
+from normexp.config import key_label, trained_threshold
 from normexp.registry import KINDS, PLACEMENTS
 from normexp.registry import label as method_label
 from normexp.results import finished_runs
@@ -15,13 +15,7 @@ from normexp.results import finished_runs
 PLACEMENT_LABELS = {name: method.label for name, method in PLACEMENTS.items()}  # normexp/registry.py
 
 
-
 KIND_LABELS = {name: method.label for name, method in KINDS.items()}
-
-
-
-TRAINED_FRACTION = 0.1  # trained: final loss under a tenth of chance, ln(n_classes) / 10
-
 
 
 def variant_label(values: dict[str, object]) -> str:
@@ -38,13 +32,10 @@ def variant_label(values: dict[str, object]) -> str:
     return " ".join(parts) or "run"
 
 
-
 APPROXIMATE_ENGINES = ("fast",)  # close to the reference's numbers, not equal; reference and batched are its bits
 
 
-
 ENGINES_LISTED = 6
-
 
 
 def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
@@ -71,11 +62,9 @@ def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
             "with --engine batched (it redoes the fast runs) or with --engine fast --force.")
 
 
-
 def is_null(value: object) -> bool:
     """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
     return value is None or (isinstance(value, float) and math.isnan(value))
-
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
@@ -87,7 +76,6 @@ def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all 
             for values, group in frame.groupby(keys, sort=False, dropna=False)]
 
 
-
 def n_choices(frame: pd.DataFrame) -> pd.Series:
     """Per row, how many classes the run's loss chooses among: model.n_classes, or for a Transformer
     (`model.arch: transformer`) its vocabulary, data.vocab. A folder from before the Transformer has
@@ -96,13 +84,6 @@ def n_choices(frame: pd.DataFrame) -> pd.Series:
     if "model.arch" not in frame:
         return classes
     return classes.where(frame["model.arch"] != "transformer", frame["data.vocab"]).astype(int)
-
-
-
-def trained_threshold(n_classes: int) -> float:
-    """A run trained if its final loss is under a tenth of chance, ln(n_classes) / 10."""
-    return math.log(n_classes) * TRAINED_FRACTION
-
 
 
 def is_trained(final_loss: pd.Series, status: pd.Series, n_classes: pd.Series | int) -> pd.Series:

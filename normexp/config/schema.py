@@ -448,6 +448,19 @@ class ReportConfig(_Section):
     metric: Metric = "loss"
 
 
+TRAINED_FRACTION = 0.1  # the default trained rule: a final loss under a tenth of chance
+
+
+def chance_classes(cfg: RunConfig) -> int:
+    """How many classes a run's loss chooses among: model.n_classes, or data.vocab for a Transformer."""
+    return cfg.data.vocab if cfg.model.arch == "transformer" else cfg.model.n_classes
+
+
+def trained_threshold(n_classes: int) -> float:
+    """The default trained rule: a final loss under a tenth of chance, ln(n_classes) / 10."""
+    return math.log(n_classes) * TRAINED_FRACTION
+
+
 def run_keys() -> list[str]:
     """Every dotted leaf key of a run config: `model.depth`, ..., `seed`."""
     keys = []
