@@ -173,6 +173,17 @@ def test_max_runs_guards_absurd_grids(write_yaml):
                                       "optim.lr=" + ",".join(str(0.001 * (i + 1)) for i in range(1000))])
 
 
+def test_each_seed_of_a_grid_point_is_the_run_a_fresh_validation_gives(write_yaml):
+    """Seeds are set on one validated run per grid point: each must be the run its own mapping
+    validates to (equal, same hash, same dump), whatever the optimizer's seed-independent defaults."""
+    sweep = load_sweep(write_yaml(GOOD), ["seeds=0,1,7", "optim.name=adam,adamw", "optim.lr=0.01,0.1"])
+    assert len(sweep.runs) == 12 and sorted({run.seed for run in sweep.runs}) == [0, 1, 7]
+    for run in sweep.runs:
+        fresh = RunConfig.model_validate(run.model_dump(mode="json"))
+        assert fresh == run and hash(fresh) == hash(run)
+        assert fresh.model_dump(mode="json") == run.model_dump(mode="json")
+
+
 def _sections() -> dict[str, type[BaseModel]]:
     return {name: field.annotation for name, field in RunConfig.model_fields.items()
             if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)}

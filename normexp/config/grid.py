@@ -173,11 +173,12 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
         data = {section: dict(values) for section, values in base_data.items()}
         for key, value in zip(keys, combo):
             _set_dotted(data, key, value)
+        try:  # once per grid point: no check reads the seed, and the seeds were checked with the file
+            first = RunConfig.model_validate({**data, "seed": seeds[0]})
+        except ValidationError as exc:
+            raise _grid_error(exc, dict(zip(keys, combo)), {**data, "seed": seeds[0]}, base_data) from None
         for seed in seeds:
-            try:
-                runs.setdefault(RunConfig.model_validate({**data, "seed": seed}))
-            except ValidationError as exc:
-                raise _grid_error(exc, dict(zip(keys, combo)), {**data, "seed": seed}, base_data) from None
+            runs.setdefault(first if seed == seeds[0] else first.model_copy(update={"seed": seed}))
             resolved += 1
             if len(runs) > max_runs:
                 raise TooManyRuns(total, max_runs, distinct=len(runs) == resolved)
