@@ -16,6 +16,9 @@ is computed from the numbers it just measured (nothing in a verdict is written i
    (configs/studies/transformer_warmup.yaml, fast engine);
 6. per-block dynamics over the first steps, Post-LN vs Pre-LN with and without warmup
    (configs/studies/blocks.yaml, `train.log_blocks`);
+6b. Wortsman et al. 2023's instabilities on the tiny Transformer: qk-norm and the z-loss x Pre / Post /
+   Peri-LN x LayerNorm / DyT x lr 1e-4..1, LR sensitivity, attention logits and log Z
+   (configs/studies/instabilities.yaml, `train.log_blocks`);
 7. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
 
 Sweeps resume: a second `make studies` only rewrites the report. Verdicts count verified runs only;
@@ -108,9 +111,13 @@ MAX_STUDY_WORKERS = 8
 FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
 
 
+# --quick per study where 2 seeds of the whole grid would still take minutes (default: seeds 0 and 1)
+QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "optim.lr=0.001,0.01,0.1,1.0"]}
+
+
 def _spec(name: str, quick: bool) -> Sweep:
     config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
-    return load_sweep(config, ["seeds=0,1"] if quick and name != "warmup" else [])
+    return load_sweep(config, QUICK_SETS.get(name, ["seeds=0,1"]) if quick else [])
 
 
 def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
@@ -135,6 +142,8 @@ def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
         paths.append(run_dir / "final_loss.png")
     if run_dir.name == "blocks":
         paths += [save_blocks_plot(folder, metric=metric) for metric in BLOCKS_FIGURES]
+    if run_dir.name == "instabilities":
+        paths += instabilities_figures(folder)
     return [str(p.relative_to(run_dir.parent)) for p in paths]
 
 
@@ -382,6 +391,144 @@ def blocks_verdict(source: Path | Folder) -> str:
             f"gradnorm study's picture at init), {first_step}.")
 
 
+GROWTH = 2.0  # attention logits "grow" at an lr where their peak over training is at least this x their step-0 value
+INSTABILITY_KEYS = ("norm.placement", "norm.kind", "model.qk_norm", "train.z_loss")
+HEATMAP_LR = 0.1  # the heat maps' learning rate: in the grid and in --quick's, where logits grow without qk-norm
+
+
+def _flag(value: object) -> bool:
+    """A bool grid value as a folder's summary may hold it (True, 'True', 1)."""
+    return str(value).strip().lower() in ("true", "1", "1.0")
+
+
+def instability_runs(source: Path | Folder) -> pd.DataFrame:
+    """One row per run of the instabilities study: its keys, `growth` (the peak over logged steps of the
+    largest attention logit over layers, over its step-0 value; finite steps only, so a run that diverged
+    counts up to the step before), `log_z_peak` (the largest |log Z| of its finite logged steps)."""
+    tidy = as_folder(source).blocks(all_config=True)
+    tidy["attn_logit_max"] = tidy["attn_logit_max"].astype(float)
+    tidy["log_z"] = tidy["log_z"].astype(float).abs()
+    per_step = tidy.groupby(["run_id", "step"], sort=False)[["attn_logit_max", "log_z"]].max()  # over layers
+    finite = per_step[per_step.map(math.isfinite).all(axis=1)].reset_index()
+    first = finite.sort_values("step").groupby("run_id").head(1).set_index("run_id")
+    peak = finite.groupby("run_id")[["attn_logit_max", "log_z"]].max()
+    keys = tidy.groupby("run_id", sort=False)[[*INSTABILITY_KEYS, "optim.lr", "seed"]].first()
+    runs = keys.join(peak).join(first[["attn_logit_max"]].rename(columns={"attn_logit_max": "logit0"}))
+    runs["model.qk_norm"] = runs["model.qk_norm"].map(_flag)
+    runs["train.z_loss"] = runs["train.z_loss"].astype(float)
+    runs["optim.lr"] = runs["optim.lr"].astype(float)
+    runs["growth"] = runs["attn_logit_max"] / runs["logit0"]
+    return runs.rename(columns={"log_z": "log_z_peak"}).reset_index()
+
+
+def _compare(before, after) -> str:
+    """'lowers', 'raises' or 'leaves within noise' the sensitivity, from `before` to `after` (Sensitivity
+    rows; noise: the larger of their seed spreads, 0 with one seed)."""
+    noise = max(_finite(before.spread), _finite(after.spread))
+    delta = after.sensitivity - before.sensitivity
+    return "lowers" if delta < -noise else "raises" if delta > noise else "leaves within noise"
+
+
+def instabilities_verdict(source: Path | Folder) -> str:
+    """Per design (placement x kind): where its attention logits grow without qk-norm, and what qk-norm
+    does to its LR sensitivity; then the z-loss's effect on sensitivity and on log Z; then whether the
+    paper's two trends show here."""
+    folder = as_folder(source)
+    sens = {}
+    for row in build_sensitivity(folder):
+        v = row.values
+        sens[(v.get("norm.placement"), v.get("norm.kind"), _flag(v.get("model.qk_norm")),
+              float(v.get("train.z_loss", 0.0)))] = row
+    runs = instability_runs(folder)
+    cells = runs.groupby([*INSTABILITY_KEYS, "optim.lr"])[["growth", "log_z_peak"]].mean()
+    designs = list(dict.fromkeys((p, k) for p, k, _, _ in sens))
+    z_on = max((z for *_, z in sens), default=0.0)
+    parts, grows, helped = [], [], []
+    for placement, kind in designs:
+        label = variant_label({"norm.placement": placement, "norm.kind": kind})
+        off, on = sens.get((placement, kind, False, 0.0)), sens.get((placement, kind, True, 0.0))
+        if off is None or on is None or math.isnan(off.sensitivity) or math.isnan(on.sensitivity):
+            parts.append(f"{label}: no LR sensitivity with and without qk-norm (an lr has no finished run)")
+            continue
+        growth = cells.loc[(placement, kind, False, 0.0), "growth"]
+        grown = [lr for lr, g in growth.items() if g >= GROWTH]
+        qk_growth = cells.loc[(placement, kind, True, 0.0), "growth"]
+        effect = _compare(off, on)
+        where = f"at least {GROWTH:g}x from lr {min(grown):g} up" if grown else f"under {GROWTH:g}x at every lr"
+        text = (f"{label}: without qk-norm its largest attention logit peaks at {growth.max():.1f}x its step-0 "
+                f"value ({where}; with qk-norm at most {qk_growth.max():.1f}x); qk-norm {effect} its LR sensitivity "
+                f"({off.sensitivity:.3f} -> {on.sensitivity:.3f})")
+        parts.append(text)
+        if grown:
+            grows.append(label)
+            if effect == "lowers":
+                helped.append(label)
+    if not grows:
+        qk = ("No design's attention logits grow by " + format(GROWTH, "g") + "x at any learning rate here: the toy "
+              "does not reach the regime of the paper's attention-logit growth, so it cannot test qk-norm's fix")
+    elif len(helped) == len(grows):
+        qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity in every "
+              "design: the paper's trend reproduces here")
+    elif helped:
+        qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity of "
+              f"{', '.join(helped)} only: the paper's trend reproduces in part")
+    else:
+        qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity of no "
+              "design: the paper's trend does not reproduce here")
+    z_parts, z_changed, z_tamed = [], [], []
+    top = float(runs["optim.lr"].max())
+    for placement, kind in designs:
+        label = variant_label({"norm.placement": placement, "norm.kind": kind})
+        without, with_z = sens.get((placement, kind, False, 0.0)), sens.get((placement, kind, False, z_on))
+        if z_on == 0.0 or without is None or with_z is None or math.isnan(without.sensitivity) \
+                or math.isnan(with_z.sensitivity):
+            continue
+        effect = _compare(without, with_z)
+        peak_off = cells.loc[(placement, kind, False, 0.0, top), "log_z_peak"]
+        peak_on = cells.loc[(placement, kind, False, z_on, top), "log_z_peak"]
+        z_parts.append(f"{label} {without.sensitivity:.3f} -> {with_z.sensitivity:.3f} ({effect}; peak |log Z| at "
+                       f"lr {top:g} {peak_off:.1f} -> {peak_on:.1f})")
+        if effect != "leaves within noise":
+            z_changed.append(label)
+        if peak_on < 0.9 * peak_off:
+            z_tamed.append(label)
+    if z_parts:
+        z_text = (f"The z-loss ({z_on:g}, without qk-norm) moves the LR sensitivity thus: {'; '.join(z_parts)}. "
+                  + (f"It moves the sensitivity beyond the seed spread for {', '.join(z_changed)}"
+                     if z_changed else "It moves no design's sensitivity beyond the seed spread: at these sizes "
+                     "the z-loss does not matter for the loss, as the paper expects of models without output-logit "
+                     "divergence")
+                  + (f"; it keeps log Z nearer 0 (peak |log Z| at least 10% lower) for {', '.join(z_tamed)}."
+                     if z_tamed else "; it does not lower the peak |log Z| by 10% for any design."))
+    else:
+        z_text = "The grid has no z-loss axis, or no sensitivity to compare it on."
+    seeds = runs["seed"].nunique()
+    diverged = int((_finished_summary(folder)["status"] == "diverged").sum())
+    return (". ".join(parts) + f". {qk}. {z_text} ({len(runs)} runs, {seeds} seed{'s' if seeds > 1 else ''} per "
+            f"cell, {diverged} diverged: a diverged run counts at its loss at init in the sensitivity, and "
+            "up to its last finite logged step in the logit peaks.)")
+
+
+def instabilities_figures(folder: Folder) -> list[Path]:
+    """The block heat maps of the largest attention logit, the attention entropy and log Z at lr HEATMAP_LR
+    without the z-loss: placements across, kind x qk-norm down."""
+    from normexp.plot import BLOCK_METRIC_LABELS, blocks_figure, plt
+
+    tidy = folder.blocks(all_config=True)
+    chosen = tidy[(tidy["optim.lr"].astype(float) == HEATMAP_LR) & (tidy["train.z_loss"].astype(float) == 0.0)]
+    if chosen.empty:
+        return []
+    paths = []
+    for metric in ("attn_logit_max", "attn_entropy", "log_z"):
+        fig = blocks_figure(chosen.copy(), ["norm.placement", "norm.kind", "model.qk_norm"], metric)
+        fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS[metric]} (lr {HEATMAP_LR:g}, no z-loss)")
+        path = folder.path / f"blocks-{metric}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 LEMMA_TOLERANCE = 0.25  # a measured branch energy c within 25% of the computed one: Lemma 2 holds in form
 
 
@@ -460,6 +607,9 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
          None, transformer_warmup_verdict),
         ("blocks", "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
                    "Post-LN vs Pre-LN, with and without warmup?", None, blocks_verdict),
+        ("instabilities", "Wortsman et al. 2023 at toy scale: do qk-norm and the z-loss lower the learning-rate "
+         "sensitivity of a 4-layer causal Transformer, Pre / Post / Peri-LN, LayerNorm or DyT, and do its "
+         "attention logits and output log Z grow at high learning rates as theirs did?", None, instabilities_verdict),
     ]
     specs = {name: _spec(name, quick) for name, *_ in studies}
     for name, spec in specs.items():  # before anything trains, not after the studies before it
@@ -475,8 +625,9 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         folder = load_folder(run_dir)  # read and verified once for the study's table, figures and verdict
         figures = _figures(folder, x_key)
         sensitivity = (sensitivity_to_markdown(build_sensitivity(folder), sensitivity_engines(folder))
-                       if name.startswith("lr_") else "")
-        table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(folder, only_last=True))
+                       if name.startswith("lr_") or name == "instabilities" else "")
+        table = (sensitivity if name in ("lr_sensitivity", "instabilities")
+                 else to_markdown(build_report(folder, only_last=True)))
         if name == "lr_warmup":
             from normexp.report import build_pivot, pivot_to_markdown
 
