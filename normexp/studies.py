@@ -391,7 +391,10 @@ def blocks_verdict(source: Path | Folder) -> str:
             f"gradnorm study's picture at init), {first_step}.")
 
 
-GROWTH = 2.0  # attention logits "grow" at an lr where their peak over training is at least this x their step-0 value
+# attention logits "grow" at an lr where the largest of them (over layers, logged steps, seeds' mean) reaches
+# this: e^50 between two logits makes a softmax one-hot (Wortsman et al.'s attention-entropy collapse); at
+# init they are O(1) here (a norm's output through xavier q, k: about 3), and DyT's far smaller
+LOGIT_LIMIT = 50.0
 INSTABILITY_KEYS = ("norm.placement", "norm.kind", "model.qk_norm", "train.z_loss")
 HEATMAP_LR = 0.1  # the heat maps' learning rate: in the grid and in --quick's, where logits grow without qk-norm
 
@@ -402,9 +405,9 @@ def _flag(value: object) -> bool:
 
 
 def instability_runs(source: Path | Folder) -> pd.DataFrame:
-    """One row per run of the instabilities study: its keys, `growth` (the peak over logged steps of the
-    largest attention logit over layers, over its step-0 value; finite steps only, so a run that diverged
-    counts up to the step before), `log_z_peak` (the largest |log Z| of its finite logged steps)."""
+    """One row per run of the instabilities study: its keys, `logit_peak` (the largest attention logit over
+    layers and logged steps; finite steps only, so a run that diverged counts up to the step before),
+    `growth` (logit_peak over its step-0 value), `log_z_peak` (the largest |log Z| of its finite logged steps)."""
     tidy = as_folder(source).blocks(all_config=True)
     tidy["attn_logit_max"] = tidy["attn_logit_max"].astype(float)
     tidy["log_z"] = tidy["log_z"].astype(float).abs()
@@ -418,7 +421,7 @@ def instability_runs(source: Path | Folder) -> pd.DataFrame:
     runs["train.z_loss"] = runs["train.z_loss"].astype(float)
     runs["optim.lr"] = runs["optim.lr"].astype(float)
     runs["growth"] = runs["attn_logit_max"] / runs["logit0"]
-    return runs.rename(columns={"log_z": "log_z_peak"}).reset_index()
+    return runs.rename(columns={"log_z": "log_z_peak", "attn_logit_max": "logit_peak"}).reset_index()
 
 
 def _compare(before, after) -> str:
@@ -440,7 +443,10 @@ def instabilities_verdict(source: Path | Folder) -> str:
         sens[(v.get("norm.placement"), v.get("norm.kind"), _flag(v.get("model.qk_norm")),
               float(v.get("train.z_loss", 0.0)))] = row
     runs = instability_runs(folder)
-    cells = runs.groupby([*INSTABILITY_KEYS, "optim.lr"])[["growth", "log_z_peak"]].mean()
+    seeds = runs["seed"].nunique()
+    summary = _finished_summary(folder)
+    threshold = math.log(int(n_choices(summary).iloc[0])) / 10  # trained: a final loss under a tenth of chance
+    cells = runs.groupby([*INSTABILITY_KEYS, "optim.lr"])[["logit_peak", "log_z_peak"]].mean()
     designs = list(dict.fromkeys((p, k) for p, k, _, _ in sens))
     z_on = max((z for *_, z in sens), default=0.0)
     parts, grows, helped = [], [], []
@@ -450,22 +456,26 @@ def instabilities_verdict(source: Path | Folder) -> str:
         if off is None or on is None or math.isnan(off.sensitivity) or math.isnan(on.sensitivity):
             parts.append(f"{label}: no LR sensitivity with and without qk-norm (an lr has no finished run)")
             continue
-        growth = cells.loc[(placement, kind, False, 0.0), "growth"]
-        grown = [lr for lr, g in growth.items() if g >= GROWTH]
-        qk_growth = cells.loc[(placement, kind, True, 0.0), "growth"]
+        peak = cells.loc[(placement, kind, False, 0.0), "logit_peak"]
+        grown = [lr for lr, g in peak.items() if g >= LOGIT_LIMIT]
+        qk_peak = cells.loc[(placement, kind, True, 0.0), "logit_peak"]
         effect = _compare(off, on)
-        where = f"at least {GROWTH:g}x from lr {min(grown):g} up" if grown else f"under {GROWTH:g}x at every lr"
-        text = (f"{label}: without qk-norm its largest attention logit peaks at {growth.max():.1f}x its step-0 "
-                f"value ({where}; with qk-norm at most {qk_growth.max():.1f}x); qk-norm {effect} its LR sensitivity "
+        where = (f"at least {LOGIT_LIMIT:g} from lr {min(grown):g} up" if grown
+                 else f"under {LOGIT_LIMIT:g} at every lr")
+        by_lr = ", ".join(f"{p:.3g}" for p in peak)
+        text = (f"{label}: without qk-norm its largest attention logit peaks at {by_lr} over the lrs ({where}); "
+                f"with qk-norm at {', '.join(f'{p:.3g}' for p in qk_peak)}; qk-norm {effect} its LR sensitivity "
                 f"({off.sensitivity:.3f} -> {on.sensitivity:.3f})")
+        if min(off.best_loss, on.best_loss) >= threshold:
+            text += f" (it trains at no lr of the grid, l* {min(off.best_loss, on.best_loss):.2f}: a flat failure)"
         parts.append(text)
         if grown:
             grows.append(label)
             if effect == "lowers":
                 helped.append(label)
     if not grows:
-        qk = ("No design's attention logits grow by " + format(GROWTH, "g") + "x at any learning rate here: the toy "
-              "does not reach the regime of the paper's attention-logit growth, so it cannot test qk-norm's fix")
+        qk = (f"No design's attention logits reach {LOGIT_LIMIT:g} at any learning rate here: the toy does not "
+              "reach the regime of the paper's attention-logit growth, so it cannot test qk-norm's fix")
     elif len(helped) == len(grows):
         qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity in every "
               "design: the paper's trend reproduces here")
@@ -495,6 +505,7 @@ def instabilities_verdict(source: Path | Folder) -> str:
     if z_parts:
         z_text = (f"The z-loss ({z_on:g}, without qk-norm) moves the LR sensitivity thus: {'; '.join(z_parts)}. "
                   + (f"It moves the sensitivity beyond the seed spread for {', '.join(z_changed)}"
+                     + (" (one seed: beyond zero, with no spread to judge it by)" if seeds < 2 else "")
                      if z_changed else "It moves no design's sensitivity beyond the seed spread: at these sizes "
                      "the z-loss does not matter for the loss, as the paper expects of models without output-logit "
                      "divergence")
@@ -502,8 +513,9 @@ def instabilities_verdict(source: Path | Folder) -> str:
                      if z_tamed else "; it does not lower the peak |log Z| by 10% for any design."))
     else:
         z_text = "The grid has no z-loss axis, or no sensitivity to compare it on."
-    seeds = runs["seed"].nunique()
-    diverged = int((_finished_summary(folder)["status"] == "diverged").sum())
+    if seeds < 2:
+        qk += " (one seed: no change is judged against seed noise)"
+    diverged = int((summary["status"] == "diverged").sum())
     return (". ".join(parts) + f". {qk}. {z_text} ({len(runs)} runs, {seeds} seed{'s' if seeds > 1 else ''} per "
             f"cell, {diverged} diverged: a diverged run counts at its loss at init in the sensitivity, and "
             "up to its last finite logged step in the logit peaks.)")
