@@ -437,12 +437,12 @@ def instabilities_verdict(source: Path | Folder) -> str:
     does to its LR sensitivity; then the z-loss's effect on sensitivity and on log Z; then whether the
     paper's two trends show here."""
     folder = as_folder(source)
+    runs = instability_runs(folder)
+    fixed = runs.iloc[0]  # a key the grid does not vary: its one value
     sens = {}
     for row in build_sensitivity(folder):
-        v = row.values
-        sens[(v.get("norm.placement"), v.get("norm.kind"), _flag(v.get("model.qk_norm")),
-              float(v.get("train.z_loss", 0.0)))] = row
-    runs = instability_runs(folder)
+        v = {key: row.values.get(key, fixed[key]) for key in INSTABILITY_KEYS}
+        sens[(v["norm.placement"], v["norm.kind"], _flag(v["model.qk_norm"]), float(v["train.z_loss"]))] = row
     seeds = runs["seed"].nunique()
     summary = _finished_summary(folder)
     threshold = math.log(int(n_choices(summary).iloc[0])) / 10  # trained: a final loss under a tenth of chance
