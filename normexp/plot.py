@@ -44,7 +44,8 @@ from normexp.results import (  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate",
-                 "val_loss": "held-out loss (answer positions)", "val_acc": "held-out accuracy (answer positions)"}
+                 "val_loss": "held-out loss (answer positions)", "val_acc": "held-out accuracy (answer positions)",
+                 "z_loss": "z-loss term, coef x mean log(Z)^2 (train.z_loss)"}
 BLOCK_METRIC_LABELS = {  # the per-block columns of blocks.csv (normexp/blocklog.py)
     "fc1_grad": "||dLoss/dW|| of fc1", "fc2_grad": "||dLoss/dW|| of fc2",
     "fc1_update": "update ||ΔW|| / ||W|| of fc1", "fc2_update": "update ||ΔW|| / ||W|| of fc2",

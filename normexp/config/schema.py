@@ -51,7 +51,7 @@ SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's ta
 METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's columns, in order: one per recorded step
 VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
 Z_LOSS_COLUMN = "z_loss"  # train.z_loss > 0: the z term of each recorded step, after the columns above
-METRICS = ("loss", "acc", "grad_norm", "lr", *VAL_COLUMNS)  # what a report or a figure can show
+METRICS = ("loss", "acc", "grad_norm", "lr", *VAL_COLUMNS, Z_LOSS_COLUMN)  # what a report or a figure can show
 Metric = Literal[METRICS]
 
 FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal, 2^-149)
