@@ -36,6 +36,10 @@ MEANINGS = {
     "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's",
     "model.arch": "`ffn` (the article's toy) or `transformer` ([The Transformer](transformer.md))",
     "model.n_heads": "transformer only: attention heads; must divide `model.width`",
+    "model.qk_norm": "transformer only: normalise queries and keys with the run's norm kind before their dot "
+                     "product (Wortsman et al. 2023's qk-layernorm; [Transformer](transformer.md#qk-norm-and-z-loss))",
+    "model.qk_norm_scope": "with `qk_norm`: `head` per head over width / n_heads features (ViT-22B, Wortsman, "
+                           "Gemma); `full` over the whole projection before the heads split (OLMo 2)",
     "norm.placement": "where the norm goes ([placements](#placements-and-kinds)); `b2t` is transformer only",
     "norm.kind": "which norm ([kinds](#placements-and-kinds))",
     "norm.eps": "epsilon of every norm",
@@ -86,8 +90,11 @@ MEANINGS = {
     "train.steps": "optimizer steps S; losses are recorded at steps 0..S",
     "train.threads": "torch intra-op threads for the run (recorded in done.json); unset: torch's default",
     "train.stop_on_nonfinite": "stop a run at its first nan/inf loss (it is marked `diverged`)",
-    "train.log_blocks": "also write `<run_id>/blocks.csv`: per-block gradients, updates and activations (ffn only)",
+    "train.log_blocks": "also write `<run_id>/blocks.csv`: per-block gradients, updates and activations (a "
+                        "Transformer's also attention logits, entropy and log Z)",
     "train.log_every": "blocks.csv keeps steps 0, k, 2k, ... (needs `log_blocks: true`)",
+    "train.z_loss": "transformer only: add z_loss * mean(log(Z)^2) to the objective (PaLM's z-loss; 1e-4 is "
+                    "Wortsman's); `loss` stays the cross-entropy, the term goes to metrics.csv's `z_loss` column",
     "seed": "set by the sweep's `seeds` list",
     "report.steps": "rows of the table (each run's last step is always one)",
     "report.columns": "keys that make the table's columns; unset: the keys that vary",

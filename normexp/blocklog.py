@@ -12,6 +12,18 @@ At every `train.log_every`-th recorded step, one row per block (numbered 1..N fr
     norm_rms, norm_out_rms  the same RMS of the output of the block's norm (`Block.norm`) and of its
                             branch-output norm (`Block.norm_out`, Sandwich and Peri-LN); nan where absent
 
+A Transformer (`model.arch: transformer`) has one row per layer (attention sublayer, then FFN sublayer):
+fc1/fc2 are its FFN's, stream_rms is the layer's output, norm_rms and norm_out_rms its FFN sublayer's
+norms; and three more columns (Wortsman et al. 2023's two instabilities):
+
+    attn_logit_max          the largest attention logit q.k / sqrt(d_head) of the layer, over its heads, the
+                            samples and every (query, key) pair the causal mask keeps ("attention logit growth")
+    attn_entropy            the entropy of the layer's attention weights, -sum_j p_ij ln p_ij, averaged over
+                            heads, samples and query positions (Zhai et al. 2023's "entropy collapse")
+    log_z                   ln Z = logsumexp of the output logits, averaged over the tokens the loss reads
+                            (the model's, not a layer's: the same in every row of a step; "output logit
+                            divergence", the quantity the z-loss penalises)
+
 Activations are read with forward hooks on the model's own modules (no block is defined twice), so
 one `BlockRecorder` serves the reference engine (one `Net`) and the batched engine (one `Net` whose
 leaf layers hold R runs along a leading axis; its Linear weights (R, in, out) as `weight_t`, or (R, out, in)).
@@ -32,6 +44,8 @@ BLOCK_COLUMNS = ("step", "block", "fc1_grad", "fc2_grad", "fc1_update", "fc2_upd
                  "norm_out_rms")
 MATRICES = ("fc1", "fc2")
 WATCHED = {"stream_rms": None, "norm_rms": "norm", "norm_out_rms": "norm_out"}  # column -> Block attribute
+ATTENTION_COLUMNS = ("attn_logit_max", "attn_entropy", "log_z")
+TRANSFORMER_BLOCK_COLUMNS = (*BLOCK_COLUMNS, *ATTENTION_COLUMNS)  # a Transformer's blocks.csv
 
 
 def rms(x: torch.Tensor) -> float:
@@ -52,13 +66,21 @@ class BlockRecorder:
     keeps a copy of the weights. Call `observe_update()` after the optimizer step: it fills in the
     update ratios. `rows(r)` gives run r's columns; `close()` removes the hooks."""
 
-    def __init__(self, model: nn.Module, every: int, n_runs: int = 1, stacked: bool = False) -> None:
-        self.blocks, self.every, self.stacked = list(model.blocks), every, stacked
-        self.columns: list[dict[str, list[float]]] = [{c: [] for c in BLOCK_COLUMNS} for _ in range(n_runs)]
+    def __init__(self, model: nn.Module, every: int, n_runs: int = 1, stacked: bool = False,
+                 positions: torch.Tensor | None = None) -> None:
+        self.transformer = hasattr(model, "layers")  # rows per layer: its FFN sublayer's block, its attention
+        units = list(model.layers) if self.transformer else list(model.blocks)
+        self.blocks = [layer.ffn for layer in units] if self.transformer else units
+        self.every, self.stacked, self.positions = every, stacked, positions
+        names = TRANSFORMER_BLOCK_COLUMNS if self.transformer else BLOCK_COLUMNS
+        self.columns: list[dict[str, list[float]]] = [{c: [] for c in names} for _ in range(n_runs)]
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
-        self.hooks = [self._watch(module, column, i) for i, block in enumerate(self.blocks)
+        self.hooks = [self._watch(module, column, i) for i, (unit, block) in enumerate(zip(units, self.blocks))
                       for column, attr in WATCHED.items()
-                      if (module := block if attr is None else getattr(block, attr)) is not None]
+                      if (module := unit if attr is None else getattr(block, attr)) is not None]
+        if self.transformer:
+            self.hooks += [self._watch(unit.attn.branch.logits, "logits", i) for i, unit in enumerate(units)]
+            self.hooks.append(self._watch(model.head, "head", 0))
         self.before: list[torch.Tensor] = []  # the weights before the update being logged
         self.pending: list[tuple[int, int]] = []  # (run, first row) of the rows waiting for their update
 
@@ -93,6 +115,16 @@ class BlockRecorder:
             return math.nan
         return rms(output[r] if self.stacked else output)
 
+    def _attention(self, i: int) -> tuple[float, float, float]:
+        """(attn_logit_max, attn_entropy, log_z) of layer i in the last forward (one run: the reference's)."""
+        logits = self.outputs["logits", i]  # (n, heads, T, T), before the causal mask
+        future = torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device).triu(1)
+        masked = logits.masked_fill(future, float("-inf"))
+        entropy = torch.special.entr(torch.softmax(masked, dim=-1)).sum(-1).mean()
+        head = self.outputs["head", 0]  # (n, T, vocab)
+        read = head[:, self.positions].flatten(0, 1) if self.positions is not None else head
+        return masked.max().item(), entropy.item(), read.logsumexp(-1).mean().item()
+
     @torch.no_grad()
     def observe(self, step: int, runs: Sequence[int], grads: Sequence[bool]) -> None:
         """Record step `step` for `runs`; `grads[k]`: whether runs[k] has this step's gradients."""
@@ -113,6 +145,9 @@ class BlockRecorder:
                     columns[f"{name}_update"].append(math.nan)
                 for column in WATCHED:
                     columns[column].append(self._activation((column, i), r))
+                if self.transformer:
+                    for column, value in zip(ATTENTION_COLUMNS, self._attention(i)):
+                        columns[column].append(value)
 
     @torch.no_grad()
     def observe_update(self) -> None:

@@ -44,12 +44,18 @@ from normexp.results import (  # noqa: E402
 
 METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accuracy",
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate",
-                 "val_loss": "held-out loss (answer positions)", "val_acc": "held-out accuracy (answer positions)"}
+                 "val_loss": "held-out loss (answer positions)", "val_acc": "held-out accuracy (answer positions)",
+                 "z_loss": "z-loss term, coef x mean log(Z)^2 (train.z_loss)"}
 BLOCK_METRIC_LABELS = {  # the per-block columns of blocks.csv (normexp/blocklog.py)
     "fc1_grad": "||dLoss/dW|| of fc1", "fc2_grad": "||dLoss/dW|| of fc2",
     "fc1_update": "update ||ΔW|| / ||W|| of fc1", "fc2_update": "update ||ΔW|| / ||W|| of fc2",
     "stream_rms": "RMS of the residual stream at the block output", "norm_rms": "RMS of the block norm's output",
     "norm_out_rms": "RMS of the branch norm's output (Sandwich, Peri)",
+    # the Transformer's (normexp/blocklog.py): Wortsman et al. 2023's attention-logit growth and output-logit
+    # divergence, and the attention entropy
+    "attn_logit_max": "largest attention logit q.k/sqrt(d_head) of the layer",
+    "attn_entropy": "entropy of the layer's attention weights (mean over heads and queries)",
+    "log_z": "log Z of the output logits (mean over the loss's tokens; the model's, in every row)",
 }
 
 

@@ -16,6 +16,9 @@ is computed from the numbers it just measured (nothing in a verdict is written i
    (configs/studies/transformer_warmup.yaml, fast engine);
 6. per-block dynamics over the first steps, Post-LN vs Pre-LN with and without warmup
    (configs/studies/blocks.yaml, `train.log_blocks`);
+6b. Wortsman et al. 2023's instabilities on the tiny Transformer: qk-norm and the z-loss x Pre / Post /
+   Peri-LN x LayerNorm / DyT x lr 1e-4..1, LR sensitivity, attention logits and log Z
+   (configs/studies/instabilities.yaml, `train.log_blocks`);
 7. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
 
 Sweeps resume: a second `make studies` only rewrites the report. Verdicts count verified runs only;
@@ -108,9 +111,13 @@ MAX_STUDY_WORKERS = 8
 FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
 
 
+# --quick per study where 2 seeds of the whole grid would still take minutes (default: seeds 0 and 1)
+QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "optim.lr=0.001,0.01,0.1,1.0"]}
+
+
 def _spec(name: str, quick: bool) -> Sweep:
     config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
-    return load_sweep(config, ["seeds=0,1"] if quick and name != "warmup" else [])
+    return load_sweep(config, QUICK_SETS.get(name, ["seeds=0,1"]) if quick else [])
 
 
 def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
@@ -128,6 +135,8 @@ def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
     from normexp.plot import final_loss_figure, save_blocks_plot, save_plots
 
     run_dir = folder.path
+    if run_dir.name == "instabilities":  # 24 designs x 9 lrs: one panel per design, not one line per variant
+        return [str(p.relative_to(run_dir.parent)) for p in instabilities_figures(folder)]
     paths = save_plots(folder, run_dir / "loss.png")
     if x_key:
         fig = final_loss_figure(folder.latest.copy(), x_key)
@@ -382,6 +391,183 @@ def blocks_verdict(source: Path | Folder) -> str:
             f"gradnorm study's picture at init), {first_step}.")
 
 
+# attention logits "grow" at an lr where the largest of them (over layers, logged steps, seeds' mean) reaches
+# this: e^50 between two logits makes a softmax one-hot (Wortsman et al.'s attention-entropy collapse); at
+# init they are O(1) here (a norm's output through xavier q, k: about 3), and DyT's far smaller
+LOGIT_LIMIT = 50.0
+INSTABILITY_KEYS = ("norm.placement", "norm.kind", "model.qk_norm", "train.z_loss")
+HEATMAP_LR = 0.1  # the heat maps' learning rate: in the grid and in --quick's, where logits grow without qk-norm
+
+
+def _flag(value: object) -> bool:
+    """A bool grid value as a folder's summary may hold it (True, 'True', 1)."""
+    return str(value).strip().lower() in ("true", "1", "1.0")
+
+
+def instability_runs(source: Path | Folder) -> pd.DataFrame:
+    """One row per run of the instabilities study: its keys, `logit_peak` (the largest attention logit over
+    layers and logged steps; finite steps only, so a run that diverged counts up to the step before),
+    `growth` (logit_peak over its step-0 value), `log_z_peak` (the largest |log Z| of its finite logged steps)."""
+    tidy = as_folder(source).blocks(all_config=True)
+    tidy["attn_logit_max"] = tidy["attn_logit_max"].astype(float)
+    tidy["log_z"] = tidy["log_z"].astype(float).abs()
+    per_step = tidy.groupby(["run_id", "step"], sort=False)[["attn_logit_max", "log_z"]].max()  # over layers
+    finite = per_step[per_step.map(math.isfinite).all(axis=1)].reset_index()
+    first = finite.sort_values("step").groupby("run_id").head(1).set_index("run_id")
+    peak = finite.groupby("run_id")[["attn_logit_max", "log_z"]].max()
+    keys = tidy.groupby("run_id", sort=False)[[*INSTABILITY_KEYS, "optim.lr", "seed"]].first()
+    runs = keys.join(peak).join(first[["attn_logit_max"]].rename(columns={"attn_logit_max": "logit0"}))
+    runs["model.qk_norm"] = runs["model.qk_norm"].map(_flag)
+    runs["train.z_loss"] = runs["train.z_loss"].astype(float)
+    runs["optim.lr"] = runs["optim.lr"].astype(float)
+    runs["growth"] = runs["attn_logit_max"] / runs["logit0"]
+    return runs.rename(columns={"log_z": "log_z_peak", "attn_logit_max": "logit_peak"}).reset_index()
+
+
+def _compare(before, after) -> str:
+    """'lowers', 'raises' or 'leaves within noise' the sensitivity, from `before` to `after` (Sensitivity
+    rows; noise: the larger of their seed spreads, 0 with one seed)."""
+    noise = max(_finite(before.spread), _finite(after.spread))
+    delta = after.sensitivity - before.sensitivity
+    return "lowers" if delta < -noise else "raises" if delta > noise else "leaves within noise"
+
+
+def instabilities_verdict(source: Path | Folder) -> str:
+    """Per design (placement x kind): where its attention logits grow without qk-norm, and what qk-norm
+    does to its LR sensitivity; then the z-loss's effect on sensitivity and on log Z; then whether the
+    paper's two trends show here."""
+    folder = as_folder(source)
+    runs = instability_runs(folder)
+    fixed = runs.iloc[0]  # a key the grid does not vary: its one value
+    sens = {}
+    for row in build_sensitivity(folder):
+        v = {key: row.values.get(key, fixed[key]) for key in INSTABILITY_KEYS}
+        sens[(v["norm.placement"], v["norm.kind"], _flag(v["model.qk_norm"]), float(v["train.z_loss"]))] = row
+    seeds = runs["seed"].nunique()
+    summary = _finished_summary(folder)
+    threshold = math.log(int(n_choices(summary).iloc[0])) / 10  # trained: a final loss under a tenth of chance
+    cells = runs.groupby([*INSTABILITY_KEYS, "optim.lr"])[["logit_peak", "log_z_peak"]].mean()
+    designs = list(dict.fromkeys((p, k) for p, k, _, _ in sens))
+    z_on = max((z for *_, z in sens), default=0.0)
+    parts, grows, helped = [], [], []
+    for placement, kind in designs:
+        label = variant_label({"norm.placement": placement, "norm.kind": kind})
+        off, on = sens.get((placement, kind, False, 0.0)), sens.get((placement, kind, True, 0.0))
+        if off is None or on is None or math.isnan(off.sensitivity) or math.isnan(on.sensitivity):
+            parts.append(f"{label}: no LR sensitivity with and without qk-norm (an lr has no finished run)")
+            continue
+        peak = cells.loc[(placement, kind, False, 0.0), "logit_peak"]
+        grown = [lr for lr, g in peak.items() if g >= LOGIT_LIMIT]
+        qk_peak = cells.loc[(placement, kind, True, 0.0), "logit_peak"]
+        effect = _compare(off, on)
+        where = (f"at least {LOGIT_LIMIT:g} from lr {min(grown):g} up" if grown
+                 else f"under {LOGIT_LIMIT:g} at every lr")
+        by_lr = ", ".join(f"{p:.3g}" for p in peak)
+        text = (f"{label}: without qk-norm its largest attention logit peaks at {by_lr} over the lrs ({where}); "
+                f"with qk-norm at {', '.join(f'{p:.3g}' for p in qk_peak)}; qk-norm {effect} its LR sensitivity "
+                f"({off.sensitivity:.3f} -> {on.sensitivity:.3f})")
+        if min(off.best_loss, on.best_loss) >= threshold:
+            text += f" (it trains at no lr of the grid, l* {min(off.best_loss, on.best_loss):.2f}: a flat failure)"
+        parts.append(text)
+        if grown:
+            grows.append(label)
+            if effect == "lowers":
+                helped.append(label)
+    if not grows:
+        qk = (f"No design's attention logits reach {LOGIT_LIMIT:g} at any learning rate here: the toy does not "
+              "reach the regime of the paper's attention-logit growth, so it cannot test qk-norm's fix")
+    elif len(helped) == len(grows):
+        qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity in every "
+              "design: the paper's trend reproduces here")
+    elif helped:
+        qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity of "
+              f"{', '.join(helped)} only: the paper's trend reproduces in part")
+    else:
+        qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity of no "
+              "design: the paper's trend does not reproduce here")
+    z_parts, z_changed, z_tamed = [], [], []
+    top = float(runs["optim.lr"].max())
+    for placement, kind in designs:
+        label = variant_label({"norm.placement": placement, "norm.kind": kind})
+        without, with_z = sens.get((placement, kind, False, 0.0)), sens.get((placement, kind, False, z_on))
+        if z_on == 0.0 or without is None or with_z is None or math.isnan(without.sensitivity) \
+                or math.isnan(with_z.sensitivity):
+            continue
+        effect = _compare(without, with_z)
+        peak_off = cells.loc[(placement, kind, False, 0.0, top), "log_z_peak"]
+        peak_on = cells.loc[(placement, kind, False, z_on, top), "log_z_peak"]
+        z_parts.append(f"{label} {without.sensitivity:.3f} -> {with_z.sensitivity:.3f} ({effect}; peak |log Z| at "
+                       f"lr {top:g} {peak_off:.1f} -> {peak_on:.1f})")
+        if effect != "leaves within noise":
+            z_changed.append(label)
+        if peak_on < 0.9 * peak_off:
+            z_tamed.append(label)
+    if z_parts:
+        z_text = (f"The z-loss ({z_on:g}, without qk-norm) moves the LR sensitivity thus: {'; '.join(z_parts)}. "
+                  + (f"It moves the sensitivity beyond the seed spread for {', '.join(z_changed)}"
+                     + (" (one seed: beyond zero, with no spread to judge it by)" if seeds < 2 else "")
+                     if z_changed else "It moves no design's sensitivity beyond the seed spread: at these sizes "
+                     "the z-loss does not matter for the loss, as the paper expects of models without output-logit "
+                     "divergence")
+                  + (f"; it keeps log Z nearer 0 (peak |log Z| at least 10% lower) for {', '.join(z_tamed)}."
+                     if z_tamed else "; it does not lower the peak |log Z| by 10% for any design."))
+    else:
+        z_text = "The grid has no z-loss axis, or no sensitivity to compare it on."
+    if seeds < 2:
+        qk += " (one seed: no change is judged against seed noise)"
+    diverged = int((summary["status"] == "diverged").sum())
+    return (". ".join(parts) + f". {qk}. {z_text} ({len(runs)} runs, {seeds} seed{'s' if seeds > 1 else ''} per "
+            f"cell, {diverged} diverged: a diverged run counts at its loss at init in the sensitivity, and "
+            "up to its last finite logged step in the logit peaks.)")
+
+
+def instabilities_figures(folder: Folder) -> list[Path]:
+    """final_loss-lr.png: per design (placement across, kind down) the final loss against lr, one line per
+    (qk-norm, z-loss), mean over seeds (a diverged run at its loss at init, as the LR sensitivity counts
+    it); then the block heat maps of the largest attention logit, the attention entropy and log Z at lr
+    HEATMAP_LR without the z-loss: placements across, kind x qk-norm down."""
+    from normexp.analysis.sensitivity import lr_table
+    from normexp.plot import BLOCK_METRIC_LABELS, blocks_figure, plt
+
+    table, _ = lr_table(folder)
+    table["model.qk_norm"] = table["model.qk_norm"].map(_flag)
+    table["train.z_loss"] = table["train.z_loss"].astype(float)
+    table["optim.lr"] = table["optim.lr"].astype(float)
+    placements = list(dict.fromkeys(table["norm.placement"]))
+    kinds = list(dict.fromkeys(table["norm.kind"]))
+    fig, axes = plt.subplots(len(kinds), len(placements), figsize=(4.2 * len(placements), 3.4 * len(kinds)),
+                             squeeze=False, sharex=True, sharey=True, layout="constrained")
+    for (placement, kind), group in table.groupby(["norm.placement", "norm.kind"], sort=False):
+        ax = axes[kinds.index(kind), placements.index(placement)]
+        for (qk, z), line in group.groupby(["model.qk_norm", "train.z_loss"]):
+            mean = line.groupby("optim.lr")["clipped"].mean()
+            ax.plot(mean.index, mean.to_numpy(), marker="o", linestyle="-" if qk else "--",
+                    label=f"qk-norm {'on' if qk else 'off'}, z-loss {z:g}")
+        ax.set_xscale("log")
+        ax.set_title(variant_label({"norm.placement": placement, "norm.kind": kind}))
+        ax.set_xlabel("optim.lr")
+        ax.grid(True, alpha=0.3)
+    axes[0, 0].set_ylabel("final loss (mean over seeds)")
+    axes[0, 0].legend(fontsize="small")
+    fig.suptitle("final training loss vs learning rate per design (a diverged run counts as its loss at init)")
+    paths = [folder.path / "final_loss-lr.png"]
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+
+    tidy = folder.blocks(all_config=True)
+    chosen = tidy[(tidy["optim.lr"].astype(float) == HEATMAP_LR) & (tidy["train.z_loss"].astype(float) == 0.0)]
+    if chosen.empty:
+        return paths
+    for metric in ("attn_logit_max", "attn_entropy", "log_z"):
+        fig = blocks_figure(chosen.copy(), ["norm.placement", "norm.kind", "model.qk_norm"], metric)
+        fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS[metric]} (lr {HEATMAP_LR:g}, no z-loss)")
+        path = folder.path / f"blocks-{metric}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 LEMMA_TOLERANCE = 0.25  # a measured branch energy c within 25% of the computed one: Lemma 2 holds in form
 
 
@@ -460,6 +646,9 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
          None, transformer_warmup_verdict),
         ("blocks", "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
                    "Post-LN vs Pre-LN, with and without warmup?", None, blocks_verdict),
+        ("instabilities", "Wortsman et al. 2023 at toy scale: do qk-norm and the z-loss lower the learning-rate "
+         "sensitivity of a 4-layer causal Transformer, Pre / Post / Peri-LN, LayerNorm or DyT, and do its "
+         "attention logits and output log Z grow at high learning rates as theirs did?", None, instabilities_verdict),
     ]
     specs = {name: _spec(name, quick) for name, *_ in studies}
     for name, spec in specs.items():  # before anything trains, not after the studies before it
@@ -475,8 +664,9 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
         folder = load_folder(run_dir)  # read and verified once for the study's table, figures and verdict
         figures = _figures(folder, x_key)
         sensitivity = (sensitivity_to_markdown(build_sensitivity(folder), sensitivity_engines(folder))
-                       if name.startswith("lr_") else "")
-        table = sensitivity if name == "lr_sensitivity" else to_markdown(build_report(folder, only_last=True))
+                       if name.startswith("lr_") or name == "instabilities" else "")
+        table = (sensitivity if name in ("lr_sensitivity", "instabilities")
+                 else to_markdown(build_report(folder, only_last=True)))
         if name == "lr_warmup":
             from normexp.report import build_pivot, pivot_to_markdown
 

@@ -315,8 +315,12 @@ BAD = {
     "add vocab too large": ("model: {arch: transformer}\n  data: {task: modular_add, vocab: 65536}", "base.data.vocab"),
     "batch larger than the data": ("model: {arch: transformer}\n  data: {task: copy, batch_size: 100}",
                                    "base.data.batch_size"),
-    "log_blocks": ("model: {arch: transformer}\n  data: {task: copy}\n  train: {log_blocks: true}",
-                   "base.train.log_blocks"),
+    "qk_norm on the ffn": ("model: {qk_norm: true}", "base.model.qk_norm"),
+    "z_loss on the ffn": ("train: {z_loss: 0.0001}", "base.train.z_loss"),
+    "negative z_loss": ("model: {arch: transformer}\n  data: {task: copy}\n  train: {z_loss: -1.0}",
+                        "base.train.z_loss"),
+    "qk_norm_scope unknown": ("model: {arch: transformer, qk_norm: true, qk_norm_scope: all}\n  data: {task: copy}",
+                              "base.model.qk_norm_scope"),
 }
 
 

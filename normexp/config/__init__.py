@@ -30,6 +30,7 @@ from normexp.config.schema import (
     SEQUENCE_TASKS,
     TRAINED_FRACTION,
     VAL_COLUMNS,
+    Z_LOSS_COLUMN,
     Arch,
     DataConfig,
     Init,
@@ -62,7 +63,8 @@ from normexp.config.schema import (
 __all__ = [
     "ACTS_ONLY_UNDER", "ACTS_ONLY_UNDER_BY_SECTION", "ARCH_ONLY", "DEFAULT_MAX_RUNS", "DEFAULT_SEQ_LEN",
     "GENERIC_LEAVES", "MAX_ERROR_LINES", "MAX_YAML_NODES", "METRICS", "METRIC_COLUMNS", "SEQUENCE_TASKS",
-    "SYMLINK_LOOP", "TRAINED_FRACTION", "VAL_COLUMNS", "Arch", "ConfigError", "DataConfig", "Init", "Metric",
+    "SYMLINK_LOOP", "TRAINED_FRACTION", "VAL_COLUMNS", "Z_LOSS_COLUMN", "Arch", "ConfigError", "DataConfig",
+    "Init", "Metric",
     "ModelConfig", "NormConfig", "NormKind", "OptimConfig", "OptimName", "Placement", "ReportConfig",
     "RunConfig", "ScheduleConfig", "ScheduleKind", "Sweep", "SweepFile", "TaskName", "TooManyRuns",
     "TrainConfig", "arch_problem", "chance_classes", "build_sweep", "flatten", "inert_keys", "is_symlink_loop",

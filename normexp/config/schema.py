@@ -50,7 +50,8 @@ TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
 SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
 METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's columns, in order: one per recorded step
 VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
-METRICS = ("loss", "acc", "grad_norm", "lr", *VAL_COLUMNS)  # what a report or a figure can show
+Z_LOSS_COLUMN = "z_loss"  # train.z_loss > 0: the z term of each recorded step, after the columns above
+METRICS = ("loss", "acc", "grad_norm", "lr", *VAL_COLUMNS, Z_LOSS_COLUMN)  # what a report or a figure can show
 Metric = Literal[METRICS]
 
 FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal, 2^-149)
@@ -116,11 +117,19 @@ class ModelConfig(_Section):
     init: Init = "xavier_uniform"
     arch: Arch = "ffn"  # transformer: the causal decoder of normexp/models/transformer.py
     n_heads: int = Field(4, ge=1, le=1024)  # transformer only: attention heads, each width / n_heads wide
+    # transformer only: queries and keys normalised with the run's norm kind before their dot product
+    # (Wortsman et al. 2023's qk-layernorm); scope head: per head, over width / n_heads features, one norm
+    # shared by the heads (ViT-22B, Wortsman, Gemma); full: over the whole projection before the heads
+    # split (OLMo 2's q_norm / k_norm)
+    qk_norm: bool = False
+    qk_norm_scope: Literal["head", "full"] = "head"
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelConfig:
+    def _heads_divide_width(self, info: ValidationInfo) -> ModelConfig:
         if self.arch == "transformer" and self.width % self.n_heads:
             raise cross_key_error("model.n_heads", f"must divide model.width {self.width}, got {self.n_heads}")
+        if not self.qk_norm and not (info.context or {}).get("keep_inert"):  # inert without qk_norm: one id
+            object.__setattr__(self, "qk_norm_scope", type(self).model_fields["qk_norm_scope"].default)
         return self
 
 
@@ -371,6 +380,10 @@ class TrainConfig(_Section):
     stop_on_nonfinite: bool = True
     log_blocks: bool = False  # write <run_id>/blocks.csv: per-block gradients, updates, activations
     log_every: int = Field(1, ge=1, le=10_000_000)  # blocks.csv keeps steps 0, k, 2k, ...
+    # transformer only: add z_loss * mean(log(Z)^2) over the loss's tokens to the training objective, Z the
+    # softmax normaliser of the output logits (PaLM; Wortsman et al. 2023 use 1e-4); metrics.csv's `loss`
+    # stays the cross-entropy, the term is recorded in its own column `z_loss`
+    z_loss: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
     @field_validator("log_every")
     @classmethod
@@ -405,6 +418,10 @@ class RunConfig(_Section):
 def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
     """(key, why) for the first key that does not fit `model.arch`, else None."""
     if cfg.model.arch == "ffn":
+        if cfg.model.qk_norm:
+            return "model.qk_norm", "applies to model.arch transformer only (the FFN has no attention)"
+        if cfg.train.z_loss:
+            return "train.z_loss", "applies to model.arch transformer only (its output logits over data.vocab)"
         if cfg.data.task != "random_labels":
             return "data.task", f"{cfg.data.task} is a sequence task: it needs model.arch transformer"
         if cfg.model.n_heads != ModelConfig.model_fields["n_heads"].default:
@@ -419,8 +436,6 @@ def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
         return "data.task", f"model.arch transformer trains on a sequence task: one of {', '.join(SEQUENCE_TASKS)}"
     if cfg.model.n_classes != ModelConfig.model_fields["n_classes"].default:
         return "model.n_classes", "applies to model.arch ffn only (the transformer predicts data.vocab tokens)"
-    if cfg.train.log_blocks:
-        return "train.log_blocks", "records FFN blocks only: not supported with model.arch transformer"
     if "transformer" not in placement_archs(cfg.norm.placement):
         return "norm.placement", "applies to model.arch ffn only (its archs)"
     return _arch_only_problem(cfg)

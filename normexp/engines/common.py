@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from normexp.config import METRIC_COLUMNS, VAL_COLUMNS, RunConfig
+from normexp.config import METRIC_COLUMNS, VAL_COLUMNS, Z_LOSS_COLUMN, RunConfig
 from normexp.data import Task, make_task
 from normexp.models.ffn import Net
 from normexp.models.transformer import Transformer
@@ -49,13 +49,16 @@ class RunResult:
         return not finite and stop_on_nonfinite
 
     def record(self, step: int, loss: float, acc: float, lr: float, grad_norm: float,
-               val: tuple[float, float] | None = None) -> None:
-        """One recorded step; `val` (val_loss, val_acc) for a sequence task, whose columns then follow."""
+               val: tuple[float, float] | None = None, z: float | None = None) -> None:
+        """One recorded step; `val` (val_loss, val_acc) for a sequence task, whose columns then follow, and
+        `z` (the z-loss term, with train.z_loss) after them."""
         for column, value in zip(METRIC_COLUMNS, (step, loss, acc, lr, grad_norm)):
             self.metrics[column].append(value)
         if val is not None:
             for column, value in zip(VAL_COLUMNS, val):
                 self.metrics.setdefault(column, []).append(value)
+        if z is not None:
+            self.metrics.setdefault(Z_LOSS_COLUMN, []).append(z)
 
 
 StepCallback = Callable[[int, float], None]
@@ -110,8 +113,20 @@ def loss_and_acc(logits: torch.Tensor, y: torch.Tensor,
     """Mean cross-entropy and accuracy. Sequence tasks: logits (n, T, vocab) are read at the answer
     `positions` only, against the answers y (n, A), every answer token counting once."""
     if positions is not None:
-        logits, y = logits[:, positions].flatten(0, 1), y.flatten()
+        logits, y = answer_logits(logits, positions), y.flatten()
     return F.cross_entropy(logits, y), (logits.argmax(-1) == y).float().mean()
+
+
+def answer_logits(logits: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """The logits the loss reads, (tokens, classes): a sequence task's answer positions, flattened."""
+    return logits[:, positions].flatten(0, 1) if positions is not None else logits
+
+
+def z_loss(logits: torch.Tensor, positions: torch.Tensor | None, coef: float) -> torch.Tensor:
+    """`train.z_loss`'s term, coef * mean(log(Z)^2) over the tokens the loss reads, Z = sum(exp(logits)) the
+    softmax normaliser (PaLM; t5x losses.py `cross_entropy_with_logits`; OLMo train.py `cross_entropy_loss`,
+    whose mean over tokens this is)."""
+    return coef * answer_logits(logits, positions).logsumexp(-1).pow(2).mean()
 
 
 def batch_order(n_samples: int, batch_size: int, seed: int, steps: int) -> list[torch.Tensor]:
@@ -147,14 +162,14 @@ def validate(model: torch.nn.Module, task: Task) -> tuple[float, float] | None:
 
 def record_live(results: list[RunResult], live: list[bool], step: int, losses: list[float], accs: list[float],
                 lrs: list[float], norms: list[float], stop_on_nonfinite: bool,
-                vals: list[tuple[float, float] | None] | None = None) -> None:
+                vals: list[tuple[float, float] | None] | None = None, zs: list[float] | None = None) -> None:
     """Record step `step` of each run still `live`; a run whose loss is non-finite is diverged, and with
     `stop_on_nonfinite` it stops there: its gradient norm is recorded as nan and it is live no more."""
     for r, result in enumerate(results):
         if live[r]:
             stop = result.check_loss(losses[r], stop_on_nonfinite)
             result.record(step, losses[r], accs[r], lrs[r], math.nan if stop else norms[r],
-                          vals[r] if vals is not None else None)
+                          vals[r] if vals is not None else None, zs[r] if zs is not None else None)
             live[r] = not stop
 
 

@@ -10,7 +10,9 @@
 - Each run starts exactly as the reference starts it (`seeded_init`: same weights, same data).
 - The Transformer (`model.arch: transformer`) trains here the same way: token inputs, the loss read
   at the answer positions, the held-out split evaluated every step (val_loss, val_acc), and
-  minibatches (`data.batch_size`) gathered per run from the reference's seeded order.
+  minibatches (`data.batch_size`) gathered per run from the reference's seeded order. qk-norm is part
+  of the model; with `train.z_loss` the gradient is that of the cross-entropy plus the reference's z
+  term (`common.z_loss`), recorded apart as the reference records it.
 - Adam, AdamW, RAdam and SGD (momentum) are written as a few element-wise tensor ops with per-run
   learning rate, betas, eps, weight decay and momentum; schedules vary per run. RAdam's rectification
   is decided per run per step.
@@ -55,6 +57,7 @@ from normexp.engines.common import (
     seeded_init,
     share_wall_time,
     torch_threads,
+    z_loss,
 )
 from normexp.engines.cost import model_step_flops
 from normexp.optim import step_lr
@@ -294,19 +297,39 @@ def make_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None) -> ValSt
     return loss_fn
 
 
-def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None) -> GradStep:
+def make_z_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None, coef: float) -> Callable:
+    """`train.z_loss`: one run's (loss + z, (loss, acc, z)), the objective the reference differentiates."""
+
+    def loss_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        logits = functional_call(base, params, (x,))
+        loss, acc = loss_and_acc(logits, y, positions)
+        z = z_loss(logits, positions, coef)
+        return loss + z, (loss, acc, z)
+
+    return loss_fn
+
+
+def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None, z_coef: float = 0.0) -> GradStep:
     """The batch's gradient step: (params, x, y) -> (grads by name, metrics (3, R): loss, acc, grad
-    norm per run). The model is `base`'s own forward(), vmapped over the run axis."""
-    grad_fn = vmap(grad_and_value(make_loss_fn(base, positions), has_aux=True))
+    norm per run; with `z_coef` a fourth row, the z-loss term). The model is `base`'s own forward(),
+    vmapped over the run axis."""
+    if z_coef:
+        z_fn = vmap(grad_and_value(make_z_loss_fn(base, positions, z_coef), has_aux=True))
+
+        def grad_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, tuple]:
+            grads, (_, (loss, acc, z)) = z_fn(params, x, y)
+            return grads, (loss, acc, z)
+    else:
+        grad_fn = vmap(grad_and_value(make_loss_fn(base, positions), has_aux=True))
 
     def grad_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
-        grads, (loss, acc) = grad_fn(params, x, y)
+        grads, (loss, acc, *z) = grad_fn(params, x, y)
         # vmap may hand back a strided gradient (the position embedding's is); the fused Adam kernel
         # reads its tensors as contiguous, so give it contiguous ones (a no-op for the others)
         grads = {name: g.contiguous() for name, g in grads.items()}
         per_tensor = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads.values()]
         norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)  # clip_grad_norm_'s norm
-        return grads, torch.stack([loss, acc, norms])
+        return grads, torch.stack([loss, acc, norms, *z])
 
     return grad_step
 
@@ -348,7 +371,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
     with torch_threads(first.train.threads) as threads:
         base, batch = stack_runs(runs, device)
         grad_step = (_compiled(first, base, batch.x.device, batch.positions) if compiled
-                     else make_grad_step(base, batch.positions))
+                     else make_grad_step(base, batch.positions, first.train.z_loss))
         val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
         results = [RunResult(threads=threads, engine="fast") for _ in runs]
@@ -362,8 +385,8 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
                 with torch.no_grad():
                     held_out = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
                 vals = [tuple(v) for v in held_out.t().tolist()]
-            losses, accs, norms = metrics.tolist()
-            record_live(results, live, step, losses, accs, lrs, norms, stop_on_nonfinite, vals)
+            losses, accs, norms, *zs = metrics.tolist()  # zs: [the z-loss terms] with train.z_loss
+            record_live(results, live, step, losses, accs, lrs, norms, stop_on_nonfinite, vals, *zs)
             if not any(live):
                 break
             if on_step is not None:
@@ -383,8 +406,8 @@ def _compiled(cfg: RunConfig, base: torch.nn.Module, device: torch.device,
     """The compiled gradient step of runs shaped like `cfg` on `device`, for batches of MAX_CHUNK runs
     (vmap specialises the run axis, so `train_fast` pads smaller batches). Compile errors surface at
     the first call."""
-    key = (cfg.model, cfg.norm, cfg.data, str(device))
+    key = (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, str(device))
     if key not in _COMPILED:
         compile_cache_dir()
-        _COMPILED[key] = torch.compile(make_grad_step(base, positions), dynamic=False)
+        _COMPILED[key] = torch.compile(make_grad_step(base, positions, cfg.train.z_loss), dynamic=False)
     return _COMPILED[key]

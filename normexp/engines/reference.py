@@ -3,7 +3,8 @@
     torch.manual_seed(seed); model = Net(...); X, y = task    # the article's order of random draws
     for step in 0..S:
         loss = cross_entropy(model(X), y)                       # recorded: step, loss, acc, lr, grad_norm
-        backward; set lr = optim.lr * lr_multiplier(step + 1); optimizer.step()   (not after step S)
+        (loss + z_loss(model(X))).backward()                    # z term: train.z_loss > 0 only, recorded apart
+        set lr = optim.lr * lr_multiplier(step + 1); optimizer.step()   (not after step S)
 
 The loop reports each recorded step through an optional callback and returns a `RunResult`; it prints
 nothing. A non-finite loss is recorded as it is and marks the run diverged; with
@@ -31,6 +32,7 @@ from normexp.engines.common import (
     share_wall_time,
     torch_threads,
     validate,
+    z_loss,
 )
 from normexp.optim import REPLAYED_OPTIMIZERS, StackedOptimizer, build_optimizer, step_lr
 
@@ -95,24 +97,27 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
                    if cfg.data.batch_size is not None else None)
         params = list(model.parameters())
         optimizer = ReferenceOptimizer(params, cfg)
-        blocks = BlockRecorder(model, cfg.train.log_every) if cfg.train.log_blocks else None
+        blocks = BlockRecorder(model, cfg.train.log_every, positions=task.positions) if cfg.train.log_blocks else None
         steps = cfg.train.steps
+        coef = cfg.train.z_loss
         for step in range(steps + 1):
             x, y = (task.x, task.y) if batches is None else (task.x[batches[step]], task.y[batches[step]])
+            val = validate(model, task)  # before the training forward: block logging reads that one's activations
             logits = model(x)
             loss, acc_tensor = loss_and_acc(logits, y, task.positions)
+            z = z_loss(logits, task.positions, coef) if coef else None
             loss_value, acc = loss.item(), acc_tensor.item()
-            val = validate(model, task)
+            z_value = z.item() if z is not None else None
             lr = step_lr(cfg, step)
             logged = blocks is not None and blocks.due(step)
             if result.check_loss(loss_value, cfg.train.stop_on_nonfinite):
-                result.record(step, loss_value, acc, lr, math.nan, val)
+                result.record(step, loss_value, acc, lr, math.nan, val, z_value)
                 if logged:
                     blocks.observe(step, [0], [False])  # activations only: no backward at this step
                 break
             optimizer.zero_grad()
-            loss.backward()
-            result.record(step, loss_value, acc, lr, grad_norm(params), val)
+            (loss if z is None else loss + z).backward()
+            result.record(step, loss_value, acc, lr, grad_norm(params), val, z_value)
             if logged:
                 blocks.observe(step, [0], [True])
             if on_step is not None:

@@ -18,7 +18,15 @@
 - DeepNorm for a decoder of N layers (Wang et al. 2022): alpha = (2N)^(1/4), and beta = (8N)^(-1/4)
   scales the FFN's weights and the attention's value and output projections (not queries and keys).
 - Attention is written out (scores, causal mask, softmax) so that torch.func's vmap (the fast
-  engine) sees plain tensor ops.
+  engine) sees plain tensor ops. Its logits q.k / sqrt(d_head), before the mask, pass through an
+  identity module (`CausalSelfAttention.logits`) that block logging hooks (normexp/blocklog.py).
+- qk-norm (`model.qk_norm`, Wortsman et al. 2023's qk-layernorm, after Dehghani et al. 2023's ViT-22B):
+  queries and keys are normalised with the run's norm kind (LayerNorm as in the paper, RMSNorm as in
+  OLMo 2 and Gemma 3) before their dot product. `model.qk_norm_scope: head` (the default): per head,
+  over its d / n_heads features, one norm for queries and one for keys shared by every head (ViT-22B,
+  Wortsman, Gemma); `full`: over all d features of the projection before it splits into heads (OLMo 2,
+  allenai/OLMo olmo/model.py `q_norm` / `k_norm`). The norms draw nothing: every weight is the same as
+  without qk-norm.
 
 Random draws, in order: token and position embeddings (N(0, 0.02^2), GPT-2's), then per layer the
 attention's q, k, v, out and the FFN's fc1, fc2 (`make_linear`: default init, then xavier), then the
@@ -51,15 +59,25 @@ EMBEDDING_STD = 0.02  # GPT-2's embedding init
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t: (n, T, d) -> (n, T, d)."""
 
-    def __init__(self, d: int, n_heads: int, model: ModelConfig) -> None:
+    def __init__(self, d: int, n_heads: int, model: ModelConfig, norm: NormConfig | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.q, self.k, self.v, self.out = (make_linear(d, d, model.init) for _ in range(4))
+        self.qk_scope = model.qk_norm_scope if model.qk_norm else None
+        if self.qk_scope is not None:  # Wortsman et al. 2023's qk-layernorm, in the run's norm kind
+            features = d // n_heads if self.qk_scope == "head" else d
+            self.q_norm, self.k_norm = make_norm(features, norm), make_norm(features, norm)
+        self.logits = nn.Identity()  # the attention logits, (n, heads, T, T) before the mask: hooked by blocklog
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, d = x.shape
-        q, k, v = (self._heads(proj(x)) for proj in (self.q, self.k, self.v))  # (n, heads, T, d / heads)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.n_heads)  # (n, heads, T, T)
+        q, k, v = (proj(x) for proj in (self.q, self.k, self.v))
+        if self.qk_scope == "full":  # OLMo 2: over the whole projection, before the heads split
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (self._heads(y) for y in (q, k, v))  # (n, heads, T, d / heads)
+        if self.qk_scope == "head":  # ViT-22B, Wortsman et al., Gemma: per head, one norm shared by the heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        scores = self.logits(q @ k.transpose(-2, -1) / math.sqrt(d // self.n_heads))  # (n, heads, T, T)
         future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         return self.out((weights @ v).transpose(1, 2).reshape(n, t, d))
@@ -100,7 +118,7 @@ class Transformer(nn.Module):
             nn.init.normal_(embedding.weight, std=EMBEDDING_STD)
         layers = []
         for placement in placements:
-            attention = CausalSelfAttention(d, model.n_heads, model)
+            attention = CausalSelfAttention(d, model.n_heads, model, norm)
             hidden = model.hidden_mult * d
             ffn = FFN(make_linear(d, hidden, model.init), make_linear(hidden, d, model.init))
             with torch.no_grad():
