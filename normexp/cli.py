@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import shlex
 import signal
@@ -356,6 +357,11 @@ def report(
     fmt: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
     only_last: Annotated[bool, typer.Option(
         "--only-last", help="Only the latest sweep's grid [default: every verified run the folder holds].")] = False,
+    trained_below: Annotated[float | None, typer.Option(
+        "--trained-below", help="Trained rule: final loss under this [default: report.trained_below, else "
+                                "ln(C)/10].")] = None,
+    verdicts: Annotated[str, typer.Option(
+        "--verdicts", help="counts (per group, past 6 columns) | full (name every column).")] = "counts",
 ) -> None:
     """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot,
     or each variant's learning-rate sensitivity."""
@@ -365,6 +371,8 @@ def report(
     if metric is not None:
         _check_choice("--metric", metric, get_args(Metric))
     _check_choice("--format", fmt, ("table", "markdown", "csv"))
+    _check_choice("--verdicts", verdicts, ("counts", "full"))
+    _check_trained_below(trained_below)
     if pivot is not None and lr_sensitivity:
         raise fail("--pivot and --lr-sensitivity: choose one")
     for mode, on, table_only in (("--pivot", pivot is not None, {"--metric": metric, "--steps": steps, "--by": by}),
@@ -389,12 +397,18 @@ def report(
         raise fail(f"--steps: expected comma-separated integers, got {steps!r}") from None
     folder = _load_folder(run_dir)
     try:
-        table = build_report(folder, step_list, metric, keys, only_last)
+        table = build_report(folder, step_list, metric, keys, only_last, trained_below)
     except ResultsError as exc:
         raise fail(str(exc)) from None
-    _emit(fmt, lambda: to_rich(table), lambda: to_markdown(table), lambda: to_csv(table))
+    full = verdicts == "full"
+    _emit(fmt, lambda: to_rich(table, full), lambda: to_markdown(table, full), lambda: to_csv(table))
     _say_engines(table.engines, fmt)
     _exit_if_runs_missing(folder, shown=fmt != "csv")
+
+
+def _check_trained_below(value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise fail(f"--trained-below {value}: must be a finite loss > 0")
 
 
 def _load_folder(run_dir: Path) -> Folder:
@@ -448,12 +462,25 @@ def _print_sensitivity(folder: Folder, fmt: str) -> None:
 @app.command()
 def plot(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="PNG [default: RUN_DIR/<metric>.png].")] = None,
-    metric: Annotated[str, typer.Option(help=f"{' | '.join(METRICS)}.")] = "loss",
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", help="Figure file, .png | .pdf | .svg [default: RUN_DIR/<metric>.<format>].")] = None,
+    metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
     blocks: Annotated[bool, typer.Option("--blocks", help="Per-block dynamics of runs with train.log_blocks.")] = False,
     block_metric: Annotated[str | None, typer.Option(
         help="With --blocks: fc1_grad | fc2_grad | fc1_update | fc2_update | stream_rms | norm_rms | norm_out_rms "
              "[default: fc2_update].")] = None,
+    row: Annotated[str | None, typer.Option(help="Comma-separated keys whose values make the rows of panels.")] = None,
+    col: Annotated[str | None, typer.Option(
+        help="Comma-separated keys whose values make the columns of panels [default: norm.placement, else the "
+             "slowest-varying key].")] = None,
+    hue: Annotated[str | None, typer.Option(
+        help="Comma-separated keys whose values make the lines of a panel [default: the fastest-varying key].")] = None,
+    fmt: Annotated[str | None, typer.Option(
+        "--format", help="png | pdf | svg [default: -o's suffix, else png].")] = None,
+    dpi: Annotated[int, typer.Option(help="Dots per inch of a PNG.", min=30, max=1200)] = 150,
+    trained_below: Annotated[float | None, typer.Option(
+        "--trained-below", help="Trained rule: final loss under this [default: report.trained_below, else "
+                                "ln(C)/10].")] = None,
 ) -> None:
     """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary.
     With --blocks: per variant, a heatmap of one per-block quantity over (block, step) and its first,
@@ -461,19 +488,28 @@ def plot(
     from normexp.plot import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
     from normexp.results import ResultsError
 
-    _check_choice("--metric", metric, get_args(Metric))
+    if metric is not None:
+        _check_choice("--metric", metric, get_args(Metric))
+    if fmt is not None:
+        _check_choice("--format", fmt, FIGURE_FORMATS)
+    _check_trained_below(trained_below)
     if block_metric is not None:
         if not blocks:
             raise fail("--block-metric: only with --blocks")
         _check_choice("--block-metric", block_metric, tuple(BLOCK_METRIC_LABELS))
-    if output is not None and output.suffix.lower() != ".png":
-        raise fail(f"-o {output}: the file name must end in .png")
+    if output is not None and output.suffix.lower().lstrip(".") not in FIGURE_FORMATS:
+        raise fail(f"-o {output}: the file name must end in .png, .pdf or .svg")
+    if output is not None and fmt is not None and output.suffix.lower() != f".{fmt}":
+        raise fail(f"-o {output} and --format {fmt}: the file name must end in .{fmt}")
+    if blocks and (row or col or hue):
+        raise fail("--row, --col, --hue: not with --blocks (its panels are fixed: placements across)")
+    facets = {name: _listed(f"--{name}", value) for name, value in (("row", row), ("col", col), ("hue", hue))}
     folder = _load_folder(run_dir)
     try:
         if blocks:
             paths = [save_blocks_plot(folder, output, block_metric or "fc2_update")]
         else:
-            paths = save_plots(folder, output, metric)
+            paths = save_plots(folder, output, metric, fmt, dpi, trained_below=trained_below, **facets)
     except ResultsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -481,6 +517,9 @@ def plot(
     for path in paths:
         out.print(f"wrote {path}")
     _exit_if_runs_missing(folder, shown=False)
+
+
+FIGURE_FORMATS = ("png", "pdf", "svg")
 
 
 def _exit_if_runs_missing(folder: Folder, shown: bool) -> None:

@@ -90,7 +90,7 @@ def _load_folder(run_dir: Path) -> Folder:
     verified: dict[str, RunState] = {}
     runs = folder_runs(run_dir, sweep, verified)
     statuses = cached_statuses(run_dir)
-    rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid))
+    rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid), sweep.report.trained_below)
             for cfg, rid in ((cfg, run_id(cfg)) for cfg in runs)]
     first = runs[0] if runs else None
     return Folder(run_dir, sweep, _frame(rows_csv(rows, first)), _frame(rows_csv(rows[:len(sweep.runs)], first)))
