@@ -347,7 +347,9 @@ def _listed(option: str, value: str | None) -> list[str] | None:
 
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
+    run_dirs: Annotated[list[Path], typer.Argument(
+        metavar="RUN_DIR...", help="A sweep's output folder; several: compared side by side (a `sweep` key).",
+        parser=_folder)],
     steps: Annotated[str | None, typer.Option(help="Comma-separated steps [default: the sweep's].")] = None,
     metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
     by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
@@ -381,12 +383,12 @@ def report(
         if given:  # the pivot and the sensitivity are of the final loss, over every varying key
             raise fail(f"{given[0]} and {mode}: {given[0]} applies to the step table only")
     if pivot is not None:
-        folder = _load_folder(run_dir)
+        folder = _load_folder(run_dirs)
         _print_pivot(folder, pivot, fmt)
         _exit_if_runs_missing(folder, shown=fmt != "csv")
         return
     if lr_sensitivity:
-        folder = _load_folder(run_dir)
+        folder = _load_folder(run_dirs)
         _print_sensitivity(folder, fmt)
         _exit_if_runs_missing(folder, shown=False)
         return
@@ -395,7 +397,7 @@ def report(
         step_list = [int(s) for s in step_items] if step_items else None
     except ValueError:
         raise fail(f"--steps: expected comma-separated integers, got {steps!r}") from None
-    folder = _load_folder(run_dir)
+    folder = _load_folder(run_dirs)
     try:
         table = build_report(folder, step_list, metric, keys, only_last, trained_below)
     except ResultsError as exc:
@@ -411,12 +413,14 @@ def _check_trained_below(value: float | None) -> None:
         raise fail(f"--trained-below {value}: must be a finite loss > 0")
 
 
-def _load_folder(run_dir: Path) -> Folder:
-    """The sweep folder, read and verified once for the whole command (normexp/results.py)."""
-    from normexp.results import ResultsError, load_folder
+def _load_folder(run_dirs: Path | list[Path]) -> Folder:
+    """The sweep folder, read and verified once for the whole command (normexp/results.py); several
+    stacked into one, with a `sweep` key (normexp/compare.py)."""
+    from normexp.compare import load_folders
+    from normexp.results import ResultsError
 
     try:
-        return load_folder(run_dir)
+        return load_folders(run_dirs if isinstance(run_dirs, list) else [run_dirs])
     except ResultsError as exc:
         raise fail(str(exc)) from None
 
@@ -461,7 +465,9 @@ def _print_sensitivity(folder: Folder, fmt: str) -> None:
 
 @app.command()
 def plot(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
+    run_dirs: Annotated[list[Path], typer.Argument(
+        metavar="RUN_DIR...", help="A sweep's output folder; several: compared side by side (a `sweep` key).",
+        parser=_folder)],
     output: Annotated[Path | None, typer.Option(
         "-o", "--output", help="Figure file, .png | .pdf | .svg [default: RUN_DIR/<metric>.<format>].")] = None,
     metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
@@ -504,7 +510,10 @@ def plot(
     if blocks and (row or col or hue):
         raise fail("--row, --col, --hue: not with --blocks (its panels are fixed: placements across)")
     facets = {name: _listed(f"--{name}", value) for name, value in (("row", row), ("col", col), ("hue", hue))}
-    folder = _load_folder(run_dir)
+    folder = _load_folder(run_dirs)
+    if output is None and len(run_dirs) > 1:  # into the first folder, named so that no sweep's own figure is replaced
+        name = f"blocks-{block_metric or 'fc2_update'}" if blocks else metric or folder.sweep.report.metric
+        output = run_dirs[0] / f"compare-{name}.{'png' if blocks else fmt or 'png'}"
     try:
         if blocks:
             paths = [save_blocks_plot(folder, output, block_metric or "fc2_update")]

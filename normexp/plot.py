@@ -206,9 +206,10 @@ def _panels(frame: pd.DataFrame, facets: Facets) -> tuple[list[list[tuple[str, p
 def _panel_title(keys: Sequence[str], values: tuple) -> str:
     """'Pre-RMS lr=1e-3': the article's label for a placement and a kind, then the other keys' values."""
     named = dict(zip(keys, values))
+    sweep = f"{named.pop(SWEEP_KEY)}:" if SWEEP_KEY in named else ""
     methods = {k: named.pop(k) for k in ("norm.placement", "norm.kind") if k in named}
     head = variant_label(methods) if methods else ""
-    return " ".join(filter(None, [head, _values_label(list(named), tuple(named.values()))]))
+    return " ".join(filter(None, [sweep, head, _values_label(list(named), tuple(named.values()))]))
 
 
 def _select(frame: pd.DataFrame, keys: Sequence[str], values: tuple) -> pd.DataFrame:
@@ -225,13 +226,26 @@ def _subplots(n_rows: int, n_cols: int, legend: bool = True, panel: tuple[float,
     return fig, axes
 
 
+def _label_bottoms(axes: np.ndarray, label: str) -> None:
+    """The x label and tick labels on each column's lowest shown panel (a wrapped grid's last row has
+    empty slots: the panel above one is that column's lowest)."""
+    n_rows, n_cols = axes.shape
+    for j in range(n_cols):
+        shown = [i for i in range(n_rows) if axes[i, j].get_visible()]
+        if shown:
+            axes[shown[-1], j].set_xlabel(label)
+            axes[shown[-1], j].xaxis.set_tick_params(labelbottom=True)
+
+
 def _title(fig: Figure, head: str, detail: str = "", legend: bool = True) -> None:
-    """The title, then a detail (the runs' constants), each wrapped to the width the panels take (the
-    legend beside them has the rest), so that no line is cut at the figure's edge."""
+    """The title, then a detail (the runs' constants), each wrapped to the width the panels take and
+    centred over them (the legend beside them has the rest), so that no line is cut at the figure's
+    edge or runs into the legend."""
     width = fig.get_figwidth() - (LEGEND_WIDTH if legend else 0.8)
-    chars = max(40, int(width * 10.5))
+    chars = max(40, int(width * 10))
     lines = textwrap.wrap(head, chars) + (textwrap.wrap(detail, int(chars * 1.1)) if detail else [])
-    fig.suptitle("\n".join(lines), fontsize="medium")
+    centre = width / 2 / fig.get_figwidth() if legend else 0.5
+    fig.suptitle("\n".join(lines), fontsize="medium", x=centre)
 
 
 def _legend(fig: Figure, handles: list, title: str) -> None:
@@ -379,8 +393,7 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
                          fontsize="small")
             ax.grid(True, which="both", alpha=0.25)
             ax.label_outer()
-    for ax in axes[-1]:
-        ax.set_xlabel("optimizer step")
+    _label_bottoms(axes, "optimizer step")
     for ax in axes[:, 0]:
         ax.set_ylabel(METRIC_LABELS.get(metric, metric), fontsize="small")
     _legend(fig, [*_handles(styles, facets.hue), *extra.values()], _hue_title(facets.hue))
@@ -575,7 +588,8 @@ def trained_fraction_figure(summary: pd.DataFrame, row_key: str = "norm.placemen
     fig.colorbar(image, ax=ax, label="share of runs trained", shrink=0.8)
     unfinished = len(summary) - len(finished)
     _title(fig, f"runs trained ({_rule_text(finished, trained_below)})",
-           constants_text(summary) + (f"; {unfinished} runs unfinished, in no cell" if unfinished else ""))
+           constants_text(summary) + (f"; {unfinished} runs unfinished, in no cell" if unfinished else ""),
+           legend=False)
     return fig
 
 
@@ -758,8 +772,7 @@ def lr_figure(table: pd.DataFrame, keys: list[str], facets: Facets | None = None
                          fontsize="small")
             ax.grid(True, which="both", alpha=0.25)
             ax.label_outer()
-    for ax in axes[-1]:
-        ax.set_xlabel(axis_label(LR_KEY))
+    _label_bottoms(axes, axis_label(LR_KEY))
     for ax in axes[:, 0]:
         ax.set_ylabel("final training loss", fontsize="small")
     _legend(fig, [*_handles(styles, facets.hue), *extra.values()], _hue_title(facets.hue))

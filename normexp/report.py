@@ -177,6 +177,8 @@ def _value_label(key: str, value: object) -> str:
     """A key's value as a verdict names it: a placement by its label ('Post'), else `key=value`."""
     if key == "norm.placement":
         return PLACEMENT_LABELS.get(str(value), str(value))
+    if key == "sweep":
+        return str(value)
     return f"{key_label(key)}={_key_value(value)}"
 
 

@@ -158,7 +158,9 @@ def missing_note(summary: pd.DataFrame, run_dir: str | Path) -> str:
 
 
 def config_columns(summary: pd.DataFrame) -> list[str]:
-    return [k for k in run_keys() if k in summary.columns]
+    """The config keys among `summary`'s columns; `sweep` first where several folders are stacked
+    (`normexp.compare`): it keys the runs like any other axis."""
+    return [*(["sweep"] if "sweep" in summary.columns else []), *(k for k in run_keys() if k in summary.columns)]
 
 
 def varying_keys(summary: pd.DataFrame) -> list[str]:

@@ -52,7 +52,7 @@ from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, v
 from normexp.config import ConfigError, Sweep, load_sweep
 from normexp.executors import usable_cores
 from normexp.report import build_report, to_markdown
-from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note
+from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note, varying_keys
 from normexp.runfolder import StoreError
 from normexp.store import lock_owner, out_folder_problem
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
@@ -125,10 +125,16 @@ def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
 
 
 def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
-    from normexp.plot import final_loss_figure, save_blocks_plot, save_plots
+    from normexp.plot import final_loss_figure, plt, save_blocks_plot, save_plots, trained_fraction_figure
 
     run_dir = folder.path
     paths = save_plots(folder, run_dir / "loss.png")
+    varying = varying_keys(folder.latest)
+    if "norm.placement" in varying and "norm.kind" in varying:  # the placements study: where each pair trains
+        fig = trained_fraction_figure(folder.latest, "norm.placement", "norm.kind", folder.sweep.report.trained_below)
+        fig.savefig(run_dir / "trained.png", dpi=150)
+        plt.close(fig)
+        paths.append(run_dir / "trained.png")
     if x_key:
         fig = final_loss_figure(folder.latest.copy(), x_key)
         fig.savefig(run_dir / "final_loss.png", dpi=120)

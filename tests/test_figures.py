@@ -230,3 +230,33 @@ def test_the_phase_diagram_borders_the_trained_region(grid):
     panel = next(ax for ax in fig.axes if ax.get_title().startswith("Post-LN"))
     edges = [line for line in panel.get_lines() if line.get_color() == TRAINED_EDGE]
     assert len(edges) == 2 * 3 + 2 * 2  # the 3 x 2 grid's perimeter
+
+
+def test_the_trained_fraction_figure_counts_each_placement_and_kind(grid):
+    from normexp.plot import trained_fraction_figure
+
+    summary = load_summary(grid)
+    fig = trained_fraction_figure(summary, trained_below=100)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == ["12/12"] * 4  # 2 placements x 2 kinds, each 3 lrs x 2 warmups x 2 seeds, all under 100
+
+
+# ----------------------------------------------------------------------------- several sweeps
+
+
+def test_report_and_plot_compare_two_sweeps_side_by_side(grid, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(grid, other)  # the same configs: the sweep key keeps them two runs each, never one mean
+    result = invoke("report", str(grid), str(other), "--by", "sweep,norm.placement", "--format", "csv")
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(io.StringIO(result.output)))
+    assert {(r["sweep"], r["norm.placement"]) for r in rows} == {("out", "post"), ("out", "pre"), ("other", "post"),
+                                                                  ("other", "pre")}
+    assert {r["runs"] for r in rows} == {"24"}  # each sweep's 24 runs of a placement, not 48
+    plot = invoke("plot", str(grid), str(other), "-o", str(tmp_path / "c.png"), "--dpi", "50")
+    assert plot.exit_code == 0, plot.output
+    assert (tmp_path / "c.png").exists() and (tmp_path / "c-phase.png").exists()
+    twice = invoke("report", str(grid), str(grid))
+    assert twice.exit_code == 2 and "given twice" in twice.output
