@@ -43,6 +43,7 @@ from normexp.config import (
 from normexp.sweep import Invocation, SweepOptions, SweepOutcome
 
 if TYPE_CHECKING:
+    from normexp.report import Report
     from normexp.results import Folder
 
 app = typer.Typer(
@@ -356,7 +357,10 @@ def report(
     pivot: Annotated[str | None, typer.Option(help="ROW_KEY,COL_KEY: a final-loss pivot instead.")] = None,
     lr_sensitivity: Annotated[bool, typer.Option(
         "--lr-sensitivity", help="Per variant: LR sensitivity over an optim.lr axis of >= 3 values instead.")] = False,
-    fmt: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
+    fmt: Annotated[str, typer.Option(
+        "--format", help="table | markdown | csv | html (one self-contained page with the figures).")] = "table",
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", help="Write markdown, csv or html to this file [default: print it].")] = None,
     only_last: Annotated[bool, typer.Option(
         "--only-last", help="Only the latest sweep's grid [default: every verified run the folder holds].")] = False,
     trained_below: Annotated[float | None, typer.Option(
@@ -372,8 +376,12 @@ def report(
 
     if metric is not None:
         _check_choice("--metric", metric, get_args(Metric))
-    _check_choice("--format", fmt, ("table", "markdown", "csv"))
+    _check_choice("--format", fmt, ("table", "markdown", "csv", "html"))
     _check_choice("--verdicts", verdicts, ("counts", "full"))
+    if output is not None and fmt == "table":
+        raise fail("-o: write markdown, csv or html (--format); a table is for the terminal")
+    if fmt == "html" and (pivot is not None or lr_sensitivity):
+        raise fail("--format html: the step table's page; --pivot and --lr-sensitivity print markdown or csv")
     _check_trained_below(trained_below)
     if pivot is not None and lr_sensitivity:
         raise fail("--pivot and --lr-sensitivity: choose one")
@@ -403,9 +411,39 @@ def report(
     except ResultsError as exc:
         raise fail(str(exc)) from None
     full = verdicts == "full"
-    _emit(fmt, lambda: to_rich(table, full), lambda: to_markdown(table, full), lambda: to_csv(table))
+    if fmt == "html" or output is not None:
+        _write_report(table, folder, fmt, output, full, trained_below)
+    else:
+        _emit(fmt, lambda: to_rich(table, full), lambda: to_markdown(table, full), lambda: to_csv(table))
     _say_engines(table.engines, fmt)
     _exit_if_runs_missing(folder, shown=fmt != "csv")
+
+
+def _write_report(table: Report, folder: Folder, fmt: str, output: Path | None, full: bool,
+                  trained_below: float | None) -> None:
+    """The report as a file (-o), or an HTML page on stdout; the HTML page draws the sweep's figures."""
+    from normexp.report import to_csv, to_markdown
+
+    if fmt == "html":
+        from normexp.htmlpage import report_page
+        from normexp.plot import sweep_figures
+        from normexp.results import ResultsError
+
+        try:
+            figures = sweep_figures(folder, table.metric, trained_below=trained_below)
+        except ResultsError as exc:
+            raise fail(str(exc)) from None
+        text = report_page(table, folder, figures)
+    else:
+        text = to_markdown(table, full) if fmt == "markdown" else to_csv(table)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror}") from None
+    out.print(f"wrote {output}")
 
 
 def _check_trained_below(value: float | None) -> None:

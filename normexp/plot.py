@@ -605,31 +605,39 @@ def save_plots(source: str | Path | Folder, output: str | Path | None = None, me
     sweep's report.metric, `trained_below` to its report.trained_below; `fmt` to `output`'s suffix, else
     png. Runs missing, failed or corrupt are drawn nowhere, and named at the foot of each figure."""
     folder = as_folder(source)
+    metric = metric or folder.sweep.report.metric
+    fmt = fmt or (Path(output).suffix.lstrip(".").lower() if output and Path(output).suffix else "png")
+    output = Path(output) if output else folder.path / f"{metric}.{fmt}"
+    output = output.with_suffix(f".{fmt}")
+    return [_save(fig, output.with_name(f"{output.stem}{suffix}{output.suffix}"), note, dpi)
+            for suffix, fig, note in sweep_figures(folder, metric, row, col, hue, trained_below)]
+
+
+def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] | None = None,
+                  col: Sequence[str] | None = None, hue: Sequence[str] | None = None,
+                  trained_below: float | None = None) -> list[tuple[str, Figure, str]]:
+    """`save_plots`' figures, drawn but not saved: (file-name suffix: '', '-lr', '-phase'; the figure; the
+    note for its foot: engines mixed, runs missing)."""
     run_dir, summary = folder.path, folder.summary
     metric = metric or folder.sweep.report.metric
     rule = trained_below if trained_below is not None else folder.sweep.report.trained_below
-    fmt = fmt or (Path(output).suffix.lstrip(".").lower() if output and Path(output).suffix else "png")
-    output = Path(output) if output else run_dir / f"{metric}.{fmt}"
-    output = output.with_suffix(f".{fmt}")
     tidy = folder.metrics(all_config=True)
     check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]
     facets = choose_facets(keys, row, col, hue)
     note = "\n".join(filter(None, [engine_note(summary, keys), missing_note(summary, run_dir)]))
-    figures = [(output, curves_figure(tidy, keys, metric, facets=facets, trained_below=rule))]
+    figures = [("", curves_figure(tidy, keys, metric, facets=facets, trained_below=rule), note)]
     if LR_KEY in summary and summary[LR_KEY].nunique() >= MIN_LRS:
         table, others = lr_table(folder)
         lr_facets = _without(facets, LR_KEY) if LR_KEY in facets.keys else choose_facets(others)
-        figures.append((output.with_name(f"{output.stem}-lr{output.suffix}"),
-                        lr_figure(table, others, facets=lr_facets, trained_below=rule)))
+        figures.append(("-lr", lr_figure(table, others, facets=lr_facets, trained_below=rule), note))
     axes = numeric_axes(summary)
     if len(axes) >= 2:
         others = [k for k in keys if k not in axes[:2]]
         phase_facets = _without(_without(facets, axes[0]), axes[1]) if (row or col or hue) else choose_facets(
             others, hue=[])
-        figures.append((output.with_name(f"{output.stem}-phase{output.suffix}"),
-                        phase_figure(tidy, axes[0], axes[1], metric, phase_facets, rule)))
-    return [_save(fig, path, note, dpi) for path, fig in figures]
+        figures.append(("-phase", phase_figure(tidy, axes[0], axes[1], metric, phase_facets, rule), note))
+    return figures
 
 
 def _without(facets: Facets, key: str) -> Facets:

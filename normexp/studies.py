@@ -1,5 +1,5 @@
 """The studies shipped with the package (normexp/configs/, a checkout's configs/): run them all and write
-runs/REPORT.md (`make studies`).
+runs/REPORT.md (`make studies`), and beside it REPORT.html, the same as one self-contained page.
 
     normexp studies [--out runs] [--quick]        (python -m normexp.studies: the same)
 
@@ -520,6 +520,11 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
               f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
     report.write_text(header + "\n".join(sections))
     log(f"wrote {report}")
+    from normexp.htmlpage import markdown_page  # the same report as one page to send: figures inline
+
+    page = out / "REPORT.html"
+    page.write_text(markdown_page(report.read_text(), out), encoding="utf-8")
+    log(f"wrote {page}")
     return report
 
 

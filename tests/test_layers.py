@@ -30,14 +30,15 @@ LAYERS = {
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.sweep"],
-    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.progress"],
+    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.htmlpage",
+                     "normexp.progress"],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
             "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
-            "normexp.tables", "normexp.results", "normexp.compare")
+            "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage")
 
 
 def module_name(path: Path) -> str:
