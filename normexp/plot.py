@@ -75,6 +75,8 @@ BLOCK_METRIC_LABELS = {  # the per-block columns of blocks.csv (normexp/blocklog
     "stream_rms": "RMS of the residual stream at the block output", "norm_rms": "RMS of the block norm's output",
     "norm_out_rms": "RMS of the branch norm's output (Sandwich, Peri)",
 }
+FINAL_LABELS = {"loss": "final training loss", "acc": "final training accuracy", "grad_norm": "final gradient norm",
+                "lr": "final learning rate", "val_loss": "final held-out loss", "val_acc": "final held-out accuracy"}
 FORMATS = ("png", "pdf", "svg")
 DPI = 150
 PANEL = (3.6, 2.7)  # one panel's size in inches
@@ -219,7 +221,10 @@ def _select(frame: pd.DataFrame, keys: Sequence[str], values: tuple) -> pd.DataF
     return frame[mask]
 
 
-def _subplots(n_rows: int, n_cols: int, legend: bool = True, panel: tuple[float, float] = PANEL, **kwargs):
+def _subplots(n_rows: int, n_cols: int, legend: bool = True, panel: tuple[float, float] | None = None, **kwargs):
+    """A grid of panels, each PANEL inches (larger where there are only one or two), beside the legend."""
+    if panel is None:
+        panel = {1: (5.8, 3.9), 2: (4.6, 3.3)}.get(n_rows * n_cols, PANEL)
     width = panel[0] * n_cols + (LEGEND_WIDTH if legend else 0)
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(max(width, 5.5), panel[1] * n_rows + 0.9), squeeze=False,
                              layout="constrained", **kwargs)
@@ -257,7 +262,9 @@ def _legend(fig: Figure, handles: list, title: str) -> None:
 
 def _handles(styles: dict[tuple, Style], keys: Sequence[str]) -> list:
     """The legend's entries, one per hue value; a key's numbers all in one style (1e-3 and 1e-2, never
-    1e-3 and 0.01)."""
+    1e-3 and 0.01). No hue: no entry (the one line per panel is named by its title)."""
+    if not keys:
+        return []
     combos = list(styles)
     texts = []
     for i, key in enumerate(keys):
@@ -397,7 +404,7 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
     for ax in axes[:, 0]:
         ax.set_ylabel(METRIC_LABELS.get(metric, metric), fontsize="small")
     _legend(fig, [*_handles(styles, facets.hue), *extra.values()], _hue_title(facets.hue))
-    _title(fig, title or f"{METRIC_LABELS.get(metric, metric)} per step: line, mean over seeds; band, min–max",
+    _title(fig, title or f"{METRIC_LABELS.get(metric, metric)} per step: mean over seeds, band min–max",
            constants_text(tidy))
     return fig
 
@@ -454,7 +461,7 @@ def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss
         low = min([low, *(0.8 * v for v in limits)])
         scale, cmap = LogNorm(vmin=low, vmax=max(high, low * 1.01)), "viridis_r"
     n_x, n_y = table[x_key].nunique(dropna=False), table[y_key].nunique(dropna=False)
-    panel = (max(2.6, 0.55 * n_x + 1.2), max(2.2, 0.42 * n_y + 1.1))
+    panel = (max(3.2, 0.55 * n_x + 1.2), max(2.3, 0.42 * n_y + 1.1))
     fig, axes = _subplots(n_rows, n_cols, legend=False, panel=panel)
     image = None
     for i, line in enumerate(grid):
@@ -470,22 +477,24 @@ def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss
             ax.label_outer()
     if image is not None:
         bar = fig.colorbar(image, ax=axes, shrink=0.9,
-                           label=f"final {METRIC_LABELS.get(metric, metric)}" + ("" if accuracy else ", log scale"))
+                           label=FINAL_LABELS.get(metric, metric) + ("" if accuracy else " (log scale)"))
         bar.ax.tick_params(labelsize="small")
         if not accuracy:
             _plain_log_ticks(bar.ax.yaxis)
             for limit in _limits(table, trained_below) if metric in LOSSES else []:
                 bar.ax.axhline(limit, color="black", linestyle="--", linewidth=1.2)
     rule = _rule_text(table, trained_below)
-    handles = [Line2D([], [], color=TRAINED_EDGE, linewidth=2.5, label=f"border of the cells whose every run trained "
-                                                                      f"({rule})"),
-               Patch(facecolor="none", edgecolor="grey", hatch="xx", label="hatched: not every run trained")]
+    handles = [Line2D([], [], color=TRAINED_EDGE, linewidth=2.5, label=f"every run trained: {rule}"),
+               Patch(facecolor="none", edgecolor="grey", hatch="xx", label="not every run trained")]
     if metric in LOSSES:
-        handles.append(Line2D([], [], color="black", linestyle="--", label="the threshold, on the colour bar"))
-    fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False, ncols=len(handles))
-    _title(fig, f"where the runs train: final {METRIC_LABELS.get(metric, metric)}, mean over seeds",
-           f"{constants_text(table)}. Cell: mean; k/n: k of n runs did not diverge; div: all diverged",
-           legend=False)
+        handles.append(Line2D([], [], color="black", linestyle="--", label="the threshold (colour bar)"))
+    wide = fig.get_figwidth() >= 11
+    fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False,
+               ncols=len(handles) if wide else 1)
+    diverged = (table["status"] == "diverged").any()
+    _title(fig, f"where the runs train: {FINAL_LABELS.get(metric, metric)}, mean over seeds",
+           constants_text(table) + (". k/n: the mean of the k of n runs that did not diverge; div: all diverged"
+                                    if diverged else ""), legend=False)
     return fig
 
 
@@ -493,7 +502,7 @@ def _rule_text(table: pd.DataFrame, trained_below: float | None) -> str:
     if trained_below is not None:
         return f"final training loss < {trained_below:g}"
     limits = ", ".join(f"{v:.3g}" for v in _limits(table, None))
-    return f"final training loss < ln(C)/10 = {limits}"
+    return f"final training loss < {limits} (ln(C)/10)"
 
 
 def _phase_panel(ax, runs: pd.DataFrame, x_key: str, y_key: str, scale, cmap: str):
@@ -629,7 +638,7 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
     figures = [("", curves_figure(tidy, keys, metric, facets=facets, trained_below=rule), note)]
     if LR_KEY in summary and summary[LR_KEY].nunique() >= MIN_LRS:
         table, others = lr_table(folder)
-        lr_facets = _without(facets, LR_KEY) if LR_KEY in facets.keys else choose_facets(others)
+        lr_facets = _lines_first(_without(facets, LR_KEY)) if LR_KEY in facets.keys else choose_facets(others)
         figures.append(("-lr", lr_figure(table, others, facets=lr_facets, trained_below=rule), note))
     axes = numeric_axes(summary)
     if len(axes) >= 2:
@@ -638,6 +647,16 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
             others, hue=[])
         figures.append(("-phase", phase_figure(tidy, axes[0], axes[1], metric, phase_facets, rule), note))
     return figures
+
+
+def _lines_first(facets: Facets) -> Facets:
+    """Facets whose hue emptied (the lr was the curves' hue; on the lr figure it is the x axis): the
+    panels' key becomes the lines, so that the variants are compared in one panel, not one line each."""
+    if facets.hue:
+        return facets
+    if facets.col:
+        return Facets([], facets.row, facets.col)
+    return Facets([], [], facets.row)
 
 
 def _without(facets: Facets, key: str) -> Facets:

@@ -147,7 +147,7 @@ def test_curves_figure_content(fake_sweep):
     assert labels == ["Post (n=8)", "Pre (n=8)", "chance, ln 10", "trained below 0.23"]
     assert ax.lines[-1].get_ydata()[0] == pytest.approx(math.log(10) / 10)
     assert ax.get_yscale() == "log" and ax.get_xlabel() == "optimizer step"
-    assert "loss" in ax.get_ylabel() and "mean over seeds" in fig.get_suptitle()
+    assert "loss" in ax.get_ylabel() and "mean over seeds" in " ".join(fig.get_suptitle().split())
     assert len(ax.collections) == 2  # one min–max band per variant
     assert list(ax.lines[1].get_ydata()) == pytest.approx([2.605, 1.33, 0.6925])
 
