@@ -49,6 +49,7 @@ import yaml
 from normexp.config import (
     SYMLINK_LOOP,
     ConfigError,
+    ReportConfig,
     RunConfig,
     Sweep,
     build_sweep,
@@ -463,10 +464,12 @@ def summary_csv(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, st
 
 def trained_rule(out_dir: Path) -> float | None:
     """The folder's trained rule: report.trained_below of its sweep.yaml (the latest invocation's), or
-    None (the default ln(C)/10) where it sets none or cannot be read (the readers say why)."""
+    None (the default ln(C)/10) where it sets none or cannot be read (the readers say why). Only the
+    `report:` section is read: the grid is not expanded again."""
     try:
-        return read_sweep(out_dir).report.trained_below
-    except StoreError:
+        data = yaml.safe_load((Path(out_dir) / SWEEP_FILE).read_text(encoding="utf-8"))
+        return ReportConfig.model_validate((data or {}).get("report") or {}).trained_below
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError, ValueError):
         return None
 
 
