@@ -51,7 +51,6 @@ from normexp.analysis.variants import (  # noqa: E402
     n_choices,
     short_number,
     thresholds,
-    trained_threshold,
     value_label,
     variant_groups,
     variant_label,
@@ -131,15 +130,32 @@ def choose_facets(keys: Sequence[str], row: Sequence[str] | None = None, col: Se
     return Facets(list(row), list(col), [*rest, *hue])
 
 
-def _values_label(keys: Sequence[str], values: object, with_keys: bool = True) -> str:
-    """'Pre', 'lr=1e-3 warmup=2': one combination of `keys`' values as a legend or panel says it."""
+def _values_label(keys: Sequence[str], values: object, with_keys: bool = True,
+                  texts: dict[str, dict] | None = None) -> str:
+    """'Pre', 'lr=1e-3 warmup=2': one combination of `keys`' values as a legend or panel says it;
+    `texts` (`_key_texts`) writes a key's numbers in its axis's one style."""
     values = values if isinstance(values, tuple) else (values,)
     if not keys:
         return ""
+
+    def text(key: str, value: object) -> str:
+        return (texts or {}).get(key, {}).get(value) or value_label(key, value)
+
     if len(keys) == 1 and (keys[0] in ("norm.placement", "norm.kind", SWEEP_KEY) or not with_keys):
-        return value_label(keys[0], values[0])
-    return " ".join(f"{_short(k)}={value_label(k, v)}" if k not in ("norm.placement", "norm.kind", SWEEP_KEY)
-                    else value_label(k, v) for k, v in zip(keys, values))
+        return text(keys[0], values[0])
+    return " ".join(f"{_short(k)}={text(k, v)}" if k not in ("norm.placement", "norm.kind", SWEEP_KEY)
+                    else text(k, v) for k, v in zip(keys, values))
+
+
+def _key_texts(frame: pd.DataFrame, keys: Sequence[str]) -> dict[str, dict]:
+    """Per numeric key, each of its values in `frame` written in one style (`number_texts`)."""
+    out = {}
+    for key in keys:
+        column = frame[key]
+        if pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column):
+            values = [v for v in dict.fromkeys(column) if not pd.isna(v)]
+            out[key] = dict(zip(values, number_texts(values)))
+    return out
 
 
 def _short(key: str) -> str:
@@ -190,28 +206,30 @@ def _panels(frame: pd.DataFrame, facets: Facets) -> tuple[list[list[tuple[str, p
     cols = [values for values, _ in _groups(frame, facets.col)]
     if not facets.row and len(cols) > WRAP:  # wrap a long single row of panels
         n_cols = WRAP if len(cols) > 6 else len(cols)
-        cells = [(_panel_title(facets.col, v), _select(frame, facets.col, v)) for v in cols]
+        texts = _key_texts(frame, facets.col)
+        cells = [(_panel_title(facets.col, v, texts), _select(frame, facets.col, v)) for v in cols]
         grid = [cells[i:i + n_cols] for i in range(0, len(cells), n_cols)]
         grid[-1] += [("", None)] * (n_cols - len(grid[-1]))
         return grid, len(grid), n_cols
     grid = []
+    texts = _key_texts(frame, [*facets.col, *facets.row])
     for row_values, row_frame in rows:
         line = []
         for col_values in cols:
             runs = _select(row_frame, facets.col, col_values)
-            title = _panel_title([*facets.col, *facets.row], (*col_values, *row_values))
+            title = _panel_title([*facets.col, *facets.row], (*col_values, *row_values), texts)
             line.append((title, runs if len(runs) else None))
         grid.append(line)
     return grid, len(grid), max(1, len(cols))
 
 
-def _panel_title(keys: Sequence[str], values: tuple) -> str:
+def _panel_title(keys: Sequence[str], values: tuple, texts: dict[str, dict] | None = None) -> str:
     """'Pre-RMS lr=1e-3': the article's label for a placement and a kind, then the other keys' values."""
     named = dict(zip(keys, values))
     sweep = f"{named.pop(SWEEP_KEY)}:" if SWEEP_KEY in named else ""
     methods = {k: named.pop(k) for k in ("norm.placement", "norm.kind") if k in named}
     head = variant_label(methods) if methods else ""
-    return " ".join(filter(None, [sweep, head, _values_label(list(named), tuple(named.values()))]))
+    return " ".join(filter(None, [sweep, head, _values_label(list(named), tuple(named.values()), texts=texts)]))
 
 
 def _select(frame: pd.DataFrame, keys: Sequence[str], values: tuple) -> pd.DataFrame:
@@ -740,29 +758,31 @@ def save_gradnorm_plot(summary, path: str | Path) -> Path:  # summary: GradnormS
     return Path(path)
 
 
-def final_loss_figure(summary: pd.DataFrame, x_key: str) -> Figure:
+def final_loss_figure(summary: pd.DataFrame, x_key: str, trained_below: float | None = None) -> Figure:
     """Final loss against a numeric key (e.g. model.depth), one line per other variant: the mean over
-    seeds, with the min–max band."""
+    seeds, with the min–max band; chance dotted, the trained threshold dashed."""
     finished = finished_runs(summary).copy()
     finished["final_loss"] = finished["final_loss"].astype(float).where(np.isfinite(finished["final_loss"]))
     others = [k for k in varying_keys(summary) if k not in ("seed", x_key)]
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
+    fig, ax = plt.subplots(figsize=(5.8 + LEGEND_WIDTH, 4.2), layout="constrained")
     for label, group in variant_groups(finished, others):
         stats = group.groupby(x_key)["final_loss"].agg(["mean", "min", "max"])
         line, = ax.plot(stats.index, stats["mean"], marker="o", label=f"{label} ({_coverage(group)})")
         ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.15, linewidth=0)
-    classes = _chances(finished)
-    for n in classes:
-        ax.axhline(math.log(n), color="grey", linestyle=":", label=f"chance, ln {n}")
-        ax.axhline(trained_threshold(n), color="grey", linestyle="--", linewidth=0.8,
-                   label="trained below" + (f", {n} choices" if len(classes) > 1 else ""))
+    _reference_lines(ax, finished, trained_below)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    _plain_log_ticks(ax.yaxis)
+    values = sorted(finished[x_key].dropna().unique())
+    ax.set_xticks(values, number_texts(values))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel(axis_label(x_key))
     ax.set_ylabel("final training loss")
-    ax.set_title(f"final loss vs {axis_label(x_key)} (line: mean over seeds, band: min–max)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    handles, _ = ax.get_legend_handles_labels()
+    _legend(fig, handles, _hue_title(others) if others else "")
+    _title(fig, f"final training loss vs {axis_label(x_key)}: mean over seeds, band min–max",
+           constants_text(finished))
     return fig
 
 

@@ -68,7 +68,9 @@ def _finished_summary(source: Path | Folder) -> pd.DataFrame:
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
-    return is_trained(summary["final_loss"], summary["status"], n_choices(summary))
+    """Per run, trained by the folder's rule (summary's `threshold`: its report.trained_below, else ln(C)/10)."""
+    threshold = summary["threshold"].astype(float) if "threshold" in summary else None
+    return is_trained(summary["final_loss"], summary["status"], n_choices(summary), threshold)
 
 
 def _judged(source: Path | Folder) -> pd.DataFrame:
@@ -136,7 +138,7 @@ def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
         plt.close(fig)
         paths.append(run_dir / "trained.png")
     if x_key:
-        fig = final_loss_figure(folder.latest.copy(), x_key)
+        fig = final_loss_figure(folder.latest.copy(), x_key, folder.sweep.report.trained_below)
         fig.savefig(run_dir / "final_loss.png", dpi=120)
         paths.append(run_dir / "final_loss.png")
     if run_dir.name == "blocks":
