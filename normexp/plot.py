@@ -130,8 +130,7 @@ def choose_facets(keys: Sequence[str], row: Sequence[str] | None = None, col: Se
     return Facets(list(row), list(col), [*rest, *hue])
 
 
-def _values_label(keys: Sequence[str], values: object, with_keys: bool = True,
-                  texts: dict[str, dict] | None = None) -> str:
+def _values_label(keys: Sequence[str], values: object, texts: dict[str, dict] | None = None) -> str:
     """'Pre', 'lr=1e-3 warmup=2': one combination of `keys`' values as a legend or panel says it;
     `texts` (`_key_texts`) writes a key's numbers in its axis's one style."""
     values = values if isinstance(values, tuple) else (values,)
@@ -141,7 +140,7 @@ def _values_label(keys: Sequence[str], values: object, with_keys: bool = True,
     def text(key: str, value: object) -> str:
         return (texts or {}).get(key, {}).get(value) or value_label(key, value)
 
-    if len(keys) == 1 and (keys[0] in ("norm.placement", "norm.kind", SWEEP_KEY) or not with_keys):
+    if len(keys) == 1 and keys[0] in ("norm.placement", "norm.kind", SWEEP_KEY):
         return text(keys[0], values[0])
     return " ".join(f"{_short(k)}={text(k, v)}" if k not in ("norm.placement", "norm.kind", SWEEP_KEY)
                     else text(k, v) for k, v in zip(keys, values))
