@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import shlex
 import signal
@@ -42,6 +43,7 @@ from normexp.config import (
 from normexp.sweep import Invocation, SweepOptions, SweepOutcome
 
 if TYPE_CHECKING:
+    from normexp.report import Report
     from normexp.results import Folder
 
 app = typer.Typer(
@@ -346,16 +348,26 @@ def _listed(option: str, value: str | None) -> list[str] | None:
 
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
+    run_dirs: Annotated[list[Path], typer.Argument(
+        metavar="RUN_DIR...", help="A sweep's output folder; several: compared side by side (a `sweep` key).",
+        parser=_folder)],
     steps: Annotated[str | None, typer.Option(help="Comma-separated steps [default: the sweep's].")] = None,
     metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
     by: Annotated[str | None, typer.Option(help="Comma-separated column keys [default: varying keys].")] = None,
     pivot: Annotated[str | None, typer.Option(help="ROW_KEY,COL_KEY: a final-loss pivot instead.")] = None,
     lr_sensitivity: Annotated[bool, typer.Option(
         "--lr-sensitivity", help="Per variant: LR sensitivity over an optim.lr axis of >= 3 values instead.")] = False,
-    fmt: Annotated[str, typer.Option("--format", help="table | markdown | csv.")] = "table",
+    fmt: Annotated[str, typer.Option(
+        "--format", help="table | markdown | csv | html (one self-contained page with the figures).")] = "table",
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", help="Write markdown, csv or html to this file [default: print it].")] = None,
     only_last: Annotated[bool, typer.Option(
         "--only-last", help="Only the latest sweep's grid [default: every verified run the folder holds].")] = False,
+    trained_below: Annotated[float | None, typer.Option(
+        "--trained-below", help="Trained rule: final loss under this [default: report.trained_below, else "
+                                "ln(C)/10].")] = None,
+    verdicts: Annotated[str, typer.Option(
+        "--verdicts", help="counts (per group, past 6 columns) | full (name every column).")] = "counts",
 ) -> None:
     """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot,
     or each variant's learning-rate sensitivity."""
@@ -364,7 +376,13 @@ def report(
 
     if metric is not None:
         _check_choice("--metric", metric, get_args(Metric))
-    _check_choice("--format", fmt, ("table", "markdown", "csv"))
+    _check_choice("--format", fmt, ("table", "markdown", "csv", "html"))
+    _check_choice("--verdicts", verdicts, ("counts", "full"))
+    if output is not None and fmt == "table":
+        raise fail("-o: write markdown, csv or html (--format); a table is for the terminal")
+    if fmt == "html" and (pivot is not None or lr_sensitivity):
+        raise fail("--format html: the step table's page; --pivot and --lr-sensitivity print markdown or csv")
+    _check_trained_below(trained_below)
     if pivot is not None and lr_sensitivity:
         raise fail("--pivot and --lr-sensitivity: choose one")
     for mode, on, table_only in (("--pivot", pivot is not None, {"--metric": metric, "--steps": steps, "--by": by}),
@@ -373,12 +391,12 @@ def report(
         if given:  # the pivot and the sensitivity are of the final loss, over every varying key
             raise fail(f"{given[0]} and {mode}: {given[0]} applies to the step table only")
     if pivot is not None:
-        folder = _load_folder(run_dir)
+        folder = _load_folder(run_dirs)
         _print_pivot(folder, pivot, fmt)
         _exit_if_runs_missing(folder, shown=fmt != "csv")
         return
     if lr_sensitivity:
-        folder = _load_folder(run_dir)
+        folder = _load_folder(run_dirs)
         _print_sensitivity(folder, fmt)
         _exit_if_runs_missing(folder, shown=False)
         return
@@ -387,22 +405,60 @@ def report(
         step_list = [int(s) for s in step_items] if step_items else None
     except ValueError:
         raise fail(f"--steps: expected comma-separated integers, got {steps!r}") from None
-    folder = _load_folder(run_dir)
+    folder = _load_folder(run_dirs)
     try:
-        table = build_report(folder, step_list, metric, keys, only_last)
+        table = build_report(folder, step_list, metric, keys, only_last, trained_below)
     except ResultsError as exc:
         raise fail(str(exc)) from None
-    _emit(fmt, lambda: to_rich(table), lambda: to_markdown(table), lambda: to_csv(table))
+    full = verdicts == "full"
+    if fmt == "html" or output is not None:
+        _write_report(table, folder, fmt, output, full, trained_below)
+    else:
+        _emit(fmt, lambda: to_rich(table, full), lambda: to_markdown(table, full), lambda: to_csv(table))
     _say_engines(table.engines, fmt)
     _exit_if_runs_missing(folder, shown=fmt != "csv")
 
 
-def _load_folder(run_dir: Path) -> Folder:
-    """The sweep folder, read and verified once for the whole command (normexp/results.py)."""
-    from normexp.results import ResultsError, load_folder
+def _write_report(table: Report, folder: Folder, fmt: str, output: Path | None, full: bool,
+                  trained_below: float | None) -> None:
+    """The report as a file (-o), or an HTML page on stdout; the HTML page draws the sweep's figures."""
+    from normexp.report import to_csv, to_markdown
+
+    if fmt == "html":
+        from normexp.htmlpage import report_page
+        from normexp.plot import sweep_figures
+        from normexp.results import ResultsError
+
+        try:
+            figures = sweep_figures(folder, table.metric, trained_below=trained_below)
+        except ResultsError as exc:
+            raise fail(str(exc)) from None
+        text = report_page(table, folder, figures)
+    else:
+        text = to_markdown(table, full) if fmt == "markdown" else to_csv(table)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror}") from None
+    out.print(f"wrote {output}")
+
+
+def _check_trained_below(value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise fail(f"--trained-below {value}: must be a finite loss > 0")
+
+
+def _load_folder(run_dirs: Path | list[Path]) -> Folder:
+    """The sweep folder, read and verified once for the whole command (normexp/results.py); several
+    stacked into one, with a `sweep` key (normexp/compare.py)."""
+    from normexp.compare import load_folders
+    from normexp.results import ResultsError
 
     try:
-        return load_folder(run_dir)
+        return load_folders(run_dirs if isinstance(run_dirs, list) else [run_dirs])
     except ResultsError as exc:
         raise fail(str(exc)) from None
 
@@ -447,13 +503,28 @@ def _print_sensitivity(folder: Folder, fmt: str) -> None:
 
 @app.command()
 def plot(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A sweep's output folder.", parser=_folder)],
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="PNG [default: RUN_DIR/<metric>.png].")] = None,
-    metric: Annotated[str, typer.Option(help=f"{' | '.join(METRICS)}.")] = "loss",
+    run_dirs: Annotated[list[Path], typer.Argument(
+        metavar="RUN_DIR...", help="A sweep's output folder; several: compared side by side (a `sweep` key).",
+        parser=_folder)],
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", help="Figure file, .png | .pdf | .svg [default: RUN_DIR/<metric>.<format>].")] = None,
+    metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
     blocks: Annotated[bool, typer.Option("--blocks", help="Per-block dynamics of runs with train.log_blocks.")] = False,
     block_metric: Annotated[str | None, typer.Option(
         help="With --blocks: fc1_grad | fc2_grad | fc1_update | fc2_update | stream_rms | norm_rms | norm_out_rms "
              "[default: fc2_update].")] = None,
+    row: Annotated[str | None, typer.Option(help="Comma-separated keys whose values make the rows of panels.")] = None,
+    col: Annotated[str | None, typer.Option(
+        help="Comma-separated keys whose values make the columns of panels [default: norm.placement, else the "
+             "slowest-varying key].")] = None,
+    hue: Annotated[str | None, typer.Option(
+        help="Comma-separated keys whose values make the lines of a panel [default: the fastest-varying key].")] = None,
+    fmt: Annotated[str | None, typer.Option(
+        "--format", help="png | pdf | svg [default: -o's suffix, else png].")] = None,
+    dpi: Annotated[int, typer.Option(help="Dots per inch of a PNG.", min=30, max=1200)] = 150,
+    trained_below: Annotated[float | None, typer.Option(
+        "--trained-below", help="Trained rule: final loss under this [default: report.trained_below, else "
+                                "ln(C)/10].")] = None,
 ) -> None:
     """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary.
     With --blocks: per variant, a heatmap of one per-block quantity over (block, step) and its first,
@@ -461,19 +532,31 @@ def plot(
     from normexp.plot import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
     from normexp.results import ResultsError
 
-    _check_choice("--metric", metric, get_args(Metric))
+    if metric is not None:
+        _check_choice("--metric", metric, get_args(Metric))
+    if fmt is not None:
+        _check_choice("--format", fmt, FIGURE_FORMATS)
+    _check_trained_below(trained_below)
     if block_metric is not None:
         if not blocks:
             raise fail("--block-metric: only with --blocks")
         _check_choice("--block-metric", block_metric, tuple(BLOCK_METRIC_LABELS))
-    if output is not None and output.suffix.lower() != ".png":
-        raise fail(f"-o {output}: the file name must end in .png")
-    folder = _load_folder(run_dir)
+    if output is not None and output.suffix.lower().lstrip(".") not in FIGURE_FORMATS:
+        raise fail(f"-o {output}: the file name must end in .png, .pdf or .svg")
+    if output is not None and fmt is not None and output.suffix.lower() != f".{fmt}":
+        raise fail(f"-o {output} and --format {fmt}: the file name must end in .{fmt}")
+    if blocks and (row or col or hue):
+        raise fail("--row, --col, --hue: not with --blocks (its panels are fixed: placements across)")
+    facets = {name: _listed(f"--{name}", value) for name, value in (("row", row), ("col", col), ("hue", hue))}
+    folder = _load_folder(run_dirs)
+    if output is None and len(run_dirs) > 1:  # into the first folder, named so that no sweep's own figure is replaced
+        name = f"blocks-{block_metric or 'fc2_update'}" if blocks else metric or folder.sweep.report.metric
+        output = run_dirs[0] / f"compare-{name}.{'png' if blocks else fmt or 'png'}"
     try:
         if blocks:
             paths = [save_blocks_plot(folder, output, block_metric or "fc2_update")]
         else:
-            paths = save_plots(folder, output, metric)
+            paths = save_plots(folder, output, metric, fmt, dpi, trained_below=trained_below, **facets)
     except ResultsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -481,6 +564,9 @@ def plot(
     for path in paths:
         out.print(f"wrote {path}")
     _exit_if_runs_missing(folder, shown=False)
+
+
+FIGURE_FORMATS = ("png", "pdf", "svg")
 
 
 def _exit_if_runs_missing(folder: Folder, shown: bool) -> None:

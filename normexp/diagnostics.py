@@ -247,6 +247,9 @@ def _compiled_rmsnorm(d: int) -> nn.Module | None:
 # ----------------------------------------------------------------------------- the gradnorm study
 
 
+CSV_NAMES = {"placement": "norm.placement", "kind": "norm.kind", "depth": "model.depth"}  # gradnorm.csv's columns
+
+
 def gradnorm_study(spec: Sweep, target: Path) -> GradnormSummary | LayerGradnorm:
     """Measure every run of `spec` at init; write target/gradnorm.csv (one row per block, or per
     Transformer layer) and return the summary (`normexp.plot.save_gradnorm_plot` draws it)."""
@@ -255,10 +258,10 @@ def gradnorm_study(spec: Sweep, target: Path) -> GradnormSummary | LayerGradnorm
     measure = layer_gradnorm_at_init if transformer else gradnorm_at_init
     rows = [{**row, "variant": gradnorm_variant(cfg, keys)} for cfg in spec.runs for row in measure(cfg)]
     target.mkdir(parents=True, exist_ok=True)
-    with open(target / "gradnorm.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+    with open(target / "gradnorm.csv", "w", newline="") as f:  # its columns named as the sweep names them
+        writer = csv.DictWriter(f, fieldnames=[CSV_NAMES.get(k, k) for k in rows[0]], lineterminator="\n")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({CSV_NAMES.get(k, k): v for k, v in row.items()} for row in rows)
     if transformer:
         return summarise_layer_gradnorm(rows)
     models = {(cfg.model.init, cfg.model.hidden_mult): cfg.model for cfg in spec.runs}

@@ -26,7 +26,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from normexp.analysis.variants import engine_note, is_null, is_trained, n_choices, trained_threshold, variant_groups
+from normexp.analysis.variants import (
+    PLACEMENT_LABELS,
+    axis_label,
+    constants,
+    engine_note,
+    is_null,
+    is_trained,
+    n_choices,
+    rule_text,
+    thresholds,
+    variant_groups,
+)
 from normexp.config import Sweep, key_label
 from normexp.results import (
     Folder,
@@ -72,9 +83,10 @@ class Column:
     cells: dict[int, tuple[float, float, int, int]]  # step -> (mean, std, finite runs, runs that reached it)
     trained: int  # runs whose final loss is under their own threshold
     runs: int
-    unit: str  # "seeds" when the column's runs differ only by seed, else "runs"
+    unit: str  # "seeds" when the column's runs differ only by seed, else "runs" (pooled over other keys)
     diverged: int = 0  # runs that diverged (they count as not trained)
     missing: int = 0  # runs of the sweep in this column with no verified result (missing, failed, corrupt)
+    threshold: float = math.nan  # the final loss under which its runs count as trained (nan: runs differ)
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,9 @@ class Report:
     n_classes: tuple[int, ...]  # every n_classes among the runs: each run is judged by its own
     missing: str = ""  # names the runs left out (missing, failed or corrupt), or ""
     engines: str = ""  # `engine_note`: the cells that average exact and fast-engine runs, or ""
+    trained_below: float | None = None  # the trained rule (report.trained_below); None: ln(C)/10
+    pooled: tuple[str, ...] = ()  # varying keys (not the seed) that no column separates: pooled in each cell
+    keys: tuple[str, ...] = ()  # the column keys
 
     def cell(self, column: Column, step: int) -> str:
         """The cell's aggregate; a mean over fewer than the column's runs says "(k of n)" with n every
@@ -107,23 +122,47 @@ class Report:
         missing = f", {column.missing} missing" if column.missing else ""
         return f"trained in {column.trained} of {column.runs + column.missing} {column.unit}{diverged}{missing}"
 
-    def verdict_line(self) -> str:
-        rule = ", ".join(f"ln({n})/10 = {trained_threshold(n):.3f}" for n in self.n_classes)
-        if len(self.n_classes) > 1:
-            rule = f"each run's ln(n_classes)/10: {rule}"
-        rule = f"final loss < {rule}"
+    @property
+    def rule(self) -> str:
+        return rule_text(self.n_classes, self.trained_below)
+
+    def verdict_line(self, full: bool = False) -> str:
+        """Which columns trained: their names (`full`, or at most WIDE columns), else counts per group
+        of the first column key ("Post: 0/8 cells trained; Pre: 8/8")."""
+        if not full and len(self.columns) > WIDE and self.keys:
+            return self.verdict_counts()
+        rule = self.rule
         # a variant is judged by its finished runs; a missing run is evidence of nothing, so it is named, not counted
         trained = [_verdict_label(c) for c in self.columns if c.trained == c.runs]
         partly = [_verdict_label(c) for c in self.columns if 0 < c.trained < c.runs]
         failed = [_verdict_label(c) for c in self.columns if c.trained == 0 < c.runs]
         parts = [f"Trained ({rule}): {', '.join(trained) or 'none'}."]
         if partly:
-            parts.append(f"Trained in some seeds: {', '.join(partly)}.")
+            unit = "seeds" if all(c.unit == "seeds" for c in self.columns) else "runs"
+            parts.append(f"Trained in some {unit}: {', '.join(partly)}.")
         parts.append(f"Did not train: {', '.join(failed) or 'none'}.")
         diverged = [f"{c.label} ({c.diverged} of {c.runs + c.missing} {c.unit})" for c in self.columns if c.diverged]
         if diverged:
             parts.append(f"Diverged: {', '.join(diverged)}.")
         return "  ".join(parts)
+
+    def verdict_counts(self) -> str:
+        """Per value of the first column key, how many of its columns (cells) trained in every run, in
+        some, and diverged: 'Trained (final loss < ...), cells per placement: Post 0/8 ...; Pre 8/8'."""
+        key = self.keys[0]
+        groups: dict[str, list[Column]] = {}
+        for column in self.columns:
+            groups.setdefault(_value_label(key, column.values[key]), []).append(column)
+        parts = []
+        for label, columns in groups.items():
+            whole = sum(c.trained == c.runs > 0 and not c.missing for c in columns)
+            partly = sum(0 < c.trained and not (c.trained == c.runs and not c.missing) for c in columns)
+            diverged = sum(c.diverged > 0 for c in columns)
+            extra = [f"{partly} partly" if partly else "", f"{diverged} with a diverged run" if diverged else ""]
+            parts.append(f"{label}: {whole}/{len(columns)}{' cells trained' if not parts else ''}" +
+                         "".join(f", {e}" for e in extra if e))
+        return (f"Trained ({self.rule}), per {axis_label(key)}: " + "; ".join(parts) +
+                ". A cell trained when every run of it did (report --verdicts full names them).")
 
 
 def _verdict_label(column: Column) -> str:
@@ -134,6 +173,15 @@ def _verdict_label(column: Column) -> str:
     return c.label if c.trained in (0, c.runs) else f"{c.label} ({c.trained}/{c.runs} {c.unit})"
 
 
+def _value_label(key: str, value: object) -> str:
+    """A key's value as a verdict names it: a placement by its label ('Post'), else `key=value`."""
+    if key == "norm.placement":
+        return PLACEMENT_LABELS.get(str(value), str(value))
+    if key == "sweep":
+        return str(value)
+    return f"{key_label(key)}={_key_value(value)}"
+
+
 def _check_keys(keys: Sequence[str], summary: pd.DataFrame, option: str) -> None:
     unknown = [k for k in keys if k not in config_columns(summary)]
     if unknown:
@@ -141,12 +189,13 @@ def _check_keys(keys: Sequence[str], summary: pd.DataFrame, option: str) -> None
 
 
 def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None, metric: str | None = None,
-                 by: Sequence[str] | None = None, only_last: bool = False) -> Report:
+                 by: Sequence[str] | None = None, only_last: bool = False,
+                 trained_below: float | None = None) -> Report:
     """Group a folder's finished runs (every invocation's, or the latest sweep's with `only_last`)
-    into the table's columns and compute each cell. Unset arguments come from the latest sweep's
-    `report:` section, then from the defaults. Its columns are extended by every key that varies
-    only across invocations (another depth run into the folder), so no two configs share a column
-    unless `by` says so."""
+    into the table's columns and compute each cell. Unset arguments (`trained_below` too: the trained
+    rule) come from the latest sweep's `report:` section, then from the defaults. Its columns are
+    extended by every key that varies only across invocations (another depth run into the folder), so
+    no two configs share a column unless `by` says so."""
     folder = as_folder(source)
     run_dir, section = folder.path, folder.sweep.report
     summary = folder.view(only_last)
@@ -161,6 +210,7 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
         keys = varying
     _check_keys(keys, summary, "--by")
     metric = metric or section.metric
+    rule = trained_below if trained_below is not None else section.trained_below
     recorded = set(tidy["step"])
     missing = [s for s in steps or () if s not in recorded]
     if missing:
@@ -173,10 +223,12 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
     n_classes = tuple(int(n) for n in dict.fromkeys(n_choices(tidy)))
     unfinished = summary[summary["run_id"].isin(unfinished_runs(summary))]
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
-    columns = [_column(label, group, keys, steps, metric, missing.get(label, 0))
+    pooled = tuple(k for k in varying if k not in keys)
+    columns = [_column(label, group, keys, steps, metric, missing.get(label, 0), rule, pooled)
                for label, group in variant_groups(tidy, keys, everything="run")]
-    return Report(_title(summary, metric) + _mixed(summary) + _about(folder.sweep), metric, steps, columns, n_classes,
-                  missing_note(summary, run_dir), engine_note(summary, keys))
+    title = _title(summary, metric, pooled) + _mixed(summary) + _about(folder.sweep)
+    return Report(title, metric, steps, columns, n_classes, missing_note(summary, run_dir), engine_note(summary, keys),
+                  rule, pooled, tuple(keys))
 
 
 def _mixed(summary: pd.DataFrame) -> str:
@@ -195,8 +247,9 @@ def _about(sweep: Sweep) -> str:
 
 
 def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
-            missing: int = 0) -> Column:
-    """One variant's column; its `missing` runs (no verified result) count in every cell's n."""
+            missing: int = 0, trained_below: float | None = None, pooled: Sequence[str] = ()) -> Column:
+    """One variant's column; its `missing` runs (no verified result) count in every cell's n. Its runs
+    are "seeds" only where no `pooled` key varies among them."""
     values = {k: group[k].iloc[0] for k in keys}
     finals = group.sort_values("step").groupby("run_id").tail(1)
     cells = {}
@@ -208,27 +261,29 @@ def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], 
         std = float(series.std(ddof=1)) if len(series) > 1 else math.nan  # one run has no spread, not 0
         if runs:
             cells[step] = (float(series.mean()) if len(series) else math.nan, std, len(series), runs)
-    trained = int(is_trained(finals["loss"], finals["status"], n_choices(finals)).sum())
-    unit = "seeds" if group["seed"].nunique() == len(finals) else "runs"
+    limits = thresholds(finals, trained_below)
+    trained = int(is_trained(finals["loss"], finals["status"], n_choices(finals), limits).sum())
+    same = all(finals[k].nunique(dropna=False) <= 1 for k in pooled if k in finals)
+    unit = "seeds" if same and group["seed"].nunique() == len(finals) else "runs"
     diverged = int((finals["status"] == "diverged").sum())
-    return Column(label, values, cells, trained, len(finals), unit, diverged, missing)
+    threshold = float(limits.iloc[0]) if limits.nunique() == 1 else math.nan
+    return Column(label, values, cells, trained, len(finals), unit, diverged, missing, threshold)
 
 
-def _title(summary: pd.DataFrame, metric: str) -> str:
-    first = summary.iloc[0]
-    fixed = {"depth": "model.depth", "width": "model.width", "optim": "optim.name", "lr": "optim.lr",
-             "schedule": "schedule.kind", "warmup": "schedule.warmup_steps", "steps": "train.steps"}
-    varying = set(varying_keys(summary))
-    parts = [f"{name}={first[key]}" for name, key in fixed.items() if key not in varying and key in first]
+def _title(summary: pd.DataFrame, metric: str, pooled: Sequence[str] = ()) -> str:
     finished = len(finished_runs(summary))
     covered = f" · {finished} of {len(summary)} runs finished" if finished < len(summary) else ""
-    return f"{metric} per step · {' '.join(parts)} · {_seeds(summary)}{covered}"
+    return f"{metric} per step · {constants(summary)} · {_seeds(summary, pooled)}{covered}"
 
 
-def _seeds(summary: pd.DataFrame) -> str:
+def _seeds(summary: pd.DataFrame, pooled: Sequence[str] = ()) -> str:
     """How many seeds each configuration has: '3 seeds', or '1 to 3 seeds per configuration' in a folder
-    whose invocations ran some configurations with more seeds than others."""
+    whose invocations ran some configurations with more seeds than others; with `pooled` keys (`--by`
+    leaves them out of the columns), which keys each column pools over: its mean ± std is over runs."""
     others = [k for k in varying_keys(summary) if k != "seed"]
+    if pooled:
+        names = ", ".join(axis_label(k) for k in pooled)
+        return f"each column pools its runs over {names} and the seeds: mean ± std over runs, not seeds"
     counts = summary.groupby(others, dropna=False)["seed"].nunique() if others else summary[["seed"]].nunique()
     low, high = int(counts.min()), int(counts.max())
     if low == high:
@@ -258,8 +313,8 @@ def _grid_align(report: Report, n_columns: int) -> str:
     return ("l" if len(report.columns) > WIDE else "r") + "r" * (n_columns - 1)
 
 
-def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
-    """The title line, the table, and (for the loss) the verdict line."""
+def to_rich(report: Report, full: bool = False):  # -> rich.console.Group (rich is imported lazily)
+    """The title line, the table, and (for the loss) the verdict line (`full`: naming every column)."""
     from rich.console import Group
     from rich.text import Text
 
@@ -269,7 +324,7 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
     if report.partial:
         parts.append(Text(PARTIAL_NOTE))
     if report.metric == "loss":
-        parts.append(Text(report.verdict_line()))
+        parts.append(Text(report.verdict_line(full)))
     if report.engines:
         parts.append(Text(report.engines, style="bold"))
     if report.missing:
@@ -277,14 +332,14 @@ def to_rich(report: Report):  # -> rich.console.Group (rich is imported lazily)
     return Group(*parts)
 
 
-def to_markdown(report: Report) -> str:
+def to_markdown(report: Report, full: bool = False) -> str:
     header, rows = grid_cells(report)
     title, *notes = report.title.split("\n")  # the sweep's notes follow its title line
     lines = [f"**{title}**", *notes, "", *markdown_table(header, rows, _grid_align(report, len(header)))]
     if report.partial:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
-        lines += ["", report.verdict_line()]
+        lines += ["", report.verdict_line(full)]
     if report.engines:
         lines += ["", f"**{report.engines}**"]
     if report.missing:
@@ -293,18 +348,23 @@ def to_markdown(report: Report) -> str:
 
 
 def to_csv(report: Report) -> str:
-    """Long form: one row per column and step, with mean, std, the number of runs the mean covers (n),
-    the runs of the cell (finite or diverged) and, per column, how many diverged."""
+    """Long form: one row per column and step: one column per column key (`norm.placement`, `optim.lr`,
+    ...: the sweep's own names, so that a script filters on them), the variant's label, the step, mean,
+    std, the number of runs the mean covers (n), the runs of the cell (finite or diverged), per column
+    how many trained and diverged, the verdict, the trained threshold and the keys each row pools over."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["variant", "step", f"{report.metric}_mean", f"{report.metric}_std", "n", "verdict", "runs",
-                     "diverged"])
+    keys = list(report.keys)
+    writer.writerow([*keys, "variant", "step", f"{report.metric}_mean", f"{report.metric}_std", "n", "runs",
+                     "trained", "diverged", "verdict", "threshold", "pooled_over"])
+    pooled = " ".join(report.pooled)
     for column in report.columns:
         for step in report.steps:
             if step in column.cells:
                 mean, std, n, runs = column.cells[step]
-                writer.writerow([column.label, step, csv_number(mean), csv_number(std), n, report.verdict(column),
-                                 runs, column.diverged])
+                writer.writerow([*(_key_value(column.values[k]) for k in keys), column.label, step, csv_number(mean),
+                                 csv_number(std), n, runs, column.trained, column.diverged, report.verdict(column),
+                                 csv_number(column.threshold), pooled])
     return buffer.getvalue()
 
 

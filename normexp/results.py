@@ -90,7 +90,7 @@ def _load_folder(run_dir: Path) -> Folder:
     verified: dict[str, RunState] = {}
     runs = folder_runs(run_dir, sweep, verified)
     statuses = cached_statuses(run_dir)
-    rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid))
+    rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid), sweep.report.trained_below)
             for cfg, rid in ((cfg, run_id(cfg)) for cfg in runs)]
     first = runs[0] if runs else None
     return Folder(run_dir, sweep, _frame(rows_csv(rows, first)), _frame(rows_csv(rows[:len(sweep.runs)], first)))
@@ -158,7 +158,9 @@ def missing_note(summary: pd.DataFrame, run_dir: str | Path) -> str:
 
 
 def config_columns(summary: pd.DataFrame) -> list[str]:
-    return [k for k in run_keys() if k in summary.columns]
+    """The config keys among `summary`'s columns; `sweep` first where several folders are stacked
+    (`normexp.compare`): it keys the runs like any other axis."""
+    return [*(["sweep"] if "sweep" in summary.columns else []), *(k for k in run_keys() if k in summary.columns)]
 
 
 def varying_keys(summary: pd.DataFrame) -> list[str]:

@@ -5,7 +5,8 @@
       history.jsonl           one JSON line per invocation: command line, time, commit, CPU, torch,
                               the sweep file's text as given, the resolved grid, runs planned and new
       summary.csv             one row per run the folder holds (`folder_runs`), rebuilt from the run
-                              folders every time
+                              folders every time; `threshold` and `trained` judge each finished run by
+                              the trained rule (sweep.yaml's report.trained_below, else ln(C)/10)
       .lock                   held (flock) while a sweep writes here; holds the owner's PID and host
       <run_id>/config.yaml    the resolved run config: `normexp sweep <run_id>/config.yaml` reruns it
                               alone (a sweep of one run, into runs/<run_id> unless --out)
@@ -48,13 +49,16 @@ import yaml
 from normexp.config import (
     SYMLINK_LOOP,
     ConfigError,
+    ReportConfig,
     RunConfig,
     Sweep,
     build_sweep,
+    chance_classes,
     flatten,
     is_symlink_loop,
     load_sweep,
     parse_yaml,
+    trained_threshold,
     validate_run,
 )
 from normexp.environment import provenance
@@ -417,14 +421,18 @@ def stamp_run(run_dir: Path, state: RunState) -> dict[str, Any]:
 
 
 def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending",
-                state: RunState | None = None) -> dict[str, Any]:
+                state: RunState | None = None, trained_below: float | None = None) -> dict[str, Any]:
     """One summary.csv row for `cfg`, from its run folder as verified by `inspect_run` (or as `state`
-    says, where the caller has just inspected it against `cfg`)."""
+    says, where the caller has just inspected it against `cfg`). A finished run is judged by the
+    trained rule: `trained_below`, or by default ln(C)/10 (`config.trained_threshold`)."""
     rid = run_id(cfg)
     row: dict[str, Any] = {"run_id": rid, **flatten(cfg)}
     state = state if state is not None else inspect_run(out_dir / rid, cfg)
     if state.finished:
-        return {**row, **{k: state.done[k] for k in SUMMARY_STATS}, "error": ""}
+        stats = {k: state.done[k] for k in SUMMARY_STATS}
+        threshold = float(trained_below) if trained_below is not None else trained_threshold(chance_classes(cfg))
+        trained = stats["status"] == "completed" and float(stats["final_loss"]) < threshold
+        return {**row, **stats, "threshold": threshold, "trained": trained, "error": ""}
     earlier = superseded_folder(out_dir, cfg) if state.kind == "absent" else None
     if earlier is not None:
         return {**row, "status": "superseded", "error": f"{earlier.name}: {superseded_problem(cfg)}"}
@@ -446,21 +454,37 @@ def superseded_folder(out_dir: Path, cfg: RunConfig) -> Path | None:
 
 
 def summary_csv(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> str:
-    """summary.csv's text, rebuilt from the verified run folders (`statuses` names unfinished runs' state)."""
+    """summary.csv's text, rebuilt from the verified run folders (`statuses` names unfinished runs' state),
+    each finished run judged by the folder's trained rule (`trained_rule`)."""
     statuses = statuses or {}
-    return rows_csv([summary_row(out_dir, cfg, statuses.get(run_id(cfg), "pending")) for cfg in runs],
-                    runs[0] if runs else None)
+    rule = trained_rule(out_dir)
+    return rows_csv([summary_row(out_dir, cfg, statuses.get(run_id(cfg), "pending"), trained_below=rule)
+                     for cfg in runs], runs[0] if runs else None)
+
+
+def trained_rule(out_dir: Path) -> float | None:
+    """The folder's trained rule: report.trained_below of its sweep.yaml (the latest invocation's), or
+    None (the default ln(C)/10) where it sets none or cannot be read (the readers say why). Only the
+    `report:` section is read: the grid is not expanded again."""
+    try:
+        data = yaml.safe_load((Path(out_dir) / SWEEP_FILE).read_text(encoding="utf-8"))
+        return ReportConfig.model_validate((data or {}).get("report") or {}).trained_below
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError, ValueError):
+        return None
 
 
 def rows_csv(rows: Sequence[dict[str, Any]], first: RunConfig | None) -> str:
     """summary.csv's text from its rows (`summary_row`), its columns those of the `first` run's config."""
-    columns = list(dict.fromkeys(["run_id", *flatten(first), *SUMMARY_STATS, "error"])) if first else []
+    columns = list(dict.fromkeys(["run_id", *flatten(first), *SUMMARY_STATS, *JUDGED, "error"])) if first else []
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", restval="")
     writer.writeheader()
     for row in rows:
         writer.writerow({k: (format_float(v) if isinstance(v, float) else _cell(v)) for k, v in row.items()})
     return buffer.getvalue()
+
+
+JUDGED = ("threshold", "trained")  # summary.csv's judgment of a finished run by the trained rule (empty otherwise)
 
 
 CACHED_STATUSES = ("interrupted", "pending")  # states of unfinished runs only summary.csv knows

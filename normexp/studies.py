@@ -1,5 +1,5 @@
 """The studies shipped with the package (normexp/configs/, a checkout's configs/): run them all and write
-runs/REPORT.md (`make studies`).
+runs/REPORT.md (`make studies`), and beside it REPORT.html, the same as one self-contained page.
 
     normexp studies [--out runs] [--quick]        (python -m normexp.studies: the same)
 
@@ -55,7 +55,7 @@ from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, v
 from normexp.config import ConfigError, Sweep, load_sweep
 from normexp.executors import usable_cores
 from normexp.report import build_report, to_markdown
-from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note
+from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note, varying_keys
 from normexp.runfolder import StoreError
 from normexp.store import lock_owner, out_folder_problem
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
@@ -71,7 +71,9 @@ def _finished_summary(source: Path | Folder) -> pd.DataFrame:
 
 
 def _trained(summary: pd.DataFrame) -> pd.Series:
-    return is_trained(summary["final_loss"], summary["status"], n_choices(summary))
+    """Per run, trained by the folder's rule (summary's `threshold`: its report.trained_below, else ln(C)/10)."""
+    threshold = summary["threshold"].astype(float) if "threshold" in summary else None
+    return is_trained(summary["final_loss"], summary["status"], n_choices(summary), threshold)
 
 
 def _judged(source: Path | Folder) -> pd.DataFrame:
@@ -132,14 +134,20 @@ def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
 
 
 def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
-    from normexp.plot import final_loss_figure, save_blocks_plot, save_plots
+    from normexp.plot import final_loss_figure, plt, save_blocks_plot, save_plots, trained_fraction_figure
 
     run_dir = folder.path
     if run_dir.name == "instabilities":  # 24 designs x 9 lrs: one panel per design, not one line per variant
         return [str(p.relative_to(run_dir.parent)) for p in instabilities_figures(folder)]
     paths = save_plots(folder, run_dir / "loss.png")
+    varying = varying_keys(folder.latest)
+    if "norm.placement" in varying and "norm.kind" in varying:  # the placements study: where each pair trains
+        fig = trained_fraction_figure(folder.latest, "norm.placement", "norm.kind", folder.sweep.report.trained_below)
+        fig.savefig(run_dir / "trained.png", dpi=150)
+        plt.close(fig)
+        paths.append(run_dir / "trained.png")
     if x_key:
-        fig = final_loss_figure(folder.latest.copy(), x_key)
+        fig = final_loss_figure(folder.latest.copy(), x_key, folder.sweep.report.trained_below)
         fig.savefig(run_dir / "final_loss.png", dpi=120)
         paths.append(run_dir / "final_loss.png")
     if run_dir.name == "blocks":
@@ -704,6 +712,11 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
               f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
     report.write_text(header + "\n".join(sections))
     log(f"wrote {report}")
+    from normexp.htmlpage import markdown_page  # the same report as one page to send: figures inline
+
+    page = out / "REPORT.html"
+    page.write_text(markdown_page(report.read_text(), out), encoding="utf-8")
+    log(f"wrote {page}")
     return report
 
 

@@ -158,7 +158,8 @@ def test_report_from_disk_in_three_formats(write_yaml, tmp_path):
     assert "| step | Post-LN | Post-RMS | Pre-LN | Pre-RMS |" in lines
     assert sum(line.startswith("| 0 |") or line.startswith("| 5 |") for line in lines) == 2
     csv_out = normexp("report", out, "--format", "csv")
-    assert csv_out.output.splitlines()[0] == "variant,step,loss_mean,loss_std,n,verdict,runs,diverged"
+    assert csv_out.output.splitlines()[0] == ("norm.placement,norm.kind,variant,step,loss_mean,loss_std,n,runs,trained,"
+                                              "diverged,verdict,threshold,pooled_over")
 
 
 def test_validate(write_yaml):

@@ -132,14 +132,14 @@ def test_the_keys_table_is_what_the_code_gives():
 
 
 def test_the_keys_table_follows_the_models():
-    from normexp.config import NormConfig, RunConfig
+    from normexp.config import NormConfig, ReportConfig, RunConfig
 
     gen = load_gen_keys()
     found = gen.keys()
     assert [k for k in found if k.startswith("norm.")] == [f"norm.{n}" for n in NormConfig.model_fields]
     assert "seed" in found and len(found) == sum(
         len(type(getattr(RunConfig(), s)).model_fields) for s in ("model", "norm", "data", "optim", "schedule", "train")
-    ) + 1 + 3  # + seed, + report.steps/columns/metric
+    ) + 1 + len(ReportConfig.model_fields)  # + seed, + report.steps/columns/metric/trained_below
     row = gen.describe_type(found["norm.placement"][0])
     from typing import get_args
 

@@ -21,7 +21,7 @@ LAYERS = {
                    "normexp.config.schema", "normexp.config.grid", "normexp.config", "normexp.environment",
                    "normexp.stopping", "normexp.blocklog"],
     # the run folder: read and checked, written, loaded, verified
-    "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.verify"],
+    "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
@@ -30,14 +30,15 @@ LAYERS = {
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.sweep"],
-    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.progress"],
+    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.htmlpage",
+                     "normexp.progress"],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
             "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
-            "normexp.tables", "normexp.results")
+            "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage")
 
 
 def module_name(path: Path) -> str:

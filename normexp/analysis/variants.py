@@ -18,6 +18,63 @@ PLACEMENT_LABELS = {name: method.label for name, method in PLACEMENTS.items()}  
 KIND_LABELS = {name: method.label for name, method in KINDS.items()}
 
 
+AXIS_LABELS = {  # what a reader calls a config key, in figures' axes and legends and in the report's prose
+    "norm.placement": "placement", "norm.kind": "norm kind", "optim.lr": "learning rate",
+    "schedule.warmup_steps": "warmup steps", "schedule.kind": "schedule", "model.depth": "depth",
+    "model.width": "width", "model.n_classes": "classes", "model.arch": "architecture", "data.task": "task",
+    "data.vocab": "vocabulary", "train.steps": "training steps", "optim.name": "optimizer", "seed": "seed",
+    "optim.weight_decay": "weight decay", "model.hidden_mult": "hidden multiplier", "model.init": "init",
+    "sweep": "sweep"}
+
+
+def axis_label(key: str) -> str:
+    """A config key as a reader names it ('learning rate', 'warmup steps'), else its `key_label`."""
+    return AXIS_LABELS.get(key, key_label(key))
+
+
+def value_label(key: str, value: object) -> str:
+    """One value of a key as a legend or panel shows it: a placement's or kind's label ('Pre', 'RMS'),
+    a number in short form (1e-3 style), null for an unset key."""
+    if is_null(value):
+        return "null"
+    if key == "norm.placement":
+        return method_label(str(value), PLACEMENTS)
+    if key == "norm.kind":
+        return method_label(str(value), KINDS)
+    if isinstance(value, float):
+        return short_number(value)
+    return str(value)
+
+
+def short_number(value: float, scientific: bool | None = None) -> str:
+    """A number as a figure writes it: 1e-3 or 3.2e-4 below 0.01 and from 1e5 up (or wherever
+    `scientific` says), else 0.05 or 200."""
+    value = float(value)
+    if scientific is None:
+        scientific = value != 0 and (abs(value) < 0.01 or abs(value) >= 1e5)
+    if not scientific or value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+TITLE_KEYS = {  # the constants that define a sweep's runs, named in titles where they do not vary
+    "arch": "model.arch", "task": "data.task", "placement": "norm.placement", "kind": "norm.kind",
+    "depth": "model.depth", "width": "model.width", "n_classes": "model.n_classes", "vocab": "data.vocab",
+    "optim": "optim.name", "lr": "optim.lr", "schedule": "schedule.kind", "warmup": "schedule.warmup_steps",
+    "steps": "train.steps"}
+
+
+def constants(frame: pd.DataFrame) -> str:
+    """'arch=ffn task=random_labels kind=layernorm depth=6 ...': every TITLE_KEYS key that one value
+    covers among `frame`'s runs (a Transformer's vocab, an FFN's n_classes: what its loss chooses among)."""
+    first = frame.iloc[0]
+    transformer = "model.arch" in frame and (frame["model.arch"] == "transformer").all()
+    skip = "n_classes" if transformer else "vocab"
+    return " ".join(f"{name}={'null' if is_null(first[key]) else first[key]}" for name, key in TITLE_KEYS.items()
+                    if name != skip and key in frame and frame[key].nunique(dropna=False) == 1)
+
+
 def variant_label(values: dict[str, object]) -> str:
     """'Post-LN', 'Pre-RMS lr=0.001', ... from a column's key values."""
     parts = []
@@ -86,8 +143,29 @@ def n_choices(frame: pd.DataFrame) -> pd.Series:
     return classes.where(frame["model.arch"] != "transformer", frame["data.vocab"]).astype(int)
 
 
-def is_trained(final_loss: pd.Series, status: pd.Series, n_classes: pd.Series | int) -> pd.Series:
-    """Per run: completed (not diverged) with a final loss under `trained_threshold`."""
-    threshold = (n_classes.astype(int).map(trained_threshold) if isinstance(n_classes, pd.Series)
-                 else trained_threshold(n_classes))
+def thresholds(frame: pd.DataFrame, trained_below: float | None = None) -> pd.Series:
+    """Per row, the final loss under which the run counts as trained: `trained_below` (the sweep's
+    `report.trained_below`, or --trained-below) where set, else the default rule ln(C)/10."""
+    if trained_below is not None:
+        return pd.Series(float(trained_below), index=frame.index)
+    return n_choices(frame).map(trained_threshold).astype(float)
+
+
+def rule_text(n_classes: Sequence[int], trained_below: float | None = None) -> str:
+    """The trained rule as the report states it: 'final loss < 0.2 (report.trained_below)', or
+    'final loss < ln(10)/10 = 0.230' (each n_classes of the runs)."""
+    if trained_below is not None:
+        return f"final loss < {trained_below:g} (report.trained_below)"
+    rule = ", ".join(f"ln({n})/10 = {trained_threshold(n):.3f}" for n in n_classes)
+    each = "each run's ln(n_classes)/10: " if len(n_classes) > 1 else ""
+    return f"final loss < {each}{rule}"
+
+
+def is_trained(final_loss: pd.Series, status: pd.Series, n_classes: pd.Series | int,
+               threshold: pd.Series | float | None = None) -> pd.Series:
+    """Per run: completed (not diverged) with a final loss under `threshold` (default: `trained_threshold`
+    of its n_classes)."""
+    if threshold is None:
+        threshold = (n_classes.astype(int).map(trained_threshold) if isinstance(n_classes, pd.Series)
+                     else trained_threshold(n_classes))
     return (status == "completed") & (final_loss < threshold)

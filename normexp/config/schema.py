@@ -461,6 +461,9 @@ class ReportConfig(_Section):
     steps: list[Annotated[int, Field(ge=0)]] = list(DEFAULT_REPORT_STEPS)
     columns: list[str] | None = None  # dotted keys that make the table's columns; None: the grid keys
     metric: Metric = "loss"
+    # the trained rule: a run trained when its final loss is under this; None: ln(C)/10 (`trained_threshold`).
+    # Analysis, not a run key: it changes no run id, only how summary.csv, report and plot judge the runs
+    trained_below: Annotated[float, Field(gt=0)] | None = None
 
 
 TRAINED_FRACTION = 0.1  # the default trained rule: a final loss under a tenth of chance

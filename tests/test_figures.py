@@ -1,0 +1,262 @@
+"""Figures and reports on multi-axis sweeps (issue 28): the trained rule in summary.csv and its option,
+what `report --by` pools, CSV columns named as the sweep names its keys, titles naming the constants,
+verdicts counted per group, facets, formats, the phase diagram in the metric asked for, several sweeps
+compared, and the HTML page."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.config import load_sweep
+from normexp.plot import choose_facets, number_texts
+from normexp.report import build_report, to_csv, to_markdown
+from normexp.results import ResultsError, load_metrics, load_summary
+
+FFN = """name: grid
+base:
+  model: {depth: 2, width: 8}
+  schedule: {kind: linear_warmup}
+  train: {steps: 3}
+grid:
+  norm.placement: [post, pre]
+  norm.kind: [layernorm, rmsnorm]
+  optim.lr: [0.01, 0.03, 0.1]
+  schedule.warmup_steps: [0, 2]
+seeds: [0, 1]
+"""
+TF = """name: tfgrid
+base:
+  model: {arch: transformer, depth: 1, width: 8, n_heads: 2}
+  data: {task: copy, seq_len: 5, vocab: 8, n_samples: 16, n_val: 8}
+  schedule: {kind: linear_warmup}
+  train: {steps: 2}
+grid:
+  norm.placement: [post, pre]
+  optim.lr: [0.01, 0.1]
+  schedule.warmup_steps: [0, 1]
+seeds: [0]
+"""
+
+
+def invoke(*args: str):
+    return CliRunner(env={"COLUMNS": "200"}).invoke(app, list(args))
+
+
+def sweep(tmp_path_factory, name: str, text: str, *sets: str):
+    folder = tmp_path_factory.mktemp(name)
+    config, out = folder / "sweep.yaml", folder / "out"
+    config.write_text(text)
+    result = invoke("sweep", str(config), "--out", str(out), "--engine", "batched", "--quiet", *sets)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    return sweep(tmp_path_factory, "grid", FFN)
+
+
+@pytest.fixture(scope="module")
+def tf(tmp_path_factory):
+    return sweep(tmp_path_factory, "tfgrid", TF)
+
+
+# ----------------------------------------------------------------------------- the trained rule
+
+
+def test_summary_csv_judges_every_finished_run_by_the_default_rule(grid):
+    rows = list(csv.DictReader((grid / "summary.csv").open()))
+    assert {"threshold", "trained"} <= set(rows[0])
+    for row in rows:
+        assert float(row["threshold"]) == pytest.approx(math.log(10) / 10)
+        trained = row["status"] == "completed" and float(row["final_loss"]) < math.log(10) / 10
+        assert row["trained"] == str(trained)
+
+
+def test_summary_csv_of_a_transformer_uses_ln_vocab(tf):
+    summary = load_summary(tf)
+    assert summary["threshold"].tolist() == pytest.approx([math.log(8) / 10] * len(summary))
+
+
+def test_the_trained_rule_is_a_report_key_that_changes_no_run_id(tmp_path, grid):
+    config = tmp_path / "rule.yaml"
+    config.write_text(FFN + "report: {trained_below: 2.2}\n")
+    plain, ruled = tmp_path / "plain.yaml", config
+    plain.write_text(FFN)
+    assert [c.model_dump() for c in load_sweep(ruled).runs] == [c.model_dump() for c in load_sweep(plain).runs]
+    out = tmp_path / "out"
+    assert invoke("sweep", str(config), "--out", str(out), "--engine", "batched", "--quiet").exit_code == 0
+    summary = load_summary(out)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(p.name for p in grid.iterdir() if p.is_dir())
+    assert (summary["threshold"] == 2.2).all()
+    assert summary["trained"].tolist() == ((summary["status"] == "completed") & (summary["final_loss"] < 2.2)).tolist()
+    text = to_markdown(build_report(out))
+    assert "final loss < 2.2 (report.trained_below)" in text
+
+
+def test_report_trained_below_overrides_the_rule_and_says_so(grid):
+    result = invoke("report", str(grid), "--format", "markdown", "--trained-below", "100")
+    assert result.exit_code == 0, result.output
+    assert "final loss < 100 (report.trained_below)" in result.output
+    assert "Post: 12/12 cells trained; Pre: 12/12" in result.output
+    bad = invoke("report", str(grid), "--trained-below", "-1")
+    assert bad.exit_code == 2 and "--trained-below -1.0: must be a finite loss > 0" in bad.output
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def test_report_by_names_the_axes_it_pools_and_never_calls_them_seeds(grid):
+    report = build_report(grid, by=["norm.placement"])
+    assert "pools its runs over norm kind, learning rate, warmup steps and the seeds" in report.title
+    assert "mean ± std over runs, not seeds" in report.title and "2 seeds" not in report.title
+    assert all(c.unit == "runs" for c in report.columns)
+    full = build_report(grid)
+    assert "2 seeds" in full.title and all(c.unit == "seeds" for c in full.columns)
+
+
+def test_report_titles_name_every_constant_that_defines_the_runs(grid, tf):
+    assert "arch=ffn task=random_labels depth=2 width=8 n_classes=10" in build_report(grid).title
+    title = build_report(tf).title
+    assert "arch=transformer task=copy kind=layernorm depth=1 width=8 vocab=8" in title and "n_classes" not in title
+
+
+def test_report_csv_has_one_column_per_config_key(grid):
+    rows = list(csv.DictReader(io.StringIO(to_csv(build_report(grid, by=["norm.placement", "optim.lr"])))))
+    assert list(rows[0])[:3] == ["norm.placement", "optim.lr", "variant"]
+    assert {r["norm.placement"] for r in rows} == {"post", "pre"} and {r["optim.lr"] for r in rows} == {
+        "0.01", "0.03", "0.1"}
+    assert {r["pooled_over"] for r in rows} == {"norm.kind schedule.warmup_steps"}
+    assert float(rows[0]["threshold"]) == pytest.approx(math.log(10) / 10)
+    frame = pd.read_csv(io.StringIO(to_csv(build_report(grid))))
+    assert {"norm.placement", "norm.kind", "optim.lr", "schedule.warmup_steps"} <= set(frame.columns)
+
+
+def test_many_columns_give_counts_per_group_and_the_full_list_on_request(grid):
+    report = build_report(grid)
+    line = report.verdict_line()
+    assert line.startswith("Trained (final loss < ln(10)/10 = 0.230), per placement: Post: ")
+    assert "/12 cells trained; Pre: " in line and "Did not train" not in line
+    assert len(line.split()) < 60
+    full = report.verdict_line(full=True)
+    assert "Did not train: " in full and "Post-LN lr=0.01 warmup_steps=0" in full
+    result = invoke("report", str(grid), "--format", "markdown", "--verdicts", "full")
+    assert "Did not train: " in result.output
+
+
+def test_gradnorm_csv_names_its_columns_as_sweeps_do(tmp_path):
+    config = tmp_path / "g.yaml"
+    config.write_text("name: g\nbase: {model: {width: 8}}\ngrid: {norm.placement: [post, pre], model.depth: [1, 2]}\n")
+    result = invoke("gradnorm", str(config), "--out", str(tmp_path / "g"))
+    assert result.exit_code == 0, result.output
+    header = (tmp_path / "g" / "gradnorm.csv").read_text().splitlines()[0].split(",")
+    assert header[:4] == ["norm.placement", "norm.kind", "model.depth", "seed"]
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def test_default_facets_put_placements_across_and_the_fastest_key_in_the_hue():
+    keys = ["norm.placement", "norm.kind", "optim.lr", "schedule.warmup_steps"]
+    facets = choose_facets(keys)
+    assert (facets.col, facets.row, facets.hue) == (["norm.placement"], ["norm.kind"],
+                                                    ["optim.lr", "schedule.warmup_steps"])
+    assert choose_facets(["norm.placement"]).hue == ["norm.placement"]
+    assert choose_facets(keys, hue=["norm.placement"]).col == ["norm.kind"]
+    with pytest.raises(ResultsError, match="--row model.depth: not a varying config key"):
+        choose_facets(keys, row=["model.depth"])
+
+
+def test_ticks_of_one_axis_share_one_style():
+    assert number_texts([0.001, 0.003, 0.01, 0.1]) == ["1e-3", "3e-3", "1e-2", "1e-1"]
+    assert number_texts([0.05, 0.5, 2.0]) == ["0.05", "0.5", "2"]
+    assert number_texts([0, 2, 5]) == ["0", "2", "5"]
+
+
+def test_plot_writes_the_format_asked_for(tf, tmp_path):
+    result = invoke("plot", str(tf), "-o", str(tmp_path / "f.pdf"))
+    assert result.exit_code == 0, result.output
+    for name in ("f", "f-phase"):
+        assert (tmp_path / f"{name}.pdf").read_bytes()[:4] == b"%PDF", name
+    result = invoke("plot", str(tf), "--format", "svg", "-o", str(tmp_path / "g.svg"))
+    assert result.exit_code == 0 and (tmp_path / "g.svg").read_bytes()[:5] == b"<?xml", result.output
+
+
+def test_plot_options_facets_and_dpi(grid, tmp_path):
+    result = invoke("plot", str(grid), "-o", str(tmp_path / "f.png"), "--col", "norm.kind", "--row",
+                    "norm.placement", "--hue", "optim.lr", "--dpi", "60")
+    assert result.exit_code == 0, result.output
+    from PIL import Image
+
+    with Image.open(tmp_path / "f.png") as image:
+        width, height = image.size
+    assert width < 800 and 0.5 < width / height < 4  # never a 5:1 strip
+    bad = invoke("plot", str(grid), "--hue", "model.depth", "-o", str(tmp_path / "g.png"))
+    assert bad.exit_code == 2 and "--hue model.depth: not a varying config key" in bad.output
+    mismatch = invoke("plot", str(grid), "-o", str(tmp_path / "g.png"), "--format", "pdf")
+    assert mismatch.exit_code == 2 and "must end in .pdf" in mismatch.output
+
+
+def test_the_phase_diagram_follows_the_metric(tf, tmp_path):
+    from normexp.plot import phase_figure
+
+    tidy = load_metrics(tf, all_config=True)
+    fig = phase_figure(tidy, "optim.lr", "schedule.warmup_steps", "val_acc")
+    assert "held-out accuracy" in fig.get_suptitle()
+    bar = [ax for ax in fig.axes if "held-out accuracy" in ax.get_ylabel()]
+    assert bar, [ax.get_ylabel() for ax in fig.axes]
+    finals = tidy.sort_values("step").groupby("run_id").tail(1)
+    pre = finals[(finals["norm.placement"] == "pre") & (finals["optim.lr"] == 0.01)
+                 & (finals["schedule.warmup_steps"] == 0)]["val_acc"].mean()
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("Pre"))
+    assert panel.get_images()[0].get_array()[0, 0] == pytest.approx(pre)
+    result = invoke("plot", str(tf), "--metric", "val_loss", "-o", str(tmp_path / "v.png"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "v-phase.png").exists()
+
+
+def test_the_phase_diagram_borders_the_trained_region(grid):
+    from normexp.plot import TRAINED_EDGE, phase_figure
+
+    fig = phase_figure(load_metrics(grid, all_config=True), "optim.lr", "schedule.warmup_steps",
+                       trained_below=100)  # every run trained: each panel's whole grid is bordered
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("Post-LN"))
+    edges = [line for line in panel.get_lines() if line.get_color() == TRAINED_EDGE]
+    assert len(edges) == 2 * 3 + 2 * 2  # the 3 x 2 grid's perimeter
+
+
+def test_the_trained_fraction_figure_counts_each_placement_and_kind(grid):
+    from normexp.plot import trained_fraction_figure
+
+    summary = load_summary(grid)
+    fig = trained_fraction_figure(summary, trained_below=100)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == ["12/12"] * 4  # 2 placements x 2 kinds, each 3 lrs x 2 warmups x 2 seeds, all under 100
+
+
+# ----------------------------------------------------------------------------- several sweeps
+
+
+def test_report_and_plot_compare_two_sweeps_side_by_side(grid, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(grid, other)  # the same configs: the sweep key keeps them two runs each, never one mean
+    result = invoke("report", str(grid), str(other), "--by", "sweep,norm.placement", "--format", "csv")
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(io.StringIO(result.output)))
+    assert {(r["sweep"], r["norm.placement"]) for r in rows} == {("out", "post"), ("out", "pre"), ("other", "post"),
+                                                                  ("other", "pre")}
+    assert {r["runs"] for r in rows} == {"24"}  # each sweep's 24 runs of a placement, not 48
+    plot = invoke("plot", str(grid), str(other), "-o", str(tmp_path / "c.png"), "--dpi", "50")
+    assert plot.exit_code == 0, plot.output
+    assert (tmp_path / "c.png").exists() and (tmp_path / "c-phase.png").exists()
+    twice = invoke("report", str(grid), str(grid))
+    assert twice.exit_code == 2 and "given twice" in twice.output
