@@ -21,7 +21,7 @@ LAYERS = {
                    "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
                    "normexp.environment", "normexp.stopping", "normexp.blocklog"],
     # the run folder: read and checked, written, loaded, verified
-    "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.verify"],
+    "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.verify", "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
@@ -29,7 +29,7 @@ LAYERS = {
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.diagnostics"],
-    "running": ["normexp.units", "normexp.executors", "normexp.sweep"],
+    "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.progress"],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
