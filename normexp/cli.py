@@ -670,6 +670,34 @@ def validate(
 
 
 @app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A sweep's output folder.", parser=_folder)],
+    dest: Annotated[str, typer.Argument(metavar="DEST", help="tensorboard: a log folder; mlflow: a tracking URI "
+                                                               "(sqlite:///mlflow.db).")],
+    to: Annotated[str, typer.Option("--to", help="tensorboard | mlflow.")] = "tensorboard",
+    experiment: Annotated[str | None, typer.Option(help="--to mlflow: the experiment [default: the sweep's "
+                                                          "name].")] = None,
+) -> None:
+    """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
+    from normexp.export import TARGETS, to_mlflow, to_tensorboard
+    from normexp.runfolder import StoreError
+
+    _check_choice("--to", to, TARGETS)
+    try:
+        if to == "tensorboard":
+            ids = to_tensorboard(run_dir, Path(dest))
+            out.print(f"{_plural(len(ids), 'run')} exported to {dest} · tensorboard --logdir {dest}")
+        else:
+            ids, kept = to_mlflow(run_dir, dest, experiment)
+            out.print(f"{_plural(len(ids), 'run')} exported to {dest}, {kept} already there · "
+                      f"mlflow ui --backend-store-uri {dest}")
+    except (ConfigError, StoreError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{dest}: cannot write {exc.filename}: {exc.strerror}") from None
+
+
+@app.command()
 def merge(
     out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="The folder to merge into (made if missing).")],
     sources: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Sweep folders (shards) to merge.",

@@ -30,7 +30,8 @@ LAYERS = {
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
-    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.progress"],
+    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.progress",
+                     "normexp.export"],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}

@@ -125,6 +125,7 @@ def _conflicting_copy(tmp_path: Path) -> tuple[Path, Path, str]:
     return first, second, run_id(cfg)
 
 
+@pytest.mark.slow  # two sweeps and three merges: ~6 s
 def test_merge_refuses_conflicting_runs_and_writes_nothing(tmp_path):
     first, second, rid = _conflicting_copy(tmp_path)
     with pytest.raises(StoreError, match=f"(?s)conflicting runs, nothing merged.*{rid}: .* hold different results "
