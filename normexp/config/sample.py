@@ -172,9 +172,9 @@ def _unit_points(n: int, d: int, seed: int, method: str) -> list[list[float]]:
     except ImportError:
         raise ConfigError("sample.method: sobol needs scipy, which is not installed: "
                           "pip install 'normexp[sobol]' (or use method: random)") from None
-    sobol = qmc.Sobol(d, scramble=True, seed=seed)
     with warnings.catch_warnings():  # n not a power of 2: scipy warns that balance is lost (documented)
         warnings.simplefilter("ignore")
+        sobol = qmc.Sobol(d, scramble=True, seed=seed)
         return [[float(u) for u in row] for row in sobol.random(n)]
 
 
