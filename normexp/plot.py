@@ -6,7 +6,9 @@
   stop, so later means cover fewer).
 - `phase_figure`: for two numeric grid axes (e.g. optim.lr x schedule.warmup_steps), a heatmap of
   the final loss per placement (one panel each, one shared log colour scale): where does each
-  placement train?
+  placement train? Where the two axes were sampled (a sweep's `sample:` section: their values are no
+  grid, most (x, y) cells would be empty), a scatter of the points instead, labelled as such
+  (`phase_scatter_figure`), never an interpolated map.
 - `blocks_figure` (`normexp plot --blocks`): per variant, a heatmap of one per-block quantity of
   blocks.csv over (block, step), seeds averaged, one shared log colour scale, placements side by side;
   under each, the first, middle and last block over steps.
@@ -124,9 +126,12 @@ def numeric_axes(summary: pd.DataFrame) -> list[str]:
 
 
 def phase_figure(summary: pd.DataFrame, x_key: str, y_key: str) -> Figure:
-    """Final loss (mean over seeds) on the x_key x y_key grid, one panel per other variant."""
+    """Final loss (mean over seeds) on the x_key x y_key grid, one panel per other variant (a scatter where
+    the two axes were sampled: `phase_scatter_figure`)."""
     finished = finished_runs(summary).copy()
     finished["final_loss"] = finished["final_loss"].astype(float).where(np.isfinite(finished["final_loss"]))
+    if is_sampled(finished, x_key, y_key):
+        return phase_scatter_figure(finished, x_key, y_key)
     others = [k for k in varying_keys(summary) if k not in ("seed", x_key, y_key)]
     panels = variant_groups(finished, others)
     values = finished["final_loss"].dropna()
@@ -183,14 +188,16 @@ def save_plots(source: str | Path | Folder, output: str | Path | None = None, me
     fig.savefig(output, dpi=120)
     plt.close(fig)
     paths.append(output)
-    if summary["optim.lr"].nunique() >= MIN_LRS:
+    axes = numeric_axes(summary)
+    finished = finished_runs(summary)
+    sampled_lr = any(is_sampled(finished, LR_KEY, k) for k in axes if k != LR_KEY)  # the phase scatter shows it
+    if summary["optim.lr"].nunique() >= MIN_LRS and not sampled_lr:
         fig = lr_figure(*lr_table(folder))
         _footnote(fig, note)
         by_lr = output.with_name(f"{output.stem}-lr{output.suffix}")
         fig.savefig(by_lr, dpi=120)
         plt.close(fig)
         paths.append(by_lr)
-    axes = numeric_axes(summary)
     if len(axes) >= 2:
         fig = phase_figure(summary, axes[0], axes[1])
         _footnote(fig, note)
@@ -430,3 +437,48 @@ def save_blocks_plot(source: str | Path | Folder, output: str | Path | None = No
     fig.savefig(output, dpi=110)
     plt.close(fig)
     return output
+
+
+def is_sampled(finished: pd.DataFrame, x_key: str, y_key: str) -> bool:
+    """Whether the runs' (x, y) values fill under half the cells of their x x y grid: sampled points (a
+    sweep's `sample:` section), not a grid, so a heatmap would be mostly empty cells."""
+    pairs = finished[[x_key, y_key]].drop_duplicates()
+    cells = finished[x_key].nunique(dropna=False) * finished[y_key].nunique(dropna=False)
+    return cells > 0 and len(pairs) < cells / 2
+
+
+def phase_scatter_figure(finished: pd.DataFrame, x_key: str, y_key: str) -> Figure:
+    """Sampled points: each run's (x, y) coloured by its final loss (log scale, one shared scale), a cross
+    where it diverged; one panel per other variant. A scatter of what ran, not an interpolated map."""
+    others = [k for k in varying_keys(finished) if k not in ("seed", x_key, y_key)]
+    panels = variant_groups(finished, others)
+    values = finished["final_loss"].dropna()
+    norm = LogNorm(vmin=max(values.min(), 1e-4) if len(values) else 1e-4,
+                   vmax=max(values.max(), 1e-3) if len(values) else 10)
+    cols = min(len(panels), 3)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False, layout="constrained")
+    image = None
+    for ax, (label, group) in zip(axes.flat, panels):
+        ok = group[group["final_loss"].notna()]
+        bad = group[group["final_loss"].isna()]
+        image = ax.scatter(ok[x_key], ok[y_key], c=ok["final_loss"], norm=norm, cmap="viridis_r", s=28,
+                           edgecolors="black", linewidths=0.3)
+        if len(bad):
+            ax.scatter(bad[x_key], bad[y_key], marker="x", color="red", s=28, label=f"diverged ({len(bad)})")
+            ax.legend(fontsize="x-small", loc="best")
+        for key, setter in ((x_key, ax.set_xscale), (y_key, ax.set_yscale)):
+            column = group[key].astype(float)
+            if (column > 0).all() and column.max() / column.min() > 20:
+                setter("log")
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(y_key)
+        ax.set_title(f"{label} ({len(group)} runs)")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    if image is not None:
+        fig.colorbar(image, ax=axes, label="final loss (each run, log scale)")
+    fig.suptitle(f"sampled points, a scatter (not interpolated): final loss of each run\nover {y_key} x {x_key}"
+                 + ("; x: diverged" if finished["final_loss"].isna().any() else ""))
+    return fig

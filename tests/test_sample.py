@@ -169,3 +169,28 @@ def test_a_sample_file_loads(tmp_path):
     path.write_text("name: s\nbase: {train: {steps: 3}}\nsample:\n  n: 3\n  seed: 0\n"
                     "  optim.lr: {loguniform: [1.0e-4, 1.0e-1]}\n")
     assert [run_id(c) for c in load_sweep(path).runs] == [run_id(c) for c in load_sweep(path).runs]
+
+
+def _summary(s, loss=lambda flat: flat["optim.lr"]):
+    import json
+
+    import pandas as pd
+
+    rows = [{"run_id": run_id(c), **{k: json.dumps(v) if isinstance(v, list) else v for k, v in flatten(c).items()},
+             "status": "completed", "final_loss": loss(flatten(c))} for c in s.runs]
+    return pd.DataFrame(rows)
+
+
+def test_the_phase_diagram_of_sampled_points_is_a_labelled_scatter():
+    from normexp.plot import is_sampled, phase_figure
+
+    sampled = _summary(sweep(sample={"n": 16, "optim.lr": {"loguniform": [1e-4, 1e-1]},
+                                     "schedule.warmup_steps": {"uniform": [0, 2]}}))
+    gridded = _summary(sweep(grid={"optim.lr": "logspace(1e-4, 1e-1, 4)", "schedule.warmup_steps": [0, 1, 2]}))
+    assert is_sampled(sampled, "optim.lr", "schedule.warmup_steps")
+    assert not is_sampled(gridded, "optim.lr", "schedule.warmup_steps")
+    scatter = phase_figure(sampled, "optim.lr", "schedule.warmup_steps")
+    assert "sampled points, a scatter (not interpolated)" in scatter._suptitle.get_text()
+    ax = scatter.axes[0]
+    assert len(ax.collections[0].get_offsets()) == 16 and ax.get_xscale() == "log"
+    assert "phase diagram" in phase_figure(gridded, "optim.lr", "schedule.warmup_steps")._suptitle.get_text()
