@@ -120,6 +120,8 @@ def sweep(
     if launcher is not None or shards is not None:
         from normexp.launch import ArraySettings
 
+        if shard is not None:
+            raise fail("--shard: each task of --launcher's array takes its own; give one or the other")
         _launch(config, set_ or [], spec, _out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
                 ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
                               tuple(setup or ())), logs)
@@ -135,6 +137,8 @@ def sweep(
     target = _out_folder(out_dir, spec.name)
     if dry_run:
         _print_grid(spec)
+        if shard_of is not None:
+            _print_shard(spec, engine, shard_of)
         return
     if device == "cuda":
         _require_cuda()
@@ -163,6 +167,15 @@ def _shard(value: str | None) -> tuple[int, int] | None:
         return parse_shard(value)
     except ConfigError as exc:
         raise fail(str(exc)) from None
+
+
+def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int]) -> None:
+    from normexp.runfolder import run_id
+    from normexp.shard import shard_runs
+
+    runs = shard_runs(spec.runs, engine, *shard)
+    out.print(f"shard {shard[0]}/{shard[1]} trains {_plural(len(runs), 'run')} of the {len(spec.runs)}: "
+              + " ".join(run_id(cfg) for cfg in runs))
 
 
 def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engine: str, force: bool,

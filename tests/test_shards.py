@@ -180,6 +180,12 @@ def test_dry_run_shows_the_sbatch_script(tmp_path, write_yaml):
 
 def test_launcher_options_are_checked(tmp_path, write_yaml):
     config = write_yaml(SHARDED)
+    result = runner.invoke(app, ["sweep", str(config), "--launcher", "local", "--shards", "2", "--shard", "0/2"])
+    assert result.exit_code == 2 and "give one or the other" in result.output
+    result = runner.invoke(app, ["sweep", str(config), "--shard", "1/3", "--dry-run"])
+    listed = [run_id(cfg) for cfg in shard_runs(_sweep().runs, "auto", 1, 3)]
+    assert result.exit_code == 0
+    assert f"shard 1/3 trains {len(listed)} runs of the 16: {' '.join(listed)}" in result.output
     result = runner.invoke(app, ["sweep", str(config), "--launcher", "slurm"])
     assert result.exit_code == 2 and "--launcher and --shards go together" in result.output
     result = runner.invoke(app, ["sweep", str(config), "--launcher", "pbs", "--shards", "2"])
