@@ -7,13 +7,13 @@ step every column of metrics.csv (loss, acc, lr, grad_norm; val_loss, val_acc fo
 scalar of that name, the per-block columns of blocks.csv as `blocks/<column>/<block>` (runs with
 `train.log_blocks`), and at the last step `final/final_loss`, `final/min_loss`, `final/final_acc`,
 `final/diverged` and `final/trained` (1 or 0: completed with a final loss under ln(C)/10, the report's
-default rule). Scalars are float32, as TensorBoard's own writers make them: its data server (the default
-loader) shows no other, so a value reads back as the CSV's rounded to float32 (the exact numbers stay in
-the run folder, and go to MLflow as float64). The HParams plugin's summaries go with them:
-`OUT/events.out.tfevents.normexp` defines the experiment (every config key, the varying ones first,
-against the `final/` metrics), each run states its config, so the HParams dashboard shows the grid's axes
-against final loss and trained. A re-export rewrites the same files (each run's wall times come from its
-done.json's modification time): the same bytes.
+default rule). Scalars are float32 `simple_value`s, as TensorBoard's own writers and torch's SummaryWriter
+make them (its default data loader shows no float64 scalar), so a value reads back as the CSV's rounded to
+float32 (the exact numbers stay in the run folder, and go to MLflow as float64). The HParams plugin's
+summaries go with them: `OUT/events.out.tfevents.normexp` defines the experiment (every config key, the
+varying ones first, against the `final/` metrics), each run states its config, so the HParams dashboard
+shows the grid's axes against final loss and trained. A re-export rewrites the same files (each run's wall
+times come from its done.json's modification time): the same bytes.
 
 MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store with
 MLFLOW_ALLOW_FILE_STORE=true for MLflow 3): experiment = the sweep's name (or `--experiment`), one MLflow
@@ -207,14 +207,11 @@ def _hparams_summary(which: str, data):
 
 
 def _scalar(name: str, value: float):
-    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-    from tensorboard.compat.proto.tensor_pb2 import TensorProto
-    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
-    from tensorboard.compat.proto.types_pb2 import DT_FLOAT
+    """A scalar as TensorBoard's writers (and torch's SummaryWriter.add_scalar) make one: `simple_value`,
+    read by EventAccumulator.Scalars and by every TensorBoard loader."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
 
-    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
-    tensor = TensorProto(dtype=DT_FLOAT, float_val=[value], tensor_shape=TensorShapeProto())
-    return Summary(value=[Summary.Value(tag=name, tensor=tensor, metadata=meta)])
+    return Summary(value=[Summary.Value(tag=name, simple_value=value)])
 
 
 def _write_events(path: Path, time_s: float, events: list[tuple[int, Any]]) -> None:
