@@ -15,8 +15,8 @@ varying ones first, against the `final/` metrics), each run states its config, s
 shows the grid's axes against final loss and trained. A re-export rewrites the same files (each run's wall
 times come from its done.json's modification time): the same bytes.
 
-MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store with
-MLFLOW_ALLOW_FILE_STORE=true for MLflow 3): experiment = the sweep's name (or `--experiment`), one MLflow
+MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store, which
+MLflow 3 keeps in maintenance mode and allows here): experiment = the sweep's name (or `--experiment`), one MLflow
 run per normexp run, named by its run id. Params: the flattened config (`optim.lr`, ...; null as "None"),
 metrics: the same names as TensorBoard's with their step, tags: `normexp.run_id`, `normexp.sweep`,
 `normexp.engine`, `normexp.status`, `normexp.trained`, `normexp.threads`, `normexp.device`,
@@ -28,10 +28,12 @@ store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,12 +245,32 @@ def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> tuple[l
     """Export `run_dir` into the MLflow tracking store at `uri` (see the module docstring). Returns the
     run ids exported now and how many were already there, unchanged."""
     try:
-        from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise _missing("mlflow", "mlflow (or mlflow-skinny)") from None
     name, runs = read_runs(Path(run_dir))
-    client = MlflowClient(tracking_uri=uri)
+    with _file_store_allowed(uri):
+        return _export_mlflow(MlflowClient(tracking_uri=uri), name, runs, experiment)
+
+
+@contextlib.contextmanager
+def _file_store_allowed(uri: str) -> Iterator[None]:
+    """MLflow 3 refuses a local file store (`file:` or a path) unless MLFLOW_ALLOW_FILE_STORE is set: asked
+    for by name here, it is allowed while the export runs."""
+    local = uri.startswith("file:") or "://" not in uri
+    before = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    if local and before is None:
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        if local and before is None:
+            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+def _export_mlflow(client, name: str, runs: list[ExportedRun], experiment: str | None) -> tuple[list[str], int]:
+    from mlflow.entities import Metric, Param, RunTag
+
     found = client.get_experiment_by_name(experiment or name)
     exp_id = found.experiment_id if found is not None else client.create_experiment(experiment or name)
     exported, kept = [], 0
@@ -266,7 +288,7 @@ def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> tuple[l
         rid = created.info.run_id
         flat = flatten(run.cfg)
         params = [Param(k, str(_hparam_value(flat[k]))) for k in varying_first(runs)]
-        metrics = [Metric(name, float(value), time_ms, step) for name, points in run.scalars().items()
+        metrics = [Metric(key, float(value), time_ms, step) for key, points in run.scalars().items()
                    for step, value in points]
         for i in range(0, len(params), 100):
             client.log_batch(rid, params=params[i:i + 100])

@@ -7,6 +7,7 @@
       summary.csv             one row per run the folder holds (`folder_runs`), rebuilt from the run
                               folders every time
       .lock                   held (flock) while a sweep writes here; holds the owner's PID and host
+      .lock.writes            shards only (`--shard`, `SweepLock(shared=True)`): see `folder_writes`
       <run_id>/config.yaml    the resolved run config: `normexp sweep <run_id>/config.yaml` reruns it
                               alone (a sweep of one run, into runs/<run_id> unless --out)
       <run_id>/metrics.csv    step, loss, acc, lr, grad_norm: one row per recorded step, floats as repr()
