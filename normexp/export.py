@@ -133,11 +133,11 @@ def varying_first(runs: list[ExportedRun]) -> list[str]:
 
 def to_tensorboard(run_dir: Path, out_dir: Path) -> list[str]:
     """Write the TensorBoard export of `run_dir` into `out_dir` (see the module docstring); the run ids."""
+    _, runs = read_runs(Path(run_dir))
     try:
         from tensorboard.compat.proto.event_pb2 import Event  # noqa: F401 - checks the package is there
     except ImportError:
         raise _missing("tensorboard", "tensorboard") from None
-    _, runs = read_runs(Path(run_dir))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = varying_first(runs)
@@ -244,11 +244,11 @@ MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call (params: 100
 def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> tuple[list[str], int]:
     """Export `run_dir` into the MLflow tracking store at `uri` (see the module docstring). Returns the
     run ids exported now and how many were already there, unchanged."""
+    name, runs = read_runs(Path(run_dir))
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise _missing("mlflow", "mlflow (or mlflow-skinny)") from None
-    name, runs = read_runs(Path(run_dir))
     with _file_store_allowed(uri):
         return _export_mlflow(MlflowClient(tracking_uri=uri), name, runs, experiment)
 
