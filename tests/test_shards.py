@@ -72,12 +72,13 @@ def test_shards_cover_the_plan_once_in_whole_batches(engine, count):
         assert all(shards)  # no shard idle while there is a batch for it
 
 
-def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("engine", ["batched", pytest.param("fast", marks=pytest.mark.slow)])  # fast: ~20 s
+def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_bit(tmp_path, engine):
     sweep = _sweep()
-    run_sweep(sweep, tmp_path / "full", SweepOptions(engine="batched"))
+    run_sweep(sweep, tmp_path / "full", SweepOptions(engine=engine))
     for i in range(3):
-        outcome = run_sweep(sweep, tmp_path / f"s{i}", SweepOptions(engine="batched", shard=(i, 3)))
-        assert outcome.total == len(shard_runs(sweep.runs, "batched", i, 3))
+        outcome = run_sweep(sweep, tmp_path / f"s{i}", SweepOptions(engine=engine, shard=(i, 3)))
+        assert outcome.total == len(shard_runs(sweep.runs, engine, i, 3))
     merged = merge_folders(tmp_path / "merged", [tmp_path / f"s{i}" for i in range(3)])
     assert len(merged.copied) == len(sweep.runs) and merged.unfinished == 0 and merged.verification.clean
     assert _metrics(tmp_path / "merged") == _metrics(tmp_path / "full") and len(_metrics(tmp_path / "full")) == 16
