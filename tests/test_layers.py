@@ -38,7 +38,7 @@ LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for mod
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
             "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
-            "normexp.tables", "normexp.results")
+            "normexp.tables", "normexp.results", "normexp.export", "normexp.merge", "normexp.config.sample")
 
 
 def module_name(path: Path) -> str:
