@@ -99,9 +99,36 @@ def sweep(
     cluster: Annotated[str | None, typer.Option(help="Dask: local[:N] or tcp://HOST:PORT of a scheduler.")] = None,
     max_runs: Annotated[int, typer.Option(help="Refuse grids of more distinct runs.", min=1)] = DEFAULT_MAX_RUNS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    shard: Annotated[str | None, typer.Option(
+        help="I/N: train shard I (from 0) of N only, whole batches of the plan (a job array's task).")] = None,
+    launcher: Annotated[str | None, typer.Option(
+        help="slurm: submit the sweep as a job array of --shards tasks (submitit); local: run it here.")] = None,
+    shards: Annotated[int | None, typer.Option(help="--launcher: the array's tasks.", min=1)] = None,
+    partition: Annotated[str | None, typer.Option(help="--launcher slurm: the partition.")] = None,
+    account: Annotated[str | None, typer.Option(help="--launcher slurm: the account to charge.")] = None,
+    qos: Annotated[str | None, typer.Option(help="--launcher slurm: the quality of service.")] = None,
+    time_min: Annotated[int, typer.Option("--time", help="--launcher: minutes per task (requeued past it).",
+                                          min=1)] = 60,
+    cpus: Annotated[int, typer.Option(help="--launcher slurm: CPUs per task.", min=1)] = 1,
+    mem: Annotated[str | None, typer.Option(help="--launcher slurm: memory per task, e.g. 8G.")] = None,
+    array_parallelism: Annotated[int | None, typer.Option(
+        help="--launcher slurm: tasks running at once [default: all].", min=1)] = None,
+    setup: Annotated[list[str] | None, typer.Option(
+        help="--launcher slurm: a shell line run before each task (module load ...); repeatable.")] = None,
+    logs: Annotated[Path | None, typer.Option(help="--launcher: submitit's folder [default: OUT/.submitit].")] = None,
 ) -> None:
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
     spec = _load(config, set_ or [], max_runs)
+    if launcher is not None or shards is not None:
+        from normexp.launch import ArraySettings
+
+        if shard is not None:
+            raise fail("--shard: each task of --launcher's array takes its own; give one or the other")
+        _launch(config, set_ or [], spec, _out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
+                ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
+                              tuple(setup or ())), logs)
+        return
+    shard_of = _shard(shard)
     _check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
     if compile_ is not None and engine != "fast":
         flag = "--compile" if compile_ else "--no-compile"
@@ -112,11 +139,13 @@ def sweep(
     target = _out_folder(out_dir, spec.name)
     if dry_run:
         _print_grid(spec)
+        if shard_of is not None:
+            _print_shard(spec, engine, shard_of)
         return
     if device == "cuda":
         _require_cuda()
     options = SweepOptions(engine=engine, device=device, force=force, fail_fast=fail_fast,
-                           workers=workers, cluster=cluster, compile=compile_)
+                           workers=workers, cluster=cluster, compile=compile_, shard=shard_of)
     outcome = None
     try:  # output that cannot be written ends no sweep (see the module docstring)
         with contextlib.suppress(output.OutputLost):
@@ -129,6 +158,58 @@ def sweep(
         _say_if_output_lost(outcome, target)
     if outcome.failed:
         raise typer.Exit(Exit.FAILED)
+
+
+def _shard(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    from normexp.shard import parse_shard
+
+    try:
+        return parse_shard(value)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+
+
+def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int]) -> None:
+    from normexp.runfolder import run_id
+    from normexp.shard import shard_runs
+
+    runs = shard_runs(spec.runs, engine, *shard)
+    out.print(f"shard {shard[0]}/{shard[1]} trains {_plural(len(runs), 'run')} of the {len(spec.runs)}: "
+              + " ".join(run_id(cfg) for cfg in runs))
+
+
+def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engine: str, force: bool,
+            launcher: str | None, dry_run: bool, settings, logs: Path | None) -> None:
+    """`sweep --launcher`: submit (or show, with --dry-run) the job array of `settings.shards` shards."""
+    from normexp.launch import LAUNCHERS, sbatch_script, submit, task_argv
+
+    if launcher is None or not settings.shards:
+        raise fail("--launcher and --shards go together: e.g. --launcher slurm --shards 8")
+    _check_choice("--launcher", launcher, LAUNCHERS)
+    _check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
+    argv = task_argv(config, overrides, target, engine, force)
+    logs = (logs or target / ".submitit").resolve()
+    try:
+        if dry_run:
+            _print_grid(spec)
+            out.print(f"\n{settings.shards} array tasks, task I running: "
+                      + " ".join(shlex.quote(a) for a in ["python", "-m", "normexp", *argv, "--shard", "I/N"]))
+            if launcher == "slurm":
+                out.print("\n" + sbatch_script(argv, settings, logs))
+            return
+        jobs = submit(argv, settings, logs, launcher)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or a local task failed
+        raise fail(f"--launcher {launcher}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}") from None
+    if launcher == "slurm":
+        out.print(f"submitted job array {jobs[0].job_id.split('_')[0]} ({settings.shards} tasks) into {target}; "
+                  f"logs in {logs}; `normexp report {target}` when it is done")
+    else:
+        out.print(f"{settings.shards} shards ran into {target}")
+        _print_report(target)
 
 
 def _say_if_output_lost(outcome: SweepOutcome | None, target: Path) -> None:
@@ -685,6 +766,63 @@ def validate(
     """Check a sweep file (and --set values) without running anything."""
     spec = _load(config, set_ or [])
     out.print(f"{config}: ok · sweep '{spec.name}' · {_plural(len(spec.runs), 'run')}")
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A sweep's output folder.", parser=_folder)],
+    dest: Annotated[str, typer.Argument(metavar="DEST", help="tensorboard: a log folder; mlflow: a tracking URI "
+                                                               "(sqlite:///mlflow.db).")],
+    to: Annotated[str, typer.Option("--to", help="tensorboard | mlflow.")] = "tensorboard",
+    experiment: Annotated[str | None, typer.Option(help="--to mlflow: the experiment [default: the sweep's "
+                                                          "name].")] = None,
+) -> None:
+    """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
+    from normexp.export import TARGETS, to_mlflow, to_tensorboard
+    from normexp.runfolder import StoreError
+
+    _check_choice("--to", to, TARGETS)
+    try:
+        if to == "tensorboard":
+            ids = to_tensorboard(run_dir, Path(dest))
+            out.print(f"{_plural(len(ids), 'run')} exported to {dest} · tensorboard --logdir {dest}")
+        else:
+            ids, kept = to_mlflow(run_dir, dest, experiment)
+            out.print(f"{_plural(len(ids), 'run')} exported to {dest}, {kept} already there · "
+                      f"mlflow ui --backend-store-uri {dest}")
+    except (ConfigError, StoreError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{dest}: cannot write {exc.filename}: {exc.strerror}") from None
+
+
+@app.command()
+def merge(
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="The folder to merge into (made if missing).")],
+    sources: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Sweep folders (shards) to merge.",
+                                                  parser=_folder)],
+) -> None:
+    """Copy the verified runs of sweep folders (the shards of one sweep) into OUT, refusing conflicting runs;
+    rebuild OUT's summary.csv and verify it. Exit 0 if OUT verifies clean, 1 if not, 2 if refused."""
+    from normexp.merge import merge_folders
+    from normexp.runfolder import StoreError
+    from normexp.store import out_folder_problem
+    from normexp.tables import verification_to_rich
+
+    problem = out_folder_problem(out_dir)
+    if problem is not None:
+        raise fail(f"{out_dir}: {problem}")
+    try:
+        outcome = merge_folders(out_dir, sources, " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]]))
+    except StoreError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{out_dir}: cannot write {exc.filename}: {exc.strerror}") from None
+    out.print(f"{_plural(len(outcome.copied), 'run')} copied, {outcome.kept} already there, "
+              f"{outcome.unfinished} unfinished in the folders (not copied) · {out_dir}")
+    show(verification_to_rich(outcome.verification))
+    if not outcome.verification.clean:
+        raise typer.Exit(Exit.FAILED)
 
 
 @app.command()

@@ -18,6 +18,12 @@ The sweep process is the coordinator and the only writer of its output folder. I
    result arrives,
 6. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
 
+With `shard` (I, N), the sweep trains only shard I's runs (normexp/shard.py: whole batches of the
+unsharded plan), holding the folder's lock shared with the other shards: each writes its own runs'
+folders, and sweep.yaml, history.jsonl and summary.csv one shard at a time (`store.folder_writes`); a
+shard leaves the tidying of what a killed writer left (step 3) to a whole sweep or `verify --fix`, as
+that could be another shard's folder in the making.
+
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
 sweep retries it) and the sweep goes on, unless `fail_fast`. So is a run whose folder's place holds a
@@ -47,6 +53,7 @@ from normexp.store import (
     append_history,
     atomic_write,
     folder_runs,
+    folder_writes,
     other_threads,
     read_history,
     recover_strays,
@@ -75,6 +82,7 @@ class SweepOptions:
     workers: int | None = None  # a local process pool of this many workers
     cluster: str | None = None  # a Dask scheduler address, or local[:N]
     compile: bool | None = None  # fast engine: compile its step (None: where the planned work pays for it)
+    shard: tuple[int, int] | None = None  # (I, N): train shard I of N only (normexp/shard.py)
 
 
 @dataclass(frozen=True)
@@ -140,55 +148,67 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     from normexp.units import default_threads
 
     out_dir = Path(out_dir)
-    outcome = SweepOutcome(out_dir, len(sweep.runs), command=invocation.command)
+    runs = sweep.runs
+    if options.shard is not None:
+        from normexp.shard import shard_runs
+
+        runs = shard_runs(sweep.runs, options.engine, *options.shard)
+    outcome = SweepOutcome(out_dir, len(runs), command=invocation.command)
     emit = on_event or (lambda event: None)
     threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
     executor = make_executor(options.workers, options.cluster,  # fails before anything is written
                              lambda why: emit(SweepEvent("waiting", "", len(outcome.statuses), outcome.total,
                                                          error=why)))
     try:
-        with SweepLock(out_dir):
-            _run_locked(sweep, out_dir, options, executor, outcome, emit, threads, invocation)
+        with SweepLock(out_dir, shared=options.shard is not None):
+            _run_locked(sweep, out_dir, options, executor, outcome, emit, threads, invocation, runs)
     finally:
         executor.close()
     return outcome
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
-                emit: EventCallback, threads: int, invocation: Invocation) -> None:
-    """Steps 3-6 of the module docstring, under the folder's lock."""
+                emit: EventCallback, threads: int, invocation: Invocation, runs: list[RunConfig]) -> None:
+    """Steps 3-6 of the module docstring, under the folder's lock; `runs`: the sweep's, or its shard's."""
+    shared = options.shard is not None
     if not options.force:
         refuse_another_sweep(out_dir, sweep)
-    _write_or_explain(recover_strays, out_dir)
+    if not shared:
+        _write_or_explain(recover_strays, out_dir)
     try:
-        _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep_yaml(sweep))
-        pending = [cfg for cfg in sweep.runs
+        with folder_writes(out_dir, shared):
+            _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep_yaml(sweep))
+        pending = [cfg for cfg in runs
                    if options.force or not _finished(cfg, out_dir, options, threads, outcome, emit)]
         pending = [cfg for cfg in pending if not _blocked(cfg, out_dir, outcome, emit)]
-        _write_or_explain(append_history, out_dir, _history_record(sweep, invocation, options, len(pending)))
+        with folder_writes(out_dir, shared):
+            _write_or_explain(append_history, out_dir, _history_record(sweep, invocation, options, len(pending),
+                                                                       len(runs)))
         if not (options.fail_fast and outcome.failed):
             _execute(pending, out_dir, options, executor, outcome, emit, threads, sweep.runs)
     except KeyboardInterrupt:
         outcome.interrupted = True
         for result in getattr(executor, "unreported", ()):  # finished while the executor was stopped
             _record_unit(result, out_dir, outcome, emit)
-        for cfg in sweep.runs:  # a run whose done.json was written as the signal came is finished
+        for cfg in runs:  # a run whose done.json was written as the signal came is finished
             rid = run_id(cfg)
             if rid not in outcome.statuses:  # only runs not yet accounted for are inspected again
                 outcome.statuses[rid] = _finished_status(out_dir / rid, cfg) or "interrupted"
-        _write_summary(out_dir, sweep, outcome)
+        _write_summary(out_dir, sweep, outcome, shared)
         raise SweepInterrupted(outcome) from None
-    _write_summary(out_dir, sweep, outcome)
+    _write_summary(out_dir, sweep, outcome, shared)
 
 
-def _write_summary(out_dir: Path, sweep: Sweep, outcome: SweepOutcome) -> None:
+def _write_summary(out_dir: Path, sweep: Sweep, outcome: SweepOutcome, shared: bool = False) -> None:
     """summary.csv of every run the folder holds, and what it holds in `outcome`."""
-    runs = folder_runs(out_dir, sweep)
-    _write_or_explain(write_summary, out_dir, runs, outcome.statuses)
-    outcome.held, outcome.invocations = len(runs), len(read_history(out_dir))
+    with folder_writes(out_dir, shared):
+        runs = folder_runs(out_dir, sweep)
+        _write_or_explain(write_summary, out_dir, runs, outcome.statuses)
+        outcome.held, outcome.invocations = len(runs), len(read_history(out_dir))
 
 
-def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions, new: int) -> dict:
+def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions, new: int,
+                    planned: int | None = None) -> dict:
     """history.jsonl's line for this invocation."""
     from normexp.environment import provenance
 
@@ -201,8 +221,9 @@ def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions,
         "seeds": sweep.seeds,
         "engine": options.engine,
         "force": options.force,
-        "runs_planned": len(sweep.runs),
+        "runs_planned": len(sweep.runs) if planned is None else planned,
         "runs_to_train": new,
+        **({"shard": f"{options.shard[0]}/{options.shard[1]}"} if options.shard is not None else {}),
         "notes": sweep.notes,
         "tags": list(sweep.tags),
         "sweep_file": invocation.source,

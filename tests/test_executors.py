@@ -290,12 +290,14 @@ def test_slurm_example_renders_a_job_script_without_slurm():
     from conftest import REPO
 
     result = subprocess.run([sys.executable, str(REPO / "examples" / "slurm.py"), "--dry-run", "--partition", "cpu",
-                             "--cores", "8", "--host", "127.0.0.1", "--port", "0"],
-                            capture_output=True, text=True, timeout=120)
+                             "--cores", "8", "--host", "127.0.0.1", "--port", "0", "--account", "lab", "--qos", "low",
+                             "--prologue", "module load gcc"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     script = result.stdout
-    for line in ("#SBATCH -p cpu", "#SBATCH --cpus-per-task=8", "#SBATCH --exclusive", "source .venv/bin/activate"):
+    for line in ("#SBATCH -p cpu", "#SBATCH --cpus-per-task=8", "#SBATCH -A lab", "#SBATCH --qos=low",
+                 "#SBATCH -t 01:00:00", "module load gcc", f"{sys.executable} -m distributed.cli.dask_worker"):
         assert line in script
+    assert "--exclusive" not in script and ".venv/bin/activate" not in script  # nothing a cluster may refuse
     assert "dask_worker tcp://127.0.0.1:" in script and "--nworkers 8" in script and "--nthreads 1" in script
 
 

@@ -18,10 +18,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
-                   "normexp.config.schema", "normexp.config.grid", "normexp.config", "normexp.environment",
-                   "normexp.stopping", "normexp.blocklog"],
+                   "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
+                   "normexp.environment", "normexp.stopping", "normexp.blocklog"],
     # the run folder: read and checked, written, loaded, verified
-    "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify"],
+    "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
+                "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
@@ -29,16 +30,17 @@ LAYERS = {
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.diagnostics"],
-    "running": ["normexp.units", "normexp.executors", "normexp.sweep"],
+    "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.htmlpage",
-                     "normexp.progress"],
+                     "normexp.progress", "normexp.export"],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
             "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
-            "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage")
+            "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", "normexp.export",
+            "normexp.merge", "normexp.config.sample")
 
 
 def module_name(path: Path) -> str:

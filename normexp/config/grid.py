@@ -1,5 +1,6 @@
 """A sweep: the sweep file's schema, `--set` overrides, and grid expansion (the Cartesian product of the
-grid axes in file order, `--set` axes replacing or appending, seeds innermost)."""
+grid axes in file order, `--set` axes replacing or appending, then the `sample:` section's points, seeds
+innermost). A grid value may be `logspace(a, b, n)` or `linspace(a, b, n)` (config/sample.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from normexp.config.errors import (
     _tuple_field_at,
 )
 from normexp.config.loader import parse_yaml, read_mapping
+from normexp.config.sample import check_sample, draw_points, expand_values, sample_axes
 from normexp.config.schema import (
     ACTS_ONLY_UNDER_BY_SECTION,
     NAME_PATTERN,
@@ -50,6 +52,7 @@ class SweepFile(_Section):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     base: dict[str, Any] = Field(default_factory=dict)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
+    sample: dict[str, Any] | None = None  # checked by config/sample.py's check_sample
     seeds: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = None  # RunConfig.seed's bounds
     report: ReportConfig = ReportConfig()
     notes: str = ""  # free text about the sweep: kept in sweep.yaml, shown in the report's title area
@@ -69,6 +72,11 @@ class Sweep:
     open_keys: tuple[str, ...] = ()  # keys of RESOLVED_PER_RUN that the base leaves to each run
     notes: str = ""  # the sweep file's notes and tags: about the sweep, never part of a run (or its id)
     tags: tuple[str, ...] = ()
+    sample: dict[str, Any] | None = None  # the sample: section as it ran, its drawn `points` included
+
+    @property
+    def sampled_keys(self) -> list[str]:
+        return list(sample_axes(self.sample)) if self.sample else []
 
     def base_mapping(self, mode: Literal["python", "json"] = "python") -> dict[str, Any]:
         """The base as a mapping of sections, its open keys put back to None (resolved per run)."""
@@ -79,7 +87,7 @@ class Sweep:
         """Grid keys whose runs take more than one value (`1` and `1.0` are one value, null is a value of
         its own), then `seed` if several seeds."""
         flat = [flatten(cfg) for cfg in self.runs]
-        keys = [k for k in self.grid if len({json.dumps(f[k]) for f in flat}) > 1]
+        keys = [k for k in [*self.grid, *self.sampled_keys] if len({json.dumps(f[k]) for f in flat}) > 1]
         return keys + (["seed"] if len(self.seeds) > 1 else [])
 
     def to_yaml(self) -> str:
@@ -88,6 +96,7 @@ class Sweep:
             "name": self.name,
             "base": self.base_mapping("json"),
             "grid": self.grid,
+            **({"sample": self.sample} if self.sample else {}),
             "seeds": self.seeds,
             "report": self.report.model_dump(mode="json"),
             **({"notes": self.notes} if self.notes else {}),
@@ -100,8 +109,8 @@ def _split_values(text: str) -> list[str]:
     """Split 'a,b,[1,2]' on top-level commas (brackets keep a list value together)."""
     parts, depth, current = [], 0, ""
     for char in text:
-        depth += char in "[{"
-        depth -= char in "]}"
+        depth += char in "[{("
+        depth -= char in "]})"
         if char == "," and depth == 0:
             parts.append(current)
             current = ""
@@ -119,6 +128,7 @@ def parse_set(option: str) -> tuple[str, list[Any]]:
     if not raw.strip():
         raise ConfigError(f"--set {key}: no values given")
     values = [parse_yaml(part.strip(), f"--set {key}") for part in _split_values(raw)]
+    values = expand_values(values, f"--set {key}")
     if len(values) > 1 and _tuple_field_at(RunConfig, key.split(".")) and not any(isinstance(v, list) for v in values):
         raise ConfigError(f"--set {key}={raw}: each value of {key} is a list, written in brackets (commas "
                           f"outside brackets separate the grid's values): {key}=[{raw}]")
@@ -160,29 +170,61 @@ def _open_mapping(cfg: RunConfig, open_keys: Sequence[str], mode: Literal["pytho
     return data
 
 
-def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: int) -> list[RunConfig]:
-    """Each grid combination written into the base, then resolved alone (defaults that depend on
-    other keys, such as AdamW's weight decay, resolve with that run's own values; keys the run does
-    not use go back to their defaults). Runs that resolve alike are one run; `max_runs` bounds the
-    distinct runs, counted as they come so that an absurd grid is refused without expanding it all."""
-    total = math.prod(len(v) for v in sweep_file.grid.values()) * len(seeds)
+def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: int,
+            points: Sequence[dict[str, Any]] = ({},)) -> list[RunConfig]:
+    """Each grid combination, then each sampled point (`points`), written into the base, then resolved
+    alone (defaults that depend on other keys, such as AdamW's weight decay, resolve with that run's own
+    values; keys the run does not use go back to their defaults). Runs that resolve alike are one run;
+    `max_runs` bounds the distinct runs, counted as they come so that an absurd grid is refused without
+    expanding it all."""
+    total = math.prod(len(v) for v in sweep_file.grid.values()) * len(points) * len(seeds)
     base_data = _open_mapping(base, _open_keys(sweep_file.base), "python")
     runs: dict[RunConfig, None] = {}  # insertion-ordered set: a repeated grid value runs once
     keys, resolved = list(sweep_file.grid), 0
     for combo in itertools.product(*sweep_file.grid.values()):
-        data = {section: dict(values) for section, values in base_data.items()}
-        for key, value in zip(keys, combo):
-            _set_dotted(data, key, value)
-        try:  # once per grid point: no check reads the seed, and the seeds were checked with the file
-            first = RunConfig.model_validate({**data, "seed": seeds[0]})
-        except ValidationError as exc:
-            raise _grid_error(exc, dict(zip(keys, combo)), {**data, "seed": seeds[0]}, base_data) from None
-        for seed in seeds:
-            runs.setdefault(first if seed == seeds[0] else first.model_copy(update={"seed": seed}))
-            resolved += 1
-            if len(runs) > max_runs:
-                raise TooManyRuns(total, max_runs, distinct=len(runs) == resolved)
+        for point in points:
+            data = {section: dict(values) for section, values in base_data.items()}
+            for key, value in [*zip(keys, combo), *point.items()]:
+                _set_dotted(data, key, value)
+            try:  # once per grid point: no check reads the seed, and the seeds were checked with the file
+                first = RunConfig.model_validate({**data, "seed": seeds[0]})
+            except ValidationError as exc:
+                error = _grid_error(exc, {**dict(zip(keys, combo)), **point}, {**data, "seed": seeds[0]}, base_data)
+                raise _sampled_named(error, point) from None
+            for seed in seeds:
+                runs.setdefault(first if seed == seeds[0] else first.model_copy(update={"seed": seed}))
+                resolved += 1
+                if len(runs) > max_runs:
+                    raise TooManyRuns(total, max_runs, distinct=len(runs) == resolved)
     return list(runs)
+
+
+def _sampled_named(error: ConfigError, point: dict[str, Any]) -> ConfigError:
+    """`error` with the sampled keys named as `sample.KEY`, not `grid.KEY`."""
+    text = str(error)
+    for key in point:
+        text = text.replace(f"grid.{key}", f"sample.{key}")
+    return ConfigError(text)
+
+
+def _sample_points(section: Any, grid: dict[str, list[Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The `sample:` section as it runs (its drawn `points` recorded) and its points; ConfigError naming
+    the key path for a bad section, an unknown key, or a key both sampled and in the grid."""
+    n, seed, method, axes = check_sample(section)
+    for key in axes:
+        _check_grid_key(key, f"sample.{key}")
+        if key in grid:
+            raise ConfigError(f"sample.{key}: also a grid axis (grid.{key} or --set {key}); a key is either "
+                              "sampled or listed, not both")
+    points = section.get("points")
+    if points is None:
+        points = draw_points(n, seed, method, axes)
+    elif not all(isinstance(p, dict) and list(p) == list(axes) for p in points):
+        raise ConfigError(f"sample.points: each point must be a mapping of exactly the sampled keys "
+                          f"({', '.join(axes)}), in that order")
+    recorded = {"n": n, "seed": seed, "method": method, **{k: {kind: args} for k, (kind, args) in axes.items()},
+                "points": [dict(p) for p in points]}
+    return recorded, list(points)
 
 
 def _grid_error(exc: ValidationError, combo: dict[str, Any], point: dict, base_data: dict) -> ConfigError:
@@ -242,6 +284,8 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
             grid[key] = values
         elif grid is None:
             grid = {key: values}
+    if isinstance(grid, dict):
+        grid = {key: expand_values(values, f"grid.{key}") for key, values in grid.items()}
     if grid is not None:
         data["grid"] = grid
     try:
@@ -260,11 +304,13 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
                 raise ConfigError(f"report.columns: unknown key '{column}'{_closest(column, run_keys())}")
     base = validate_run(sweep_file.base, "base", keep_inert=True)
     seeds = list(dict.fromkeys(sweep_file.seeds if sweep_file.seeds is not None else [base.seed]))
-    runs = _expand(sweep_file, base, seeds, max_runs)
+    sample, points = _sample_points(sweep_file.sample, sweep_file.grid) if sweep_file.sample is not None \
+        else (None, [{}])
+    runs = _expand(sweep_file, base, seeds, max_runs, points)
     _refuse_unused_keys(base, sweep_file.grid, runs)
     open_keys = _open_keys(sweep_file.base)
     return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs, open_keys,
-                 sweep_file.notes, tuple(sweep_file.tags))
+                 sweep_file.notes, tuple(sweep_file.tags), sample)
 
 
 def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Sequence[RunConfig]) -> None:

@@ -1,0 +1,49 @@
+"""Shards of a sweep (`normexp sweep CONFIG --shard I/N`): a deterministic slice of its plan, for a job
+array's task I of N (Slurm's `--array=0-{N-1}`; normexp/launch.py submits one).
+
+The sweep's work units are planned over ALL of its runs, as an unsharded sweep plans them (whole batches
+for the batched and fast engines, single runs for the reference), then dealt out: largest first (model-
+steps), each to the least loaded shard (ties: the lowest index). So a shard trains whole batches of the
+unsharded plan, its runs' bits equal the unsharded sweep's, and the N shards together train every run
+once, whatever the others have finished. Shards run at once into one folder on a shared file system
+(each holds the folder's lock shared and writes only its own runs: store.SweepLock), or each into its
+own folder, joined afterwards by `normexp merge`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from normexp.config import ConfigError, RunConfig
+from normexp.runfolder import run_id
+
+SHARD = re.compile(r"\s*(?P<index>\d+)\s*/\s*(?P<count>\d+)\s*")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`I/N` -> (I, N), I counted from 0 (Slurm's $SLURM_ARRAY_TASK_ID); ConfigError if malformed."""
+    match = SHARD.fullmatch(text)
+    if match is None:
+        raise ConfigError(f"--shard {text}: expected I/N, the shard I (from 0) of N, e.g. --shard 0/4")
+    index, count = int(match["index"]), int(match["count"])
+    if count < 1 or index >= count:
+        raise ConfigError(f"--shard {text}: I must be from 0 to N - 1 (shards are counted from 0), N >= 1")
+    return index, count
+
+
+def shard_runs(runs: Sequence[RunConfig], engine: str, index: int, count: int) -> list[RunConfig]:
+    """The runs of shard `index` of `count`, in the sweep's order (see the module docstring). `engine`:
+    the sweep's (auto plans as batched)."""
+    from normexp.units import plan_units
+
+    engine = engine if engine in ("reference", "fast") else "batched"
+    units = plan_units(runs, engine, "cpu", 1, compile=False, planned=runs)
+    cost = [sum(c["train"]["steps"] + 1 for c in unit.configs) for unit in units]
+    load, mine = [0] * count, set()
+    for k in sorted(range(len(units)), key=lambda k: -cost[k]):  # stable: plan order among equals
+        shard = min(range(count), key=lambda i: (load[i], i))
+        load[shard] += cost[k]
+        if shard == index:
+            mine |= {run_id(cfg) for cfg in units[k].runs}
+    return [cfg for cfg in runs if run_id(cfg) in mine]

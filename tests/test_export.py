@@ -1,0 +1,208 @@
+"""`normexp export` (normexp/export.py): a sweep read back from TensorBoard's event files (its own event
+accumulator and the HParams plugin's data) and from MLflow (its client's search_runs and metric history),
+every value compared with the run folders."""
+
+from __future__ import annotations
+
+import builtins
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.config import build_sweep, chance_classes, flatten, parse_yaml, trained_threshold
+from normexp.export import EVENTS_FILE, FINAL
+from normexp.runfolder import BLOCKS_FILE, METRICS_FILE, read_json
+from normexp.store import FinishedRun, write_run
+from normexp.sweep import SweepOptions, run_sweep
+
+runner = CliRunner()
+
+TINY = """\
+name: tiny
+base:
+  model: {depth: 2, width: 8}
+  data: {n_samples: 16}
+  optim: {name: sgd}
+  train: {steps: 4, threads: 1}
+grid:
+  norm.placement: [pre, post]
+  optim.lr: [0.1, 1.0e+8]
+  train.log_blocks: [false, true]
+"""
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "tiny"
+    run_sweep(build_sweep(parse_yaml(TINY)), out, SweepOptions(engine="batched"))
+    return out
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _expected(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar the export must hold for a run folder, read from its files alone."""
+    rows = _rows(run / METRICS_FILE)
+    series = {c: [(int(r["step"]), float(r[c])) for r in rows] for c in rows[0] if c != "step"}
+    if (run / BLOCKS_FILE).is_file():
+        for r in _rows(run / BLOCKS_FILE):
+            for c in r:
+                if c not in ("step", "block"):
+                    series.setdefault(f"blocks/{c}/{int(r['block']):02d}", []).append((int(r["step"]), float(r[c])))
+    done = read_json(run / "done.json")
+    cfg = build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0]
+    trained = done["status"] == "completed" and done["final_loss"] < trained_threshold(chance_classes(cfg))
+    last = int(rows[-1]["step"])
+    final = {"final_loss": done["final_loss"], "min_loss": done["min_loss"], "final_acc": done["final_acc"],
+             "diverged": float(done["diverged"]), "trained": float(trained)}
+    return {**series, **{f"final/{k}": [(last, float(v))] for k, v in final.items()}}
+
+
+def _runs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if (p / "done.json").is_file())
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def test_tensorboard_export_reads_back_value_for_value(folder, tmp_path):
+    pytest.importorskip("tensorboard")
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    result = runner.invoke(app, ["export", str(folder), str(tmp_path / "tb"), "--to", "tensorboard"])
+    assert result.exit_code == 0, result.output
+    runs = _runs(folder)
+    assert len(runs) == 8 and any((r / BLOCKS_FILE).is_file() for r in runs)
+    assert any(read_json(r / "done.json")["status"] == "diverged" for r in runs)  # lr 1e8: inf, nan
+    for run in runs:
+        acc = EventAccumulator(str(tmp_path / "tb" / run.name), size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        expected = _expected(run)
+        assert sorted(acc.Tags()["scalars"]) == sorted(expected)
+        assert acc.Tags()["tensors"] == [metadata.SESSION_START_INFO_TAG]
+        for tag, points in expected.items():
+            got = [(e.step, e.value) for e in acc.Scalars(tag)]
+            assert [s for s, _ in got] == [s for s, _ in points], tag
+            assert all(_same(g, float(np.float32(v))) for (_, g), (_, v) in zip(got, points)), tag  # float32
+        start = metadata.parse_session_start_info_plugin_data(
+            acc.SummaryMetadata(metadata.SESSION_START_INFO_TAG).plugin_data.content)
+        flat = flatten(build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0])
+        shown = {k: json.loads(json.dumps(v.string_value if v.HasField("string_value") else v.bool_value
+                                          if v.HasField("bool_value") else v.number_value))
+                 for k, v in start.hparams.items()}
+        assert set(shown) == set(flat)
+        for key, value in flat.items():
+            want = "None" if value is None else json.dumps(list(value)) if isinstance(value, (list, tuple)) else value
+            assert shown[key] == want, key
+    root = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    root.Reload()
+    content = root.SummaryMetadata(metadata.EXPERIMENT_TAG).plugin_data.content
+    experiment = metadata.parse_experiment_plugin_data(content)
+    names = [h.name for h in experiment.hparam_infos]
+    assert names[:3] == ["norm.placement", "optim.lr", "train.log_blocks"]  # the grid's axes first
+    assert sorted(names) == sorted(flatten(build_sweep(parse_yaml(TINY)).runs[0]))
+    assert [m.name.tag for m in experiment.metric_infos] == [f"final/{m}" for m in FINAL]
+    before = {p: p.read_bytes() for p in (tmp_path / "tb").rglob(EVENTS_FILE)}
+    runner.invoke(app, ["export", str(folder), str(tmp_path / "tb")])
+    assert {p: p.read_bytes() for p in (tmp_path / "tb").rglob(EVENTS_FILE)} == before  # a re-export: same bytes
+
+
+@pytest.mark.parametrize("store", ["file", pytest.param("sqlite", marks=pytest.mark.slow)])  # sqlite: ~20 s
+def test_mlflow_export_reads_back_value_for_value_and_is_idempotent(folder, tmp_path, store, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    if store == "sqlite":
+        pytest.importorskip("sqlalchemy")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}" if store == "sqlite" else (tmp_path / "mlruns").as_uri()
+    result = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
+    assert result.exit_code == 0 and "8 runs exported" in result.output, result.output
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only so (export sets it)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("tiny")
+    found = client.search_runs([experiment.experiment_id])
+    by_id = {r.data.tags["normexp.run_id"]: r for r in found}
+    assert sorted(by_id) == [r.name for r in _runs(folder)]
+    for run in _runs(folder):
+        exported, done = by_id[run.name], read_json(run / "done.json")
+        flat = flatten(build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0])
+        assert exported.data.params == {k: str("None" if v is None else json.dumps(list(v))
+                                                if isinstance(v, (list, tuple)) else v) for k, v in flat.items()}
+        assert exported.info.run_name == run.name
+        tags = exported.data.tags
+        assert (tags["normexp.sweep"], tags["normexp.engine"], tags["normexp.status"]) == (
+            "tiny", done["engine"], done["status"])
+        assert tags["normexp.provenance.command"] == done["provenance"]["command"]
+        assert tags["normexp.trained"] == str(_expected(run)["final/trained"][0][1] == 1.0).lower()
+        expected = _expected(run)
+        assert sorted(exported.data.metrics) == sorted(expected)
+        for key, points in expected.items():
+            history = sorted(client.get_metric_history(exported.info.run_id, key), key=lambda m: m.step)
+            assert [m.step for m in history] == [s for s, _ in points], key
+            for m, (_, value) in zip(history, points):  # float64 as written; the SQL store clips +-inf
+                clipped = store == "sqlite" and math.isinf(value)
+                assert _same(m.value, math.copysign(1.7976931348623157e308, value) if clipped else value), key
+    again = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
+    assert "0 runs exported" in again.output and "8 already there" in again.output
+    assert len(client.search_runs([experiment.experiment_id])) == 8
+
+
+@pytest.mark.slow  # MLflow's SQL store, twice: ~10 s
+def test_a_changed_run_replaces_its_mlflow_run(folder, tmp_path):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from normexp.export import to_mlflow
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(folder, copy)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert len(to_mlflow(copy, uri)[0]) == 8
+    run = next(r for r in _runs(copy) if read_json(r / "done.json")["status"] == "completed"
+               and not (r / BLOCKS_FILE).is_file())
+    cfg = build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0]
+    rows = _rows(run / METRICS_FILE)
+    metrics = {c: [int(r[c]) if c == "step" else float(r[c]) + (c == "loss") for r in rows] for c in rows[0]}
+    write_run(run, cfg, FinishedRun(metrics, "completed", 0.1, 1, "batched", "cpu"))  # a --force rerun, say
+    exported, kept = to_mlflow(copy, uri)
+    assert exported == [run.name] and kept == 7
+    client = MlflowClient(tracking_uri=uri)
+    found = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                               f"tags.`normexp.run_id` = '{run.name}'")
+    assert len(found) == 1 and found[0].data.metrics["loss"] == metrics["loss"][-1]
+
+
+@pytest.mark.parametrize(("target", "package"), [("tensorboard", "tensorboard"), ("mlflow", "mlflow")])
+def test_a_missing_extra_is_named(folder, tmp_path, monkeypatch, target, package):
+    real = builtins.__import__
+
+    def without(name, *args, **kwargs):
+        if name.split(".")[0] == package:
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without)
+    result = runner.invoke(app, ["export", str(folder), str(tmp_path / "x"), "--to", target])
+    assert result.exit_code == 2 and f"pip install 'normexp[{target}]'" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "x").exists()
+
+
+def test_bad_targets_are_refused(folder, tmp_path):
+    result = runner.invoke(app, ["export", str(folder), str(tmp_path / "x"), "--to", "wandb"])
+    assert result.exit_code == 2 and "--to" in result.output
+    result = runner.invoke(app, ["export", str(tmp_path / "nowhere"), str(tmp_path / "x")])
+    assert result.exit_code == 2 and "no sweep.yaml" in result.output

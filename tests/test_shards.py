@@ -1,0 +1,215 @@
+"""Shards of a sweep (`--shard I/N`, normexp/shard.py), `normexp merge` (normexp/merge.py) and the job-array
+launcher (normexp/launch.py): shards cover the plan in whole batches, run at once into one folder or into
+three folders merged, and give the unsharded sweep's bits; merge refuses conflicting runs and removes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.config import ConfigError, build_sweep, load_sweep, parse_yaml
+from normexp.merge import merge_folders
+from normexp.runfolder import METRICS_FILE, StoreError, run_id
+from normexp.shard import parse_shard, shard_runs
+from normexp.store import FinishedRun, SweepLock, lock_owner, write_run
+from normexp.sweep import SweepOptions, run_sweep
+from normexp.units import plan_units
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+SHARDED = """\
+name: sharded
+base:
+  model: {depth: 2, width: 8}
+  data: {n_samples: 16}
+  train: {steps: 4, threads: 1}
+grid:
+  norm.placement: [pre, post]
+  norm.kind: [layernorm, rmsnorm]
+  optim.lr: [0.01, 0.001]
+seeds: [0, 1]
+"""
+
+
+def _sweep():
+    return build_sweep(parse_yaml(SHARDED))
+
+
+def _metrics(folder: Path) -> dict[str, bytes]:
+    return {p.parent.name: p.read_bytes() for p in folder.glob(f"*/{METRICS_FILE}")
+            if not p.parent.name.startswith(".")}
+
+
+@pytest.mark.parametrize(("text", "message"), [("1/1", "I must be from 0 to N - 1"), ("3/3", "I must be from 0"),
+                                               ("0/0", "N >= 1"), ("a/3", "expected I/N"), ("1", "expected I/N")])
+def test_bad_shards_are_refused(text, message):
+    with pytest.raises(ConfigError, match=f"^--shard {text}: .*{message}"):
+        parse_shard(text)
+    assert parse_shard(" 2 / 5 ") == (2, 5)
+
+
+@pytest.mark.parametrize("engine", ["reference", "batched", "fast"])
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 40])
+def test_shards_cover_the_plan_once_in_whole_batches(engine, count):
+    sweep = build_sweep(parse_yaml(SHARDED), ["seeds=0,1,2"])
+    batches = {frozenset(map(run_id, u.runs)) for u in plan_units(sweep.runs, engine, "cpu", 1, False, sweep.runs)}
+    shards = [shard_runs(sweep.runs, engine, i, count) for i in range(count)]
+    ids = [run_id(cfg) for shard in shards for cfg in shard]
+    assert sorted(ids) == sorted(run_id(cfg) for cfg in sweep.runs)  # every run once
+    for shard in shards:
+        assert shard == [cfg for cfg in sweep.runs if cfg in shard]  # in the sweep's order
+        mine = {run_id(cfg) for cfg in shard}
+        assert all(batch <= mine or not batch & mine for batch in batches)  # whole batches only
+        replanned = {frozenset(map(run_id, u.runs)) for u in plan_units(shard, engine, "cpu", 1, False, shard)}
+        assert replanned <= batches  # the shard alone plans the same batches
+    if count <= len(batches):
+        assert all(shards)  # no shard idle while there is a batch for it
+
+
+@pytest.mark.parametrize("engine", ["batched", pytest.param("fast", marks=pytest.mark.slow)])  # fast: ~20 s
+def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_bit(tmp_path, engine):
+    sweep = _sweep()
+    run_sweep(sweep, tmp_path / "full", SweepOptions(engine=engine))
+    for i in range(3):
+        outcome = run_sweep(sweep, tmp_path / f"s{i}", SweepOptions(engine=engine, shard=(i, 3)))
+        assert outcome.total == len(shard_runs(sweep.runs, engine, i, 3))
+    merged = merge_folders(tmp_path / "merged", [tmp_path / f"s{i}" for i in range(3)])
+    assert len(merged.copied) == len(sweep.runs) and merged.unfinished == 0 and merged.verification.clean
+    assert _metrics(tmp_path / "merged") == _metrics(tmp_path / "full") and len(_metrics(tmp_path / "full")) == 16
+    again = merge_folders(tmp_path / "merged", [tmp_path / "s0"])  # idempotent
+    assert again.copied == [] and again.kept == len(shard_runs(sweep.runs, "batched", 0, 3))
+
+
+@pytest.mark.slow  # three processes, each loading torch: 35 s on two busy cores
+def test_three_shards_at_once_into_one_folder_equal_the_unsharded_sweep_bit_for_bit(tmp_path, write_yaml):
+    config = write_yaml(SHARDED)
+    run_sweep(_sweep(), tmp_path / "full", SweepOptions(engine="batched"))
+    procs = [subprocess.Popen([sys.executable, "-m", "normexp", "sweep", str(config), "--out", str(tmp_path / "one"),
+                               "--shard", f"{i}/3", "-q"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+             for i in range(3)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0], [p.stderr.read() for p in procs]
+    assert _metrics(tmp_path / "one") == _metrics(tmp_path / "full")
+    result = runner.invoke(app, ["verify", str(tmp_path / "one")])
+    assert result.exit_code == 0, result.output  # summary.csv, history.jsonl (3 lines) and every run hold
+    assert (tmp_path / "one" / "history.jsonl").read_text().count('"shard"') == 3
+
+
+def test_a_shard_and_a_whole_sweep_never_share_a_folder(tmp_path):
+    with SweepLock(tmp_path, shared=True), SweepLock(tmp_path, shared=True):  # shards share the folder
+        assert lock_owner(tmp_path) is not None  # verify and merge see it in use
+        with pytest.raises(StoreError, match="another sweep is writing here"):
+            SweepLock(tmp_path).__enter__()
+    with SweepLock(tmp_path), pytest.raises(StoreError, match="another sweep is writing here"):
+        SweepLock(tmp_path, shared=True).__enter__()
+    assert lock_owner(tmp_path) is None
+
+
+def _conflicting_copy(tmp_path: Path) -> tuple[Path, Path, str]:
+    """Two folders of the sweep's shard 0, one run of which holds other (verified) numbers in the second."""
+    sweep = _sweep()
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        run_sweep(sweep, folder, SweepOptions(engine="batched", shard=(0, 3)))
+    cfg = shard_runs(sweep.runs, "batched", 0, 3)[0]
+    rows = (first / run_id(cfg) / METRICS_FILE).read_text().splitlines()
+    columns = rows[0].split(",")
+    metrics = {c: [float(r.split(",")[k]) if c != "step" else int(r.split(",")[k]) for r in rows[1:]]
+               for k, c in enumerate(columns)}
+    metrics["loss"][-1] += 1e-6
+    write_run(second / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "batched", "cpu"))
+    return first, second, run_id(cfg)
+
+
+@pytest.mark.slow  # two sweeps and three merges: ~6 s
+def test_merge_refuses_conflicting_runs_and_writes_nothing(tmp_path):
+    first, second, rid = _conflicting_copy(tmp_path)
+    with pytest.raises(StoreError, match=f"(?s)conflicting runs, nothing merged.*{rid}: .* hold different results "
+                                         r"\(metrics.csv differ\)"):
+        merge_folders(tmp_path / "out", [first, second])
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name != ".lock"]
+    merge_folders(tmp_path / "out", [first])
+    result = runner.invoke(app, ["merge", str(tmp_path / "out"), str(second)])  # against OUT's own run
+    assert result.exit_code == 2 and f"{rid}: " in result.output and "different results" in result.output
+
+
+def test_merge_removes_nothing_it_did_not_write(tmp_path):
+    sweep = _sweep()
+    run_sweep(sweep, tmp_path / "s0", SweepOptions(engine="batched", shard=(0, 2)))
+    rid = run_id(shard_runs(sweep.runs, "batched", 0, 2)[0])
+    (tmp_path / "out" / rid).mkdir(parents=True)
+    (tmp_path / "out" / rid / "notes.txt").write_text("mine")
+    (tmp_path / "out" / "analysis.txt").write_text("mine too")
+    outcome = merge_folders(tmp_path / "out", [tmp_path / "s0"])
+    assert rid in outcome.copied
+    assert (tmp_path / "out" / rid / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "out" / "analysis.txt").read_text() == "mine too"
+    assert (tmp_path / "s0" / rid / METRICS_FILE).read_bytes() == (tmp_path / "out" / rid / METRICS_FILE).read_bytes()
+
+
+def test_merge_refuses_folders_of_two_sweeps(tmp_path):
+    run_sweep(_sweep(), tmp_path / "a", SweepOptions(engine="batched", shard=(0, 8)))
+    other = build_sweep({**parse_yaml(SHARDED), "name": "other"})
+    run_sweep(other, tmp_path / "b", SweepOptions(engine="batched", shard=(0, 8)))
+    result = runner.invoke(app, ["merge", str(tmp_path / "out"), str(tmp_path / "a"), str(tmp_path / "b")])
+    assert result.exit_code == 2 and "merge joins the shards of one sweep" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_shows_the_sbatch_script(tmp_path, write_yaml):
+    pytest.importorskip("submitit")
+    config = write_yaml(SHARDED)
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", "slurm",
+                                 "--shards", "3", "--partition", "cpu", "--account", "lab", "--qos", "low",
+                                 "--time", "90", "--cpus", "4", "--mem", "8G", "--array-parallelism", "2",
+                                 "--setup", "module load python", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    for line in ("#SBATCH --array=0-2%2", "#SBATCH --partition=cpu", "#SBATCH --account=lab", "#SBATCH --qos=low",
+                 "#SBATCH --time=90", "#SBATCH --cpus-per-task=4", "#SBATCH --mem=8G", "#SBATCH --signal=USR2@90",
+                 "module load python", sys.executable):
+        assert line in text
+    assert "--exclusive" not in text
+    assert f"--out {(tmp_path / 'o').resolve()}" in text and "--shard I/N" in text
+    assert not (tmp_path / "o").exists()  # nothing written, nothing submitted
+
+
+def test_launcher_options_are_checked(tmp_path, write_yaml):
+    config = write_yaml(SHARDED)
+    result = runner.invoke(app, ["sweep", str(config), "--launcher", "local", "--shards", "2", "--shard", "0/2"])
+    assert result.exit_code == 2 and "give one or the other" in result.output
+    result = runner.invoke(app, ["sweep", str(config), "--shard", "1/3", "--dry-run"])
+    listed = [run_id(cfg) for cfg in shard_runs(_sweep().runs, "auto", 1, 3)]
+    assert result.exit_code == 0
+    assert f"shard 1/3 trains {len(listed)} runs of the 16: {' '.join(listed)}" in result.output
+    result = runner.invoke(app, ["sweep", str(config), "--launcher", "slurm"])
+    assert result.exit_code == 2 and "--launcher and --shards go together" in result.output
+    result = runner.invoke(app, ["sweep", str(config), "--launcher", "pbs", "--shards", "2"])
+    assert result.exit_code == 2 and "--launcher" in result.output
+
+
+def test_a_shard_task_is_requeued_as_itself():
+    pytest.importorskip("submitit")
+    from normexp.launch import ShardTask
+
+    task = ShardTask(["sweep", "x.yaml"], 4)
+    again = task.checkpoint(2)
+    assert again.function is task and again.args == (2,)
+    assert task.command(2)[-2:] == ["--shard", "2/4"] and task.command(2)[0] == sys.executable
+
+
+@pytest.mark.slow  # submitit starts a process per task, each loading torch
+def test_the_local_launcher_runs_the_array_with_submitit(tmp_path, write_yaml):
+    pytest.importorskip("submitit")
+    config = write_yaml(SHARDED)
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", "local",
+                                 "--shards", "2", "--engine", "batched"])
+    assert result.exit_code == 0, result.output
+    run_sweep(load_sweep(config), tmp_path / "full", SweepOptions(engine="batched"))
+    assert _metrics(tmp_path / "o") == _metrics(tmp_path / "full")
+    assert len(list((tmp_path / "o" / ".submitit").rglob("*_result.pkl"))) == 2
