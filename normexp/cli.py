@@ -203,7 +203,8 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
     except ConfigError as exc:
         raise fail(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or a local task failed
-        raise fail(f"--launcher {launcher}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}") from None
+        last = (str(exc).strip().splitlines() or [""])[-1]
+        raise fail(f"--launcher {launcher}: {type(exc).__name__}: {last}") from None
     if launcher == "slurm":
         out.print(f"submitted job array {jobs[0].job_id.split('_')[0]} ({settings.shards} tasks) into {target}; "
                   f"logs in {logs}; `normexp report {target}` when it is done")

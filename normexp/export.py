@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from normexp.config import ConfigError, RunConfig, chance_classes, flatten, trained_threshold
+from normexp.registry import references_unchecked
 from normexp.runfolder import BLOCKS_FILE, DONE_FILE, METRICS_FILE, inspect_run, run_id
 from normexp.store import folder_runs, read_sweep
 
@@ -89,7 +90,13 @@ def _columns(path: Path) -> list[dict[str, float]]:
 
 
 def read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
-    """The sweep's name and every run of `run_dir` verified finished, in the folder's order."""
+    """The sweep's name and every run of `run_dir` verified finished, in the folder's order. A user's
+    placement or kind is read as written, never imported."""
+    with references_unchecked():
+        return _read_runs(run_dir)
+
+
+def _read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
     sweep = read_sweep(run_dir)
     runs = []
     for cfg in folder_runs(run_dir, sweep):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from normexp.config import RunConfig
+from normexp.registry import references_unchecked
 from normexp.runfolder import (
     BLOCKS_FILE,
     CONFIG_FILE,
@@ -75,8 +76,13 @@ def _differs(a: dict[str, str | None], b: dict[str, str | None]) -> str:
 
 def merge_folders(out_dir: Path, sources: Sequence[Path], command: str = "") -> MergeOutcome:
     """Merge `sources` into `out_dir` (see the module docstring). StoreError, before anything is written,
-    for a source that is not a sweep folder or is being written, sweeps of two names, or a conflict."""
-    out_dir, sources = Path(out_dir), [Path(s) for s in sources]
+    for a source that is not a sweep folder or is being written, sweeps of two names, or a conflict. A
+    user's placement or kind is read as written, never imported."""
+    with references_unchecked():
+        return _merge(Path(out_dir), [Path(s) for s in sources], command)
+
+
+def _merge(out_dir: Path, sources: list[Path], command: str) -> MergeOutcome:
     if any(src.resolve() == out_dir.resolve() for src in sources):
         raise StoreError(f"{out_dir}: is also one of the folders to merge; merge into another folder")
     sweeps = [read_sweep(src) for src in sources]

@@ -193,6 +193,18 @@ def test_launcher_options_are_checked(tmp_path, write_yaml):
     assert result.exit_code == 2 and "--launcher" in result.output
 
 
+def test_submitting_without_slurm_is_one_error_line(tmp_path, write_yaml):
+    pytest.importorskip("submitit")
+    import shutil
+
+    if shutil.which("srun"):
+        pytest.skip("a Slurm cluster: this would submit")
+    result = runner.invoke(app, ["sweep", str(write_yaml(SHARDED)), "--out", str(tmp_path / "o"), "--launcher", "slurm",
+                                 "--shards", "2"])
+    assert result.exit_code == 2 and result.output.startswith("error: --launcher slurm: ") and "srun" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "o").exists()
+
+
 def test_a_shard_task_is_requeued_as_itself():
     pytest.importorskip("submitit")
     from normexp.launch import ShardTask
