@@ -168,6 +168,10 @@ def test_default_facets_put_placements_across_and_the_fastest_key_in_the_hue():
     facets = choose_facets(keys)
     assert (facets.col, facets.row, facets.hue) == (["norm.placement"], ["norm.kind"],
                                                     ["optim.lr", "schedule.warmup_steps"])
+    counts = {"norm.placement": 3, "norm.kind": 2, "optim.lr": 4, "schedule.warmup_steps": 2}
+    facets = choose_facets(keys, counts=counts)  # the most values colour the lines, a key of 2 their style
+    assert (facets.col, facets.row, facets.hue, facets.style) == (["norm.placement"], ["norm.kind"], ["optim.lr"],
+                                                                  ["schedule.warmup_steps"])
     assert choose_facets(["norm.placement"]).hue == ["norm.placement"]
     assert choose_facets(keys, hue=["norm.placement"]).col == ["norm.kind"]
     with pytest.raises(ResultsError, match="--row model.depth: not a varying config key"):
