@@ -415,7 +415,7 @@ def report(
         _write_report(table, folder, fmt, output, full, trained_below)
     else:
         _emit(fmt, lambda: to_rich(table, full), lambda: to_markdown(table, full), lambda: to_csv(table))
-    _say_engines(table.engines if output is None else "", fmt)
+    _say_engines(table.engines, fmt)
     _exit_if_runs_missing(folder, shown=fmt in ("table", "markdown") and output is None)
 
 
