@@ -498,7 +498,7 @@ def report(
     else:
         _emit(fmt, lambda: to_rich(table, full), lambda: to_markdown(table, full), lambda: to_csv(table))
     _say_engines(table.engines, fmt)
-    _exit_if_runs_missing(folder, shown=fmt != "csv")
+    _exit_if_runs_missing(folder, shown=fmt in ("table", "markdown") and output is None)
 
 
 def _write_report(table: Report, folder: Folder, fmt: str, output: Path | None, full: bool,

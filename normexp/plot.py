@@ -23,6 +23,7 @@ Figure; `save_plots` writes them as PNG, PDF or SVG.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 from collections.abc import Sequence
@@ -99,22 +100,33 @@ SWEEP_KEY = "sweep"  # the column naming a run's sweep folder when several are c
 
 @dataclass(frozen=True)
 class Facets:
-    """Which keys make the rows of panels, their columns, and the lines within a panel (the hue)."""
+    """Which keys make the rows of panels, their columns, and the lines within a panel: their colour
+    (the hue) and, for one key of few values beside it, their line style."""
 
     row: list[str]
     col: list[str]
     hue: list[str]
+    style: list[str] = dataclasses.field(default_factory=list)  # at most one key: solid, dashed, dotted
 
     @property
     def keys(self) -> list[str]:
-        return [*self.row, *self.col, *self.hue]
+        return [*self.row, *self.col, *self.hue, *self.style]
+
+    @property
+    def lines(self) -> list[str]:
+        return [*self.hue, *self.style]
+
+
+STYLED = 3  # a key of at most this many values can draw line styles beside the hue
 
 
 def choose_facets(keys: Sequence[str], row: Sequence[str] | None = None, col: Sequence[str] | None = None,
-                  hue: Sequence[str] | None = None) -> Facets:
-    """Facets for the varying `keys` (in grid order: the first varies slowest). What is not given: the hue
-    is the fastest-varying key left; the columns are the placement (else the slowest key left); the rows
-    the next slowest; any key still left joins the hue. One key alone is the hue (one panel)."""
+                  hue: Sequence[str] | None = None, counts: dict[str, int] | None = None) -> Facets:
+    """Facets for the varying `keys` (in grid order: the first varies slowest). What is not given: the
+    columns are the placement (else the sweep, else the slowest key); the hue the key left with the most
+    values (`counts`; the fastest-varying on a tie, or without counts), and a key of at most STYLED values
+    beside it the line style; the rows the next slowest key; any key still left joins the hue. One key
+    alone is the hue (one panel)."""
     keys = list(keys)
     for option, given in (("--row", row), ("--col", col), ("--hue", hue)):
         unknown = [k for k in given or () if k not in keys]
@@ -125,15 +137,26 @@ def choose_facets(keys: Sequence[str], row: Sequence[str] | None = None, col: Se
     if len(set(taken)) < len(taken):
         raise ResultsError("--row, --col and --hue: a key can make only one of them")
     rest = [k for k in keys if k not in taken]
+    if col is None and (len(rest) >= 2 or (hue is not None and rest)):
+        first = SWEEP_KEY if SWEEP_KEY in rest else "norm.placement" if "norm.placement" in rest else rest[0]
+        col, rest = [first], [k for k in rest if k != first]
+    style: list[str] = []
     if hue is None:
-        hue = [rest.pop()] if rest else []
-    if col is None:
-        first = SWEEP_KEY if SWEEP_KEY in rest else "norm.placement" if "norm.placement" in rest else None
-        col = [first] if first else rest[:1]
-        rest = [k for k in rest if k not in col]
+        counts = counts or {}
+        hue = [max(reversed(rest), key=lambda k: counts.get(k, 0))] if rest else []
+        rest = [k for k in rest if k not in hue]
+        few = [k for k in rest if 1 < counts.get(k, 0) <= STYLED]
+        if hue and few:
+            style = [min(reversed(few), key=lambda k: counts[k])]
+            rest = [k for k in rest if k not in style]
     if row is None:
         row, rest = rest[:1], rest[1:]
-    return Facets(list(row), list(col), [*rest, *hue])
+    return Facets(list(row), list(col or []), [*rest, *hue], style)
+
+
+def value_counts(frame: pd.DataFrame, keys: Sequence[str]) -> dict[str, int]:
+    """How many values each key takes among `frame`'s runs (for `choose_facets`)."""
+    return {k: int(frame[k].nunique(dropna=False)) for k in keys if k in frame}
 
 
 def _values_label(keys: Sequence[str], values: object, texts: dict[str, dict] | None = None) -> str:
@@ -202,6 +225,27 @@ def palette(frame: pd.DataFrame, keys: Sequence[str]) -> dict[tuple, Style]:
     many = len(combos) > 10
     return {v: Style(cmap(i % 10), STYLES[(i // 10) % len(STYLES)] if many else "-",
                      MARKERS[i % len(MARKERS)] if many else None) for i, v in enumerate(combos)}
+
+
+def line_styles(frame: pd.DataFrame, facets: Facets) -> tuple[dict[tuple, Style], list]:
+    """Each line's style (keyed by its values of `facets.lines`) and the legend's entries: a colour per
+    hue value (`palette`), then, with a style key, a line style per its value under the key's name."""
+    colours = palette(frame, facets.hue)
+    handles = _handles(colours, facets.hue, frame)
+    if not facets.style:
+        return colours, handles
+    key = facets.style[0]
+    values = [v[0] for v, _ in _groups(frame, facets.style)]
+    dashes = {v: STYLES[i % len(STYLES)] for i, v in enumerate(values)}
+    texts = _key_texts(frame, facets.style).get(key, {})
+    styles = {}
+    for combo, _ in _groups(frame, facets.lines):
+        colour = colours[combo[:len(facets.hue)]]
+        styles[combo] = Style(colour.color, dashes[combo[-1]], colour.marker)
+    handles.append(Line2D([], [], linestyle="none", label=f"{axis_label(key)}:"))
+    handles += [Line2D([], [], color="grey", linestyle=dashes[v], label=texts.get(v) or value_label(key, v))
+                for v in values]
+    return styles, handles
 
 
 def _panels(frame: pd.DataFrame, facets: Facets) -> tuple[list[list[tuple[str, pd.DataFrame | None]]], int, int]:
@@ -283,7 +327,7 @@ def _legend(fig: Figure, handles: list, title: str) -> None:
                    frameon=False)
 
 
-def _handles(styles: dict[tuple, Style], keys: Sequence[str]) -> list:
+def _handles(styles: dict[tuple, Style], keys: Sequence[str], frame: pd.DataFrame | None = None) -> list:
     """The legend's entries, one per hue value; a key's numbers all in one style (1e-3 and 1e-2, never
     1e-3 and 0.01). No hue: no entry (the one line per panel is named by its title)."""
     if not keys:
@@ -391,9 +435,9 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
                   facets: Facets | None = None, trained_below: float | None = None) -> Figure:
     """Mean curve per hue value with a min–max band over seeds, in panels by `facets` (default:
     `choose_facets(keys)`); the chance level and the trained threshold on a loss."""
-    facets = facets or choose_facets(keys)
+    facets = facets or choose_facets(keys, counts=value_counts(tidy, keys))
     grid, n_rows, n_cols = _panels(tidy, facets)
-    styles = palette(tidy, facets.hue)
+    styles, handles = line_styles(tidy, facets)
     fig, axes = _subplots(n_rows, n_cols, sharex=True, sharey=True)
     extra: dict[str, object] = {}
     for i, line in enumerate(grid):
@@ -402,13 +446,13 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
             if runs is None:
                 ax.set_visible(False)
                 continue
-            for values, group in _groups(runs, facets.hue):
+            for values, group in _groups(runs, facets.lines):
                 style = styles[values]
                 finite = group[group["loss"].astype(float).map(math.isfinite)]
                 stats = finite.groupby("step")[metric].agg(["mean", "min", "max"])
                 ax.plot(stats.index, stats["mean"], color=style.color, linestyle=style.linestyle,
                         marker=style.marker, markevery=max(1, len(stats) // 6), markersize=3, linewidth=1.3,
-                        label=f"{_values_label(facets.hue, values)} ({_coverage(group)})")
+                        label=f"{_values_label(facets.lines, values)} ({_coverage(group)})")
                 _mark_diverged(ax, group, stats, style)
                 if group["run_id"].nunique() > 1:
                     ax.fill_between(stats.index, stats["min"], stats["max"], color=style.color, alpha=0.15,
@@ -426,7 +470,7 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
     _label_bottoms(axes, "optimizer step")
     for ax in axes[:, 0]:
         ax.set_ylabel(METRIC_LABELS.get(metric, metric), fontsize="small")
-    _legend(fig, [*_handles(styles, facets.hue), *extra.values()], _hue_title(facets.hue))
+    _legend(fig, [*handles, *extra.values()], _hue_title(facets.hue))
     _title(fig, title or f"{METRIC_LABELS.get(metric, metric)} per step: mean over seeds, band min–max",
            constants_text(tidy))
     return fig
@@ -471,7 +515,7 @@ def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss
     if SWEEP_KEY in table and table[SWEEP_KEY].nunique() > 1:
         others = [SWEEP_KEY, *others]
     facets = facets or choose_facets(others)
-    facets = Facets([*facets.row, *facets.hue], facets.col, [])
+    facets = Facets([*facets.row, *facets.hue, *facets.style], facets.col, [])
     grid, n_rows, n_cols = _panels(table, facets)
     values = table["final"].dropna()
     accuracy = metric.endswith("acc")
@@ -656,12 +700,13 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
     tidy = folder.metrics(all_config=True)
     check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]
-    facets = choose_facets(keys, row, col, hue)
+    facets = choose_facets(keys, row, col, hue, value_counts(summary, keys))
     note = "\n".join(filter(None, [engine_note(summary, keys), missing_note(summary, run_dir)]))
     figures = [("", curves_figure(tidy, keys, metric, facets=facets, trained_below=rule), note)]
     if LR_KEY in summary and summary[LR_KEY].nunique() >= MIN_LRS:
         table, others = lr_table(folder)
-        lr_facets = _lines_first(_without(facets, LR_KEY)) if LR_KEY in facets.keys else choose_facets(others)
+        lr_facets = (_lines_first(_without(facets, LR_KEY)) if LR_KEY in facets.keys
+                     else choose_facets(others, counts=value_counts(table, others)))
         figures.append(("-lr", lr_figure(table, others, facets=lr_facets, trained_below=rule), note))
     axes = numeric_axes(summary)
     if len(axes) >= 2:
@@ -674,16 +719,17 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
 
 def _lines_first(facets: Facets) -> Facets:
     """Facets whose hue emptied (the lr was the curves' hue; on the lr figure it is the x axis): the
-    panels' key becomes the lines, so that the variants are compared in one panel, not one line each."""
+    panels' key becomes the hue (the line style's key, if any, the panels'), so that the variants are
+    compared in one panel, not one line each."""
     if facets.hue:
         return facets
     if facets.col:
-        return Facets([], facets.row, facets.col)
-    return Facets([], [], facets.row)
+        return Facets(facets.row if facets.style else [], facets.style or facets.row, facets.col)
+    return Facets([], facets.style, facets.row) if facets.row else Facets(facets.row, facets.col, facets.style)
 
 
 def _without(facets: Facets, key: str) -> Facets:
-    return Facets(*([k for k in keys if k != key] for keys in (facets.row, facets.col, facets.hue)))
+    return Facets(*([k for k in keys if k != key] for keys in (facets.row, facets.col, facets.hue, facets.style)))
 
 
 def _save(fig: Figure, path: Path, note: str = "", dpi: int = DPI) -> Path:
@@ -796,9 +842,9 @@ def lr_figure(table: pd.DataFrame, keys: list[str], facets: Facets | None = None
     """Final training loss against the learning rate (log x) from `sensitivity.lr_table`: one line per
     hue value (mean over seeds) with its min–max band, in panels by `facets` (default `choose_facets`),
     the trained threshold dashed."""
-    facets = facets or choose_facets(keys)
+    facets = facets or choose_facets(keys, counts=value_counts(table, keys))
     grid, n_rows, n_cols = _panels(table, facets)
-    styles = palette(table, facets.hue)
+    styles, handles = line_styles(table, facets)
     fig, axes = _subplots(n_rows, n_cols, sharex=True, sharey=True)
     extra: dict[str, object] = {}
     for i, line in enumerate(grid):
@@ -807,17 +853,21 @@ def lr_figure(table: pd.DataFrame, keys: list[str], facets: Facets | None = None
             if runs is None:
                 ax.set_visible(False)
                 continue
-            for values, group in _groups(runs, facets.hue):
+            for values, group in _groups(runs, facets.lines):
                 style = styles[values]
                 stats = group.groupby(LR_KEY)["clipped"].agg(["mean", "min", "max"])
                 ax.plot(stats.index, stats["mean"], marker=style.marker or "o", markersize=3.5, color=style.color,
-                        linestyle=style.linestyle, linewidth=1.3, label=_values_label(facets.hue, values))
+                        linestyle=style.linestyle, linewidth=1.3, label=_values_label(facets.lines, values))
                 ax.fill_between(stats.index, stats["min"], stats["max"], color=style.color, alpha=0.15, linewidth=0)
             for handle in _reference_lines(ax, runs, trained_below, chance=False):
                 extra.setdefault(handle.get_label(), handle)
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: short_number(v, True)))
+            lrs = sorted(table[LR_KEY].unique())
+            if len(lrs) <= 8:  # a tick at each learning rate of the grid
+                ax.set_xticks(lrs, [short_number(v, True) for v in lrs])
+            else:
+                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: short_number(v, True)))
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             _plain_log_ticks(ax.yaxis)
             ax.set_title(f"{panel} ({_coverage(runs)})" if panel else f"all runs ({_coverage(runs)})",
@@ -827,7 +877,7 @@ def lr_figure(table: pd.DataFrame, keys: list[str], facets: Facets | None = None
     _label_bottoms(axes, axis_label(LR_KEY))
     for ax in axes[:, 0]:
         ax.set_ylabel("final training loss", fontsize="small")
-    _legend(fig, [*_handles(styles, facets.hue), *extra.values()], _hue_title(facets.hue))
+    _legend(fig, [*handles, *extra.values()], _hue_title(facets.hue))
     _title(fig, "final training loss vs learning rate",
            "line: mean over seeds; band: min–max; a diverged run, or one that ends above its loss at init, "
            f"counts as its loss at init. {constants_text(table)}")

@@ -86,15 +86,20 @@ def test_summary_csv_of_a_transformer_uses_ln_vocab(tf):
 
 
 def test_the_trained_rule_is_a_report_key_that_changes_no_run_id(tmp_path, grid):
-    config = tmp_path / "rule.yaml"
-    config.write_text(FFN + "report: {trained_below: 2.2}\n")
-    plain, ruled = tmp_path / "plain.yaml", config
-    plain.write_text(FFN)
+    small = FFN.replace("  norm.kind: [layernorm, rmsnorm]\n  optim.lr: [0.01, 0.03, 0.1]\n", "").replace(
+        "seeds: [0, 1]", "seeds: [0]")
+    plain, ruled = tmp_path / "plain.yaml", tmp_path / "rule.yaml"
+    plain.write_text(small)
+    ruled.write_text(small + "report: {trained_below: 2.2}\n")
     assert [c.model_dump() for c in load_sweep(ruled).runs] == [c.model_dump() for c in load_sweep(plain).runs]
-    out = tmp_path / "out"
-    assert invoke("sweep", str(config), "--out", str(out), "--engine", "batched", "--quiet").exit_code == 0
+    folders = {}
+    for config in (plain, ruled):
+        out = tmp_path / config.stem
+        assert invoke("sweep", str(config), "--out", str(out), "--engine", "batched", "--quiet").exit_code == 0
+        folders[config.stem] = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert folders["plain"] == folders["rule"] and len(folders["rule"]) == 4  # the same run ids
+    out = tmp_path / "rule"
     summary = load_summary(out)
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(p.name for p in grid.iterdir() if p.is_dir())
     assert (summary["threshold"] == 2.2).all()
     assert summary["trained"].tolist() == ((summary["status"] == "completed") & (summary["final_loss"] < 2.2)).tolist()
     text = to_markdown(build_report(out))
@@ -168,6 +173,10 @@ def test_default_facets_put_placements_across_and_the_fastest_key_in_the_hue():
     facets = choose_facets(keys)
     assert (facets.col, facets.row, facets.hue) == (["norm.placement"], ["norm.kind"],
                                                     ["optim.lr", "schedule.warmup_steps"])
+    counts = {"norm.placement": 3, "norm.kind": 2, "optim.lr": 4, "schedule.warmup_steps": 2}
+    facets = choose_facets(keys, counts=counts)  # the most values colour the lines, a key of 2 their style
+    assert (facets.col, facets.row, facets.hue, facets.style) == (["norm.placement"], ["norm.kind"], ["optim.lr"],
+                                                                  ["schedule.warmup_steps"])
     assert choose_facets(["norm.placement"]).hue == ["norm.placement"]
     assert choose_facets(keys, hue=["norm.placement"]).col == ["norm.kind"]
     with pytest.raises(ResultsError, match="--row model.depth: not a varying config key"):
@@ -189,18 +198,18 @@ def test_plot_writes_the_format_asked_for(tf, tmp_path):
     assert result.exit_code == 0 and (tmp_path / "g.svg").read_bytes()[:5] == b"<?xml", result.output
 
 
-def test_plot_options_facets_and_dpi(grid, tmp_path):
-    result = invoke("plot", str(grid), "-o", str(tmp_path / "f.png"), "--col", "norm.kind", "--row",
-                    "norm.placement", "--hue", "optim.lr", "--dpi", "60")
+def test_plot_options_facets_and_dpi(tf, tmp_path):
+    result = invoke("plot", str(tf), "-o", str(tmp_path / "f.png"), "--col", "optim.lr", "--row",
+                    "norm.placement", "--hue", "schedule.warmup_steps", "--dpi", "60")
     assert result.exit_code == 0, result.output
     from PIL import Image
 
     with Image.open(tmp_path / "f.png") as image:
         width, height = image.size
     assert width < 800 and 0.5 < width / height < 4  # never a 5:1 strip
-    bad = invoke("plot", str(grid), "--hue", "model.depth", "-o", str(tmp_path / "g.png"))
+    bad = invoke("plot", str(tf), "--hue", "model.depth", "-o", str(tmp_path / "g.png"))
     assert bad.exit_code == 2 and "--hue model.depth: not a varying config key" in bad.output
-    mismatch = invoke("plot", str(grid), "-o", str(tmp_path / "g.png"), "--format", "pdf")
+    mismatch = invoke("plot", str(tf), "-o", str(tmp_path / "g.png"), "--format", "pdf")
     assert mismatch.exit_code == 2 and "must end in .pdf" in mismatch.output
 
 
@@ -244,19 +253,19 @@ def test_the_trained_fraction_figure_counts_each_placement_and_kind(grid):
 # ----------------------------------------------------------------------------- several sweeps
 
 
-def test_report_and_plot_compare_two_sweeps_side_by_side(grid, tmp_path):
+def test_report_and_plot_compare_two_sweeps_side_by_side(tf, tmp_path):
     import shutil
 
     other = tmp_path / "other"
-    shutil.copytree(grid, other)  # the same configs: the sweep key keeps them two runs each, never one mean
-    result = invoke("report", str(grid), str(other), "--by", "sweep,norm.placement", "--format", "csv")
+    shutil.copytree(tf, other)  # the same configs: the sweep key keeps them two runs each, never one mean
+    result = invoke("report", str(tf), str(other), "--by", "sweep,norm.placement", "--format", "csv")
     assert result.exit_code == 0, result.output
     rows = list(csv.DictReader(io.StringIO(result.output)))
     assert {(r["sweep"], r["norm.placement"]) for r in rows} == {("out", "post"), ("out", "pre"), ("other", "post"),
                                                                   ("other", "pre")}
-    assert {r["runs"] for r in rows} == {"24"}  # each sweep's 24 runs of a placement, not 48
-    plot = invoke("plot", str(grid), str(other), "-o", str(tmp_path / "c.png"), "--dpi", "50")
+    assert {r["runs"] for r in rows} == {"4"}  # each sweep's 4 runs of a placement, not 8
+    plot = invoke("plot", str(tf), str(other), "-o", str(tmp_path / "c.png"), "--dpi", "50")
     assert plot.exit_code == 0, plot.output
     assert (tmp_path / "c.png").exists() and (tmp_path / "c-phase.png").exists()
-    twice = invoke("report", str(grid), str(grid))
+    twice = invoke("report", str(tf), str(tf))
     assert twice.exit_code == 2 and "given twice" in twice.output
