@@ -52,3 +52,26 @@ def test_a_large_sweep_log_has_progress_lines_and_each_failure_a_small_one_a_lin
             assert len(out) == total
         else:
             assert len(out) == 1 + 21 and out[-1].startswith(f"[{total}/{total}] 100% · 200 completed, 1 failed")
+
+
+def test_a_large_grids_dry_run_summarises_each_axis_counts_done_runs_and_estimates_the_time(write_yaml, tmp_path):
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+    from normexp.config import load_sweep
+    from normexp.runfolder import run_id
+
+    lrs = [round(0.001 * (i + 1), 4) for i in range(30)]
+    config = write_yaml(f"name: big\nbase: {{model: {{depth: 2, width: 8}}, train: {{steps: 3}}}}\n"
+                        f"grid: {{optim.lr: {lrs}}}\nseeds: {list(range(10))}\n")
+    out = tmp_path / "out"
+    first = run_id(load_sweep(config).runs[0])
+    (out / first).mkdir(parents=True)
+    (out / first / "done.json").write_text("{}")
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[:3] == ["big: 300 runs", "  optim.lr: 30 values (0.001, 0.002, 0.003, ..., 0.029, 0.03)",
+                         "  seed: 10 values (0, 1, 2, ..., 8, 9)"]
+    assert lines[3].startswith(f"1 already done, 299 to run in {out}; estimated ~") and "--engine fast" in lines[3]
+    assert len(lines) == 4 and {p.name for p in out.iterdir()} == {first}
