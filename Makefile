@@ -87,8 +87,10 @@ studies: install
 lint: install-dev
 	$(VENV)/bin/ruff check normexp tests benchmarks examples docs
 
-# engines and executors side by side, then the norm speed table at the article's (64, 512, 4096)
+# issue 29's figures (the phase diagram's shape, auto vs reference, a large folder), engines and executors
+# side by side, then the norm speed table at the article's (64, 512, 4096)
 bench: install-dev
+	$(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_sweep.py
 	$(PY) benchmarks/bench_engines.py
 	$(PY) benchmarks/bench_workers.py

@@ -138,7 +138,7 @@ def sweep(
         _check_cluster(cluster)
     target = _out_folder(out_dir, spec.name)
     if dry_run:
-        _print_grid(spec)
+        _print_grid(spec, target, engine)
         if shard_of is not None:
             _print_shard(spec, engine, shard_of)
         return
@@ -385,14 +385,39 @@ def _require_cuda() -> None:
         raise fail("--device cuda: no CUDA device is available to this torch build")
 
 
-def _print_grid(spec: Sweep) -> None:
+DRY_RUN_TABLE_RUNS = 200  # a larger grid's dry run summarises each axis instead of listing every run
+
+
+def _print_grid(spec: Sweep, target: Path, engine: str) -> None:
+    """The expanded grid: every run (a small grid), or each axis's values (a large one); then how many
+    runs the folder holds already and an estimate of the time the rest take."""
+    from normexp.engines.cost import estimated_seconds
     from normexp.runfolder import run_id
     from normexp.tables import rich_table
 
     keys = spec.varying_keys
-    rows = [[run_id(cfg), *(str(_dotted(cfg.model_dump(mode="json"), k)) for k in keys)] for cfg in spec.runs]
-    show(rich_table(["run_id", *keys], rows, "l" * (len(keys) + 1),
-                     title=f"{spec.name}: {_plural(len(spec.runs), 'run')}"))
+    ids = [run_id(cfg) for cfg in spec.runs]
+    dumps = [cfg.model_dump(mode="json") for cfg in spec.runs]
+    if len(spec.runs) <= DRY_RUN_TABLE_RUNS:
+        rows = [[rid, *(str(_dotted(dump, k)) for k in keys)] for rid, dump in zip(ids, dumps)]
+        show(rich_table(["run_id", *keys], rows, "l" * (len(keys) + 1),
+                         title=f"{spec.name}: {_plural(len(spec.runs), 'run')}"))
+    else:
+        out.print(f"{spec.name}: {_plural(len(spec.runs), 'run')}", markup=False)
+        for key in keys:
+            values = list(dict.fromkeys(_dotted(dump, key) for dump in dumps))
+            shown = ", ".join(map(str, values)) if len(values) <= 8 else \
+                f"{', '.join(map(str, values[:3]))}, ..., {', '.join(map(str, values[-2:]))}"
+            out.print(f"  {key}: {_plural(len(values), 'value')} ({shown})", markup=False)
+    todo = [cfg for rid, cfg in zip(ids, spec.runs) if not (target / rid / "done.json").is_file()]
+    done = len(ids) - len(todo)  # a done.json present; `normexp verify` checks what it says
+    estimate = ", ".join(f"~{_minutes(estimated_seconds(todo, e))} on --engine {e}" for e in ("fast", "reference"))
+    out.print(f"{done} already done, {len(todo)} to run in {target}; estimated {estimate} "
+              f"(from the runs' FLOPs at rates measured on 2 CPU cores: docs/performance.md)", markup=False)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _dotted(data: dict, key: str) -> object:

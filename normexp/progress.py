@@ -1,5 +1,7 @@
-"""Turn a sweep's events into what the user sees: a Rich progress bar on a terminal, one plain line
-per run otherwise (logs, CI), only the failed runs with --quiet. A "waiting" event (nothing can train
+"""Turn a sweep's events into what the user sees: a Rich progress bar on a terminal, plain lines
+otherwise (logs, CI): one per run for a sweep of up to PER_RUN_LINES runs, else a progress line every
+LINE_EVERY_RUNS runs or LINE_EVERY_S seconds (done, statuses, elapsed, ETA) and one line for each run
+that fails or needs a word (corrupt, redone); only the failed runs with --quiet. A "waiting" event (nothing can train
 for now) is shown in every mode: on `notices` (stderr), or above the bar on a terminal. A sweep never
 stops because these lines cannot be written (`> /dev/full`): the output is silenced (normexp/output.py)
 and the runs go on. The core never imports this module."""
@@ -7,6 +9,8 @@ and the runs go on. The core never imports this module."""
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import Counter
 from collections.abc import Iterator
 
 from rich.console import Console
@@ -15,9 +19,53 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from normexp.output import OutputLost
 from normexp.sweep import EventCallback, SweepEvent
 
+PER_RUN_LINES = 200  # a larger sweep's log gets progress lines, not a line per run
+LINE_EVERY_S = 30.0
+LINE_EVERY_RUNS = 0.05  # a share of the sweep's runs
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class ProgressLines:
+    """The plain progress line of a large sweep: `[done/total] pct · statuses · elapsed, ETA`, due every
+    LINE_EVERY_RUNS of the runs or LINE_EVERY_S seconds, and at the end. The ETA is the time the runs
+    trained so far took, per run, times the runs left (skipped runs take no time and do not count)."""
+
+    def __init__(self, total: int, clock=time.monotonic) -> None:
+        self.total, self.clock = total, clock
+        self.start = self.last_time = clock()
+        self.last_done, self.trained = 0, 0
+        self.statuses: Counter[str] = Counter()
+
+    def update(self, event: SweepEvent) -> str | None:
+        """Account for `event`; the progress line if one is due now, else None."""
+        if event.kind in ("finished", "failed"):
+            self.trained += 1
+        if event.kind in ("finished", "failed", "skipped"):
+            self.statuses[event.status or event.kind] += 1
+        now = self.clock()
+        due = (event.done - self.last_done >= max(1, int(self.total * LINE_EVERY_RUNS))
+               or now - self.last_time >= LINE_EVERY_S or event.done >= self.total)
+        if not due or event.done == self.last_done:
+            return None
+        self.last_done, self.last_time = event.done, now
+        return self.line(now, event.done)
+
+    def line(self, now: float, done: int) -> str:
+        elapsed = now - self.start
+        left = self.total - done
+        eta = "done" if not left else f"ETA {_duration(elapsed / self.trained * left)}" if self.trained else "ETA ?"
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(self.statuses.items()))
+        return f"[{done}/{self.total}] {done / self.total:.0%} · {counts} · {_duration(elapsed)} elapsed, {eta}"
+
 
 def _line(event: SweepEvent) -> str:
-    if event.kind == "waiting":
+    if event.kind in ("waiting", "engine"):
         return event.error
     if event.kind == "corrupt":
         return f"{event.run_id} corrupt, redone: {event.error}"
@@ -50,11 +98,22 @@ def _shown(console: Console, total: int, quiet: bool, notices: Console) -> Itera
                 (notices if event.kind == "waiting" else console).print(_line(event), markup=False)
         yield failures
         return
-    if not console.is_terminal:
+    if not console.is_terminal and total <= PER_RUN_LINES:
         def plain(event: SweepEvent) -> None:
             if event.kind != "skipped":
                 (notices if event.kind == "waiting" else console).print(_line(event), markup=False)
         yield plain
+        return
+    if not console.is_terminal:
+        lines = ProgressLines(total)
+
+        def periodic(event: SweepEvent) -> None:
+            if event.kind not in ("skipped", "finished"):  # failed, corrupt, redone, waiting, engine
+                (notices if event.kind == "waiting" else console).print(_line(event), markup=False)
+            line = lines.update(event)
+            if line is not None:
+                console.print(line, markup=False)
+        yield periodic
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
@@ -63,6 +122,6 @@ def _shown(console: Console, total: int, quiet: bool, notices: Console) -> Itera
 
         def bar(event: SweepEvent) -> None:
             progress.update(task, completed=event.done)
-            if event.kind in ("failed", "redone", "corrupt", "waiting"):  # above the bar (it would draw over stderr)
+            if event.kind in ("failed", "redone", "corrupt", "waiting", "engine"):  # above the bar, not over stderr
                 progress.console.print(_line(event), markup=False)
         yield bar

@@ -14,6 +14,7 @@ the summary, the history and the lock are `normexp/store.py`'s, which re-exports
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -127,8 +128,22 @@ HASHED_SINCE_0_1 = frozenset({
 
 
 
+@functools.cache
 def _declared_default(model: type[BaseModel], name: str) -> Any:
     return to_jsonable_python(model.model_fields[name].get_default(call_default_factory=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _section_view(section: str, value: BaseModel) -> dict[str, Any] | None:
+    """The hashed part of one config section (see `hashed_config`); None where nothing of it is hashed.
+    Cached: the 10,000 runs of a grid hold a few dozen distinct sections (a copy is handed out)."""
+    values = value.model_dump(mode="json")
+    model = type(value)
+    kept = {key: v for key, v in values.items()
+            if f"{section}.{key}" in HASHED_SINCE_0_1 or v != _declared_default(model, key)}
+    if kept or any(key.startswith(f"{section}.") for key in HASHED_SINCE_0_1):
+        return kept
+    return None
 
 
 
@@ -172,16 +187,19 @@ def hashed_config(cfg: RunConfig, revised: bool = True) -> dict[str, Any]:
     default; and, for a run whose placement's definition was revised, the revision (`revised` False:
     the view before it, the one normexp's earlier definition hashed)."""
     view: dict[str, Any] = {}
-    for section, values in cfg.model_dump(mode="json").items():
-        if not isinstance(values, dict):
-            if section in HASHED_SINCE_0_1 or values != _declared_default(RunConfig, section):
-                view[section] = values
+    for section in type(cfg).model_fields:
+        value = getattr(cfg, section)
+        if isinstance(value, BaseModel):  # a grid's runs share their sections: each is viewed once
+            try:
+                kept = _section_view(section, value)
+            except TypeError:  # an unhashable section value: viewed here
+                kept = _section_view.__wrapped__(section, value)
+            if kept is not None:
+                view[section] = dict(kept)
             continue
-        model = type(getattr(cfg, section))
-        kept = {key: value for key, value in values.items()
-                if f"{section}.{key}" in HASHED_SINCE_0_1 or value != _declared_default(model, key)}
-        if kept or any(key.startswith(f"{section}.") for key in HASHED_SINCE_0_1):
-            view[section] = kept
+        values = to_jsonable_python(value)
+        if section in HASHED_SINCE_0_1 or values != _declared_default(RunConfig, section):
+            view[section] = values
     placement = revised_definition(cfg)
     if revised and placement is not None:
         view["definition"] = {placement: 2}

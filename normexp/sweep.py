@@ -90,9 +90,9 @@ class SweepEvent:
     """One thing that happened to one run: skipped (already done), corrupt (found so, to be redone),
     redone (done, but not as this sweep would train it: `error` says why), finished, or failed. Or,
     about no run (`run_id` empty), waiting: nothing can train for now, `error` says why (a Dask
-    scheduler without workers)."""
+    scheduler without workers); or engine: which engine `--engine auto` chose and why (`error`)."""
 
-    kind: Literal["skipped", "corrupt", "redone", "finished", "failed", "waiting"]
+    kind: Literal["skipped", "corrupt", "redone", "finished", "failed", "waiting", "engine"]
     run_id: str
     done: int  # runs accounted for so far, this one included
     total: int
@@ -299,10 +299,16 @@ def refuse_another_sweep(out_dir: Path, sweep: Sweep,
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
              outcome: SweepOutcome, emit: EventCallback, threads: int, planned: list[RunConfig]) -> None:
-    from normexp.units import plan_units
+    from normexp.units import plan_auto_units, plan_units
 
-    engine = options.engine if options.engine in ("reference", "fast") else "batched"
-    units = plan_units(pending, engine, options.device, threads, options.compile, planned)
+    if options.engine == "auto":
+        from normexp.executors import InProcessExecutor, pairs_well
+
+        pairs = pairs_well if isinstance(executor, InProcessExecutor) else (lambda unit: False)
+        units, note = plan_auto_units(pending, options.device, threads, pairs)
+        emit(SweepEvent("engine", "", len(outcome.statuses), outcome.total, error=note))
+    else:
+        units = plan_units(pending, options.engine, options.device, threads, options.compile, planned)
     # closed here, not by the garbage collector when --fail-fast leaves the loop: the executor then
     # stops the runs still training, and a Ctrl-C while it waits for them must interrupt the sweep,
     # not be printed as an "Exception ignored" and lost

@@ -68,10 +68,54 @@ def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int
         return [unit([cfg], "reference") for cfg in runs]
     if engine == "fast":
         return _plan_fast_units(runs, device, threads, compile, runs if planned is None else planned)
+    if engine == "auto":
+        return plan_auto_units(runs, device, threads)[0]  # the sweep passes its executor's pairing
     from normexp.engines.batched import plan_batches
 
     batches, alone = plan_batches(runs)
     return [unit(batch, "batched") for batch in batches] + [unit([cfg], "reference") for cfg in alone]
+
+
+def plan_auto_units(runs: Sequence[RunConfig], device: str, threads: int,
+                    pairs: Callable[[WorkUnit], bool] = lambda unit: False) -> tuple[list[WorkUnit], str]:
+    """`--engine auto`: each batch the batched engine could train goes to the faster exact engine for its
+    shape on this machine (normexp/engines/auto.py: measured once, cached); on a GPU, batched. `pairs`:
+    whether the executor trains a reference unit beside another (then the reference is probed so).
+    Returns the units and a line saying which engine and why."""
+    from normexp.engines.batched import plan_batches
+
+    def unit(configs: Sequence[RunConfig], engine: Engine) -> WorkUnit:
+        return WorkUnit(tuple(c.model_dump(mode="json") for c in configs), engine, device, threads)
+
+    batches, alone = plan_batches(runs)
+    units = [unit([cfg], "reference") for cfg in alone]
+    if device != "cpu":
+        return [unit(b, "batched") for b in batches] + units, "engine auto: batched (stacked runs on the GPU)"
+    from normexp.engines.auto import choose
+
+    choices: dict[tuple, Any] = {}
+    for batch in batches:
+        shape = (batch[0].model, batch[0].norm.kind, batch[0].data, batch[0].optim.name, len(batch))
+        if shape not in choices:
+            choices[shape] = choose(batch, pairs(unit(batch[:1], "reference")))
+        choice = choices[shape]
+        units += [unit(batch, "batched")] if choice.engine == "batched" else [unit([c], "reference") for c in batch]
+    return units, auto_note(list(choices.values()), len(alone))
+
+
+def auto_note(choices: list, alone: int) -> str:
+    """The sweep's first line under `--engine auto`: which exact engine trains what, and why."""
+    from normexp.engines.auto import MARGIN
+
+    if not choices:
+        return "engine auto: reference (no runs share a batch)" if alone else "engine auto: nothing to train"
+    engines = sorted({c.engine for c in choices})
+    if len(choices) == 1:
+        return f"engine auto: {choices[0].engine} ({choices[0].why()})"
+    parts = [f"{sum(c.engine == e for c in choices)} shapes {e}" for e in engines]
+    ratios = [c.reference_ms / c.batched_ms for c in choices]
+    return (f"engine auto: {', '.join(parts)} (batched measured {min(ratios):.2f}-{max(ratios):.2f}x the reference "
+            f"per model-step on this CPU; it needs >= {1 / MARGIN:.2f}x)")
 
 
 

@@ -17,6 +17,13 @@ if os.environ.get("CI"):
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/article_toy.py
 
+# `--engine auto` caches its engine measurements per machine: the tests measure into their own folder,
+# never reading (or writing) the user's ~/.cache/normexp
+if "NORMEXP_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["NORMEXP_CACHE_DIR"] = tempfile.mkdtemp(prefix="normexp-test-cache-")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -29,7 +29,7 @@ LAYERS = {
                "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
-                "normexp.diagnostics"],
+                "normexp.engines.auto", "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.htmlpage",
                      "normexp.progress", "normexp.export"],

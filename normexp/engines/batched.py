@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -250,8 +250,10 @@ def stack_nets(nets: Sequence[Net], rows: int) -> Net:
 # ----------------------------------------------------------------------------- the loop
 
 
-def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResult]:
-    """Train `runs` (equal `batch_key`) together; one RunResult per run, as `train_run` would return."""
+def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
+                on_step: Callable[[int], None] | None = None) -> list[RunResult]:
+    """Train `runs` (equal `batch_key`) together; one RunResult per run, as `train_run` would return.
+    `on_step` is called after each recorded step that goes on (`--engine auto` times the steps)."""
     start = time.perf_counter()
     first = runs[0]
     with torch_threads(first.train.threads) as threads:
@@ -288,6 +290,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu") -> list[RunResul
                 blocks.observe(step, recording, [live[r] for r in recording])
             if not any(live):
                 break
+            if on_step is not None:
+                on_step(step)
             if step < steps:
                 optimizer.step(lrs)
                 if logged:

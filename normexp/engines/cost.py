@@ -3,6 +3,8 @@ pair small runs by it; the fast engine decides whether compiling pays by it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from normexp.config import RunConfig, sequence_shape
 
 
@@ -14,3 +16,14 @@ def model_step_flops(cfg: RunConfig) -> float:
         t = sequence_shape(cfg.data).seq_len - 1
         return 3 * 2 * n * t * (depth * (2 * d * hidden + 4 * d * d + 2 * t * d) + d * cfg.data.vocab)
     return 3 * 2 * n * (2 * d * hidden * depth + d * cfg.model.n_classes)
+
+
+# FLOP/s a run reaches per engine on 2 CPU cores (an AMD EPYC Zen 4, torch CPU, docs/performance.md):
+# the Post-LN depth-24 width-32 phase diagram's runs. A dry run's estimate, not a promise.
+ESTIMATE_FLOP_RATES = {"reference": 5e9, "batched": 5e9, "auto": 5e9, "fast": 25e9}
+
+
+def estimated_seconds(runs: Sequence[RunConfig], engine: str) -> float:
+    """A rough time for `runs` on `engine`: their model-steps' FLOPs at ESTIMATE_FLOP_RATES."""
+    rate = ESTIMATE_FLOP_RATES.get(engine, ESTIMATE_FLOP_RATES["reference"])
+    return sum(model_step_flops(cfg) * (cfg.train.steps + 1) for cfg in runs) / rate

@@ -21,8 +21,11 @@
   batch-mates go on. With `train.stop_on_nonfinite: false` it keeps training, as in the reference.
 - `torch.compile` of the gradient step (forward, backward, grad norms) is optional. `compile=None`
   decides from the planned model-steps (a pure function of the sweep, so the same sweep makes the same
-  choice). vmap specialises the run axis, so compiled batches are padded to MAX_CHUNK runs: one
-  compiled step per structure serves every batch. A compile that fails falls back to the eager step
+  choice). The step is first traced into one flat graph of aten operations (make_fx: vmap and grad
+  applied, forward and backward in it), and that graph is compiled: the compiler's tracer then walks
+  a plain graph, not torch.func's transforms, and the first call takes a fraction of the time.
+  vmap specialises the run axis, so compiled batches are padded to MAX_CHUNK runs: one compiled step
+  per structure serves every batch. A compile that fails falls back to the eager step
   (the batch restarts from its initial state) with one warning. Inductor's cache lives in a stable
   folder (`compile_cache_dir()`), so later sweeps reuse it.
 
@@ -370,7 +373,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
     stop_on_nonfinite = first.train.stop_on_nonfinite
     with torch_threads(first.train.threads) as threads:
         base, batch = stack_runs(runs, device)
-        grad_step = (_compiled(first, base, batch.x.device, batch.positions) if compiled
+        grad_step = (_compiled(first, base, batch) if compiled
                      else make_grad_step(base, batch.positions, first.train.z_loss))
         val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
@@ -401,13 +404,44 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
 _COMPILED: dict[tuple, GradStep] = {}
 
 
-def _compiled(cfg: RunConfig, base: torch.nn.Module, device: torch.device,
-              positions: torch.Tensor | None) -> GradStep:
-    """The compiled gradient step of runs shaped like `cfg` on `device`, for batches of MAX_CHUNK runs
-    (vmap specialises the run axis, so `train_fast` pads smaller batches). Compile errors surface at
-    the first call."""
-    key = (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, str(device))
+def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch) -> GradStep:
+    """The compiled gradient step of runs shaped like `cfg` on the batch's device, for batches of
+    MAX_CHUNK runs (vmap specialises the run axis, so `train_fast` pads smaller batches). Compile
+    errors, and a compiled step that does not reproduce the eager one, surface at the first call."""
+    key = (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, str(batch.x.device))
     if key not in _COMPILED:
         compile_cache_dir()
-        _COMPILED[key] = torch.compile(make_grad_step(base, positions, cfg.train.z_loss), dynamic=False)
+        _COMPILED[key] = compile_grad_step(make_grad_step(base, batch.positions, cfg.train.z_loss), batch.params,
+                                           *batch.step_data(0))
     return _COMPILED[key]
+
+
+def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> GradStep:
+    """`step` traced once into one flat graph of aten operations (make_fx: forward, backward and the
+    norms, vmap and grad already applied), then compiled by torch.compile. Tracing first takes the
+    compiler's own tracer through a plain graph instead of through torch.func's transforms: the
+    depth-24 step's first call takes about a fifth of the time (docs/performance.md). The graph is
+    checked against the eager step on (params, x, y) before it is used: a model whose forward
+    branches on its values in Python (a user's placement) could trace into a graph that holds for
+    these values only, and is then refused (ValueError), as any compile failure is."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    names = list(params)
+
+    def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grads, metrics = step(dict(zip(names, tensors[:-2])), tensors[-2], tensors[-1])
+        return (*(grads[name] for name in names), metrics)
+
+    inputs = (*params.values(), x, y)
+    with torch.no_grad():
+        graph = make_fx(flat)(*inputs)
+        compiled = torch.compile(graph, dynamic=False)
+        eager, got = flat(*inputs)[-1], compiled(*inputs)[-1]
+    if not torch.allclose(eager, got, rtol=1e-3, atol=1e-5, equal_nan=True):
+        raise ValueError("the traced step does not reproduce the eager one (a forward that branches on values?)")
+
+    def compiled_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
+        *grads, metrics = compiled(*(params[name] for name in names), x, y)
+        return dict(zip(names, grads)), metrics
+
+    return compiled_step

@@ -1,0 +1,160 @@
+"""Issue 29's figures side by side with the reference: the phase diagram's shape (Post-LN, depth 24, width 32,
+lr x warmup x seeds, 60 steps) per model-step on each engine, `auto` against the reference on the article's
+64-run grid end to end, a 10,000-run grid's dry run, and report / plot / verify of a large run folder.
+
+    python benchmarks/bench_scale.py              # or: make bench
+    python benchmarks/bench_scale.py --quick      # smaller: a smoke run of every measurement
+    python benchmarks/bench_scale.py --runs 10000 # the folder figures at the issue's size
+
+Engines run side by side in one process, alternated; sweeps in fresh processes, alternated. The load
+average is printed with each figure: other work on the machine slows every side. Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from normexp.config import RunConfig, load_sweep
+from normexp.engines.fast import train_fast
+from normexp.engines.reference import train_run
+from normexp.runfolder import SWEEP_FILE, run_id
+from normexp.store import FinishedRun, append_history, atomic_write, sweep_yaml, write_run, write_summary
+
+REPO = Path(__file__).resolve().parents[1]
+LRS = [0.0003, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.007, 0.01, 0.015, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15]
+WARMUPS = [0, 2, 5, 10, 15, 20, 30, 45]
+
+
+def phase_grid_yaml(seeds: int, steps: int = 60) -> str:
+    return ("name: phase\nbase: {model: {depth: 24, width: 32}, norm: {placement: post}, "
+            f"schedule: {{kind: linear_warmup}}, train: {{steps: {steps}}}}}\n"
+            f"grid: {{optim.lr: {LRS}, schedule.warmup_steps: {WARMUPS}}}\nseeds: {list(range(seeds))}\n")
+
+
+def phase_runs(n: int, steps: int) -> list[RunConfig]:
+    """The first n runs of the phase diagram in the order a sweep batches them (seeds of one cell together)."""
+    return [RunConfig.model_validate({"model": {"depth": 24, "width": 32}, "norm": {"placement": "post"},
+                                      "optim": {"lr": lr}, "schedule": {"kind": "linear_warmup", "warmup_steps": w},
+                                      "train": {"steps": steps}, "seed": s})
+            for s in range(n) for lr in LRS for w in WARMUPS][:n]
+
+
+def load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def per_model_step(runs: list[RunConfig], quick: bool) -> None:
+    """Reference, fast eager and fast compiled on the same batch, alternated, ms per model-step."""
+    steps = runs[0].train.steps + 1
+    train_fast(runs, compile=True)  # compiles, or loads the step from inductor's cache
+    times: dict[str, list[float]] = {"reference": [], "fast eager": [], "fast compiled": []}
+    for _ in range(1 if quick else 2):
+        start = time.perf_counter()
+        for cfg in runs[:2]:
+            train_run(cfg)
+        times["reference"].append((time.perf_counter() - start) / (2 * steps) * 1e3)
+        for name, compile in (("fast eager", False), ("fast compiled", True)):
+            start = time.perf_counter()
+            train_fast(runs, compile=compile)
+            times[name].append((time.perf_counter() - start) / (len(runs) * steps) * 1e3)
+    ref = statistics.median(times["reference"])
+    print(f"\nphase diagram shape (Post-LN depth 24 width 32), {len(runs)}-run batch x {steps} steps, whole calls, "
+          f"ms per model-step (median of alternated rounds), {load()}:")
+    for name, values in times.items():
+        ms = statistics.median(values)
+        print(f"  {name:<15} {ms:8.2f} ms   {ref / ms:6.2f}x the reference")
+    compiled = statistics.median(times["fast compiled"])
+    print(f"  a 10,000-run diagram at this rate: ~{10_000 * 61 * compiled / 1e3 / 60:.1f} min of training "
+          f"(+ compile, writing)")
+
+
+def sweep_seconds(args: list[str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "normexp", "sweep", *args], cwd=REPO, check=True,
+                          capture_output=True, text=True)
+    return time.perf_counter() - start, (done.stdout.splitlines() or [""])[0]
+
+
+def auto_vs_reference(rounds: int) -> None:
+    """`normexp sweep configs/warmup.yaml` (64 runs) with --engine auto and reference, fresh processes."""
+    times: dict[str, list[float]] = {"reference": [], "auto": []}
+    first = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for engine in times:
+                seconds, line = sweep_seconds([str(REPO / "configs" / "warmup.yaml"), "--engine", engine,
+                                               "--force", "--out", str(Path(tmp) / f"{engine}{r}")])
+                times[engine].append(seconds)
+                first = line if engine == "auto" else first
+    ref = statistics.median(times["reference"])
+    print(f"\nthe article's 64-run grid end to end (normexp sweep, fresh processes, {rounds} alternated rounds), "
+          f"{load()}:")
+    for engine, values in times.items():
+        print(f"  --engine {engine:<10} {' / '.join(f'{v:.1f}' for v in values)} s   "
+              f"{ref / statistics.median(values):5.2f}x the reference")
+    print(f"  auto's first line: {first}")
+
+
+def synthetic_folder(out: Path, seeds: int) -> int:
+    """A phase-diagram run folder written through the store, without training (made-up loss curves)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(phase_grid_yaml(seeds))
+    sweep = load_sweep(f.name, max_runs=100_000)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / SWEEP_FILE, sweep_yaml(sweep))
+    append_history(out, {"command": "bench_scale", "sweep": sweep.name, "runs_planned": len(sweep.runs)})
+    rnd = random.Random(0)
+    for cfg in sweep.runs:
+        n, lr = cfg.train.steps + 1, cfg.optim.lr
+        start, floor = 2.3 + 0.1 * rnd.random(), 0.01 if lr < 0.02 else 2.3
+        metrics = {"step": list(range(n)), "loss": [floor + (start - floor) * math.exp(-5 * s * lr) for s in range(n)],
+                   "acc": [0.1] * n, "lr": [lr] * n, "grad_norm": [1.0] * n}
+        write_run(out / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 2, "fast", "cpu"), "bench")
+    write_summary(out, sweep.runs, {run_id(c): "completed" for c in sweep.runs})
+    return len(sweep.runs)
+
+
+def folder_commands(runs: int) -> None:
+    seeds = max(1, runs // (len(LRS) * len(WARMUPS)))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "phase"
+        start = time.perf_counter()
+        n = synthetic_folder(folder, seeds)
+        print(f"\na {n}-run folder (written in {time.perf_counter() - start:.0f} s), each command a fresh process, "
+              f"{load()} (target: <= 10 s each at 10,000 runs):")
+        for command in (["report", str(folder)], ["verify", str(folder)], ["verify", str(folder)],
+                        ["plot", str(folder), "-o", str(Path(tmp) / "fig.png")]):
+            start = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "normexp", *command], cwd=REPO, capture_output=True, text=True)
+            print(f"  normexp {command[0]:<8} {time.perf_counter() - start:6.1f} s  (exit {done.returncode})")
+        (Path(tmp) / "grid.yaml").write_text(phase_grid_yaml(79))
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "normexp", "sweep", str(Path(tmp) / "grid.yaml"), "--dry-run",
+                        "--max-runs", "20000", "--out", str(folder)], cwd=REPO, check=True, capture_output=True)
+        print(f"  sweep --dry-run of the 10,112-run grid against it: {time.perf_counter() - start:.1f} s (target 2 s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--runs", type=int, default=2048, help="runs in the synthetic folder")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {load()}")
+    per_model_step(phase_runs(16 if args.quick else 64, 5 if args.quick else 10), args.quick)
+    auto_vs_reference(1 if args.quick else 2)
+    folder_commands(128 if args.quick else args.runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Sweeps at scale: a large sweep's log gets a progress line every few percent or seconds with an ETA (and a
+line per failure), not a line per run; a small one keeps its line per run."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from normexp import progress
+from normexp.progress import ProgressLines, sweep_progress
+from normexp.sweep import SweepEvent
+
+
+def test_progress_lines_come_every_five_percent_with_statuses_and_an_eta():
+    now = [0.0]
+    lines = ProgressLines(1000, clock=lambda: now[0])
+    shown = []
+    for done in range(1, 1001):
+        now[0] += 0.02
+        status = "diverged" if done % 10 == 0 else "completed"
+        line = lines.update(SweepEvent("finished", f"r{done}", done, 1000, status))
+        if line is not None:
+            shown.append(line)
+    assert len(shown) == 20
+    assert shown[0] == "[50/1000] 5% · 45 completed, 5 diverged · 0m01s elapsed, ETA 0m19s"
+    assert shown[-1] == "[1000/1000] 100% · 900 completed, 100 diverged · 0m20s elapsed, done"
+
+
+def test_progress_lines_come_every_thirty_seconds_and_skipped_runs_cost_no_eta():
+    now = [0.0]
+    lines = ProgressLines(10_000, clock=lambda: now[0])
+    assert lines.update(SweepEvent("skipped", "a", 1, 10_000)) is None
+    now[0] = 31.0
+    line = lines.update(SweepEvent("finished", "b", 2, 10_000, "completed"))
+    assert line == "[2/10000] 0% · 1 completed, 1 skipped · 0m31s elapsed, ETA 86h05m"
+
+
+def test_a_large_sweep_log_has_progress_lines_and_each_failure_a_small_one_a_line_per_run(monkeypatch):
+    for total, per_run in ((4, True), (progress.PER_RUN_LINES + 1, False)):
+        file = io.StringIO()
+        console = Console(file=file, force_terminal=False, width=200)
+        with sweep_progress(console, total, quiet=False) as show:
+            for done in range(1, total + 1):
+                failed = done == 3
+                show(SweepEvent("failed" if failed else "finished", f"r{done}", done, total,
+                                "failed" if failed else "completed", None if failed else 0.5,
+                                error="boom" if failed else ""))
+        out = file.getvalue().splitlines()
+        assert f"[3/{total}] r3 failed: boom" in out
+        if per_run:
+            assert len(out) == total
+        else:
+            assert len(out) == 1 + 21 and out[-1].startswith(f"[{total}/{total}] 100% · 200 completed, 1 failed")
+
+
+def test_a_large_grids_dry_run_summarises_each_axis_counts_done_runs_and_estimates_the_time(write_yaml, tmp_path):
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+    from normexp.config import load_sweep
+    from normexp.runfolder import run_id
+
+    lrs = [round(0.001 * (i + 1), 4) for i in range(30)]
+    config = write_yaml(f"name: big\nbase: {{model: {{depth: 2, width: 8}}, train: {{steps: 3}}}}\n"
+                        f"grid: {{optim.lr: {lrs}}}\nseeds: {list(range(10))}\n")
+    out = tmp_path / "out"
+    first = run_id(load_sweep(config).runs[0])
+    (out / first).mkdir(parents=True)
+    (out / first / "done.json").write_text("{}")
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[:3] == ["big: 300 runs", "  optim.lr: 30 values (0.001, 0.002, 0.003, ..., 0.029, 0.03)",
+                         "  seed: 10 values (0, 1, 2, ..., 8, 9)"]
+    assert lines[3].startswith(f"1 already done, 299 to run in {out}; estimated ~") and "--engine fast" in lines[3]
+    assert len(lines) == 4 and {p.name for p in out.iterdir()} == {first}
