@@ -661,6 +661,8 @@ def plot(
         output = run_dirs[0] / f"compare-{name}.{'png' if blocks else fmt or 'png'}"
     try:
         if blocks:
+            if output is None and fmt is not None:
+                output = folder.path / f"blocks-{block_metric or 'fc2_update'}.{fmt}"
             paths = [save_blocks_plot(folder, output, block_metric or "fc2_update")]
         else:
             paths = save_plots(folder, output, metric, fmt, dpi, trained_below=trained_below, **facets)

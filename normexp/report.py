@@ -148,7 +148,8 @@ class Report:
 
     def verdict_counts(self) -> str:
         """Per value of the first column key, how many of its columns (cells) trained in every run, in
-        some, and diverged: 'Trained (final loss < ...), cells per placement: Post 0/8 ...; Pre 8/8'."""
+        some, and had a diverged run: 'Trained (final loss < ...), per placement: Post: 0/8 cells trained;
+        Pre: 8/8'."""
         key = self.keys[0]
         groups: dict[str, list[Column]] = {}
         for column in self.columns:

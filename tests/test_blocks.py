@@ -366,7 +366,7 @@ def test_bad_plot_options_exit_2(write_yaml, tmp_path):
     runner.invoke(app, ["sweep", str(path), "--out", str(out), "-q"])
     for args, expected in [(["--blocks", "--block-metric", "fc3_grad"], "--block-metric: must be one of"),
                            (["--block-metric", "fc1_grad"], "--block-metric: only with --blocks"),
-                           (["--blocks", "-o", str(tmp_path / "x.pdf")], "must end in .png")]:
+                           (["--blocks", "-o", str(tmp_path / "x.jpg")], "must end in .png, .pdf or .svg")]:
         result = runner.invoke(app, ["plot", str(out), *args])
         assert result.exit_code == 2 and expected in result.output, (args, result.output)
     assert not list(out.glob("blocks*.png"))
