@@ -516,6 +516,8 @@ def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss
         others = [SWEEP_KEY, *others]
     facets = facets or choose_facets(others)
     facets = Facets([*facets.row, *facets.hue, *facets.style], facets.col, [])
+    if is_sampled(table, x_key, y_key):
+        return phase_scatter_figure(table, x_key, y_key, metric, facets, trained_below)
     grid, n_rows, n_cols = _panels(table, facets)
     values = table["final"].dropna()
     accuracy = metric.endswith("acc")
@@ -625,6 +627,60 @@ def _order(value: object) -> float:
     return -math.inf if pd.isna(value) else float(value)
 
 
+def is_sampled(table: pd.DataFrame, x_key: str, y_key: str) -> bool:
+    """Whether the runs' (x, y) values fill under half the cells of their x x y grid: sampled points (a
+    sweep's `sample:` section), not a grid, so a heat map would be mostly empty cells."""
+    pairs = table[[x_key, y_key]].drop_duplicates()
+    cells = table[x_key].nunique(dropna=False) * table[y_key].nunique(dropna=False)
+    return cells > 0 and len(pairs) < cells / 2
+
+
+def phase_scatter_figure(table: pd.DataFrame, x_key: str, y_key: str, metric: str, facets: Facets,
+                         trained_below: float | None = None) -> Figure:
+    """Sampled points (`final_values`' table): each run at its (x, y), coloured by its final `metric`, ringed
+    where it trained, a red cross where it diverged; panels as the phase diagram's. A scatter of what ran,
+    never an interpolated map."""
+    grid, n_rows, n_cols = _panels(table, facets)
+    values = table["final"].dropna()
+    accuracy = metric.endswith("acc")
+    positive = values[values > 0]
+    scale = (Normalize(0, 1) if accuracy else
+             LogNorm(vmin=positive.min() if len(positive) else 1e-3,
+                     vmax=max(positive.max(), positive.min() * 1.01) if len(positive) else 10))
+    cmap = "viridis" if accuracy else "viridis_r"
+    fig, axes = _subplots(n_rows, n_cols, legend=False, panel=(4.4, 3.6))
+    image = None
+    for i, line in enumerate(grid):
+        for j, (title, runs) in enumerate(line):
+            ax = axes[i, j]
+            if runs is None:
+                ax.set_visible(False)
+                continue
+            ok, bad = runs[runs["final"].notna()], runs[runs["final"].isna()]
+            image = ax.scatter(ok[x_key], ok[y_key], c=ok["final"], norm=scale, cmap=cmap, s=30,
+                               edgecolors=np.where(ok["trained"], TRAINED_EDGE, "black"),
+                               linewidths=np.where(ok["trained"], 1.6, 0.3))
+            ax.scatter(bad[x_key], bad[y_key], marker="x", color="red", s=30)
+            for key, set_scale in ((x_key, ax.set_xscale), (y_key, ax.set_yscale)):
+                column = table[key].astype(float)
+                if (column > 0).all() and column.max() / column.min() > 20:
+                    set_scale("log")
+            ax.set_xlabel(axis_label(x_key), fontsize="small")
+            ax.set_ylabel(axis_label(y_key), fontsize="small")
+            ax.set_title(f"{title} ({_coverage(runs)})" if title else _coverage(runs), fontsize="small")
+            ax.grid(True, which="both", alpha=0.25)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.9,
+                     label=FINAL_LABELS.get(metric, metric) + ("" if accuracy else " (log scale)"))
+    handles = [Line2D([], [], marker="o", linestyle="", markerfacecolor="none", markeredgecolor=TRAINED_EDGE,
+                      markeredgewidth=1.6, label=f"trained: {_rule_text(table, trained_below)}"),
+               Line2D([], [], marker="x", linestyle="", color="red", label="diverged")]
+    fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False, ncols=2)
+    _title(fig, f"sampled points, a scatter (not interpolated): {FINAL_LABELS.get(metric, metric)} of each run",
+           constants_text(table), legend=False)
+    return fig
+
+
 def _phase_text(mean: float, finite: float, runs: float) -> str:
     """A phase cell's label: the mean, with k/n when only k of its n runs did not diverge."""
     if pd.isna(runs) or runs == 0:
@@ -703,12 +759,13 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
     facets = choose_facets(keys, row, col, hue, value_counts(summary, keys))
     note = "\n".join(filter(None, [engine_note(summary, keys), missing_note(summary, run_dir)]))
     figures = [("", curves_figure(tidy, keys, metric, facets=facets, trained_below=rule), note)]
-    if LR_KEY in summary and summary[LR_KEY].nunique() >= MIN_LRS:
+    axes = numeric_axes(summary)
+    sampled_lr = any(is_sampled(finished_runs(summary), LR_KEY, k) for k in axes if k != LR_KEY)
+    if LR_KEY in summary and summary[LR_KEY].nunique() >= MIN_LRS and not sampled_lr:  # else: the scatter
         table, others = lr_table(folder)
         lr_facets = (_lines_first(_without(facets, LR_KEY)) if LR_KEY in facets.keys
                      else choose_facets(others, counts=value_counts(table, others)))
         figures.append(("-lr", lr_figure(table, others, facets=lr_facets, trained_below=rule), note))
-    axes = numeric_axes(summary)
     if len(axes) >= 2:
         others = [k for k in keys if k not in axes[:2]]
         phase_facets = _without(_without(facets, axes[0]), axes[1]) if (row or col or hue) else choose_facets(
