@@ -27,6 +27,8 @@ here prints: the CLI renders the result.
 
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -229,6 +231,20 @@ def _foreign(out_dir: Path, ids: set[str], fix: bool) -> list[Finding]:
     return findings
 
 
+def _summary_difference(found: str, expected: str) -> str:
+    """How a summary.csv differs from the rebuilt one: 'does not match the run folders', or where its
+    every row agrees on the columns it has and it only lacks later columns (a folder of an earlier
+    release: summary.csv gained `threshold`, `trained` and new config keys since), that it is older."""
+    old, new = list(csv.DictReader(io.StringIO(found))), list(csv.DictReader(io.StringIO(expected)))
+    have = list(old[0]) if old else next(csv.reader(io.StringIO(found)), [])
+    wanted = next(csv.reader(io.StringIO(expected)), [])
+    lacking = [column for column in wanted if column not in have]
+    if (not lacking or set(have) - set(wanted) or len(old) != len(new)
+            or any(row != {column: fresh[column] for column in have} for row, fresh in zip(old, new))):
+        return "does not match the run folders"
+    return f"written by an earlier normexp: agrees with the run folders but lacks {', '.join(lacking)}"
+
+
 def _summary(out_dir: Path, runs: list[RunConfig], rebuild: bool) -> list[Finding]:
     """summary.csv must be the table rebuilt from the verified run folders."""
     statuses = cached_statuses(out_dir)
@@ -240,10 +256,11 @@ def _summary(out_dir: Path, runs: list[RunConfig], rebuild: bool) -> list[Findin
     except (OSError, UnicodeDecodeError):
         found, problem = None, "unreadable"
     else:
-        problem = "does not match the run folders"
+        problem = _summary_difference(found, expected)
     if rebuild and (found != expected or found is None):
         write_summary(out_dir, runs, statuses)
     if found == expected:
         return []
+    older = problem.startswith("written by an earlier")  # a consistent cache, short of the new columns: a note
     return [Finding(SUMMARY_FILE, problem, "rebuilt from the verified run folders" if rebuild
-                    else "--fix rebuilds it from the verified run folders")]
+                    else "--fix rebuilds it from the verified run folders", "note" if older else "problem")]

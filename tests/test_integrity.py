@@ -245,6 +245,35 @@ def test_verify_a_clean_folder(sweep_dir):
     assert snapshot(out) == before
 
 
+def test_verify_names_an_earlier_releases_summary_as_older_not_as_wrong(sweep_dir):
+    """summary.csv without the columns added since (threshold, trained, a new config key) but agreeing on
+    the rest is an earlier release's, said so; one cell edited besides is a mismatch."""
+    import csv
+    import io
+
+    _, out = sweep_dir
+    rows = list(csv.DictReader(io.StringIO((out / "summary.csv").read_text())))
+    dropped = ["threshold", "trained", "model.qk_norm"]
+    kept = [column for column in rows[0] if column not in dropped]
+
+    def write(rows: list[dict]) -> None:
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=kept, lineterminator="\n", extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        (out / "summary.csv").write_text(buffer.getvalue())
+
+    write(rows)
+    [finding] = verify_sweep(out).findings
+    assert finding.severity == "note" and finding.problem.startswith("written by an earlier normexp")
+    assert all(column in finding.problem for column in dropped), finding.problem
+    assert normexp("verify", out).exit_code == 0
+    write([{**rows[0], "final_loss": "0.0001"}, *rows[1:]])
+    [finding] = verify_sweep(out).findings
+    assert finding.severity == "problem" and finding.problem == "does not match the run folders"
+    assert normexp("verify", out, "--fix").exit_code == 0 and not verify_sweep(out).findings
+
+
 @pytest.mark.parametrize("target", ["empty", "file", "nowhere", "garbled"])
 def test_verify_refuses_a_folder_that_is_not_a_sweep(tmp_path, sweep_dir, target):
     path = {"empty": tmp_path / "empty", "file": tmp_path / "f.txt", "nowhere": tmp_path / "nope",
