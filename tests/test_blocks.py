@@ -319,7 +319,10 @@ def test_plot_blocks_writes_one_png(write_yaml, tmp_path):
 
 
 def test_plot_metrics_are_the_logged_columns():
-    assert tuple(BLOCK_METRIC_LABELS) == BLOCK_COLUMNS[2:]
+    from normexp.blocklog import TRANSFORMER_BLOCK_COLUMNS
+
+    assert tuple(BLOCK_METRIC_LABELS) == TRANSFORMER_BLOCK_COLUMNS[2:]  # the FFN's columns, then the Transformer's
+    assert TRANSFORMER_BLOCK_COLUMNS[:len(BLOCK_COLUMNS)] == BLOCK_COLUMNS
 
 
 # ----------------------------------------------------------------------------- bad input

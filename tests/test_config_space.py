@@ -49,6 +49,8 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "model.init": st.sampled_from(["xavier_uniform", "xavier_normal", "torch_default"]),
     "model.arch": st.sampled_from(["ffn", "transformer", "rnn"]),
     "model.n_heads": st.integers(0, 5),
+    "model.qk_norm": st.booleans(),
+    "model.qk_norm_scope": st.sampled_from(["head", "full", "all"]),
     "norm.placement": st.sampled_from(get_args(Placement)),
     "norm.kind": st.sampled_from(get_args(NormKind)),
     "norm.eps": _floats(1e-8, 1e-2),
@@ -90,6 +92,7 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "train.stop_on_nonfinite": st.booleans(),
     "train.log_blocks": st.booleans(),
     "train.log_every": st.integers(0, 3),
+    "train.z_loss": st.one_of(_floats(-1e-4, 1e-2), st.just(0.0)),
 }
 GRID_KEYS = [k for k in run_keys() if k != "seed"]
 
