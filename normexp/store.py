@@ -31,7 +31,6 @@ import csv
 import ctypes
 import errno
 import fcntl
-import functools
 import io
 import json
 import os
@@ -83,6 +82,7 @@ from normexp.runfolder import (
     _sha256,
     _what,
     config_hash,
+    config_yaml,
     earlier_run_id,
     encode_done,
     file_record,
@@ -331,27 +331,6 @@ def _write_staged(staging: Path, rid: str, cfg: RunConfig, run: FinishedRun, com
     }
     atomic_write(staging / DONE_FILE, encode_done(done))
     return done
-
-
-def config_yaml(cfg: RunConfig) -> str:
-    """config.yaml's text: `yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)`, byte for byte.
-    Written one section at a time, each distinct section dumped once (`_section_yaml`): a block-style
-    mapping's entries are dumped independently, and the runs of a grid share most of their sections,
-    so a 10,000-run sweep spends milliseconds here instead of a minute of YAML emitting."""
-    parts = []
-    for section in type(cfg).model_fields:
-        value = getattr(cfg, section)
-        try:
-            parts.append(_section_yaml(section, value))
-        except TypeError:  # an unhashable value: dumped here
-            parts.append(_section_yaml.__wrapped__(section, value))
-    return "".join(parts)
-
-
-@functools.lru_cache(maxsize=4096)
-def _section_yaml(section: str, value: Any) -> str:
-    dumped = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
-    return yaml.safe_dump({section: dumped}, sort_keys=False)
 
 
 def write_failed(run_dir: Path, cfg: RunConfig, status: str, error: str) -> bool:
