@@ -137,3 +137,22 @@ def test_config_yaml_written_a_section_at_a_time_is_safe_dump_byte_for_byte():
                                          "train": {"steps": 60, "threads": 1}})]
     for cfg in configs + configs:  # the second time from the sections' cache
         assert config_yaml(cfg) == yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+@pytest.mark.slow
+def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_across_batches(tmp_path, monkeypatch):
+    from normexp.config import RunConfig
+    from normexp.engines import fast
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    runs = [RunConfig.model_validate({"model": {"depth": 2, "width": 8}, "data": {"n_samples": 16},
+                                      "norm": {"placement": "post"}, "train": {"steps": 3}, "seed": s})
+            for s in range(3)]
+    compiled = fast.train_fast(runs, compile=True)
+    eager = fast.train_fast(runs, compile=False)
+    for a, b in zip(compiled, eager):
+        assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-4
+    assert len(fast._COMPILED) == 1
+    fast.train_fast(runs[:2], compile=True)  # another batch of the structure: the same compiled step
+    assert len(fast._COMPILED) == 1
