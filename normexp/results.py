@@ -209,17 +209,37 @@ def _attach(run_dir: str | Path, summary: pd.DataFrame, finished: pd.DataFrame, 
     """Read `file` of each finished run and attach run_id, the config keys, seed and status in front."""
     keys = config_columns(summary) if all_config else [k for k in varying_keys(summary) if k != "seed"]
     attach = list(dict.fromkeys(["run_id", *keys, "seed", "status"]))
-    frames = []
-    for row in finished[attach].itertuples(index=False):
-        try:
-            table = pd.read_csv(Path(run_dir) / row.run_id / file, **_EXACT)
-        except (OSError, ValueError) as exc:  # deleted or replaced after it was verified (a sweep writing?)
-            raise ResultsError(f"{run_dir}/{row.run_id}/{file}: changed while it was read "
-                               f"({type(exc).__name__}); run the command again") from None
-        for column, value in zip(attach, row):
-            table[column] = value
-        frames.append(table)
-    tidy = pd.concat(frames, ignore_index=True)
-    tidy = tidy[[*attach, *(c for c in tidy.columns if c not in attach)]]
+    data, repeats = _read_tables(Path(run_dir), list(finished["run_id"]), file)
+    # the run's columns in front, once for all rows (per frame they cost a minute at 10,000 runs)
+    front = {column: [value for value, n in zip(finished[column].tolist(), repeats) for _ in range(n)]
+             for column in attach}
+    tidy = pd.concat([pd.DataFrame(front), data.drop(columns=[c for c in attach if c in data])], axis=1)
     tidy.attrs["unfinished"] = unfinished_runs(summary)
     return tidy
+
+
+def _read_tables(run_dir: Path, run_ids: list[str], file: str) -> tuple[pd.DataFrame, list[int]]:
+    """`file` of each run, one table (rows in run order), and each run's row count. Files with one
+    header are parsed as one CSV (10,000 runs' metrics in a second, instead of a parser per file);
+    otherwise, or where the rows do not add up, each file on its own, as pandas reads it."""
+    texts = []
+    for rid in run_ids:
+        try:
+            texts.append((run_dir / rid / file).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:  # deleted or replaced after it was verified (a sweep writing?)
+            raise ResultsError(f"{run_dir}/{rid}/{file}: changed while it was read "
+                               f"({type(exc).__name__}); run the command again") from None
+    heads, bodies = zip(*(text.partition("\n")[::2] for text in texts)) if texts else ((), ())
+    if len(set(heads)) == 1 and all(body.endswith("\n") and "\n\n" not in body for body in bodies):
+        repeats = [body.count("\n") for body in bodies]
+        data = pd.read_csv(io.StringIO(heads[0] + "\n" + "".join(bodies)), **_EXACT)
+        if len(data) == sum(repeats):
+            return data, repeats
+    frames = []
+    for rid, text in zip(run_ids, texts):
+        try:
+            frames.append(pd.read_csv(io.StringIO(text), **_EXACT))
+        except ValueError as exc:
+            raise ResultsError(f"{run_dir}/{rid}/{file}: changed while it was read "
+                               f"({type(exc).__name__}); run the command again") from None
+    return pd.concat(frames, ignore_index=True), [len(frame) for frame in frames]

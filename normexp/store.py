@@ -87,6 +87,7 @@ from normexp.runfolder import (
     _sha256,
     _what,
     config_hash,
+    config_yaml,
     earlier_run_id,
     encode_done,
     file_record,
@@ -311,7 +312,7 @@ def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = ""
 
 def _write_staged(staging: Path, rid: str, cfg: RunConfig, run: FinishedRun, command: str) -> dict[str, Any]:
     """Write a finished run's files into its staging folder, done.json last; returns done.json's fields."""
-    config_text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    config_text = config_yaml(cfg)
     metrics_text = metrics_csv(run.metrics)
     atomic_write(staging / CONFIG_FILE, config_text)
     atomic_write(staging / METRICS_FILE, metrics_text)

@@ -156,7 +156,13 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     outcome = SweepOutcome(out_dir, len(runs), command=invocation.command)
     emit = on_event or (lambda event: None)
     threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
-    executor = make_executor(options.workers, options.cluster,  # fails before anything is written
+    workers = options.workers
+    pool = fast_pool(sweep, options)
+    if pool:
+        workers, threads = pool, 1
+        emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled, {pool} worker processes "
+                        "x 1 thread each (faster than one process x all threads: docs/performance.md)"))
+    executor = make_executor(workers, options.cluster,  # fails before anything is written
                              lambda why: emit(SweepEvent("waiting", "", len(outcome.statuses), outcome.total,
                                                          error=why)))
     try:
@@ -165,6 +171,31 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     finally:
         executor.close()
     return outcome
+
+
+def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
+    """Worker processes for a compiled fast sweep on the CPU (0: none). Where no executor is asked for
+    (no --workers above 1, no --cluster), no run sets `train.threads`, and the sweep compiles (--compile,
+    or by default where the planned model-steps pay for it), the batches train in one single-threaded
+    worker process per core instead of one process with a thread per core: the step's many small
+    kernels then never wait for each other's threads (measured on 2 cores: docs/performance.md). A
+    pure function of the sweep, the options and the machine, so a resumed sweep decides the same (its
+    runs record 1 thread)."""
+    from normexp.executors import usable_cores
+
+    cores = usable_cores()
+    if (options.engine != "fast" or options.device != "cpu" or options.cluster or (options.workers or 1) > 1
+            or options.compile is False or cores < 2 or any(cfg.train.threads is not None for cfg in sweep.runs)):
+        return 0
+    if options.compile:
+        return cores
+    from normexp.engines.fast import fast_key, should_compile
+
+    steps: dict[tuple, tuple[RunConfig, int]] = {}
+    for cfg in sweep.runs:
+        first, total = steps.get(fast_key(cfg), (cfg, 0))
+        steps[fast_key(cfg)] = (first, total + cfg.train.steps + 1)
+    return cores if any(should_compile(first, total) for first, total in steps.values()) else 0
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from normexp import progress
@@ -75,3 +76,83 @@ def test_a_large_grids_dry_run_summarises_each_axis_counts_done_runs_and_estimat
                          "  seed: 10 values (0, 1, 2, ..., 8, 9)"]
     assert lines[3].startswith(f"1 already done, 299 to run in {out}; estimated ~") and "--engine fast" in lines[3]
     assert len(lines) == 4 and {p.name for p in out.iterdir()} == {first}
+
+
+def test_a_compiled_fast_sweep_on_several_cores_trains_in_one_single_threaded_worker_per_core(monkeypatch):
+    from types import SimpleNamespace
+
+    from normexp import executors
+    from normexp.config import RunConfig
+    from normexp.sweep import SweepOptions, fast_pool
+
+    monkeypatch.setattr(executors, "usable_cores", lambda: 2)
+    run = RunConfig.model_validate({"train": {"steps": 60}})
+    small = SimpleNamespace(runs=[RunConfig.model_validate({"train": {"steps": 2}})] * 2)
+    big = SimpleNamespace(runs=[run] * 4096)  # the article's model: compiling pays (`should_compile`)
+    own = SimpleNamespace(runs=[RunConfig.model_validate({"train": {"steps": 60, "threads": 2}})] * 4096)
+    fast = SweepOptions(engine="fast")
+    assert fast_pool(big, fast) == 2 and fast_pool(small, SweepOptions(engine="fast", compile=True)) == 2
+    assert fast_pool(small, fast) == 0  # too small to compile by default: one process, as before
+    for options in (SweepOptions(engine="auto"), SweepOptions(engine="fast", compile=False),
+                    SweepOptions(engine="fast", workers=3), SweepOptions(engine="fast", cluster="local"),
+                    SweepOptions(engine="fast", device="cuda")):
+        assert fast_pool(big, options) == 0, options
+    assert fast_pool(own, fast) == 0  # the config chose its threads
+    monkeypatch.setattr(executors, "usable_cores", lambda: 1)
+    assert fast_pool(big, fast) == 0
+
+
+@pytest.mark.slow
+def test_a_compiled_fast_sweep_says_so_first_and_its_runs_record_one_thread(write_yaml, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+    from normexp.executors import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("one core: no worker pool")
+    config = write_yaml("name: c\nbase: {model: {depth: 2, width: 8}, data: {n_samples: 16}, train: {steps: 3}}\n"
+                        "seeds: [0, 1, 2]\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "fast", "--compile"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].startswith("engine fast: compiled, ")
+    assert {json.loads(p.read_text())["threads"] for p in out.glob("*/done.json")} == {1}
+    again = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "fast", "--compile"])
+    assert "0 ran, 3 already done" in again.output  # resumed alike: nothing redone for its thread count
+
+
+def test_config_yaml_written_a_section_at_a_time_is_safe_dump_byte_for_byte():
+    import yaml
+
+    from normexp.config import RunConfig
+    from normexp.store import config_yaml
+
+    configs = [RunConfig(), RunConfig.model_validate({"optim": {"betas": [0.8, 0.95], "lr": 0.003}, "seed": 7}),
+               RunConfig.model_validate({"model": {"arch": "transformer"}, "data": {"task": "copy"},
+                                         "norm": {"placement": "mixln", "kind": "rmsnorm"}}),
+               RunConfig.model_validate({"schedule": {"kind": "linear_warmup", "warmup_steps": 5},
+                                         "train": {"steps": 60, "threads": 1}})]
+    for cfg in configs + configs:  # the second time from the sections' cache
+        assert config_yaml(cfg) == yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+@pytest.mark.slow
+def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_across_batches(tmp_path, monkeypatch):
+    from normexp.config import RunConfig
+    from normexp.engines import fast
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    runs = [RunConfig.model_validate({"model": {"depth": 2, "width": 8}, "data": {"n_samples": 16},
+                                      "norm": {"placement": "post"}, "train": {"steps": 3}, "seed": s})
+            for s in range(3)]
+    compiled = fast.train_fast(runs, compile=True)
+    eager = fast.train_fast(runs, compile=False)
+    for a, b in zip(compiled, eager):
+        assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-4
+    assert len(fast._COMPILED) == 1
+    fast.train_fast(runs[:2], compile=True)  # another batch of the structure: the same compiled step
+    assert len(fast._COMPILED) == 1
