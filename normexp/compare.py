@@ -7,7 +7,8 @@ another machine, another normexp) stays two runs, side by side, never one mean: 
 of the stacked table (`results.config_columns`), so the table's columns and the figures' facets separate
 the sweeps like any other axis that varies. A run's `run_id` becomes `<sweep>/<run_id>`.
 
-The stacked folder's `sweep` (its report section, notes and tags) is the first folder's.
+The stacked folder's `sweep` (its report section, notes and tags) is the first folder's; its trained rule is
+the folders' common one (`Sweeps.trained_rule`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ class Sweeps(Folder):
         if key not in self._tables:
             self._tables[key] = _stack([(name, f.blocks(True)) for name, f in self.folders])
         return self._tables[key].copy()
+
+    def trained_rule(self, trained_below: float | None = None) -> float | None:
+        """One rule for every folder: refused (ResultsError) where their `report.trained_below` differ and
+        no --trained-below overrides them, so that no run is judged by another sweep's rule."""
+        if trained_below is not None:
+            return trained_below
+        rules = {name: f.sweep.report.trained_below for name, f in self.folders}
+        if len(set(rules.values())) > 1:
+            said = ", ".join(f"{name}: {'ln(C)/10' if rule is None else rule}" for name, rule in rules.items())
+            raise ResultsError(f"the sweeps judge trained by different rules (report.trained_below: {said}); "
+                               "give --trained-below LOSS to compare them under one")
+        return next(iter(rules.values()))
 
 
 def sweep_names(paths: Sequence[Path]) -> list[str]:

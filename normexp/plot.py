@@ -752,7 +752,7 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
     note for its foot: engines mixed, runs missing)."""
     run_dir, summary = folder.path, folder.summary
     metric = metric or folder.sweep.report.metric
-    rule = trained_below if trained_below is not None else folder.sweep.report.trained_below
+    rule = folder.trained_rule(trained_below)
     tidy = folder.metrics(all_config=True)
     check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]

@@ -72,6 +72,11 @@ class Folder:
             self._tables[key] = _blocks(self.path, self.summary, all_config)
         return _copy(self._tables[key])
 
+    def trained_rule(self, trained_below: float | None = None) -> float | None:
+        """The trained rule a command judges by: `trained_below` (--trained-below) where given, else the
+        sweep's `report.trained_below` (None: ln(C)/10)."""
+        return trained_below if trained_below is not None else self.sweep.report.trained_below
+
 
 def load_folder(run_dir: str | Path) -> Folder:
     """Read the sweep folder `run_dir` once: each run it holds is verified once (`runfolder.inspect_run`)."""

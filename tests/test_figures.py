@@ -269,3 +269,21 @@ def test_report_and_plot_compare_two_sweeps_side_by_side(tf, tmp_path):
     assert (tmp_path / "c.png").exists() and (tmp_path / "c-phase.png").exists()
     twice = invoke("report", str(tf), str(tf))
     assert twice.exit_code == 2 and "given twice" in twice.output
+
+
+def test_two_sweeps_with_different_trained_rules_are_never_judged_by_the_first_ones(tmp_path):
+    small = FFN.replace("  norm.kind: [layernorm, rmsnorm]\n  optim.lr: [0.01, 0.03, 0.1]\n", "").replace(
+        "seeds: [0, 1]", "seeds: [0]")
+    folders = []
+    for name, text in (("loose", small + "report: {trained_below: 100}\n"), ("plain", small)):
+        config, out = tmp_path / f"{name}.yaml", tmp_path / name
+        config.write_text(text)
+        assert invoke("sweep", str(config), "--out", str(out), "--engine", "batched", "--quiet").exit_code == 0
+        folders.append(str(out))
+    for command in ("report", "plot"):  # plain's runs (loss ~2.3) would read "trained" under loose's rule
+        result = invoke(command, *folders)
+        assert result.exit_code == 2, result.output
+        assert "different rules" in result.output and "loose: 100.0, plain: ln(C)/10" in result.output
+    result = invoke("report", *folders, "--format", "csv", "--trained-below", "0.5")
+    assert result.exit_code == 0, result.output
+    assert {r["threshold"] for r in csv.DictReader(io.StringIO(result.output))} == {"0.5"}
