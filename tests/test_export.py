@@ -206,3 +206,29 @@ def test_bad_targets_are_refused(folder, tmp_path):
     assert result.exit_code == 2 and "--to" in result.output
     result = runner.invoke(app, ["export", str(tmp_path / "nowhere"), str(tmp_path / "x")])
     assert result.exit_code == 2 and "no sweep.yaml" in result.output
+
+
+def test_trained_follows_the_folders_rule_as_summary_csv_does(tmp_path):
+    """A sweep with report.trained_below: the exports' `final/trained` and `normexp.trained` say what
+    summary.csv's `trained` says (they judged by ln(C)/10 whatever the sweep's rule)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "ruled"
+    run_sweep(build_sweep(parse_yaml(TINY.replace("  train.log_blocks: [false, true]\n", "")
+                                     + "report: {trained_below: 100}\n")), out, SweepOptions(engine="batched"))
+    summary = {r["run_id"]: r["trained"] for r in _rows(out / "summary.csv")}
+    assert set(summary.values()) == {"True", "False"}  # lr 0.1 trains under 100, lr 1e8 diverges
+    assert runner.invoke(app, ["export", str(out), str(tmp_path / "tb"), "--to", "tensorboard"]).exit_code == 0
+    uri = (tmp_path / "mlruns").as_uri()
+    assert runner.invoke(app, ["export", str(out), uri, "--to", "mlflow"]).exit_code == 0
+    client = MlflowClient(tracking_uri=uri)
+    tags = {r.data.tags["normexp.run_id"]: r.data.tags["normexp.trained"]
+            for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])}
+    for rid, trained in summary.items():
+        acc = EventAccumulator(str(tmp_path / "tb" / rid), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert acc.Scalars("final/trained")[0].value == (trained == "True"), rid
+        assert tags[rid] == trained.lower(), rid
