@@ -194,3 +194,13 @@ def test_the_phase_diagram_of_sampled_points_is_a_labelled_scatter():
     ax = scatter.axes[0]
     assert len(ax.collections[0].get_offsets()) == 16 and ax.get_xscale() == "log"
     assert "scatter" not in phase_figure(gridded, "optim.lr", "schedule.warmup_steps")._suptitle.get_text()
+
+
+def test_logspace_between_integers_gives_integers_as_linspace_does():
+    """`model.depth: logspace(2, 16, 4)` is depths 2, 4, 8, 16 (it was refused: 'must be an integer, got 4.0')."""
+    assert expand_range("logspace(2, 16, 4)", "k") == [2, 4, 8, 16]
+    assert all(type(v) is int for v in expand_range("logspace(2, 16, 4)", "k"))
+    assert expand_range("logspace(1, 10, 3)", "k") == [1, 3.16227766017, 10]  # not every value one: as written
+    assert values(sweep(grid={"model.depth": "logspace(2, 16, 4)"}), "model.depth") == [2, 4, 8, 16]
+    lr = sweep(grid={"optim.lr": "logspace(1, 100, 3)"}).runs
+    assert [run_id(c) for c in lr] == [run_id(c) for c in sweep(grid={"optim.lr": [1.0, 10.0, 100.0]}).runs]
