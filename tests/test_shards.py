@@ -72,6 +72,35 @@ def test_shards_cover_the_plan_once_in_whole_batches(engine, count):
         assert all(shards)  # no shard idle while there is a batch for it
 
 
+def _dealt_by_scanning(runs, engine, index, count):
+    """The deal as first written: each unit, largest first, to the least loaded of all N shards (a scan)."""
+    units = plan_units(runs, engine, "cpu", 1, False, runs)
+    cost = [sum(c["train"]["steps"] + 1 for c in unit.configs) for unit in units]
+    load, mine = [0] * count, set()
+    for k in sorted(range(len(units)), key=lambda k: -cost[k]):
+        shard = min(range(count), key=lambda i: (load[i], i))
+        load[shard] += cost[k]
+        mine |= {run_id(cfg) for cfg in units[k].runs} if shard == index else set()
+    return [cfg for cfg in runs if run_id(cfg) in mine]
+
+
+def test_any_count_of_shards_is_dealt_in_bounded_time_as_the_scan_deals_it():
+    """--shard 0/100000000 took 22 s for a 2-run sweep (a scan of every shard per unit): a hang for a larger N."""
+    import time
+
+    sweep = build_sweep(parse_yaml(SHARDED), ["seeds=0,1,2", "train.steps=4,5"])
+    for engine in ("reference", "batched"):
+        for count in (1, 2, 3, 5, 7, 40, 100):
+            for index in range(min(count, 8)):
+                assert shard_runs(sweep.runs, engine, index, count) == _dealt_by_scanning(sweep.runs, engine, index,
+                                                                                          count)
+    start = time.perf_counter()
+    assert len(sweep.runs) < 100  # past one shard per unit, shard 0 gets what it gets of 100, the last nothing
+    assert shard_runs(sweep.runs, "reference", 0, 10**9) == _dealt_by_scanning(sweep.runs, "reference", 0, 100)
+    assert shard_runs(sweep.runs, "reference", 10**9 - 1, 10**9) == []
+    assert time.perf_counter() - start < 5
+
+
 @pytest.mark.parametrize("engine", ["batched", pytest.param("fast", marks=pytest.mark.slow)])  # fast: ~20 s
 def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_bit(tmp_path, engine):
     sweep = _sweep()
