@@ -193,7 +193,7 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
     logs = (logs or target / ".submitit").resolve()
     try:
         if dry_run:
-            _print_grid(spec)
+            _print_grid(spec, target, engine)
             out.print(f"\n{settings.shards} array tasks, task I running: "
                       + " ".join(shlex.quote(a) for a in ["python", "-m", "normexp", *argv, "--shard", "I/N"]))
             if launcher == "slurm":
