@@ -287,3 +287,11 @@ def test_two_sweeps_with_different_trained_rules_are_never_judged_by_the_first_o
     result = invoke("report", *folders, "--format", "csv", "--trained-below", "0.5")
     assert result.exit_code == 0, result.output
     assert {r["threshold"] for r in csv.DictReader(io.StringIO(result.output))} == {"0.5"}
+
+
+def test_a_panel_of_a_sweep_alone_is_titled_by_its_name_without_a_dangling_colon():
+    from normexp.plot import _panel_title
+
+    assert _panel_title(["sweep"], ("t1",)) == "t1"  # was "t1:", then " (n=18)" after it
+    assert _panel_title(["sweep", "norm.placement"], ("t1", "pre")) == "t1: Pre"
+    assert _panel_title(["norm.placement"], ("pre",)) == "Pre"
