@@ -117,6 +117,10 @@ def test_sobol_points_fill_the_unit_square_evenly():
     ({"n": 2, "optim.lrr": {"uniform": [0.1, 1]}}, r"sample.optim.lrr: unknown key \(did you mean 'optim.lr'"),
     ({"n": 2}, r"sample: names no axis"),
     ({"n": 2, "optim.lr": {"uniform": [-1.0, -0.5]}}, r"^sample.optim.lr: must be > 0"),
+    # points that are no list gave a TypeError; none gave a sweep of 0 runs; n beside them was ignored
+    ({"optim.lr": {"uniform": [0.1, 1]}, "points": 3}, r"^sample.points: must be a list of 1 to"),
+    ({"optim.lr": {"uniform": [0.1, 1]}, "points": []}, r"^sample.points: must be a list of 1 to"),
+    ({"n": 3, "optim.lr": {"uniform": [0.1, 1]}, "points": [{"optim.lr": 0.5}]}, r"^sample.n: 3, but sample.points"),
 ])
 def test_bad_sample_sections_name_the_key(section, message):
     with pytest.raises(ConfigError, match=message):

@@ -124,6 +124,12 @@ def check_sample(section: Any) -> tuple[int, int, str, dict[str, tuple[str, list
         raise ConfigError(f"sample.axes: must be a mapping of keys to distributions, got {_brief(section['axes'])}")
     n, seed, method = section.get("n"), section.get("seed", 0), section.get("method", "random")
     points = section.get("points")
+    if points is not None and (not isinstance(points, list) or not points or len(points) > MAX_SAMPLES):
+        raise ConfigError(f"sample.points: must be a list of 1 to {MAX_SAMPLES} points (each a mapping of the "
+                          f"sampled keys), got {_brief(points)}")
+    if points is not None and n is not None and n != len(points):
+        raise ConfigError(f"sample.n: {_brief(n)}, but sample.points lists {len(points)} points; give one of them "
+                          "(or both, equal)")
     if points is None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise ConfigError(f"sample.n: must be an integer from 1 to {MAX_SAMPLES} (the points drawn), "
