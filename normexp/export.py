@@ -21,8 +21,9 @@ run per normexp run, named by its run id. Params: the flattened config (`optim.l
 metrics: the same names as TensorBoard's with their step, tags: `normexp.run_id`, `normexp.sweep`,
 `normexp.engine`, `normexp.status`, `normexp.trained`, `normexp.threads`, `normexp.device`,
 `normexp.config_hash`, `normexp.done_checksum` and `normexp.provenance.*` (commit, CPU, torch build,
-command). Re-exporting is idempotent: a run already exported with the same done.json checksum is left as
-it is; one whose result changed (a --force rerun) is deleted in MLflow and exported again. MLflow's SQL
+command). Re-exporting is idempotent: a run already exported with the same done.json checksum and verdict is
+left as it is; one whose result changed (a --force rerun) or whose verdict did (another report.trained_below)
+is deleted in MLflow and exported again. MLflow's SQL
 store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
 """
 
@@ -287,7 +288,8 @@ def _export_mlflow(client, name: str, runs: list[ExportedRun], experiment: str |
     for run in runs:
         checksum = run.checksum
         earlier = client.search_runs([exp_id], f"tags.`normexp.run_id` = '{run.run_id}'")
-        if any(r.data.tags.get("normexp.done_checksum") == checksum for r in earlier):
+        if any(r.data.tags.get("normexp.done_checksum") == checksum
+               and r.data.tags.get("normexp.trained") == str(run.trained).lower() for r in earlier):
             kept += 1
             continue
         for old in earlier:  # the run's result changed since: its old MLflow run goes

@@ -232,3 +232,22 @@ def test_trained_follows_the_folders_rule_as_summary_csv_does(tmp_path):
         acc.Reload()
         assert acc.Scalars("final/trained")[0].value == (trained == "True"), rid
         assert tags[rid] == trained.lower(), rid
+
+
+def test_a_new_trained_rule_is_exported_again_to_mlflow(tmp_path):
+    """The same done.json under another report.trained_below: the re-export updates normexp.trained (it
+    kept the old verdict: the checksum alone said 'already there')."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    text = TINY.replace("  train.log_blocks: [false, true]\n", "").replace("  optim.lr: [0.1, 1.0e+8]\n", "")
+    out, uri = tmp_path / "rule", (tmp_path / "mlruns").as_uri()
+    run_sweep(build_sweep(parse_yaml(text)), out, SweepOptions(engine="batched"))
+    assert runner.invoke(app, ["export", str(out), uri, "--to", "mlflow"]).exit_code == 0
+    run_sweep(build_sweep(parse_yaml(text + "report: {trained_below: 100}\n")), out, SweepOptions(engine="batched"))
+    assert {r["trained"] for r in _rows(out / "summary.csv")} == {"True"}
+    result = runner.invoke(app, ["export", str(out), uri, "--to", "mlflow"])
+    assert result.exit_code == 0 and "2 runs exported" in result.output, result.output
+    client = MlflowClient(tracking_uri=uri)
+    found = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert sorted(r.data.tags["normexp.trained"] for r in found) == ["true", "true"]
