@@ -810,6 +810,8 @@ def export(
     from normexp.runfolder import StoreError
 
     _check_choice("--to", to, TARGETS)
+    if not dest.strip():  # an empty DEST would mean the current folder (or MLflow's ./mlruns)
+        raise fail("DEST: empty; name a log folder (--to tensorboard) or a tracking URI (--to mlflow)")
     try:
         if to == "tensorboard":
             ids = to_tensorboard(run_dir, Path(dest))
@@ -826,7 +828,8 @@ def export(
 
 @app.command()
 def merge(
-    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="The folder to merge into (made if missing).")],
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="The folder to merge into (made if missing).",
+                                            parser=_folder)],
     sources: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Sweep folders (shards) to merge.",
                                                   parser=_folder)],
 ) -> None:

@@ -251,3 +251,14 @@ def test_a_new_trained_rule_is_exported_again_to_mlflow(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     found = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert sorted(r.data.tags["normexp.trained"] for r in found) == ["true", "true"]
+
+
+@pytest.mark.parametrize("command", [["export", "{folder}", "", "--to", "tensorboard"],
+                                     ["export", "{folder}", " ", "--to", "mlflow"], ["merge", "", "{folder}"]])
+def test_an_empty_destination_is_refused_not_the_current_folder(folder, tmp_path, monkeypatch, command):
+    """`export DIR ""` wrote 18 run folders and an event file into the current folder; `merge "" DIR` merged
+    into it (sweep --out "" is refused so)."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, [a.replace("{folder}", str(folder)) for a in command])
+    assert result.exit_code == 2 and "empty" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
