@@ -19,6 +19,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -124,6 +125,7 @@ def sweep(
 
         if shard is not None:
             raise fail("--shard: each task of --launcher's array takes its own; give one or the other")
+        _check_slurm_words(partition=partition, account=account, qos=qos, mem=mem)
         _launch(config, set_ or [], spec, _out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
                 ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
                               tuple(setup or ())), logs)
@@ -434,6 +436,17 @@ def _print_report(run_dir: Path) -> None:
         show(to_rich(build_report(run_dir)))
     except ResultsError as exc:
         err.print(str(exc))
+
+
+def _check_slurm_words(**options: str | None) -> None:
+    """--partition, --account, --qos, --mem: one word each, as sbatch reads them (an empty or multi-line one
+    made a broken #SBATCH line); --mem a size (8G, 500M, 16000)."""
+    for name, value in options.items():
+        if value is not None and not re.fullmatch(r"[\w.,:+@%-]+", value):
+            raise fail(f"--{name} {value!r}: one word of letters, digits and . , : + @ % - _ (as sbatch reads it)")
+    mem = options.get("mem")
+    if mem is not None and not re.fullmatch(r"\d+[KMGT]?", mem, re.IGNORECASE):
+        raise fail(f"--mem {mem}: a size as sbatch reads it: a number of megabytes, or with K, M, G or T (8G)")
 
 
 def _folder(value: str) -> Path:

@@ -208,6 +208,22 @@ def test_dry_run_shows_the_sbatch_script(tmp_path, write_yaml):
     assert not (tmp_path / "o").exists()  # nothing written, nothing submitted
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--partition", "", "one word"), ("--account", "lab\n#SBATCH --exclusive", "one word"),
+    ("--qos", "low prio", "one word"), ("--mem", "", "one word"), ("--mem", "lots", "a size as sbatch reads it")])
+def test_slurm_words_are_one_word_each(tmp_path, write_yaml, option, value, message):
+    """An empty or multi-line --partition/--account/--qos/--mem wrote `#SBATCH --partition=''` or a broken
+    script into the array's submission."""
+    config = write_yaml(SHARDED)
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", "slurm",
+                                 "--shards", "2", option, value, "--dry-run"])
+    assert result.exit_code == 2 and f"{option} " in result.output and message in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "o").exists()
+    ok = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", "slurm", "--shards",
+                             "2", "--partition", "gpu,cpu", "--mem", "16000", "--account", "my-lab_1", "--dry-run"])
+    assert ok.exit_code == 0 or "submitit" in ok.output, ok.output
+
+
 def test_launcher_options_are_checked(tmp_path, write_yaml):
     config = write_yaml(SHARDED)
     result = runner.invoke(app, ["sweep", str(config), "--launcher", "local", "--shards", "2", "--shard", "0/2"])
