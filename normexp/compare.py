@@ -77,6 +77,8 @@ def load_folders(paths: Sequence[str | Path]) -> Folder:
     first = folders[0][1]
     summary = _stack([(name, f.summary) for name, f in folders])
     latest = _stack([(name, f.latest) for name, f in folders])
+    for table in (summary, latest):  # where each sweep's runs are, for the note naming missing ones
+        table.attrs["folders"] = {name: str(path) for (name, _), path in zip(folders, paths)}
     label = Path(" + ".join(name for name, _ in folders))
     return Sweeps(label, first.sweep, summary, latest, folders=folders)
 

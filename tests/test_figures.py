@@ -295,3 +295,15 @@ def test_a_panel_of_a_sweep_alone_is_titled_by_its_name_without_a_dangling_colon
     assert _panel_title(["sweep"], ("t1",)) == "t1"  # was "t1:", then " (n=18)" after it
     assert _panel_title(["sweep", "norm.placement"], ("t1", "pre")) == "t1: Pre"
     assert _panel_title(["norm.placement"], ("pre",)) == "Pre"
+
+
+def test_missing_runs_of_two_sweeps_name_the_folder_to_verify(tf, tmp_path):
+    """It read '(normexp verify out + other)': the stacked label, no folder."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tf, other)
+    shutil.rmtree(next(p for p in other.iterdir() if (p / "done.json").is_file()))
+    result = invoke("report", str(tf), str(other), "--format", "markdown")
+    assert result.exit_code == 1, result.output
+    assert f"(normexp verify {other})" in result.output and " + " not in result.output
