@@ -208,3 +208,15 @@ def test_logspace_between_integers_gives_integers_as_linspace_does():
     assert values(sweep(grid={"model.depth": "logspace(2, 16, 4)"}), "model.depth") == [2, 4, 8, 16]
     lr = sweep(grid={"optim.lr": "logspace(1, 100, 3)"}).runs
     assert [run_id(c) for c in lr] == [run_id(c) for c in sweep(grid={"optim.lr": [1.0, 10.0, 100.0]}).runs]
+
+
+def test_the_lr_sensitivity_of_a_sampled_lr_says_it_was_not_run_at_every_lr():
+    """A variant of a sampled lr x warmup runs one lr of the four: its row read '— (an lr has no finished
+    run)' with 0 missing, as if runs had failed."""
+    from normexp.analysis.sensitivity import Sensitivity
+    from normexp.tables import _sensitivity_value
+
+    row = dict(label="Pre warmup=2", values={}, sensitivity=math.nan, spread=math.nan, best_lr=0.01, best_loss=1.6,
+               lrs=1, grid_lrs=4, seeds=1, runs=1, diverged=0)
+    assert _sensitivity_value(Sensitivity(**row, missing=0)) == "— (not run at every lr of the grid)"
+    assert _sensitivity_value(Sensitivity(**row, missing=3)) == "— (an lr has no finished run)"
