@@ -270,3 +270,14 @@ def test_the_local_launcher_runs_the_array_with_submitit(tmp_path, write_yaml):
     run_sweep(load_sweep(config), tmp_path / "full", SweepOptions(engine="batched"))
     assert _metrics(tmp_path / "o") == _metrics(tmp_path / "full")
     assert len(list((tmp_path / "o" / ".submitit").rglob("*_result.pkl"))) == 2
+
+
+def test_merge_refuses_a_folder_of_the_users_that_holds_a_summary_csv(tmp_path):
+    """OUT without sweep.yaml but with a summary.csv (the user's): merge rewrote it with the sweep's."""
+    run_sweep(_sweep(), tmp_path / "a", SweepOptions(engine="batched", shard=(0, 8)))
+    out = tmp_path / "analysis"
+    out.mkdir()
+    (out / "summary.csv").write_text("mine,1\n")
+    result = runner.invoke(app, ["merge", str(out), str(tmp_path / "a")])
+    assert result.exit_code == 2 and "not a sweep folder normexp wrote" in result.output, result.output
+    assert [p.name for p in out.iterdir()] == ["summary.csv"] and (out / "summary.csv").read_text() == "mine,1\n"
