@@ -262,3 +262,17 @@ def test_an_empty_destination_is_refused_not_the_current_folder(folder, tmp_path
     result = runner.invoke(app, [a.replace("{folder}", str(folder)) for a in command])
     assert result.exit_code == 2 and "empty" in result.output, result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_left_out_of_an_export_are_counted_and_exit_1(folder, tmp_path):
+    """A folder with a deleted run: '7 runs exported', exit 0, no word of the eighth."""
+    import shutil
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(folder, copy)
+    shutil.rmtree(_runs(copy)[0])
+    result = runner.invoke(app, ["export", str(copy), str(tmp_path / "tb"), "--to", "tensorboard"])
+    assert result.exit_code == 1, result.output
+    assert "7 runs exported" in result.output and "1 run of the sweep not exported" in result.output
+    assert f"normexp verify {copy}" in result.output
+    assert len([p for p in (tmp_path / "tb").iterdir() if p.is_dir()]) == 7
