@@ -19,6 +19,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -124,6 +125,7 @@ def sweep(
 
         if shard is not None:
             raise fail("--shard: each task of --launcher's array takes its own; give one or the other")
+        _check_slurm_words(partition=partition, account=account, qos=qos, mem=mem)
         _launch(config, set_ or [], spec, _out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
                 ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
                               tuple(setup or ())), logs)
@@ -193,7 +195,7 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
     logs = (logs or target / ".submitit").resolve()
     try:
         if dry_run:
-            _print_grid(spec)
+            _print_grid(spec, target, engine)
             out.print(f"\n{settings.shards} array tasks, task I running: "
                       + " ".join(shlex.quote(a) for a in ["python", "-m", "normexp", *argv, "--shard", "I/N"]))
             if launcher == "slurm":
@@ -434,6 +436,17 @@ def _print_report(run_dir: Path) -> None:
         show(to_rich(build_report(run_dir)))
     except ResultsError as exc:
         err.print(str(exc))
+
+
+def _check_slurm_words(**options: str | None) -> None:
+    """--partition, --account, --qos, --mem: one word each, as sbatch reads them (an empty or multi-line one
+    made a broken #SBATCH line); --mem a size (8G, 500M, 16000)."""
+    for name, value in options.items():
+        if value is not None and not re.fullmatch(r"[\w.,:+@%-]+", value):
+            raise fail(f"--{name} {value!r}: one word of letters, digits and . , : + @ % - _ (as sbatch reads it)")
+    mem = options.get("mem")
+    if mem is not None and not re.fullmatch(r"\d+[KMGT]?", mem, re.IGNORECASE):
+        raise fail(f"--mem {mem}: a size as sbatch reads it: a number of megabytes, or with K, M, G or T (8G)")
 
 
 def _folder(value: str) -> Path:
@@ -810,7 +823,12 @@ def export(
     from normexp.runfolder import StoreError
 
     _check_choice("--to", to, TARGETS)
+    if not dest.strip():  # an empty DEST would mean the current folder (or MLflow's ./mlruns)
+        raise fail("DEST: empty; name a log folder (--to tensorboard) or a tracking URI (--to mlflow)")
+    from normexp.store import folder_runs, read_sweep
+
     try:
+        kept = 0
         if to == "tensorboard":
             ids = to_tensorboard(run_dir, Path(dest))
             out.print(f"{_plural(len(ids), 'run')} exported to {dest} · tensorboard --logdir {dest}")
@@ -818,15 +836,21 @@ def export(
             ids, kept = to_mlflow(run_dir, dest, experiment)
             out.print(f"{_plural(len(ids), 'run')} exported to {dest}, {kept} already there · "
                       f"mlflow ui --backend-store-uri {dest}")
+        left = len(folder_runs(run_dir, read_sweep(run_dir))) - len(ids) - kept
     except (ConfigError, StoreError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"{dest}: cannot write {exc.filename}: {exc.strerror}") from None
+    if left > 0:  # as report does: what exists went out; the runs that did not are named, exit 1
+        err.print(f"{_plural(left, 'run')} of the sweep not exported: missing, failed or corrupt "
+                  f"(normexp verify {shlex.quote(str(run_dir))})", soft_wrap=True)
+        raise typer.Exit(Exit.FAILED)
 
 
 @app.command()
 def merge(
-    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="The folder to merge into (made if missing).")],
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT", help="The folder to merge into (made if missing).",
+                                            parser=_folder)],
     sources: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Sweep folders (shards) to merge.",
                                                   parser=_folder)],
 ) -> None:

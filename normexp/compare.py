@@ -7,7 +7,8 @@ another machine, another normexp) stays two runs, side by side, never one mean: 
 of the stacked table (`results.config_columns`), so the table's columns and the figures' facets separate
 the sweeps like any other axis that varies. A run's `run_id` becomes `<sweep>/<run_id>`.
 
-The stacked folder's `sweep` (its report section, notes and tags) is the first folder's.
+The stacked folder's `sweep` (its report section, notes and tags) is the first folder's; its trained rule is
+the folders' common one (`Sweeps.trained_rule`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ class Sweeps(Folder):
             self._tables[key] = _stack([(name, f.blocks(True)) for name, f in self.folders])
         return self._tables[key].copy()
 
+    def trained_rule(self, trained_below: float | None = None) -> float | None:
+        """One rule for every folder: refused (ResultsError) where their `report.trained_below` differ and
+        no --trained-below overrides them, so that no run is judged by another sweep's rule."""
+        if trained_below is not None:
+            return trained_below
+        rules = {name: f.sweep.report.trained_below for name, f in self.folders}
+        if len(set(rules.values())) > 1:
+            said = ", ".join(f"{name}: {'ln(C)/10' if rule is None else rule}" for name, rule in rules.items())
+            raise ResultsError(f"the sweeps judge trained by different rules (report.trained_below: {said}); "
+                               "give --trained-below LOSS to compare them under one")
+        return next(iter(rules.values()))
+
 
 def sweep_names(paths: Sequence[Path]) -> list[str]:
     """Each folder's name, or its whole path where two folders share a name."""
@@ -64,6 +77,8 @@ def load_folders(paths: Sequence[str | Path]) -> Folder:
     first = folders[0][1]
     summary = _stack([(name, f.summary) for name, f in folders])
     latest = _stack([(name, f.latest) for name, f in folders])
+    for table in (summary, latest):  # where each sweep's runs are, for the note naming missing ones
+        table.attrs["folders"] = {name: str(path) for (name, _), path in zip(folders, paths)}
     label = Path(" + ".join(name for name, _ in folders))
     return Sweeps(label, first.sweep, summary, latest, folders=folders)
 

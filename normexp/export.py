@@ -2,18 +2,18 @@
 browsing and comparing in the tools researchers already use. Only the runs `runfolder.inspect_run`
 verifies finished are exported; the folder is only read.
 
-TensorBoard: one run per run folder, `OUT/<run_id>/events.out.tfevents.normexp`, holding per recorded
-step every column of metrics.csv (loss, acc, lr, grad_norm; val_loss, val_acc for sequence tasks) as a
-scalar of that name, the per-block columns of blocks.csv as `blocks/<column>/<block>` (runs with
-`train.log_blocks`), and at the last step `final/final_loss`, `final/min_loss`, `final/final_acc`,
-`final/diverged` and `final/trained` (1 or 0: completed with a final loss under ln(C)/10, the report's
-default rule). Scalars are float32 `simple_value`s, as TensorBoard's own writers and torch's SummaryWriter
-make them (its default data loader shows no float64 scalar), so a value reads back as the CSV's rounded to
-float32 (the exact numbers stay in the run folder, and go to MLflow as float64). The HParams plugin's
-summaries go with them: `OUT/events.out.tfevents.normexp` defines the experiment (every config key, the
-varying ones first, against the `final/` metrics), each run states its config, so the HParams dashboard
-shows the grid's axes against final loss and trained. A re-export rewrites the same files (each run's wall
-times come from its done.json's modification time): the same bytes.
+TensorBoard: one run per run folder, `OUT/<run_id>/events.out.tfevents.normexp`, holding per recorded step
+every column of metrics.csv (loss, acc, lr, grad_norm; val_loss, val_acc for sequence tasks) as a scalar of
+that name, the per-block columns of blocks.csv as `blocks/<column>/<block>` (runs with `train.log_blocks`),
+and at the last step `final/final_loss`, `final/min_loss`, `final/final_acc`, `final/diverged` and
+`final/trained` (1 or 0: completed with a final loss under the folder's trained rule, report.trained_below or
+ln(C)/10, as summary.csv's `trained`). Scalars are float32 `simple_value`s, as TensorBoard's own writers and
+torch's SummaryWriter make them (its default data loader shows no float64 scalar), so a value reads back as
+the CSV's rounded to float32 (the exact numbers stay in the run folder, and go to MLflow as float64). The
+HParams plugin's summaries go with them: `OUT/events.out.tfevents.normexp` defines the experiment (every
+config key, the varying ones first, against the `final/` metrics), each run states its config, so the HParams
+dashboard shows the grid's axes against final loss and trained. A re-export rewrites the same files (each
+run's wall times come from its done.json's modification time): the same bytes.
 
 MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store, which
 MLflow 3 keeps in maintenance mode and allows here): experiment = the sweep's name (or `--experiment`), one MLflow
@@ -21,8 +21,9 @@ run per normexp run, named by its run id. Params: the flattened config (`optim.l
 metrics: the same names as TensorBoard's with their step, tags: `normexp.run_id`, `normexp.sweep`,
 `normexp.engine`, `normexp.status`, `normexp.trained`, `normexp.threads`, `normexp.device`,
 `normexp.config_hash`, `normexp.done_checksum` and `normexp.provenance.*` (commit, CPU, torch build,
-command). Re-exporting is idempotent: a run already exported with the same done.json checksum is left as
-it is; one whose result changed (a --force rerun) is deleted in MLflow and exported again. MLflow's SQL
+command). Re-exporting is idempotent: a run already exported with the same done.json checksum and verdict is
+left as it is; one whose result changed (a --force rerun) or whose verdict did (another report.trained_below)
+is deleted in MLflow and exported again. MLflow's SQL
 store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
 """
 
@@ -41,7 +42,7 @@ from typing import Any
 from normexp.config import ConfigError, RunConfig, chance_classes, flatten, trained_threshold
 from normexp.registry import references_unchecked
 from normexp.runfolder import BLOCKS_FILE, DONE_FILE, METRICS_FILE, inspect_run, run_id
-from normexp.store import folder_runs, read_sweep
+from normexp.store import folder_runs, read_sweep, trained_rule
 
 TARGETS = ("tensorboard", "mlflow")
 EVENTS_FILE = "events.out.tfevents.normexp"  # a fixed name: a re-export replaces it
@@ -59,12 +60,13 @@ class ExportedRun:
     blocks: list[dict[str, float]] | None  # blocks.csv's rows
     time_s: float  # done.json's modification time: the run's wall time in the exports
     checksum: str  # sha256 of done.json's bytes (which vouch for the other files): changes with the result
+    threshold: float  # the folder's trained rule for this run (report.trained_below, else ln(C)/10)
 
     @property
     def trained(self) -> bool:
         final = self.done.get("final_loss")
         return (self.done.get("status") == "completed" and isinstance(final, (int, float))
-                and final < trained_threshold(chance_classes(self.cfg)))
+                and final < self.threshold)
 
     def final(self) -> dict[str, float]:
         """The `final/` metrics: the done.json's numbers, diverged and trained as 1.0 or 0.0."""
@@ -98,6 +100,7 @@ def read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
 
 def _read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
     sweep = read_sweep(run_dir)
+    rule = trained_rule(run_dir)  # summary.csv's: each run is judged as its `trained` column judges it
     runs = []
     for cfg in folder_runs(run_dir, sweep):
         rid = run_id(cfg)
@@ -109,7 +112,8 @@ def _read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
         blocks = _columns(run_dir / rid / BLOCKS_FILE) if (run_dir / rid / BLOCKS_FILE).is_file() else None
         done_bytes = (run_dir / rid / DONE_FILE).read_bytes()
         runs.append(ExportedRun(rid, cfg, state.done or {}, metrics, blocks,
-                                os.stat(run_dir / rid / DONE_FILE).st_mtime, hashlib.sha256(done_bytes).hexdigest()))
+                                os.stat(run_dir / rid / DONE_FILE).st_mtime, hashlib.sha256(done_bytes).hexdigest(),
+                                rule if rule is not None else trained_threshold(chance_classes(cfg))))
     return sweep.name, runs
 
 
@@ -284,7 +288,8 @@ def _export_mlflow(client, name: str, runs: list[ExportedRun], experiment: str |
     for run in runs:
         checksum = run.checksum
         earlier = client.search_runs([exp_id], f"tags.`normexp.run_id` = '{run.run_id}'")
-        if any(r.data.tags.get("normexp.done_checksum") == checksum for r in earlier):
+        if any(r.data.tags.get("normexp.done_checksum") == checksum
+               and r.data.tags.get("normexp.trained") == str(run.trained).lower() for r in earlier):
             kept += 1
             continue
         for old in earlier:  # the run's result changed since: its old MLflow run goes

@@ -11,7 +11,8 @@ before anything is written. Runs a DIR holds unfinished, failed or corrupt are n
 next invocation into OUT trains them). Nothing is ever removed: a file of the user's in OUT's run folder
 stays there (store.swap_in), and the DIRs are only read.
 
-OUT gets the first DIR's sweep.yaml (where it has none; a folder of another sweep is refused), every
+OUT gets the first DIR's sweep.yaml (where it has none; a folder of another sweep is refused, and so is one
+without sweep.yaml that holds a summary.csv or history.jsonl: the user's, not a sweep's), every
 DIR's history.jsonl lines it does not already hold, one line saying what was merged, and its
 summary.csv rebuilt from the run folders; then it is verified as `normexp verify` would.
 """
@@ -30,7 +31,9 @@ from normexp.runfolder import (
     BLOCKS_FILE,
     CONFIG_FILE,
     DONE_FILE,
+    HISTORY_FILE,
     METRICS_FILE,
+    SUMMARY_FILE,
     SWEEP_FILE,
     StoreError,
     _read_text,
@@ -109,6 +112,11 @@ def _merge(out_dir: Path, sources: list[Path], command: str) -> MergeOutcome:
                                  f"({_differs(found[rid][2], results)} differ)")
             found.setdefault(rid, (src, cfg, results))
     outcome.unfinished = len(unfinished - set(found))
+    strays = [name for name in (SUMMARY_FILE, HISTORY_FILE) if not (out_dir / SWEEP_FILE).is_file()
+              and (out_dir / name).exists()]
+    if strays:  # a folder of the user's, not a sweep's: merging would replace its summary.csv
+        raise StoreError(f"{out_dir}: holds {' and '.join(strays)} but no {SWEEP_FILE}: not a sweep folder normexp "
+                         "wrote; merge into another folder")
     with SweepLock(out_dir):
         other = sweep_name(out_dir)
         if other is not None and other != names[0]:

@@ -275,10 +275,11 @@ def _panels(frame: pd.DataFrame, facets: Facets) -> tuple[list[list[tuple[str, p
 def _panel_title(keys: Sequence[str], values: tuple, texts: dict[str, dict] | None = None) -> str:
     """'Pre-RMS lr=1e-3': the article's label for a placement and a kind, then the other keys' values."""
     named = dict(zip(keys, values))
-    sweep = f"{named.pop(SWEEP_KEY)}:" if SWEEP_KEY in named else ""
+    sweep = str(named.pop(SWEEP_KEY)) if SWEEP_KEY in named else ""
     methods = {k: named.pop(k) for k in ("norm.placement", "norm.kind") if k in named}
     head = variant_label(methods) if methods else ""
-    return " ".join(filter(None, [sweep, head, _values_label(list(named), tuple(named.values()), texts=texts)]))
+    rest = " ".join(filter(None, [head, _values_label(list(named), tuple(named.values()), texts=texts)]))
+    return f"{sweep}: {rest}" if sweep and rest else sweep or rest  # "t1: Post-LN", or "t1" alone
 
 
 def _select(frame: pd.DataFrame, keys: Sequence[str], values: tuple) -> pd.DataFrame:
@@ -752,7 +753,7 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
     note for its foot: engines mixed, runs missing)."""
     run_dir, summary = folder.path, folder.summary
     metric = metric or folder.sweep.report.metric
-    rule = trained_below if trained_below is not None else folder.sweep.report.trained_below
+    rule = folder.trained_rule(trained_below)
     tidy = folder.metrics(all_config=True)
     check_metric(tidy, metric)
     keys = [k for k in varying_keys(summary) if k != "seed"]

@@ -211,7 +211,7 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
         keys = varying
     _check_keys(keys, summary, "--by")
     metric = metric or section.metric
-    rule = trained_below if trained_below is not None else section.trained_below
+    rule = folder.trained_rule(trained_below)
     recorded = set(tidy["step"])
     missing = [s for s in steps or () if s not in recorded]
     if missing:

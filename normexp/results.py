@@ -20,6 +20,7 @@ sensitivity, the figures and the studies' verdicts all take a `Folder` (or a pat
 from __future__ import annotations
 
 import io
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,11 @@ class Folder:
         if key not in self._tables:
             self._tables[key] = _blocks(self.path, self.summary, all_config)
         return _copy(self._tables[key])
+
+    def trained_rule(self, trained_below: float | None = None) -> float | None:
+        """The trained rule a command judges by: `trained_below` (--trained-below) where given, else the
+        sweep's `report.trained_below` (None: ln(C)/10)."""
+        return trained_below if trained_below is not None else self.sweep.report.trained_below
 
 
 def load_folder(run_dir: str | Path) -> Folder:
@@ -153,8 +159,11 @@ def missing_note(summary: pd.DataFrame, run_dir: str | Path) -> str:
     if len(superseded):  # the earlier definition's folder is there, but it is not this run
         reasons = sorted({error.split(": ", 1)[1] for error in superseded["error"]})
         why = f"; {len(superseded)} of them {'; '.join(reasons)}"
-    return (f"{len(missing)} {runs} missing, failed or corrupt, not counted: {', '.join(named)}{more}{why} "
-            f"(normexp verify {run_dir})")
+    folders = summary.attrs.get("folders")  # several sweeps (normexp.compare): the folders that hold them
+    where = ([folders[name] for name in dict.fromkeys(rid.split("/", 1)[0] for rid in missing) if name in folders]
+             if folders else [str(run_dir)])
+    verify = ", ".join(f"normexp verify {shlex.quote(path)}" for path in where)
+    return f"{len(missing)} {runs} missing, failed or corrupt, not counted: {', '.join(named)}{more}{why} ({verify})"
 
 
 def config_columns(summary: pd.DataFrame) -> list[str]:

@@ -12,6 +12,7 @@ own folder, joined afterwards by `normexp merge`.
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Sequence
 
@@ -40,10 +41,12 @@ def shard_runs(runs: Sequence[RunConfig], engine: str, index: int, count: int) -
     engine = engine if engine in ("reference", "fast") else "batched"
     units = plan_units(runs, engine, "cpu", 1, compile=False, planned=runs)
     cost = [sum(c["train"]["steps"] + 1 for c in unit.configs) for unit in units]
-    load, mine = [0] * count, set()
+    # the least loaded shard, ties to the lowest index, from a heap: bounded time whatever N (past one shard
+    # per unit the others get nothing: every cost is > 0, so a unit always goes to an empty shard first)
+    heap, mine = [(0, i) for i in range(min(count, len(units)))], set()
     for k in sorted(range(len(units)), key=lambda k: -cost[k]):  # stable: plan order among equals
-        shard = min(range(count), key=lambda i: (load[i], i))
-        load[shard] += cost[k]
+        load, shard = heapq.heappop(heap)
+        heapq.heappush(heap, (load + cost[k], shard))
         if shard == index:
             mine |= {run_id(cfg) for cfg in units[k].runs}
     return [cfg for cfg in runs if run_id(cfg) in mine]

@@ -229,8 +229,8 @@ SENSITIVITY_NOTE = ("LR sensitivity = mean over the lr grid of [min(final loss, 
 
 
 def _sensitivity_value(row) -> str:  # row: normexp.sensitivity.Sensitivity
-    if math.isnan(row.sensitivity):
-        return "— (an lr has no finished run)"
+    if math.isnan(row.sensitivity):  # no run missing: the variant was never run at every lr (a sampled lr)
+        return "— (an lr has no finished run)" if row.missing else "— (not run at every lr of the grid)"
     return f"{row.sensitivity:.4f}" + ("" if math.isnan(row.spread) else f" ± {row.spread:.4f}")
 
 

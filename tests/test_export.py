@@ -206,3 +206,73 @@ def test_bad_targets_are_refused(folder, tmp_path):
     assert result.exit_code == 2 and "--to" in result.output
     result = runner.invoke(app, ["export", str(tmp_path / "nowhere"), str(tmp_path / "x")])
     assert result.exit_code == 2 and "no sweep.yaml" in result.output
+
+
+def test_trained_follows_the_folders_rule_as_summary_csv_does(tmp_path):
+    """A sweep with report.trained_below: the exports' `final/trained` and `normexp.trained` say what
+    summary.csv's `trained` says (they judged by ln(C)/10 whatever the sweep's rule)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "ruled"
+    run_sweep(build_sweep(parse_yaml(TINY.replace("  train.log_blocks: [false, true]\n", "")
+                                     + "report: {trained_below: 100}\n")), out, SweepOptions(engine="batched"))
+    summary = {r["run_id"]: r["trained"] for r in _rows(out / "summary.csv")}
+    assert set(summary.values()) == {"True", "False"}  # lr 0.1 trains under 100, lr 1e8 diverges
+    assert runner.invoke(app, ["export", str(out), str(tmp_path / "tb"), "--to", "tensorboard"]).exit_code == 0
+    uri = (tmp_path / "mlruns").as_uri()
+    assert runner.invoke(app, ["export", str(out), uri, "--to", "mlflow"]).exit_code == 0
+    client = MlflowClient(tracking_uri=uri)
+    tags = {r.data.tags["normexp.run_id"]: r.data.tags["normexp.trained"]
+            for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])}
+    for rid, trained in summary.items():
+        acc = EventAccumulator(str(tmp_path / "tb" / rid), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert acc.Scalars("final/trained")[0].value == (trained == "True"), rid
+        assert tags[rid] == trained.lower(), rid
+
+
+def test_a_new_trained_rule_is_exported_again_to_mlflow(tmp_path):
+    """The same done.json under another report.trained_below: the re-export updates normexp.trained (it
+    kept the old verdict: the checksum alone said 'already there')."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    text = TINY.replace("  train.log_blocks: [false, true]\n", "").replace("  optim.lr: [0.1, 1.0e+8]\n", "")
+    out, uri = tmp_path / "rule", (tmp_path / "mlruns").as_uri()
+    run_sweep(build_sweep(parse_yaml(text)), out, SweepOptions(engine="batched"))
+    assert runner.invoke(app, ["export", str(out), uri, "--to", "mlflow"]).exit_code == 0
+    run_sweep(build_sweep(parse_yaml(text + "report: {trained_below: 100}\n")), out, SweepOptions(engine="batched"))
+    assert {r["trained"] for r in _rows(out / "summary.csv")} == {"True"}
+    result = runner.invoke(app, ["export", str(out), uri, "--to", "mlflow"])
+    assert result.exit_code == 0 and "2 runs exported" in result.output, result.output
+    client = MlflowClient(tracking_uri=uri)
+    found = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert sorted(r.data.tags["normexp.trained"] for r in found) == ["true", "true"]
+
+
+@pytest.mark.parametrize("command", [["export", "{folder}", "", "--to", "tensorboard"],
+                                     ["export", "{folder}", " ", "--to", "mlflow"], ["merge", "", "{folder}"]])
+def test_an_empty_destination_is_refused_not_the_current_folder(folder, tmp_path, monkeypatch, command):
+    """`export DIR ""` wrote 18 run folders and an event file into the current folder; `merge "" DIR` merged
+    into it (sweep --out "" is refused so)."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, [a.replace("{folder}", str(folder)) for a in command])
+    assert result.exit_code == 2 and "empty" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_left_out_of_an_export_are_counted_and_exit_1(folder, tmp_path):
+    """A folder with a deleted run: '7 runs exported', exit 0, no word of the eighth."""
+    import shutil
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(folder, copy)
+    shutil.rmtree(_runs(copy)[0])
+    result = runner.invoke(app, ["export", str(copy), str(tmp_path / "tb"), "--to", "tensorboard"])
+    assert result.exit_code == 1, result.output
+    assert "7 runs exported" in result.output and "1 run of the sweep not exported" in result.output
+    assert f"normexp verify {copy}" in result.output
+    assert len([p for p in (tmp_path / "tb").iterdir() if p.is_dir()]) == 7

@@ -269,3 +269,41 @@ def test_report_and_plot_compare_two_sweeps_side_by_side(tf, tmp_path):
     assert (tmp_path / "c.png").exists() and (tmp_path / "c-phase.png").exists()
     twice = invoke("report", str(tf), str(tf))
     assert twice.exit_code == 2 and "given twice" in twice.output
+
+
+def test_two_sweeps_with_different_trained_rules_are_never_judged_by_the_first_ones(tmp_path):
+    small = FFN.replace("  norm.kind: [layernorm, rmsnorm]\n  optim.lr: [0.01, 0.03, 0.1]\n", "").replace(
+        "seeds: [0, 1]", "seeds: [0]")
+    folders = []
+    for name, text in (("loose", small + "report: {trained_below: 100}\n"), ("plain", small)):
+        config, out = tmp_path / f"{name}.yaml", tmp_path / name
+        config.write_text(text)
+        assert invoke("sweep", str(config), "--out", str(out), "--engine", "batched", "--quiet").exit_code == 0
+        folders.append(str(out))
+    for command in ("report", "plot"):  # plain's runs (loss ~2.3) would read "trained" under loose's rule
+        result = invoke(command, *folders)
+        assert result.exit_code == 2, result.output
+        assert "different rules" in result.output and "loose: 100.0, plain: ln(C)/10" in result.output
+    result = invoke("report", *folders, "--format", "csv", "--trained-below", "0.5")
+    assert result.exit_code == 0, result.output
+    assert {r["threshold"] for r in csv.DictReader(io.StringIO(result.output))} == {"0.5"}
+
+
+def test_a_panel_of_a_sweep_alone_is_titled_by_its_name_without_a_dangling_colon():
+    from normexp.plot import _panel_title
+
+    assert _panel_title(["sweep"], ("t1",)) == "t1"  # was "t1:", then " (n=18)" after it
+    assert _panel_title(["sweep", "norm.placement"], ("t1", "pre")) == "t1: Pre"
+    assert _panel_title(["norm.placement"], ("pre",)) == "Pre"
+
+
+def test_missing_runs_of_two_sweeps_name_the_folder_to_verify(tf, tmp_path):
+    """It read '(normexp verify out + other)': the stacked label, no folder."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tf, other)
+    shutil.rmtree(next(p for p in other.iterdir() if (p / "done.json").is_file()))
+    result = invoke("report", str(tf), str(other), "--format", "markdown")
+    assert result.exit_code == 1, result.output
+    assert f"(normexp verify {other})" in result.output and " + " not in result.output

@@ -117,6 +117,10 @@ def test_sobol_points_fill_the_unit_square_evenly():
     ({"n": 2, "optim.lrr": {"uniform": [0.1, 1]}}, r"sample.optim.lrr: unknown key \(did you mean 'optim.lr'"),
     ({"n": 2}, r"sample: names no axis"),
     ({"n": 2, "optim.lr": {"uniform": [-1.0, -0.5]}}, r"^sample.optim.lr: must be > 0"),
+    # points that are no list gave a TypeError; none gave a sweep of 0 runs; n beside them was ignored
+    ({"optim.lr": {"uniform": [0.1, 1]}, "points": 3}, r"^sample.points: must be a list of 1 to"),
+    ({"optim.lr": {"uniform": [0.1, 1]}, "points": []}, r"^sample.points: must be a list of 1 to"),
+    ({"n": 3, "optim.lr": {"uniform": [0.1, 1]}, "points": [{"optim.lr": 0.5}]}, r"^sample.n: 3, but sample.points"),
 ])
 def test_bad_sample_sections_name_the_key(section, message):
     with pytest.raises(ConfigError, match=message):
@@ -194,3 +198,25 @@ def test_the_phase_diagram_of_sampled_points_is_a_labelled_scatter():
     ax = scatter.axes[0]
     assert len(ax.collections[0].get_offsets()) == 16 and ax.get_xscale() == "log"
     assert "scatter" not in phase_figure(gridded, "optim.lr", "schedule.warmup_steps")._suptitle.get_text()
+
+
+def test_logspace_between_integers_gives_integers_as_linspace_does():
+    """`model.depth: logspace(2, 16, 4)` is depths 2, 4, 8, 16 (it was refused: 'must be an integer, got 4.0')."""
+    assert expand_range("logspace(2, 16, 4)", "k") == [2, 4, 8, 16]
+    assert all(type(v) is int for v in expand_range("logspace(2, 16, 4)", "k"))
+    assert expand_range("logspace(1, 10, 3)", "k") == [1, 3.16227766017, 10]  # not every value one: as written
+    assert values(sweep(grid={"model.depth": "logspace(2, 16, 4)"}), "model.depth") == [2, 4, 8, 16]
+    lr = sweep(grid={"optim.lr": "logspace(1, 100, 3)"}).runs
+    assert [run_id(c) for c in lr] == [run_id(c) for c in sweep(grid={"optim.lr": [1.0, 10.0, 100.0]}).runs]
+
+
+def test_the_lr_sensitivity_of_a_sampled_lr_says_it_was_not_run_at_every_lr():
+    """A variant of a sampled lr x warmup runs one lr of the four: its row read '— (an lr has no finished
+    run)' with 0 missing, as if runs had failed."""
+    from normexp.analysis.sensitivity import Sensitivity
+    from normexp.tables import _sensitivity_value
+
+    row = dict(label="Pre warmup=2", values={}, sensitivity=math.nan, spread=math.nan, best_lr=0.01, best_loss=1.6,
+               lrs=1, grid_lrs=4, seeds=1, runs=1, diverged=0)
+    assert _sensitivity_value(Sensitivity(**row, missing=0)) == "— (not run at every lr of the grid)"
+    assert _sensitivity_value(Sensitivity(**row, missing=3)) == "— (an lr has no finished run)"

@@ -72,6 +72,35 @@ def test_shards_cover_the_plan_once_in_whole_batches(engine, count):
         assert all(shards)  # no shard idle while there is a batch for it
 
 
+def _dealt_by_scanning(runs, engine, index, count):
+    """The deal as first written: each unit, largest first, to the least loaded of all N shards (a scan)."""
+    units = plan_units(runs, engine, "cpu", 1, False, runs)
+    cost = [sum(c["train"]["steps"] + 1 for c in unit.configs) for unit in units]
+    load, mine = [0] * count, set()
+    for k in sorted(range(len(units)), key=lambda k: -cost[k]):
+        shard = min(range(count), key=lambda i: (load[i], i))
+        load[shard] += cost[k]
+        mine |= {run_id(cfg) for cfg in units[k].runs} if shard == index else set()
+    return [cfg for cfg in runs if run_id(cfg) in mine]
+
+
+def test_any_count_of_shards_is_dealt_in_bounded_time_as_the_scan_deals_it():
+    """--shard 0/100000000 took 22 s for a 2-run sweep (a scan of every shard per unit): a hang for a larger N."""
+    import time
+
+    sweep = build_sweep(parse_yaml(SHARDED), ["seeds=0,1,2", "train.steps=4,5"])
+    for engine in ("reference", "batched"):
+        for count in (1, 2, 3, 5, 7, 40, 100):
+            for index in range(min(count, 8)):
+                assert shard_runs(sweep.runs, engine, index, count) == _dealt_by_scanning(sweep.runs, engine, index,
+                                                                                          count)
+    start = time.perf_counter()
+    assert len(sweep.runs) < 100  # past one shard per unit, shard 0 gets what it gets of 100, the last nothing
+    assert shard_runs(sweep.runs, "reference", 0, 10**9) == _dealt_by_scanning(sweep.runs, "reference", 0, 100)
+    assert shard_runs(sweep.runs, "reference", 10**9 - 1, 10**9) == []
+    assert time.perf_counter() - start < 5
+
+
 @pytest.mark.parametrize("engine", ["batched", pytest.param("fast", marks=pytest.mark.slow)])  # fast: ~20 s
 def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_bit(tmp_path, engine):
     sweep = _sweep()
@@ -179,6 +208,22 @@ def test_dry_run_shows_the_sbatch_script(tmp_path, write_yaml):
     assert not (tmp_path / "o").exists()  # nothing written, nothing submitted
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--partition", "", "one word"), ("--account", "lab\n#SBATCH --exclusive", "one word"),
+    ("--qos", "low prio", "one word"), ("--mem", "", "one word"), ("--mem", "lots", "a size as sbatch reads it")])
+def test_slurm_words_are_one_word_each(tmp_path, write_yaml, option, value, message):
+    """An empty or multi-line --partition/--account/--qos/--mem wrote `#SBATCH --partition=''` or a broken
+    script into the array's submission."""
+    config = write_yaml(SHARDED)
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", "slurm",
+                                 "--shards", "2", option, value, "--dry-run"])
+    assert result.exit_code == 2 and f"{option} " in result.output and message in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "o").exists()
+    ok = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", "slurm", "--shards",
+                             "2", "--partition", "gpu,cpu", "--mem", "16000", "--account", "my-lab_1", "--dry-run"])
+    assert ok.exit_code == 0 or "submitit" in ok.output, ok.output
+
+
 def test_launcher_options_are_checked(tmp_path, write_yaml):
     config = write_yaml(SHARDED)
     result = runner.invoke(app, ["sweep", str(config), "--launcher", "local", "--shards", "2", "--shard", "0/2"])
@@ -225,3 +270,14 @@ def test_the_local_launcher_runs_the_array_with_submitit(tmp_path, write_yaml):
     run_sweep(load_sweep(config), tmp_path / "full", SweepOptions(engine="batched"))
     assert _metrics(tmp_path / "o") == _metrics(tmp_path / "full")
     assert len(list((tmp_path / "o" / ".submitit").rglob("*_result.pkl"))) == 2
+
+
+def test_merge_refuses_a_folder_of_the_users_that_holds_a_summary_csv(tmp_path):
+    """OUT without sweep.yaml but with a summary.csv (the user's): merge rewrote it with the sweep's."""
+    run_sweep(_sweep(), tmp_path / "a", SweepOptions(engine="batched", shard=(0, 8)))
+    out = tmp_path / "analysis"
+    out.mkdir()
+    (out / "summary.csv").write_text("mine,1\n")
+    result = runner.invoke(app, ["merge", str(out), str(tmp_path / "a")])
+    assert result.exit_code == 2 and "not a sweep folder normexp wrote" in result.output, result.output
+    assert [p.name for p in out.iterdir()] == ["summary.csv"] and (out / "summary.csv").read_text() == "mine,1\n"

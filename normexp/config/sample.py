@@ -15,9 +15,10 @@ axes, seeded, so that the same file always gives the same runs.
 
 `logspace` takes the two end VALUES (numpy's `geomspace`), not exponents as `numpy.logspace` does.
 Values are rounded to 12 significant digits (so `logspace(1e-4, 1e-1, 4)` is 1e-4, 1e-3, 1e-2, 1e-1, not
-0.0010000000000000002); the ends are exactly a and b. A sampled value is rounded to 6 significant digits
-(readable in tables and run ids; two points closer than that would be one run). An axis whose bounds are
-both integers (`uniform: [0, 100]`) samples integers, each equally likely.
+0.0010000000000000002); the ends are exactly a and b. Between two integers, either gives integers where
+every value is one (`logspace(2, 64, 6)`: depths 2, 4, 8, 16, 32, 64). A sampled value is rounded to 6
+significant digits (readable in tables and run ids; two points closer than that would be one run). An axis
+whose bounds are both integers (`uniform: [0, 100]`) samples integers, each equally likely.
 
 `random` draws with Python's `random.Random(seed)` (its stream is fixed across Python versions); `sobol`
 with scipy's scrambled Sobol sequence (`scipy.stats.qmc.Sobol(d, scramble=True, seed=seed)`, the extra
@@ -89,8 +90,8 @@ def expand_range(text: str, where: str) -> list[int | float]:
         values: list[int | float] = [_round(10 ** (la + (lb - la) * i / (n - 1)), 12) for i in range(n)]
     else:
         values = [_round(a + (b - a) * i / (n - 1), 12) for i in range(n)]
-        if isinstance(a, int) and isinstance(b, int) and all(float(v).is_integer() for v in values):
-            values = [int(v) for v in values]
+    if isinstance(a, int) and isinstance(b, int) and all(float(v).is_integer() for v in values):
+        values = [int(v) for v in values]  # logspace(2, 64, 6): depths 2, 4, ..., 64, not 4.0
     values[0], values[-1] = a, b
     return values
 
@@ -123,6 +124,12 @@ def check_sample(section: Any) -> tuple[int, int, str, dict[str, tuple[str, list
         raise ConfigError(f"sample.axes: must be a mapping of keys to distributions, got {_brief(section['axes'])}")
     n, seed, method = section.get("n"), section.get("seed", 0), section.get("method", "random")
     points = section.get("points")
+    if points is not None and (not isinstance(points, list) or not points or len(points) > MAX_SAMPLES):
+        raise ConfigError(f"sample.points: must be a list of 1 to {MAX_SAMPLES} points (each a mapping of the "
+                          f"sampled keys), got {_brief(points)}")
+    if points is not None and n is not None and n != len(points):
+        raise ConfigError(f"sample.n: {_brief(n)}, but sample.points lists {len(points)} points; give one of them "
+                          "(or both, equal)")
     if points is None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise ConfigError(f"sample.n: must be an integer from 1 to {MAX_SAMPLES} (the points drawn), "
