@@ -468,6 +468,10 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
                          fontsize="small")
             ax.grid(True, which="both", alpha=0.25)
             ax.label_outer()
+    if metric in LOSSES:
+        clipped = _clip_blowups(axes, tidy, metric)
+        if clipped:
+            extra[clipped] = Line2D([], [], linestyle="none", marker="^", color="black", label=clipped)
     _label_bottoms(axes, "optimizer step")
     for ax in axes[:, 0]:
         ax.set_ylabel(METRIC_LABELS.get(metric, metric), fontsize="small")
@@ -475,6 +479,28 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
     _title(fig, title or f"{METRIC_LABELS.get(metric, metric)} per step: mean over seeds, band min–max",
            constants_text(tidy))
     return fig
+
+
+BLOWUP_FACTOR = 10  # a loss curve's axis ends at this many times the larger of chance and the first step's loss
+
+
+def _clip_blowups(axes: np.ndarray, tidy: pd.DataFrame, metric: str) -> str:
+    """Where a run's loss blows up (far above where the runs start), the shared y axis ends at BLOWUP_FACTOR
+    times the larger of the chance level and the highest first-step loss, so that the curves that train
+    stay apart; returns the legend's note on what was clipped ('' where nothing was)."""
+    values = tidy[metric].astype(float)
+    finite = values[np.isfinite(values)]
+    first = values[tidy["step"] == tidy["step"].min()]
+    first = first[np.isfinite(first)]
+    if finite.empty or first.empty:
+        return ""
+    top = BLOWUP_FACTOR * max(first.max(), *(math.log(n) for n in _chances(tidy)))
+    if finite.max() <= top:
+        return ""
+    for ax in axes.flat:
+        if ax.get_visible():
+            ax.set_ylim(top=top)
+    return f"axis clipped at {top:.3g}\n(highest {finite.max():.2g})"
 
 
 # ----------------------------------------------------------------------------- phase diagram

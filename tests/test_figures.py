@@ -307,3 +307,22 @@ def test_missing_runs_of_two_sweeps_name_the_folder_to_verify(tf, tmp_path):
     result = invoke("report", str(tf), str(other), "--format", "markdown")
     assert result.exit_code == 1, result.output
     assert f"(normexp verify {other})" in result.output and " + " not in result.output
+
+
+def test_a_blown_up_run_clips_the_shared_loss_axis_and_says_so(tmp_path_factory):
+    """A run whose loss reaches ~1e7 would squash every other curve into one line on the shared log axis:
+    the axis ends at BLOWUP_FACTOR x the larger of chance and the first step's loss, the legend says so."""
+    from normexp.plot import BLOWUP_FACTOR, curves_figure
+    from normexp.results import as_folder
+
+    out = sweep(tmp_path_factory, "blowup", FFN.replace("train: {steps: 3}", "train: {steps: 4}"),
+                "--set", "optim.lr=0.01,1000", "--set", "norm.kind=layernorm", "--set", "schedule.warmup_steps=0")
+    tidy = as_folder(out).metrics(all_config=True)
+    assert tidy["loss"].max() > 1e3  # the premise: lr 1000 blows the loss up
+    fig = curves_figure(tidy, ["norm.placement", "optim.lr"])
+    top = BLOWUP_FACTOR * max(tidy.loc[tidy["step"] == 0, "loss"].max(), math.log(10))
+    assert all(ax.get_ylim()[1] == pytest.approx(top) for ax in fig.axes if ax.get_visible() and ax.lines)
+    labels = [text.get_text() for legend in fig.legends for text in legend.get_texts()]
+    assert any(label.startswith(f"axis clipped at {top:.3g}") for label in labels), labels
+    calm = curves_figure(tidy[tidy["optim.lr"] == 0.01], ["norm.placement"])
+    assert not any("clipped" in text.get_text() for legend in calm.legends for text in legend.get_texts())
