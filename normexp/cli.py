@@ -884,6 +884,9 @@ def doctor() -> None:
 
     if sys.stdout is not None:  # None: closed when the process started (`>&-`), nowhere to print
         sys.stdout.write(describe().as_text())
+        from normexp.engines.auto import auto_summary
+
+        sys.stdout.write(f"engine auto: {auto_summary()}\n")
 
 
 def main() -> None:

@@ -100,3 +100,12 @@ def test_the_sweep_says_which_engine_auto_chose_and_why_first(write_yaml, tmp_pa
     assert first.startswith("engine auto: reference (batched 10.00 ms vs reference") and "0.80x" in first, first
     done = json.loads(next((tmp_path / "out").glob("*/done.json")).read_text())
     assert done["engine"] == "reference"
+
+
+def test_doctor_says_what_auto_measured_on_this_machine(cache, measured):
+    doctor = CliRunner().invoke(app, ["doctor"])
+    assert doctor.exit_code == 0 and "engine auto: not measured on this machine yet" in doctor.output
+    choose(tiny())
+    line = CliRunner().invoke(app, ["doctor"]).output.splitlines()[-1]
+    assert line.startswith("engine auto: batched for 0 of 1 measured shapes, the reference for the rest"), line
+    assert str(cache) in line

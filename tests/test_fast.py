@@ -290,7 +290,8 @@ def test_an_exact_sweep_redoes_runs_the_fast_engine_trained_and_a_fast_sweep_kee
     out, config = tmp_path / "out", str(write_yaml(SWEEP))
     assert runner.invoke(app, ["sweep", config, "--out", str(out), "--engine", "fast", "-q"]).exit_code == 0
     assert runner.invoke(app, ["sweep", config, "--out", str(out), "-q"]).exit_code == 0
-    assert set(load_summary(out)["engine"]) == {"batched"}  # none of the fast runs was kept
+    exact = set(load_summary(out)["engine"])  # auto: batched or reference, as measured on this machine
+    assert exact and exact <= {"batched", "reference"}  # none of the fast runs was kept
     result = runner.invoke(app, ["sweep", config, "--out", str(out), "--engine", "fast"])
     assert result.exit_code == 0 and "0 ran, 8 already done" in result.output
-    assert set(load_summary(out)["engine"]) == {"batched"}
+    assert set(load_summary(out)["engine"]) == exact

@@ -189,7 +189,7 @@ def test_a_failing_batch_is_retried_run_by_run(write_yaml, tmp_path, monkeypatch
     monkeypatch.setattr(batched, "train_batch", train_batch)
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\n"
                         "grid: {norm.kind: [layernorm, rmsnorm]}\nseeds: [0, 1]\n")
-    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out")])
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "--engine", "batched"])
     assert result.exit_code == 0, result.output
     summary = load_summary(tmp_path / "out")
     assert list(summary["status"]) == ["completed"] * 4

@@ -175,3 +175,17 @@ def _write_cache(entries: dict) -> None:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8") as f:
         json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
     os.replace(f.name, path)
+
+
+def auto_summary() -> str:
+    """One line for `normexp doctor`: what `auto` measured on this machine, from the cache."""
+    mine = machine_key() + ":"
+    choices = [c for key, entry in _read_cache().items() if key.startswith(mine) and (c := _valid(entry))]
+    if not choices:
+        return (f"not measured on this machine yet (a sweep measures each shape once, about a second; "
+                f"cached in {choice_cache_file()})")
+    batched = sum(c.engine == "batched" for c in choices)
+    ratios = [c.reference_ms / c.batched_ms for c in choices]
+    return (f"batched for {batched} of {len(choices)} measured shapes, the reference for the rest (batched "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x the reference per model-step, needs >= {1 / MARGIN:.2f}x; "
+            f"{choice_cache_file()})")
