@@ -44,9 +44,10 @@ def transcribed_attention(attn: CausalSelfAttention, x: torch.Tensor, scope: str
     q, k, v = (x @ lin.weight.T + lin.bias for lin in (attn.q, attn.k, attn.v))
 
     def norm(y: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-        if kind == "layernorm":  # (y - mean) / sqrt(var + eps) * g + b over the last axis
+        if kind == "layernorm":  # (y - mean) / sqrt(var + eps) * g over the last axis, no bias: flax's
+            # MultiHeadDotProductAttention(normalize_qk=True), `LayerNorm(name='query_ln', use_bias=False)`
             mean, var = y.mean(-1, keepdim=True), y.var(-1, unbiased=False, keepdim=True)
-            return (y - mean) / torch.sqrt(var + 1e-5) * module.weight + module.bias
+            return (y - mean) / torch.sqrt(var + 1e-5) * module.weight
         return y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * module.weight  # rmsnorm
 
     if scope == "full":
@@ -67,6 +68,7 @@ def test_qk_norm_attention_is_the_transcription(scope, kind):
     cfg = tiny(kind=kind, scope=scope)
     attn = CausalSelfAttention(WIDTH, HEADS, cfg.model, cfg.norm)
     assert attn.q_norm.weight.shape == ((WIDTH // HEADS,) if scope == "head" else (WIDTH,))  # shared by the heads
+    assert {name for name, _ in attn.q_norm.named_parameters()} == {"weight"}  # a gain, no bias (ViT-22B, OLMo 2)
     _randomise(attn, 3)
     x = torch.randn(3, 5, WIDTH, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(attn(x), transcribed_attention(attn, x, scope, kind), rtol=1e-5, atol=1e-5)
@@ -75,13 +77,19 @@ def test_qk_norm_attention_is_the_transcription(scope, kind):
     assert not torch.allclose(plain(x), attn(x), atol=1e-3)  # the norms do act
 
 
+def test_a_dyt_qk_norm_has_no_bias_either():
+    attn = CausalSelfAttention(WIDTH, HEADS, tiny(kind="dyt").model, tiny(kind="dyt").norm)
+    assert not any("bias" in name for name, _ in attn.q_norm.named_parameters())
+    assert any("bias" in name for name, _ in attn.named_parameters() if "_norm" not in name)  # q, k, v, out keep theirs
+
+
 def test_qk_norm_draws_nothing_so_every_other_weight_is_the_same():
     torch.manual_seed(0)
     plain = dict(Transformer(tiny(qk=False).model, tiny().norm, tiny().data).named_parameters())
     torch.manual_seed(0)
     normed = dict(Transformer(tiny().model, tiny().norm, tiny().data).named_parameters())
     assert set(normed) - set(plain) == {f"layers.{i}.attn.branch.{n}_norm.{p}" for i in range(2)
-                                        for n in "qk" for p in ("weight", "bias")}
+                                        for n in "qk" for p in ("weight",)}
     assert all(torch.equal(plain[name], normed[name]) for name in plain)
 
 
