@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normexp.config import RunConfig, build_sweep, parse_yaml, validate_run
+from normexp.config import ConfigError, RunConfig, build_sweep, parse_yaml, validate_run
 from normexp.engines.common import loss_and_acc, seeded_init, z_loss
 from normexp.engines.reference import train_run
 from normexp.models.transformer import CausalSelfAttention, Transformer
@@ -100,6 +100,17 @@ def test_the_default_keys_keep_every_run_id_and_the_scope_is_inert_without_qk_no
                   {"train": {"z_loss": 0.0}}):
         assert run_id(RunConfig.model_validate({**base, **extra})) == run_id(plain)
     assert run_id(RunConfig.model_validate({**base, "train": {"z_loss": 1e-4}})) != run_id(plain)
+
+
+@pytest.mark.parametrize("where", ["grid:\n  model.qk_norm_scope: [head, full]", "SET"])
+def test_a_qk_norm_scope_no_run_uses_is_refused_naming_the_key(where):
+    """model.qk_norm_scope: full without model.qk_norm: true would train every run without qk-norm."""
+    text = ("name: s\nbase:\n  model: {arch: transformer, width: 8, n_heads: 2}\n  data: {task: copy}\n"
+            + ("" if where == "SET" else where + "\n"))
+    overrides = ["model.qk_norm_scope=full"] if where == "SET" else []
+    with pytest.raises(ConfigError, match="model.qk_norm_scope: has no effect"):
+        build_sweep(parse_yaml(text), overrides)
+    assert len(build_sweep(parse_yaml(text), [*overrides, "model.qk_norm=true,false"]).runs) == (2 if overrides else 3)
 
 
 def test_z_loss_value_and_gradient_are_the_closed_form():
