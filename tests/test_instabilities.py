@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -265,3 +266,22 @@ def test_the_instabilities_verdict_says_the_papers_trend_reproduces_only_when_th
     assert "leaves within noise" in said and "does not reproduce here" in said
     said = instabilities_verdict(study_folder(tmp_path / "c", lambda cfg: 10.0, qk_rescues))
     assert "does not reach the regime" in said and "reproduces" not in said
+
+
+def test_a_negative_largest_attention_logit_is_drawn_not_left_blank(tmp_path):
+    """A layer whose every causal logit is below 0 (seen in the study: Post-LN with qk-norm at lr 0.1) has
+    a negative attn_logit_max: a value, which a log colour scale would mask as a gap."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import QuadMesh
+
+    from normexp.plot import blocks_figure
+    from normexp.results import load_blocks
+
+    folder = study_folder(tmp_path, lambda cfg: -0.5 if cfg.model.qk_norm else 80.0, lambda cfg: 1.0)
+    tidy = load_blocks(folder, all_config=True)
+    fig = blocks_figure(tidy, ["model.qk_norm"], "attn_logit_max")
+    meshes = [c for ax in fig.axes for c in ax.collections if isinstance(c, QuadMesh)]
+    plt.close(fig)
+    assert meshes and all(not np.ma.getmaskarray(mesh.get_array()).any() for mesh in meshes)
+    drawn = sorted(float(v) for mesh in meshes for v in np.ma.compressed(mesh.get_array()))
+    assert drawn[0] < 0 < drawn[-1]
