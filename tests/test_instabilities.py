@@ -285,3 +285,17 @@ def test_a_negative_largest_attention_logit_is_drawn_not_left_blank(tmp_path):
     assert meshes and all(not np.ma.getmaskarray(mesh.get_array()).any() for mesh in meshes)
     drawn = sorted(float(v) for mesh in meshes for v in np.ma.compressed(mesh.get_array()))
     assert drawn[0] < 0 < drawn[-1]
+
+
+@pytest.mark.slow
+def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract():
+    """The fast engine's compiled path (torch.compile of the z objective's vmapped gradient): its metrics and
+    z column within the fast contract of the reference's (about a minute of compiling on 2 cores)."""
+    from normexp.engines.fast import train_fast
+
+    cfg = tiny("pre", "layernorm", z=0.05, steps=3)
+    fast, reference = train_fast([cfg], compile=True)[0], train_run(cfg)
+    assert list(fast.metrics) == list(reference.metrics)
+    for column in ("loss", "acc", "val_loss", "z_loss"):
+        assert fast.metrics[column] == pytest.approx(reference.metrics[column], abs=1e-4), column
+    assert fast.metrics["grad_norm"] == pytest.approx(reference.metrics["grad_norm"], rel=1e-4)
