@@ -37,7 +37,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib.colors import LogNorm, Normalize  # noqa: E402
+from matplotlib.colors import LogNorm, Normalize, SymLogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
@@ -70,6 +70,9 @@ METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accur
                  "grad_norm": "gradient norm (global L2)", "lr": "learning rate",
                  "val_loss": "held-out loss (answer positions)", "val_acc": "held-out accuracy (answer positions)",
                  "z_loss": "z-loss term, coef x mean log(Z)^2 (train.z_loss)"}
+# block metrics whose values at or below 0 are values (a largest attention logit, a log Z), drawn on a
+# symmetric log scale when they have any; every other block metric is positive where it exists
+SIGNED_BLOCK_METRICS = ("attn_logit_max", "log_z")
 BLOCK_METRIC_LABELS = {  # the per-block columns of blocks.csv (normexp/blocklog.py)
     "fc1_grad": "||dLoss/dW|| of fc1", "fc2_grad": "||dLoss/dW|| of fc2",
     "fc1_update": "update ||ΔW|| / ||W|| of fc1", "fc2_update": "update ||ΔW|| / ||W|| of fc2",
@@ -984,24 +987,29 @@ def blocks_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "fc2_update
     values = tidy[metric].astype(float)
     positive = values[np.isfinite(values) & (values > 0)]
     scale = LogNorm(vmin=positive.min(), vmax=positive.max()) if len(positive) else LogNorm(1e-3, 1)
+    finite = values[np.isfinite(values)]
+    signed = metric in SIGNED_BLOCK_METRICS and bool((finite <= 0).any())
+    if signed:  # an attention logit or a log Z at or below 0 is a value, not a gap: symmetric log, linear near 0
+        scale = SymLogNorm(linthresh=1.0, vmin=finite.min(), vmax=max(finite.max(), finite.min() + 1e-9))
     for row, (row_label, row_group) in enumerate(rows):
         panels = variant_groups(row_group, across, everything="")
         image = None
         for col, (label, group) in enumerate(panels):
             title = " ".join(part for part in (label, row_label) if part) or "all runs"
             title += f" (n={group['run_id'].nunique()})"
-            why = _why_empty(group, metric)
+            why = "" if signed and np.isfinite(group[metric].astype(float)).any() else _why_empty(group, metric)
             if why:  # nothing to draw on a log scale: an empty panel that says why, not a matplotlib error
                 _empty_panel(axes[2 * row, col], title, why)
                 _empty_panel(axes[2 * row + 1, col], "", why)
                 continue
-            image = _block_heatmap(axes[2 * row, col], group, metric, scale, title)
-            _block_lines(axes[2 * row + 1, col], group, metric)
+            image = _block_heatmap(axes[2 * row, col], group, metric, scale, title, signed)
+            _block_lines(axes[2 * row + 1, col], group, metric, signed)
         for col in range(len(panels), n_cols):
             axes[2 * row, col].set_visible(False)
             axes[2 * row + 1, col].set_visible(False)
         if image is not None:
-            fig.colorbar(image, ax=list(axes[2 * row]), label=f"{metric} (mean over seeds, log scale)", shrink=0.9)
+            fig.colorbar(image, ax=list(axes[2 * row]), shrink=0.9,
+                         label=f"{metric} (mean over seeds, {'symmetric log' if signed else 'log'} scale)")
     fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS.get(metric, metric)}")
     return fig
 
@@ -1033,12 +1041,13 @@ def _empty_panel(ax, title: str, why: str) -> None:
     ax.set_title(title)
 
 
-def _block_heatmap(ax, group: pd.DataFrame, metric: str, scale: LogNorm, title: str):
-    """Blocks up, steps across; empty cells: non-finite or zero (the last step has no update)."""
+def _block_heatmap(ax, group: pd.DataFrame, metric: str, scale: Normalize, title: str, signed: bool = False):
+    """Blocks up, steps across; empty cells: non-finite, or (`signed` false) zero or below (the last step
+    has no update)."""
     grid = group.groupby(["block", "step"])[metric].mean().unstack("step")
     grid = grid.loc[:, grid.notna().any()]
-    cells = np.ma.masked_where(~np.isfinite(grid.to_numpy(dtype=float)) | (grid.to_numpy(dtype=float) <= 0),
-                               grid.to_numpy(dtype=float))
+    array = grid.to_numpy(dtype=float)
+    cells = np.ma.masked_where(~np.isfinite(array) | ((array <= 0) & (not signed)), array)
     image = ax.pcolormesh(grid.columns, grid.index, cells, norm=scale, cmap="magma", shading="nearest")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("block (1 = input side)")
@@ -1046,14 +1055,17 @@ def _block_heatmap(ax, group: pd.DataFrame, metric: str, scale: LogNorm, title: 
     return image
 
 
-def _block_lines(ax, group: pd.DataFrame, metric: str) -> None:
+def _block_lines(ax, group: pd.DataFrame, metric: str, signed: bool = False) -> None:
     depth = int(group["block"].max())
     picked = dict.fromkeys([1, (depth + 1) // 2, depth])  # first, middle, last (once each at small depth)
     for block, name in zip(picked, ("first", "middle", "last")):
         stats = group[group["block"] == block].groupby("step")[metric].agg(["mean", "min", "max"]).dropna()
         line, = ax.plot(stats.index, stats["mean"], marker=".", label=f"block {block} ({name})")
         ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.15, linewidth=0)
-    ax.set_yscale("log")
+    if signed:
+        ax.set_yscale("symlog", linthresh=1.0)
+    else:
+        ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(metric)
     ax.grid(True, which="both", alpha=0.3)

@@ -475,9 +475,9 @@ def instabilities_verdict(source: Path | Folder) -> str:
                 f"with qk-norm at {', '.join(f'{p:.3g}' for p in qk_peak)}; qk-norm {effect} its LR sensitivity "
                 f"({off.sensitivity:.3f} -> {on.sensitivity:.3f})")
         parts.append(text)
-        if min(off.best_loss, on.best_loss) >= threshold:  # flat losses make a low sensitivity: not evidence
-            parts[-1] += (f" (it trains at no lr of the grid, l* {min(off.best_loss, on.best_loss):.2f}: a flat "
-                          "failure, left out of the tally below)")
+        if min(off.best_loss, on.best_loss) >= threshold:  # a design that never trains: its sensitivity is no evidence
+            parts[-1] += (f" (it trains at no lr of the grid, l* {min(off.best_loss, on.best_loss):.2f}: a design "
+                          "that never trains, left out of the tally below)")
             continue
         if grown:
             grows.append(label)

@@ -165,6 +165,9 @@ def _unused_anywhere(base: dict, grid: dict, runs: list[RunConfig]) -> None:
             values = [tuple(v) if isinstance(v, list) else v for v in values]
             if any(value != default for value in values) and all(key in inert_keys(getattr(r, section)) for r in runs):
                 raise ConfigError(key)
+    scopes = grid.get("model.qk_norm_scope", [base.get("model", {}).get("qk_norm_scope", "head")])
+    if any(scope != "head" for scope in scopes) and not any(r.model.qk_norm for r in runs):
+        raise ConfigError("qk_norm_scope")  # set where no run has qk-norm
 
 
 def _split(raw: str) -> list[str]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from normexp.config import RunConfig, build_sweep, parse_yaml, validate_run
+from normexp.config import ConfigError, RunConfig, build_sweep, parse_yaml, validate_run
 from normexp.engines.common import loss_and_acc, seeded_init, z_loss
 from normexp.engines.reference import train_run
 from normexp.models.transformer import CausalSelfAttention, Transformer
@@ -44,9 +45,10 @@ def transcribed_attention(attn: CausalSelfAttention, x: torch.Tensor, scope: str
     q, k, v = (x @ lin.weight.T + lin.bias for lin in (attn.q, attn.k, attn.v))
 
     def norm(y: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-        if kind == "layernorm":  # (y - mean) / sqrt(var + eps) * g + b over the last axis
+        if kind == "layernorm":  # (y - mean) / sqrt(var + eps) * g over the last axis, no bias: flax's
+            # MultiHeadDotProductAttention(normalize_qk=True), `LayerNorm(name='query_ln', use_bias=False)`
             mean, var = y.mean(-1, keepdim=True), y.var(-1, unbiased=False, keepdim=True)
-            return (y - mean) / torch.sqrt(var + 1e-5) * module.weight + module.bias
+            return (y - mean) / torch.sqrt(var + 1e-5) * module.weight
         return y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * module.weight  # rmsnorm
 
     if scope == "full":
@@ -67,6 +69,7 @@ def test_qk_norm_attention_is_the_transcription(scope, kind):
     cfg = tiny(kind=kind, scope=scope)
     attn = CausalSelfAttention(WIDTH, HEADS, cfg.model, cfg.norm)
     assert attn.q_norm.weight.shape == ((WIDTH // HEADS,) if scope == "head" else (WIDTH,))  # shared by the heads
+    assert {name for name, _ in attn.q_norm.named_parameters()} == {"weight"}  # a gain, no bias (ViT-22B, OLMo 2)
     _randomise(attn, 3)
     x = torch.randn(3, 5, WIDTH, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(attn(x), transcribed_attention(attn, x, scope, kind), rtol=1e-5, atol=1e-5)
@@ -75,13 +78,19 @@ def test_qk_norm_attention_is_the_transcription(scope, kind):
     assert not torch.allclose(plain(x), attn(x), atol=1e-3)  # the norms do act
 
 
+def test_a_dyt_qk_norm_has_no_bias_either():
+    attn = CausalSelfAttention(WIDTH, HEADS, tiny(kind="dyt").model, tiny(kind="dyt").norm)
+    assert not any("bias" in name for name, _ in attn.q_norm.named_parameters())
+    assert any("bias" in name for name, _ in attn.named_parameters() if "_norm" not in name)  # q, k, v, out keep theirs
+
+
 def test_qk_norm_draws_nothing_so_every_other_weight_is_the_same():
     torch.manual_seed(0)
     plain = dict(Transformer(tiny(qk=False).model, tiny().norm, tiny().data).named_parameters())
     torch.manual_seed(0)
     normed = dict(Transformer(tiny().model, tiny().norm, tiny().data).named_parameters())
     assert set(normed) - set(plain) == {f"layers.{i}.attn.branch.{n}_norm.{p}" for i in range(2)
-                                        for n in "qk" for p in ("weight", "bias")}
+                                        for n in "qk" for p in ("weight",)}
     assert all(torch.equal(plain[name], normed[name]) for name in plain)
 
 
@@ -92,6 +101,17 @@ def test_the_default_keys_keep_every_run_id_and_the_scope_is_inert_without_qk_no
                   {"train": {"z_loss": 0.0}}):
         assert run_id(RunConfig.model_validate({**base, **extra})) == run_id(plain)
     assert run_id(RunConfig.model_validate({**base, "train": {"z_loss": 1e-4}})) != run_id(plain)
+
+
+@pytest.mark.parametrize("where", ["grid:\n  model.qk_norm_scope: [head, full]", "SET"])
+def test_a_qk_norm_scope_no_run_uses_is_refused_naming_the_key(where):
+    """model.qk_norm_scope: full without model.qk_norm: true would train every run without qk-norm."""
+    text = ("name: s\nbase:\n  model: {arch: transformer, width: 8, n_heads: 2}\n  data: {task: copy}\n"
+            + ("" if where == "SET" else where + "\n"))
+    overrides = ["model.qk_norm_scope=full"] if where == "SET" else []
+    with pytest.raises(ConfigError, match="model.qk_norm_scope: has no effect"):
+        build_sweep(parse_yaml(text), overrides)
+    assert len(build_sweep(parse_yaml(text), [*overrides, "model.qk_norm=true,false"]).runs) == (2 if overrides else 3)
 
 
 def test_z_loss_value_and_gradient_are_the_closed_form():
@@ -246,3 +266,36 @@ def test_the_instabilities_verdict_says_the_papers_trend_reproduces_only_when_th
     assert "leaves within noise" in said and "does not reproduce here" in said
     said = instabilities_verdict(study_folder(tmp_path / "c", lambda cfg: 10.0, qk_rescues))
     assert "does not reach the regime" in said and "reproduces" not in said
+
+
+def test_a_negative_largest_attention_logit_is_drawn_not_left_blank(tmp_path):
+    """A layer whose every causal logit is below 0 (seen in the study: Post-LN with qk-norm at lr 0.1) has
+    a negative attn_logit_max: a value, which a log colour scale would mask as a gap."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import QuadMesh
+
+    from normexp.plot import blocks_figure
+    from normexp.results import load_blocks
+
+    folder = study_folder(tmp_path, lambda cfg: -0.5 if cfg.model.qk_norm else 80.0, lambda cfg: 1.0)
+    tidy = load_blocks(folder, all_config=True)
+    fig = blocks_figure(tidy, ["model.qk_norm"], "attn_logit_max")
+    meshes = [c for ax in fig.axes for c in ax.collections if isinstance(c, QuadMesh)]
+    plt.close(fig)
+    assert meshes and all(not np.ma.getmaskarray(mesh.get_array()).any() for mesh in meshes)
+    drawn = sorted(float(v) for mesh in meshes for v in np.ma.compressed(mesh.get_array()))
+    assert drawn[0] < 0 < drawn[-1]
+
+
+@pytest.mark.slow
+def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract():
+    """The fast engine's compiled path (torch.compile of the z objective's vmapped gradient): its metrics and
+    z column within the fast contract of the reference's (about a minute of compiling on 2 cores)."""
+    from normexp.engines.fast import train_fast
+
+    cfg = tiny("pre", "layernorm", z=0.05, steps=3)
+    fast, reference = train_fast([cfg], compile=True)[0], train_run(cfg)
+    assert list(fast.metrics) == list(reference.metrics)
+    for column in ("loss", "acc", "val_loss", "z_loss"):
+        assert fast.metrics[column] == pytest.approx(reference.metrics[column], abs=1e-4), column
+    assert fast.metrics["grad_norm"] == pytest.approx(reference.metrics["grad_norm"], rel=1e-4)

@@ -326,6 +326,13 @@ def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Seque
             if set_in and all(key in inert_keys(getattr(run, section)) for run in runs):
                 raise ConfigError(f"{set_in[0]}: has no effect: only {section}.{decider} "
                                   f"{' or '.join(sorted(where))} uses it, and no run of this sweep has that {decider}")
+    scope, default = "model.qk_norm_scope", type(base.model).model_fields["qk_norm_scope"].default
+    set_in = [f"grid.{scope}"] if any(v != default for v in grid.get(scope, [])) else []
+    if scope not in grid and base.model.qk_norm_scope != default:
+        set_in.append(f"base.{scope}")
+    if set_in and not any(run.model.qk_norm for run in runs):  # each run resets it: one run without qk-norm
+        raise ConfigError(f"{set_in[0]}: has no effect: only model.qk_norm true uses it, and no run of this "
+                          "sweep has qk-norm (set model.qk_norm: true)")
 
 
 def _same_value(value: Any, default: Any) -> bool:
