@@ -31,6 +31,7 @@ from pydantic_core import to_jsonable_python
 
 from normexp.config import (
     METRIC_COLUMNS,
+    STOP_REASONS,
     ConfigError,
     NormKind,
     Placement,
@@ -511,6 +512,9 @@ def _check_fields(done: dict[str, Any], folder: str, stamped: bool) -> None:
     wrong = [k for k in _NUMBER_FIELDS if not _is_number(done[k])]
     wrong += [k for k in _INT_FIELDS if not isinstance(done[k], int) or isinstance(done[k], bool)]
     wrong += [k for k in ("diverged",) if not isinstance(done[k], bool)]
+    if "stopped_at" in done or "stop_reason" in done:  # train.stop_when stopped the run (absent: it did not)
+        wrong += [k for k in ("stopped_at",) if not isinstance(done.get(k), int) or isinstance(done.get(k), bool)]
+        wrong += [k for k in ("stop_reason",) if done.get(k) not in STOP_REASONS]
     wrong += [k for k in ("run_id", "config_hash", "engine") if not isinstance(done[k], str)]
     if stamped and not _valid_records(done["files"]):
         wrong.append("files")
@@ -588,12 +592,15 @@ def _check_metrics(text: str, done: dict[str, Any], steps: int) -> None:
         if not _same(value, done[key]):
             raise Corrupt(f"{METRICS_FILE}: {key} is {value!r}, {DONE_FILE} says {done[key]!r}")
     nonfinite = not all(math.isfinite(v) for v in metrics["loss"])
-    if nonfinite != (done["status"] == "diverged"):
+    stopped_diverged = done.get("stop_reason") == "diverged"  # train.stop_when: diverged, on finite losses
+    if nonfinite != (done["status"] == "diverged") and not (stopped_diverged and done["status"] == "diverged"):
         raise Corrupt(f"{METRICS_FILE}: status {done['status']} but the losses are "
                       f"{'not ' if nonfinite else ''}all finite")
     last = metrics["step"][-1]
-    if last > steps or (done["status"] == "completed" and last != steps):
-        raise Corrupt(f"{METRICS_FILE}: ends at step {last} of {steps} for a {done['status']} run")
+    end = done.get("stopped_at", steps)  # a run that train.stop_when stopped ends there
+    if last > steps or (done["status"] == "completed" and last != end) or ("stopped_at" in done and last != end):
+        raise Corrupt(f"{METRICS_FILE}: ends at step {last} of {steps} for a {done['status']} run"
+                      + (f" stopped at step {end}" if "stopped_at" in done else ""))
 
 
 
