@@ -395,7 +395,7 @@ class TrainConfig(_Section):
     # condition held for stop_patience consecutive recorded steps; null: never (every step runs)
     stop_when: StopReason | None = None
     stop_patience: int = Field(STOP_PATIENCE, ge=1, le=10_000_000)  # acts only under stop_when
-    stop_below: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # stop_when: trained only
+    stop_below: PositiveFloat | None = None  # stop_when: trained only
 
     @model_validator(mode="after")
     def _inert_keys_at_default(self, info: ValidationInfo) -> TrainConfig:
