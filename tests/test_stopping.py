@@ -149,3 +149,18 @@ def test_recorded_in_the_run_folder_and_resume_retrains_nothing(tmp_path):
     assert again.exit_code == 0 and "0 ran, 2 already done" in again.output, again.output
     check = CliRunner().invoke(app, ["verify", str(out)])
     assert check.exit_code == 0, check.output
+
+
+def test_report_says_which_runs_stopped_early_and_why(tmp_path):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: {model: {depth: 2, width: 8}, train: {steps: 20, stop_when: stalled, "
+                     "stop_patience: 3}}\ngrid: {optim.lr: [0.003, 1.0]}\nseeds: [3]\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["sweep", str(sweep), "--out", str(out)]).exit_code == 0
+    summary = load_summary(out).set_index("optim.lr")
+    step = int(summary.loc[1.0, "stopped_at"])
+    assert math.isnan(summary.loc[0.003, "stopped_at"])
+    report = CliRunner().invoke(app, ["report", str(out)])
+    assert report.exit_code == 0, report.output
+    assert f"Stopped early (train.stop_when), 1 of 2 runs: {summary.loc[1.0, 'run_id']} at step {step} (stalled)" \
+        in " ".join(report.output.split())
