@@ -119,7 +119,7 @@ def stopped_note(summary: pd.DataFrame) -> str:
             first, last = int(group["at"].min()), int(group["at"].max())
             steps = f"step {first}" if first == last else f"steps {first} to {last}"
             parts.append(f"{len(group)} {why}, at {steps}")
-    runs = "run" if len(stopped) == 1 else "runs"
+    runs = "run" if len(finished) == 1 else "runs"
     return (f"Stopped early (train.stop_when), {len(stopped)} of {len(finished)} {runs}: {'; '.join(parts)}; "
             "a cell after a run's stop leaves it out.")
 
