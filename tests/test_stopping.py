@@ -38,7 +38,7 @@ def expected_stop(losses: list[float], when: str, patience: int, below: float) -
             best = loss if improved else best
             holds = not improved
         streak = streak + 1 if holds else 0
-        if streak >= patience:
+        if streak >= patience and step < len(losses) - 1:  # at the last step the run ends anyway
             return step
     return None
 
@@ -164,3 +164,28 @@ def test_report_says_which_runs_stopped_early_and_why(tmp_path):
     assert report.exit_code == 0, report.output
     assert f"Stopped early (train.stop_when), 1 of 2 runs: {summary.loc[1.0, 'run_id']} at step {step} (stalled)" \
         in " ".join(report.output.split())
+
+
+def test_the_phase_diagram_marks_the_cells_with_a_run_stopped_early(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from normexp.plot import STOPPED_MARKER, final_values, phase_figure
+    from normexp.results import load_metrics
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: {model: {depth: 2, width: 8}, schedule: {kind: linear_warmup}, train: "
+                     "{steps: 12, stop_when: stalled, stop_patience: 3}}\n"
+                     "grid: {optim.lr: [0.003, 3.0], schedule.warmup_steps: [0, 2]}\nseeds: [3]\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["sweep", str(sweep), "--out", str(out)]).exit_code == 0
+    summary = load_summary(out)
+    stopped = dict(zip(summary["run_id"], summary["stopped_at"].notna()))
+    assert 0 < sum(stopped.values()) < len(stopped)
+    for source in (load_metrics(out, all_config=True), summary):
+        table = final_values(source, "loss")
+        assert dict(zip(table["run_id"], table["stopped"])) == stopped
+        fig = phase_figure(source, "optim.lr", "schedule.warmup_steps")
+        marks = [line for ax in fig.axes for line in ax.lines if line.get_marker() == STOPPED_MARKER]
+        assert len(marks) == sum(stopped.values())  # one mark per cell here (one seed per cell)
+        assert any("stopped early" in text.get_text() for legend in fig.legends for text in legend.get_texts())
+        plt.close(fig)

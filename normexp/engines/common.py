@@ -48,6 +48,7 @@ class EarlyStop:
     when: str
     patience: int
     below: float = math.inf
+    steps: int = 0  # train.steps: a rule that fires at the last step stops nothing (the run ran every step)
     first: float | None = None
     best: float = math.inf
     streak: int = 0
@@ -59,7 +60,7 @@ class EarlyStop:
         if train.stop_when is None:
             return None
         below = train.stop_below if train.stop_below is not None else trained_threshold(chance_classes(cfg))
-        return cls(train.stop_when, train.stop_patience, below)
+        return cls(train.stop_when, train.stop_patience, below, train.steps)
 
     def holds(self, loss: float) -> bool:
         """Whether the condition holds at this step (updating the first and best losses)."""
@@ -110,7 +111,7 @@ class RunResult:
     def check_early_stop(self, step: int, loss: float) -> bool:
         """Feed train.stop_when's rule this step's loss; True (and the stop noted) if the run stops after
         recording this step. Called for a step that goes on past `check_loss`."""
-        if self.early_stop is None or not self.early_stop.observe(loss):
+        if self.early_stop is None or not self.early_stop.observe(loss) or step >= self.early_stop.steps:
             return False
         self.stopped_at, self.stop_reason = step, self.early_stop.when
         self.diverged |= self.stop_reason == "diverged"
