@@ -189,3 +189,12 @@ def test_the_phase_diagram_marks_the_cells_with_a_run_stopped_early(tmp_path):
         assert len(marks) == sum(stopped.values())  # one mark per cell here (one seed per cell)
         assert any("stopped early" in text.get_text() for legend in fig.legends for text in legend.get_texts())
         plt.close(fig)
+
+
+def test_batched_blocks_equal_the_references_for_a_run_stopped_early():
+    """blocks.csv of a run stopped at step k: step k's gradients recorded (it ran backward), as the reference."""
+    configs = [config(lr, stop_when="stalled", stop_patience=2, steps=12, log_blocks=True) for lr in (0.003, 3.0)]
+    results = train_batch(configs)
+    assert results[1].stopped_at is not None and results[0].stopped_at is None
+    for cfg, result in zip(configs, results):
+        assert exact(result.blocks) == exact(train_run(cfg).blocks)

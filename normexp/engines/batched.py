@@ -287,7 +287,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
             record_live(results, live, step, loss_values, accs, lrs, norms, first.train.stop_on_nonfinite)
             logged = blocks is not None and blocks.due(step)
             if logged:  # a run that stops here has no gradients in the reference: it skips backward
-                blocks.observe(step, recording, [live[r] or results[r].stopped_at == step for r in recording])
+                blocks.observe(step, recording, [live[r] or results[r].stopped_at == step for r in recording],
+                               [live[r] for r in recording])  # a run stopped early here takes no update
             if not any(live):
                 break
             if on_step is not None:
