@@ -441,7 +441,7 @@ def _inspect_folder(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> Run
             raise Corrupt(f"{DONE_FILE}: written for another config than this run's")
         if thorough or not stamped or cfg is None:
             cfg = _check_config(texts[CONFIG_FILE], done, run_dir.name, cfg if stamped else None)
-        _check_metrics(texts[METRICS_FILE], done, cfg.train.steps)
+        _check_metrics(texts[METRICS_FILE], done, cfg.train.steps, cfg.train.stop_when)
     except Corrupt as exc:
         return RunState("corrupt", str(exc))
     except Superseded as exc:
@@ -584,9 +584,13 @@ def _check_config(text: str, done: dict[str, Any], folder: str, asked: RunConfig
 
 
 
-def _check_metrics(text: str, done: dict[str, Any], steps: int) -> None:
+def _check_metrics(text: str, done: dict[str, Any], steps: int, stop_when: str | None = None) -> None:
     """metrics.csv must parse, count steps 0..n, give back done.json's numbers, and end where its
-    status says: at the config's last step if completed, at a non-finite loss if diverged."""
+    status says: at the config's last step if completed, at a non-finite loss if diverged; or, for a run
+    that train.stop_when stopped (done.json's stopped_at, stop_reason: the config's stop_when), there."""
+    if done.get("stop_reason", stop_when) != stop_when:
+        raise Corrupt(f"{DONE_FILE}: stop_reason {done['stop_reason']!r}, but the config's train.stop_when is "
+                      f"{stop_when!r}")
     metrics = _parse_metrics(text)
     for key, value in run_stats(metrics, done["status"]).items():
         if not _same(value, done[key]):

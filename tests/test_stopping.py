@@ -198,3 +198,24 @@ def test_batched_blocks_equal_the_references_for_a_run_stopped_early():
     assert results[1].stopped_at is not None and results[0].stopped_at is None
     for cfg, result in zip(configs, results):
         assert exact(result.blocks) == exact(train_run(cfg).blocks)
+
+
+@pytest.mark.parametrize(("field", "change"), [("stopped_at", -1), ("stop_reason", "stalled"),
+                                               ("stopped_at", None)])
+def test_a_done_json_whose_stop_disagrees_with_its_run_is_corrupt(tmp_path, field, change):
+    from normexp.runfolder import encode_done, inspect_run
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: {model: {depth: 2, width: 8}, optim: {lr: 3.0}, train: {steps: 20, "
+                     "stop_when: diverged, stop_patience: 2}}\nseeds: [3]\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["sweep", str(sweep), "--out", str(out)]).exit_code == 0
+    (run,) = [p for p in out.iterdir() if (p / "done.json").exists()]
+    assert inspect_run(run).kind == "finished"
+    done = json.loads((run / "done.json").read_text())
+    if change is None:  # a stopped run whose done.json does not say so
+        del done["stopped_at"], done["stop_reason"]
+    else:
+        done[field] = done[field] + change if isinstance(change, int) else change
+    (run / "done.json").write_text(encode_done(done))
+    assert inspect_run(run).kind == "corrupt"
