@@ -93,6 +93,12 @@ MEANINGS = {
     "train.log_blocks": "also write `<run_id>/blocks.csv`: per-block gradients, updates and activations (a "
                         "Transformer's also attention logits, entropy and log Z)",
     "train.log_every": "blocks.csv keeps steps 0, k, 2k, ... (needs `log_blocks: true`)",
+    "train.stop_when": "opt-in early stopping: `trained`, `stalled` or `diverged` (rules in "
+                       "[Early stopping](#early-stopping)); unset: every run runs all its steps",
+    "train.stop_patience": "consecutive steps the stop_when condition must hold before the run stops "
+                           "(only under stop_when)",
+    "train.stop_below": "stop_when: trained only: the loss to stay below; unset: the default trained rule "
+                        "ln(C)/10",
     "train.z_loss": "transformer only: add z_loss * mean(log(Z)^2) to the objective (PaLM's z-loss; 1e-4 is "
                     "Wortsman's); `loss` stays the cross-entropy, the term goes to metrics.csv's `z_loss` column",
     "seed": "set by the sweep's `seeds` list",

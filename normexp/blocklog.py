@@ -126,14 +126,17 @@ class BlockRecorder:
         return masked.max().item(), entropy.item(), read.logsumexp(-1).mean().item()
 
     @torch.no_grad()
-    def observe(self, step: int, runs: Sequence[int], grads: Sequence[bool]) -> None:
-        """Record step `step` for `runs`; `grads[k]`: whether runs[k] has this step's gradients."""
+    def observe(self, step: int, runs: Sequence[int], grads: Sequence[bool],
+                updates: Sequence[bool] | None = None) -> None:
+        """Record step `step` for `runs`; `grads[k]`: whether runs[k] has this step's gradients, `updates[k]`
+        whether it takes this step's update (default: where it has gradients; not a run that train.stop_when
+        stops here)."""
         weights = self._weights()
         self.before = [w.detach().clone() for w in weights]
         self.pending = []
-        for r, has_grads in zip(runs, grads):
+        for r, has_grads, updated in zip(runs, grads, grads if updates is None else updates):
             columns = self.columns[r]
-            if has_grads:
+            if has_grads and updated:
                 self.pending.append((r, len(columns["step"])))
             for i in range(len(self.blocks)):
                 columns["step"].append(step)

@@ -48,6 +48,7 @@ from normexp.analysis.variants import (  # noqa: E402
     axis_label,
     constants,
     engine_note,
+    is_null,
     is_trained,
     n_choices,
     short_number,
@@ -521,6 +522,9 @@ def numeric_axes(summary: pd.DataFrame) -> list[str]:
     return sorted(out, key=lambda k: order.get(k, 2))
 
 
+STOPPED_MARKER = "v"  # the phase diagram's mark on a cell where train.stop_when stopped a run early
+
+
 def final_values(tidy: pd.DataFrame, metric: str, trained_below: float | None = None) -> pd.DataFrame:
     """One row per finished run: its config keys, status, `final` (the metric at its last recorded step,
     nan for a diverged run) and `trained` (by the trained rule, on the final training loss). `tidy` may
@@ -533,7 +537,19 @@ def final_values(tidy: pd.DataFrame, metric: str, trained_below: float | None = 
     table["final"] = final.where(np.isfinite(table["loss"].astype(float)) & (table["status"] != "diverged"))
     table["trained"] = is_trained(table["loss"].astype(float), table["status"], n_choices(table),
                                   thresholds(table, trained_below))
+    table["stopped"] = stopped_early(table)
     return table.reset_index()
+
+
+def stopped_early(table: pd.DataFrame) -> pd.Series:
+    """Per run (one row each): whether train.stop_when stopped it before its last step: summary.csv's
+    stopped_at where the table has it, else a run under stop_when whose last recorded step is short of
+    train.steps (a non-finite loss, which also ends a run early, makes it diverged: its cell says so)."""
+    if "stopped_at" in table:
+        return pd.to_numeric(table["stopped_at"], errors="coerce").notna()
+    if "train.stop_when" not in table or "train.steps" not in table:
+        return pd.Series(False, index=table.index)
+    return ~table["train.stop_when"].map(is_null) & (table["step"].astype(int) < table["train.steps"].astype(int))
 
 
 def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss",
@@ -587,6 +603,9 @@ def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss
                Patch(facecolor="none", edgecolor="grey", hatch="xx", label="not every run trained")]
     if metric in LOSSES:
         handles.append(Line2D([], [], color="black", linestyle="--", label="the threshold (colour bar)"))
+    if table["stopped"].any():
+        handles.append(Line2D([], [], marker=STOPPED_MARKER, markersize=4, color="black", linestyle="",
+                              label="a run stopped early (train.stop_when)"))
     wide = fig.get_figwidth() >= 11
     fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False,
                ncols=len(handles) if wide else 1)
@@ -606,7 +625,8 @@ def _rule_text(table: pd.DataFrame, trained_below: float | None) -> str:
 
 def _phase_panel(ax, runs: pd.DataFrame, x_key: str, y_key: str, scale, cmap: str):
     stats = runs.groupby([y_key, x_key], dropna=False).agg(mean=("final", "mean"), finite=("final", "count"),
-                                                            runs=("final", "size"), trained=("trained", "sum"))
+                                                            runs=("final", "size"), trained=("trained", "sum"),
+                                                            stopped=("stopped", "sum"))
     xs = sorted(runs[x_key].unique(), key=_order)
     ys = sorted(runs[y_key].unique(), key=_order)
     cells = np.full((len(ys), len(xs)), np.nan)
@@ -626,6 +646,8 @@ def _phase_panel(ax, runs: pd.DataFrame, x_key: str, y_key: str, scale, cmap: st
                                    linewidth=0, alpha=0.35))
         ax.text(j, i, _phase_text(value, row["finite"], row["runs"]), ha="center", va="center", fontsize=7,
                 color=colour)
+        if row["stopped"]:  # train.stop_when stopped a run of this cell early: a small mark in its corner
+            ax.plot(j + 0.36, i + 0.3, marker=STOPPED_MARKER, markersize=4, color=colour, linestyle="")
     _outline(ax, trained)
     ax.set_xticks(range(len(xs)), number_texts(xs), rotation=45 if len(xs) > 4 else 0,
                   fontsize="small")

@@ -35,6 +35,7 @@ from normexp.analysis.variants import (
     is_trained,
     n_choices,
     rule_text,
+    stopped_note,
     thresholds,
     variant_groups,
 )
@@ -101,6 +102,7 @@ class Report:
     trained_below: float | None = None  # the trained rule (report.trained_below); None: ln(C)/10
     pooled: tuple[str, ...] = ()  # varying keys (not the seed) that no column separates: pooled in each cell
     keys: tuple[str, ...] = ()  # the column keys
+    stopped: str = ""  # `stopped_note`: the runs train.stop_when stopped early, or ""
 
     def cell(self, column: Column, step: int) -> str:
         """The cell's aggregate; a mean over fewer than the column's runs says "(k of n)" with n every
@@ -229,7 +231,7 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
                for label, group in variant_groups(tidy, keys, everything="run")]
     title = _title(summary, metric, pooled) + _mixed(summary) + _about(folder.sweep)
     return Report(title, metric, steps, columns, n_classes, missing_note(summary, run_dir), engine_note(summary, keys),
-                  rule, pooled, tuple(keys))
+                  rule, pooled, tuple(keys), stopped=stopped_note(summary))
 
 
 def _mixed(summary: pd.DataFrame) -> str:
@@ -326,6 +328,8 @@ def to_rich(report: Report, full: bool = False):  # -> rich.console.Group (rich 
         parts.append(Text(PARTIAL_NOTE))
     if report.metric == "loss":
         parts.append(Text(report.verdict_line(full)))
+    if report.stopped:
+        parts.append(Text(report.stopped))
     if report.engines:
         parts.append(Text(report.engines, style="bold"))
     if report.missing:
@@ -341,6 +345,8 @@ def to_markdown(report: Report, full: bool = False) -> str:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
         lines += ["", report.verdict_line(full)]
+    if report.stopped:
+        lines += ["", report.stopped]
     if report.engines:
         lines += ["", f"**{report.engines}**"]
     if report.missing:

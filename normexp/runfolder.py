@@ -31,6 +31,7 @@ from pydantic_core import to_jsonable_python
 
 from normexp.config import (
     METRIC_COLUMNS,
+    STOP_REASONS,
     ConfigError,
     NormKind,
     Placement,
@@ -440,7 +441,7 @@ def _inspect_folder(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> Run
             raise Corrupt(f"{DONE_FILE}: written for another config than this run's")
         if thorough or not stamped or cfg is None:
             cfg = _check_config(texts[CONFIG_FILE], done, run_dir.name, cfg if stamped else None)
-        _check_metrics(texts[METRICS_FILE], done, cfg.train.steps)
+        _check_metrics(texts[METRICS_FILE], done, cfg.train.steps, cfg.train.stop_when)
     except Corrupt as exc:
         return RunState("corrupt", str(exc))
     except Superseded as exc:
@@ -511,6 +512,9 @@ def _check_fields(done: dict[str, Any], folder: str, stamped: bool) -> None:
     wrong = [k for k in _NUMBER_FIELDS if not _is_number(done[k])]
     wrong += [k for k in _INT_FIELDS if not isinstance(done[k], int) or isinstance(done[k], bool)]
     wrong += [k for k in ("diverged",) if not isinstance(done[k], bool)]
+    if "stopped_at" in done or "stop_reason" in done:  # train.stop_when stopped the run (absent: it did not)
+        wrong += [k for k in ("stopped_at",) if not isinstance(done.get(k), int) or isinstance(done.get(k), bool)]
+        wrong += [k for k in ("stop_reason",) if done.get(k) not in STOP_REASONS]
     wrong += [k for k in ("run_id", "config_hash", "engine") if not isinstance(done[k], str)]
     if stamped and not _valid_records(done["files"]):
         wrong.append("files")
@@ -580,20 +584,27 @@ def _check_config(text: str, done: dict[str, Any], folder: str, asked: RunConfig
 
 
 
-def _check_metrics(text: str, done: dict[str, Any], steps: int) -> None:
+def _check_metrics(text: str, done: dict[str, Any], steps: int, stop_when: str | None = None) -> None:
     """metrics.csv must parse, count steps 0..n, give back done.json's numbers, and end where its
-    status says: at the config's last step if completed, at a non-finite loss if diverged."""
+    status says: at the config's last step if completed, at a non-finite loss if diverged; or, for a run
+    that train.stop_when stopped (done.json's stopped_at, stop_reason: the config's stop_when), there."""
+    if done.get("stop_reason", stop_when) != stop_when:
+        raise Corrupt(f"{DONE_FILE}: stop_reason {done['stop_reason']!r}, but the config's train.stop_when is "
+                      f"{stop_when!r}")
     metrics = _parse_metrics(text)
     for key, value in run_stats(metrics, done["status"]).items():
         if not _same(value, done[key]):
             raise Corrupt(f"{METRICS_FILE}: {key} is {value!r}, {DONE_FILE} says {done[key]!r}")
     nonfinite = not all(math.isfinite(v) for v in metrics["loss"])
-    if nonfinite != (done["status"] == "diverged"):
+    stopped_diverged = done.get("stop_reason") == "diverged"  # train.stop_when: diverged, on finite losses
+    if nonfinite != (done["status"] == "diverged") and not (stopped_diverged and done["status"] == "diverged"):
         raise Corrupt(f"{METRICS_FILE}: status {done['status']} but the losses are "
                       f"{'not ' if nonfinite else ''}all finite")
     last = metrics["step"][-1]
-    if last > steps or (done["status"] == "completed" and last != steps):
-        raise Corrupt(f"{METRICS_FILE}: ends at step {last} of {steps} for a {done['status']} run")
+    end = done.get("stopped_at", steps)  # a run that train.stop_when stopped ends there
+    if last > steps or (done["status"] == "completed" and last != end) or ("stopped_at" in done and last != end):
+        raise Corrupt(f"{METRICS_FILE}: ends at step {last} of {steps} for a {done['status']} run"
+                      + (f" stopped at step {end}" if "stopped_at" in done else ""))
 
 
 

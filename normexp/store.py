@@ -168,6 +168,8 @@ class FinishedRun:
     engine: str
     device: str
     blocks: dict[str, list[float]] | None = None  # blocks.csv's columns, for a run with train.log_blocks
+    stopped_at: int | None = None  # train.stop_when stopped the run after this step (None: it ran every step)
+    stop_reason: str | None = None  # train.stop_when's reason, with stopped_at
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -323,6 +325,7 @@ def _write_staged(staging: Path, rid: str, cfg: RunConfig, run: FinishedRun, com
         "run_id": rid,
         "config_hash": config_hash(cfg),
         **run_stats(run.metrics, run.status),
+        **({"stopped_at": run.stopped_at, "stop_reason": run.stop_reason} if run.stopped_at is not None else {}),
         "wall_s": run.wall_s,
         "threads": run.threads,
         "engine": run.engine,
@@ -434,7 +437,8 @@ def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending",
         stats = {k: state.done[k] for k in SUMMARY_STATS}
         threshold = float(trained_below) if trained_below is not None else trained_threshold(chance_classes(cfg))
         trained = stats["status"] == "completed" and float(stats["final_loss"]) < threshold
-        return {**row, **stats, "threshold": threshold, "trained": trained, "error": ""}
+        return {**row, **stats, STOPPED_COLUMN: state.done.get("stopped_at", ""), "threshold": threshold,
+                "trained": trained, "error": ""}
     earlier = superseded_folder(out_dir, cfg) if state.kind == "absent" else None
     if earlier is not None:
         return {**row, "status": "superseded", "error": f"{earlier.name}: {superseded_problem(cfg)}"}
@@ -477,7 +481,8 @@ def trained_rule(out_dir: Path) -> float | None:
 
 def rows_csv(rows: Sequence[dict[str, Any]], first: RunConfig | None) -> str:
     """summary.csv's text from its rows (`summary_row`), its columns those of the `first` run's config."""
-    columns = list(dict.fromkeys(["run_id", *flatten(first), *SUMMARY_STATS, *JUDGED, "error"])) if first else []
+    columns = list(dict.fromkeys(["run_id", *flatten(first), *SUMMARY_STATS, STOPPED_COLUMN, *JUDGED, "error"])) \
+        if first else []
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", restval="")
     writer.writeheader()
@@ -486,6 +491,7 @@ def rows_csv(rows: Sequence[dict[str, Any]], first: RunConfig | None) -> str:
     return buffer.getvalue()
 
 
+STOPPED_COLUMN = "stopped_at"  # the step at which train.stop_when stopped a run (empty: it ran every step)
 JUDGED = ("threshold", "trained")  # summary.csv's judgment of a finished run by the trained rule (empty otherwise)
 
 

@@ -204,7 +204,7 @@ def _run_alone(runs: Sequence[RunConfig], device: str,
 
 def _finished(result: Any, device: str) -> FinishedRun:
     return FinishedRun(result.metrics, result.status, result.wall_s, result.threads, result.engine, device,
-                       result.blocks)
+                       result.blocks, result.stopped_at, result.stop_reason)
 
 
 

@@ -93,6 +93,9 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "train.log_blocks": st.booleans(),
     "train.log_every": st.integers(0, 3),
     "train.z_loss": st.one_of(_floats(-1e-4, 1e-2), st.just(0.0)),
+    "train.stop_when": _optional(st.sampled_from(["trained", "stalled", "diverged"])),
+    "train.stop_patience": st.integers(0, 12),
+    "train.stop_below": _optional(_floats(-0.1, 2)),
 }
 GRID_KEYS = [k for k in run_keys() if k != "seed"]
 

@@ -95,6 +95,35 @@ APPROXIMATE_ENGINES = ("fast",)  # close to the reference's numbers, not equal; 
 ENGINES_LISTED = 6
 
 
+STOPPED_LISTED = 3  # runs named one by one in the early-stopping note; more are counted per reason
+
+
+def stopped_note(summary: pd.DataFrame) -> str:
+    """A line on the finished runs that train.stop_when stopped early ("Stopped early (train.stop_when):
+    post-layernorm-s0-... at step 12 (trained)", or per reason "5 trained, at steps 12 to 30"), or "" where
+    none did (or the folder predates the stopped_at column). They record no step after theirs: a later
+    cell's mean leaves them out."""
+    finished = finished_runs(summary)
+    if "stopped_at" not in finished or finished.empty:
+        return ""
+    at = pd.to_numeric(finished["stopped_at"], errors="coerce")
+    stopped = finished[at.notna()].assign(at=at[at.notna()].astype(int))
+    if stopped.empty:
+        return ""
+    reason = stopped["train.stop_when"].astype(str) if "train.stop_when" in stopped else pd.Series("?", stopped.index)
+    if len(stopped) <= STOPPED_LISTED:
+        parts = [f"{rid} at step {step} ({why})" for rid, step, why in zip(stopped["run_id"], stopped["at"], reason)]
+    else:
+        parts = []
+        for why, group in stopped.groupby(reason, sort=True):
+            first, last = int(group["at"].min()), int(group["at"].max())
+            steps = f"step {first}" if first == last else f"steps {first} to {last}"
+            parts.append(f"{len(group)} {why}, at {steps}")
+    runs = "run" if len(finished) == 1 else "runs"
+    return (f"Stopped early (train.stop_when), {len(stopped)} of {len(finished)} {runs}: {'; '.join(parts)}; "
+            "a cell after a run's stop leaves it out.")
+
+
 def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
     """A line saying that the finished runs come from an exact engine (reference, batched: the same
     bits) and from the fast one (close, not equal), naming the cells (grouped by `keys`) that average

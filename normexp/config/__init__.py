@@ -28,6 +28,7 @@ from normexp.config.schema import (
     METRIC_COLUMNS,
     METRICS,
     SEQUENCE_TASKS,
+    STOP_REASONS,
     TRAINED_FRACTION,
     VAL_COLUMNS,
     Z_LOSS_COLUMN,
@@ -63,6 +64,7 @@ from normexp.config.schema import (
 __all__ = [
     "ACTS_ONLY_UNDER", "ACTS_ONLY_UNDER_BY_SECTION", "ARCH_ONLY", "DEFAULT_MAX_RUNS", "DEFAULT_SEQ_LEN",
     "GENERIC_LEAVES", "MAX_ERROR_LINES", "MAX_YAML_NODES", "METRICS", "METRIC_COLUMNS", "SEQUENCE_TASKS",
+    "STOP_REASONS",
     "SYMLINK_LOOP", "TRAINED_FRACTION", "VAL_COLUMNS", "Z_LOSS_COLUMN", "Arch", "ConfigError", "DataConfig",
     "Init", "Metric",
     "ModelConfig", "NormConfig", "NormKind", "OptimConfig", "OptimName", "Placement", "ReportConfig",

@@ -47,6 +47,9 @@ OptimName = Literal["adam", "adamw", "sgd", "radam"]
 ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
 Arch = Literal[ARCHS]  # normexp/registry.py
 TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
+STOP_REASONS = ("trained", "stalled", "diverged")  # train.stop_when: why a run stops early
+StopReason = Literal[STOP_REASONS]
+STOP_PATIENCE = 10  # train.stop_patience's default
 SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
 METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's columns, in order: one per recorded step
 VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
@@ -369,9 +372,13 @@ OPTIM_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
 SCHEDULE_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
     "min_lr_ratio": ("kind", frozenset({"cosine"})),
 }
+# train.stop_when's keys (normexp/engines/common.py `EarlyStop` reads them only under it)
+TRAIN_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
+    "stop_patience": ("stop_when", frozenset(STOP_REASONS)),
+    "stop_below": ("stop_when", frozenset({"trained"})),
+}
 ACTS_ONLY_UNDER_BY_SECTION = {"norm": ACTS_ONLY_UNDER, "optim": OPTIM_ACTS_ONLY_UNDER,
-                              "schedule": SCHEDULE_ACTS_ONLY_UNDER}
-_SECTION_NAMES = {NormConfig: "norm", OptimConfig: "optim", ScheduleConfig: "schedule"}
+                              "schedule": SCHEDULE_ACTS_ONLY_UNDER, "train": TRAIN_ACTS_ONLY_UNDER}
 
 
 class TrainConfig(_Section):
@@ -384,6 +391,16 @@ class TrainConfig(_Section):
     # softmax normaliser of the output logits (PaLM; Wortsman et al. 2023 use 1e-4); metrics.csv's `loss`
     # stays the cross-entropy, the term is recorded in its own column `z_loss`
     z_loss: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # opt-in early stopping (normexp/engines/common.py `EarlyStop`, docs/configs.md): stop a run once the
+    # condition held for stop_patience consecutive recorded steps; null: never (every step runs)
+    stop_when: StopReason | None = None
+    stop_patience: int = Field(STOP_PATIENCE, ge=1, le=10_000_000)  # acts only under stop_when
+    stop_below: PositiveFloat | None = None  # stop_when: trained only
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> TrainConfig:
+        """stop_patience and stop_below unused by this run's stop_when go back to their defaults (one id)."""
+        return _inert_keys_to_default(self, info)
 
     @field_validator("log_every")
     @classmethod
@@ -391,6 +408,9 @@ class TrainConfig(_Section):
         if value != 1 and not info.data.get("log_blocks"):
             raise ValueError(f"thins blocks.csv, so it needs log_blocks: true (got log_every {value} without it)")
         return value
+
+
+_SECTION_NAMES = {NormConfig: "norm", OptimConfig: "optim", ScheduleConfig: "schedule", TrainConfig: "train"}
 
 
 class RunConfig(_Section):

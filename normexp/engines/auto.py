@@ -132,7 +132,8 @@ def _reference_seconds(runs: Sequence[RunConfig]) -> float:
 
 
 def _probe_config(cfg: RunConfig) -> RunConfig:
-    train = cfg.train.model_copy(update={"steps": PROBE_STEPS, "log_blocks": False, "stop_on_nonfinite": False})
+    train = cfg.train.model_copy(update={"steps": PROBE_STEPS, "log_blocks": False, "stop_on_nonfinite": False,
+                                         "stop_when": None})  # every probe step runs
     return cfg.model_copy(update={"train": train})
 
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
-from normexp.engines.common import RunResult, record_live, seeded_init, share_wall_time, torch_threads
+from normexp.engines.common import EarlyStop, RunResult, record_live, seeded_init, share_wall_time, torch_threads
 from normexp.models.ffn import Net
 from normexp.optim import REPLAYED_OPTIMIZERS, SharedOptimizer, StackedOptimizer, step_lr
 from normexp.registry import stackable
@@ -268,7 +268,7 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
         params = list(model.parameters())
         replayed = first.optim.name in REPLAYED_OPTIMIZERS
         optimizer = StackedOptimizer(params, runs) if replayed else SharedOptimizer(params, runs)
-        results = [RunResult(threads=threads, engine="batched") for _ in runs]
+        results = [RunResult(threads=threads, engine="batched", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         blocks = (BlockRecorder(model, first.train.log_every, len(runs), stacked=True)
                   if first.train.log_blocks else None)
         live = [True] * len(runs)  # runs still recording
@@ -287,7 +287,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
             record_live(results, live, step, loss_values, accs, lrs, norms, first.train.stop_on_nonfinite)
             logged = blocks is not None and blocks.due(step)
             if logged:  # a run that stops here has no gradients in the reference: it skips backward
-                blocks.observe(step, recording, [live[r] for r in recording])
+                blocks.observe(step, recording, [live[r] or results[r].stopped_at == step for r in recording],
+                               [live[r] for r in recording])  # a run stopped early here takes no update
             if not any(live):
                 break
             if on_step is not None:

@@ -17,10 +17,67 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from normexp.config import METRIC_COLUMNS, VAL_COLUMNS, Z_LOSS_COLUMN, RunConfig
+from normexp.config import (
+    METRIC_COLUMNS,
+    VAL_COLUMNS,
+    Z_LOSS_COLUMN,
+    RunConfig,
+    chance_classes,
+    trained_threshold,
+)
 from normexp.data import Task, make_task
 from normexp.models.ffn import Net
 from normexp.models.transformer import Transformer
+
+STALL_TOLERANCE = 1e-3  # stop_when: stalled: an improvement counts if it beats the best loss by this fraction
+DIVERGE_FACTOR = 10.0  # stop_when: diverged: a loss above this many times the first step's loss
+
+
+@dataclass
+class EarlyStop:
+    """`train.stop_when`'s rule, the one definition the three engines share (through `RunResult.check_loss`).
+    `observe(loss)` takes each recorded step's training loss in order and returns True at the step where
+    the run stops: the step at which the condition has held for `patience` consecutive steps.
+
+    - trained: the loss is below `below` (train.stop_below, else the default trained rule ln(C)/10).
+    - stalled: the loss is not below best * (1 - STALL_TOLERANCE), best the lowest loss that counted as
+      an improvement so far (Keras' EarlyStopping with a relative min_delta); the first step always
+      counts. A non-finite loss is no improvement.
+    - diverged: the loss is above DIVERGE_FACTOR x the first step's loss, or non-finite."""
+
+    when: str
+    patience: int
+    below: float = math.inf
+    steps: int = 0  # train.steps: a rule that fires at the last step stops nothing (the run ran every step)
+    first: float | None = None
+    best: float = math.inf
+    streak: int = 0
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> EarlyStop | None:
+        """The run's rule, or None without train.stop_when."""
+        train = cfg.train
+        if train.stop_when is None:
+            return None
+        below = train.stop_below if train.stop_below is not None else trained_threshold(chance_classes(cfg))
+        return cls(train.stop_when, train.stop_patience, below, train.steps)
+
+    def holds(self, loss: float) -> bool:
+        """Whether the condition holds at this step (updating the first and best losses)."""
+        if self.first is None:
+            self.first = loss
+        if self.when == "trained":
+            return loss < self.below
+        if self.when == "diverged":
+            return not loss <= DIVERGE_FACTOR * self.first
+        if math.isfinite(loss) and (self.best == math.inf or loss < self.best - STALL_TOLERANCE * abs(self.best)):
+            self.best = loss
+            return False
+        return True
+
+    def observe(self, loss: float) -> bool:
+        self.streak = self.streak + 1 if self.holds(loss) else 0
+        return self.streak >= self.patience
 
 
 @dataclass
@@ -33,6 +90,9 @@ class RunResult:
     threads: int = 1
     engine: str = "reference"
     blocks: dict[str, list[float]] | None = None  # blocks.csv's columns, with train.log_blocks
+    early_stop: EarlyStop | None = None  # train.stop_when's rule (`EarlyStop.of`), None without it
+    stopped_at: int | None = None  # the step at which train.stop_when stopped the run
+    stop_reason: str | None = None  # and why: train.stop_when (a `diverged` stop marks the run diverged)
 
     @property
     def losses(self) -> list[float]:
@@ -47,6 +107,15 @@ class RunResult:
         finite = math.isfinite(loss)
         self.diverged |= not finite
         return not finite and stop_on_nonfinite
+
+    def check_early_stop(self, step: int, loss: float) -> bool:
+        """Feed train.stop_when's rule this step's loss; True (and the stop noted) if the run stops after
+        recording this step. Called for a step that goes on past `check_loss`."""
+        if self.early_stop is None or not self.early_stop.observe(loss) or step >= self.early_stop.steps:
+            return False
+        self.stopped_at, self.stop_reason = step, self.early_stop.when
+        self.diverged |= self.stop_reason == "diverged"
+        return True
 
     def record(self, step: int, loss: float, acc: float, lr: float, grad_norm: float,
                val: tuple[float, float] | None = None, z: float | None = None) -> None:
@@ -164,13 +233,14 @@ def record_live(results: list[RunResult], live: list[bool], step: int, losses: l
                 lrs: list[float], norms: list[float], stop_on_nonfinite: bool,
                 vals: list[tuple[float, float] | None] | None = None, zs: list[float] | None = None) -> None:
     """Record step `step` of each run still `live`; a run whose loss is non-finite is diverged, and with
-    `stop_on_nonfinite` it stops there: its gradient norm is recorded as nan and it is live no more."""
+    `stop_on_nonfinite` it stops there: its gradient norm is recorded as nan and it is live no more. A run
+    that train.stop_when stops (`RunResult.check_early_stop`) records this step whole, and is live no more."""
     for r, result in enumerate(results):
         if live[r]:
             stop = result.check_loss(losses[r], stop_on_nonfinite)
             result.record(step, losses[r], accs[r], lrs[r], math.nan if stop else norms[r],
                           vals[r] if vals is not None else None, zs[r] if zs is not None else None)
-            live[r] = not stop
+            live[r] = not stop and not result.check_early_stop(step, losses[r])
 
 
 def share_wall_time(results: list[RunResult], start: float) -> list[RunResult]:

@@ -19,6 +19,7 @@
 - A run whose loss turns non-finite is recorded at that step and then frozen: its gradients are
   masked out and its parameters no longer change (a `live` mask, so batch shapes stay fixed); its
   batch-mates go on. With `train.stop_on_nonfinite: false` it keeps training, as in the reference.
+  A run that `train.stop_when` stops (`common.EarlyStop`, on its own recorded losses) is frozen alike.
 - `torch.compile` of the gradient step (forward, backward, grad norms) is optional. `compile=None`
   decides from the planned model-steps (a pure function of the sweep, so the same sweep makes the same
   choice). The step is first traced into one flat graph of aten operations (make_fx: vmap and grad
@@ -53,6 +54,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from normexp.config import OptimConfig, RunConfig
 from normexp.engines.common import (
+    EarlyStop,
     RunResult,
     batch_order,
     loss_and_acc,
@@ -377,7 +379,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
                      else make_grad_step(base, batch.positions, first.train.z_loss))
         val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
-        results = [RunResult(threads=threads, engine="fast") for _ in runs]
+        results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
         steps = first.train.steps
         for step in range(steps + 1):

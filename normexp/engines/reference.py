@@ -8,7 +8,8 @@
 
 The loop reports each recorded step through an optional callback and returns a `RunResult`; it prints
 nothing. A non-finite loss is recorded as it is and marks the run diverged; with
-`train.stop_on_nonfinite` (the default) the run stops there. With `train.log_blocks` a
+`train.stop_on_nonfinite` (the default) the run stops there. With `train.stop_when` the run stops after
+the step at which its rule (`EarlyStop`) fires, before that step's update. With `train.log_blocks` a
 `BlockRecorder` (normexp/blocklog.py) also records each block's gradients, updates and activations.
 """
 
@@ -23,6 +24,7 @@ from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
 from normexp.data import Task
 from normexp.engines.common import (
+    EarlyStop,
     RunResult,
     StepCallback,
     batch_order,
@@ -89,7 +91,7 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
     """Train one run of `cfg` on `device` and return every recorded step's metrics."""
     start = time.perf_counter()
     with torch_threads(cfg.train.threads) as threads:
-        result = RunResult(threads=threads)
+        result = RunResult(threads=threads, early_stop=EarlyStop.of(cfg))
         model, task = seeded_init(cfg)
         model.to(device)
         task = Task(*(t.to(device) if t is not None else None for t in vars(task).values()))
@@ -120,6 +122,8 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
             result.record(step, loss_value, acc, lr, grad_norm(params), val, z_value)
             if logged:
                 blocks.observe(step, [0], [True])
+            if result.check_early_stop(step, loss_value):  # train.stop_when: this step recorded whole, then stop
+                break
             if on_step is not None:
                 on_step(step, loss_value)
             if step < steps:
