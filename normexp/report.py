@@ -74,7 +74,8 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
 
 
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
-                "or are missing (named below), or, in the table, ended before that step (a shorter train.steps).")
+                "or are missing (named below). A run that ended before a step (a shorter train.steps, or stopped "
+                "early by train.stop_when) counts in no cell past its last step.")
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def test_a_cell_over_part_of_its_columns_runs_says_k_of_n(tf_steps):
             cell = report.cell(column, step)
             assert cell.endswith("(2 of 4)") if step > 4 else "of" not in cell, (step, cell)
     text = to_markdown(report)
-    assert "(2 of 4)" in text and "ended before that step" in text
+    assert "(2 of 4)" in text and "ended before a step" in text
 
 
 @given(trained=st.integers(0, 4), failed=st.integers(0, 4), missing=st.integers(0, 4))
