@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,14 @@ from normexp.config import METRIC_COLUMNS, VAL_COLUMNS, Z_LOSS_COLUMN, RunConfig
 from normexp.data import Task, make_task
 from normexp.models.ffn import Net
 from normexp.models.transformer import Transformer
+
+
+def user_cache_dir() -> Path:
+    """normexp's per-user cache folder (auto's measurements, the compiled steps): $XDG_CACHE_HOME/normexp
+    where XDG_CACHE_HOME is an absolute path (the XDG rule: a relative one is ignored), else
+    ~/.cache/normexp. Never the working directory: a run folder holds only what a sweep writes."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "normexp"
 
 
 @dataclass

@@ -60,6 +60,7 @@ from normexp.engines.common import (
     seeded_init,
     share_wall_time,
     torch_threads,
+    user_cache_dir,
     z_loss,
 )
 from normexp.engines.cost import model_step_flops
@@ -103,8 +104,8 @@ def should_compile(cfg: RunConfig, model_steps: int) -> bool:
 
 def compile_cache_dir() -> Path:
     """Inductor's cache folder: $TORCHINDUCTOR_CACHE_DIR if set, else one stable folder per user
-    (~/.cache/normexp/inductor), so a compile made by one sweep is found by the next."""
-    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path.home() / ".cache" / "normexp" / "inductor")
+    (`user_cache_dir()`/inductor: ~/.cache/normexp/inductor), so a compile made by one sweep is found by the next."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(user_cache_dir() / "inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     return Path(folder)
 
