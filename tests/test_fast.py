@@ -174,6 +174,27 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
     assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
 
 
+def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch):
+    """The check against the eager step compares the gradients too: a graph that returns the eager loss,
+    accuracy and gradient norm but a flipped gradient (same norm) would train every run of the structure
+    the wrong way (it passed the check when only the metrics were compared)."""
+    def flipping_compile(fn, **kwargs):
+        def call(*args):
+            *grads, metrics = fn(*args)
+            return (*(-g for g in grads), metrics)
+        return call
+
+    monkeypatch.setattr(torch, "compile", flipping_compile)
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    configs = runs(n=2, steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = train_fast(configs, compile=True)
+    assert [str(w.message).split(";")[0] for w in caught] == [
+        "torch.compile failed (ValueError: the traced step does not reproduce the eager one (its gradients))"]
+    assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
+
+
 def test_stable_grid_contract_fast_is_as_close_as_the_reference_to_itself():
     """Pre-LN runs: the reference does not move when its rows are summed in another order, so neither may fast."""
     configs = [with_threads(c, 2) for c in stable_grid(4, steps=15, depth=6, width=16)]
