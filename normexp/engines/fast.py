@@ -441,7 +441,7 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
         eager, got = flat(*inputs), compiled(*inputs)
     if not torch.allclose(eager[-1], got[-1], rtol=1e-3, atol=1e-5, equal_nan=True):
         raise ValueError("the traced step does not reproduce the eager one (its metrics)")
-    if not all(_close(e, g) for e, g in zip(eager[:-1], got[:-1])):
+    if not _gradients_close(eager[:-1], got[:-1]):
         raise ValueError("the traced step does not reproduce the eager one (its gradients)")
 
     def compiled_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
@@ -451,12 +451,21 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
     return compiled_step
 
 
-def _close(eager: torch.Tensor, got: torch.Tensor) -> bool:
-    """A compiled gradient within 1e-3 of the eager one, relative to the eager one's norm, per run (sums
-    taken in another order move single entries that cancel far more than that, never the whole), with
-    its non-finite entries where the eager one has them."""
-    if eager.shape != got.shape or not torch.equal(eager.isfinite(), got.isfinite()):
+def _gradients_close(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> bool:
+    """Each compiled gradient within 1e-3 of the eager one relative to its norm, per run, give or take
+    1e-6 of the run's whole gradient norm (a gradient that is zero in exact arithmetic, as attention's
+    key bias, is rounding noise in both), and non-finite exactly where the eager one is. Sums taken in
+    another order move single entries that cancel far more than that, never a whole tensor; a flipped
+    or swapped gradient moves it by its norm."""
+    if len(eager) != len(got) or any(e.shape != g.shape for e, g in zip(eager, got)):
         return False
-    finite = eager.isfinite()
-    e, g = (torch.where(finite, t, 0).reshape(len(t), -1).double() for t in (eager, got))
-    return bool((torch.linalg.vector_norm(g - e, dim=1) <= 1e-3 * torch.linalg.vector_norm(e, dim=1) + 1e-12).all())
+    if not all(torch.equal(e.isfinite(), g.isfinite()) for e, g in zip(eager, got)):
+        return False
+    norms, errors = [], []
+    for e, g in zip(eager, got):
+        finite = e.isfinite()
+        e, g = (torch.where(finite, t, 0).reshape(len(t), -1).double() for t in (e, g))
+        norms.append(torch.linalg.vector_norm(e, dim=1))
+        errors.append(torch.linalg.vector_norm(g - e, dim=1))
+    whole = torch.linalg.vector_norm(torch.stack(norms), dim=0)  # (R,): each run's gradient norm
+    return all(bool((error <= 1e-3 * norm + 1e-6 * whole).all()) for norm, error in zip(norms, errors))
