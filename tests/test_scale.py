@@ -37,6 +37,12 @@ def test_progress_lines_come_every_thirty_seconds_and_skipped_runs_cost_no_eta()
     assert line == "[2/10000] 0% · 1 completed, 1 skipped · 0m31s elapsed, ETA 86h05m"
 
 
+
+def test_a_progress_line_says_100_percent_only_when_every_run_is_done():
+    lines = ProgressLines(1000, clock=lambda: 0.0)
+    line = lines.update(SweepEvent("finished", "r", 999, 1000, "completed"))
+    assert line.startswith("[999/1000] 99% ·"), line  # rounded, it read 100% with a run still training
+
 def test_a_large_sweep_log_has_progress_lines_and_each_failure_a_small_one_a_line_per_run(monkeypatch):
     for total, per_run in ((4, True), (progress.PER_RUN_LINES + 1, False)):
         file = io.StringIO()
