@@ -133,3 +133,24 @@ def test_a_cache_that_cannot_be_replaced_leaves_no_temporary_file(cache, measure
     cache.mkdir(parents=True)  # a folder where the file goes: os.replace fails
     assert choose(tiny()).engine == "reference" and measured == [4]
     assert [p.name for p in cache.parent.iterdir()] == [cache.name]
+
+
+def test_a_user_without_a_home_folder_still_sweeps_under_auto(tmp_path, monkeypatch, measured):
+    """No HOME and no passwd entry (a container under a bare uid): Path.home() raises RuntimeError,
+    which was a traceback in every sweep under auto (and in the fast engine's compile)."""
+    from pathlib import Path
+
+    from normexp.engines import fast
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("NORMEXP_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert choice_cache_file().parent.parent == tmp_path
+    assert choose(tiny()).engine == "reference" and choose(tiny()).cached and measured == [4]
+    assert fast.compile_cache_dir() is None  # inductor's own default, not a folder made up here
+    assert "TORCHINDUCTOR_CACHE_DIR" not in __import__("os").environ

@@ -73,7 +73,9 @@ class Choice:
 
 
 def choice_cache_file() -> Path:
-    folder = os.environ.get("NORMEXP_CACHE_DIR") or str(user_cache_dir())
+    folder = os.environ.get("NORMEXP_CACHE_DIR") or user_cache_dir()
+    if folder is None:  # no home folder: a per-user temporary one (the cache can only save a probe)
+        folder = Path(tempfile.gettempdir()) / f"normexp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
     return Path(folder) / "engine-choice.json"
 
 

@@ -25,12 +25,18 @@ from normexp.models.ffn import Net
 from normexp.models.transformer import Transformer
 
 
-def user_cache_dir() -> Path:
+def user_cache_dir() -> Path | None:
     """normexp's per-user cache folder (auto's measurements, the compiled steps): $XDG_CACHE_HOME/normexp
     where XDG_CACHE_HOME is an absolute path (the XDG rule: a relative one is ignored), else
-    ~/.cache/normexp. Never the working directory: a run folder holds only what a sweep writes."""
+    ~/.cache/normexp; None where the user has no home folder (no HOME, no passwd entry: a container
+    run under a bare uid). Never the working directory: a run folder holds only what a sweep writes."""
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "normexp"
+    if os.path.isabs(xdg):
+        return Path(xdg) / "normexp"
+    try:
+        return Path.home() / ".cache" / "normexp"
+    except RuntimeError:  # "Could not determine home directory."
+        return None
 
 
 @dataclass

@@ -102,11 +102,16 @@ def should_compile(cfg: RunConfig, model_steps: int) -> bool:
     return compile_pays(model_steps, model_step_flops(cfg) / EAGER_FLOP_RATE)
 
 
-def compile_cache_dir() -> Path:
+def compile_cache_dir() -> Path | None:
     """Inductor's cache folder: $TORCHINDUCTOR_CACHE_DIR if set, else one stable folder per user
-    (`user_cache_dir()`/inductor: ~/.cache/normexp/inductor), so a compile made by one sweep is found by the next."""
-    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(user_cache_dir() / "inductor")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    (`user_cache_dir()`/inductor: ~/.cache/normexp/inductor), so a compile made by one sweep is found by the next;
+    None (inductor's own default) for a user without a home folder."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        home = user_cache_dir()
+        if home is None:  # no home folder: inductor's own default, not a folder normexp makes up
+            return None
+        folder = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(home / "inductor")
     return Path(folder)
 
 
