@@ -86,14 +86,18 @@ def sweep_seconds(args: list[str]) -> tuple[float, str]:
     return time.perf_counter() - start, (done.stdout.splitlines() or [""])[0]
 
 
+ARTICLE_SEEDS = "--set=seeds=" + ",".join(map(str, range(16)))  # the article's grid: 4 structures x 16 seeds
+
+
 def auto_vs_reference(rounds: int) -> None:
-    """`normexp sweep configs/warmup.yaml` (64 runs) with --engine auto and reference, fresh processes."""
+    """`normexp sweep configs/warmup.yaml` with 16 seeds (64 runs: configs/warmup.yaml alone has one seed, 4 runs,
+    where no runs share a batch and auto probes nothing) with --engine auto and reference, fresh processes."""
     times: dict[str, list[float]] = {"reference": [], "auto": []}
     first = ""
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for engine in times:
-                seconds, line = sweep_seconds([str(REPO / "configs" / "warmup.yaml"), "--engine", engine,
+                seconds, line = sweep_seconds([str(REPO / "configs" / "warmup.yaml"), ARTICLE_SEEDS, "--engine", engine,
                                                "--force", "--out", str(Path(tmp) / f"{engine}{r}")])
                 times[engine].append(seconds)
                 first = line if engine == "auto" else first

@@ -61,7 +61,7 @@ class ProgressLines:
         left = self.total - done
         eta = "done" if not left else f"ETA {_duration(elapsed / self.trained * left)}" if self.trained else "ETA ?"
         counts = ", ".join(f"{n} {status}" for status, n in sorted(self.statuses.items()))
-        return f"[{done}/{self.total}] {done / self.total:.0%} · {counts} · {_duration(elapsed)} elapsed, {eta}"
+        return f"[{done}/{self.total}] {100 * done // self.total}% · {counts} · {_duration(elapsed)} elapsed, {eta}"
 
 
 def _line(event: SweepEvent) -> str:

@@ -109,3 +109,48 @@ def test_doctor_says_what_auto_measured_on_this_machine(cache, measured):
     line = CliRunner().invoke(app, ["doctor"]).output.splitlines()[-1]
     assert line.startswith("engine auto: batched for 0 of 1 measured shapes, the reference for the rest"), line
     assert str(cache) in line
+
+
+def test_a_cache_of_deeply_nested_brackets_is_measured_again_not_a_traceback(cache, measured):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("[" * 200_000)  # json.loads raised RecursionError, which no `except` caught
+    assert "not measured on this machine yet" in auto.auto_summary()
+    assert choose(tiny()).engine == "reference" and measured == [4]
+    assert choose(tiny()).cached
+
+
+def test_the_cache_follows_xdg_cache_home_and_never_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("NORMEXP_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert choice_cache_file() == tmp_path / "xdg" / "normexp" / "engine-choice.json"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # the XDG rule: a relative path is ignored
+    assert choice_cache_file() == tmp_path / "home" / ".cache" / "normexp" / "engine-choice.json"
+
+
+def test_a_cache_that_cannot_be_replaced_leaves_no_temporary_file(cache, measured):
+    cache.mkdir(parents=True)  # a folder where the file goes: os.replace fails
+    assert choose(tiny()).engine == "reference" and measured == [4]
+    assert [p.name for p in cache.parent.iterdir()] == [cache.name]
+
+
+def test_a_user_without_a_home_folder_still_sweeps_under_auto(tmp_path, monkeypatch, measured):
+    """No HOME and no passwd entry (a container under a bare uid): Path.home() raises RuntimeError,
+    which was a traceback in every sweep under auto (and in the fast engine's compile)."""
+    from pathlib import Path
+
+    from normexp.engines import fast
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("NORMEXP_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert choice_cache_file().parent.parent == tmp_path
+    assert choose(tiny()).engine == "reference" and choose(tiny()).cached and measured == [4]
+    assert fast.compile_cache_dir() is None  # inductor's own default, not a folder made up here
+    assert "TORCHINDUCTOR_CACHE_DIR" not in __import__("os").environ

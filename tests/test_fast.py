@@ -174,6 +174,58 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
     assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
 
 
+def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch):
+    """The check against the eager step compares the gradients too: a graph that returns the eager loss,
+    accuracy and gradient norm but a flipped gradient (same norm) would train every run of the structure
+    the wrong way (it passed the check when only the metrics were compared)."""
+    def flipping_compile(fn, **kwargs):
+        def call(*args):
+            *grads, metrics = fn(*args)
+            return (*(-g for g in grads), metrics)
+        return call
+
+    monkeypatch.setattr(torch, "compile", flipping_compile)
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    configs = runs(n=2, steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = train_fast(configs, compile=True)
+    assert [str(w.message).split(";")[0] for w in caught] == [
+        "torch.compile failed (ValueError: the traced step does not reproduce the eager one (its gradients))"]
+    assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
+
+
+
+def test_the_gradient_check_tolerates_rounding_noise_in_a_gradient_that_is_zero_in_exact_arithmetic():
+    """Attention's key bias has a zero gradient in exact arithmetic (softmax ignores a shift): eager and
+    compiled give different ~1e-9 noise there, and a per-tensor relative check refused every compiled
+    Transformer step. Flipped or swapped gradients are still refused."""
+    big, other = torch.tensor([[1.0, -2.0, 0.5]]), torch.tensor([[0.3, 0.2, -0.1]])
+    noise = [torch.tensor([[2e-9, -1e-9]]), torch.tensor([[-3e-9, 4e-9]])]
+    eager = [big, other, noise[0]]
+    assert fast._gradients_close(eager, [big * (1 + 1e-6), other, noise[1]])
+    assert not fast._gradients_close(eager, [-big, other, noise[0]])
+    assert not fast._gradients_close(eager, [big, -other, noise[0]])
+    assert not fast._gradients_close([big, big.roll(1, 1)], [big.roll(1, 1), big])
+    assert not fast._gradients_close(eager, [big, other, torch.tensor([[float("nan"), 0.0]])])
+
+
+@pytest.mark.slow
+def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    configs = [RunConfig.model_validate({"model": {"arch": "transformer", "depth": 2, "width": 16},
+                                         "data": {"task": "assoc_recall"}, "norm": {"placement": "post"},
+                                         "train": {"steps": 2}, "seed": s}) for s in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = train_fast(configs, compile=True)
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]  # it was refused (its gradients)
+    eager = train_fast(configs, compile=False)
+    assert len(fast._COMPILED) == 1
+    for a, b in zip(compiled, eager):
+        assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-4
+
 def test_stable_grid_contract_fast_is_as_close_as_the_reference_to_itself():
     """Pre-LN runs: the reference does not move when its rows are summed in another order, so neither may fast."""
     configs = [with_threads(c, 2) for c in stable_grid(4, steps=15, depth=6, width=16)]

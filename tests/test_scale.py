@@ -37,6 +37,12 @@ def test_progress_lines_come_every_thirty_seconds_and_skipped_runs_cost_no_eta()
     assert line == "[2/10000] 0% · 1 completed, 1 skipped · 0m31s elapsed, ETA 86h05m"
 
 
+
+def test_a_progress_line_says_100_percent_only_when_every_run_is_done():
+    lines = ProgressLines(1000, clock=lambda: 0.0)
+    line = lines.update(SweepEvent("finished", "r", 999, 1000, "completed"))
+    assert line.startswith("[999/1000] 99% ·"), line  # rounded, it read 100% with a run still training
+
 def test_a_large_sweep_log_has_progress_lines_and_each_failure_a_small_one_a_line_per_run(monkeypatch):
     for total, per_run in ((4, True), (progress.PER_RUN_LINES + 1, False)):
         file = io.StringIO()
@@ -156,3 +162,23 @@ def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_ac
     assert len(fast._COMPILED) == 1
     fast.train_fast(runs[:2], compile=True)  # another batch of the structure: the same compiled step
     assert len(fast._COMPILED) == 1
+
+
+def test_make_bench_times_auto_on_the_64_run_article_grid_it_names(tmp_path):
+    """bench_scale's 'the article's 64-run grid' ran configs/warmup.yaml as written: one seed, 4 runs, no
+    batch to share, so auto probed nothing ('engine auto: reference (no runs share a batch)') and its
+    figure said nothing about auto's choice."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("bench_scale")
+    result = CliRunner().invoke(app, ["sweep", str(bench.REPO / "configs" / "warmup.yaml"), bench.ARTICLE_SEEDS,
+                                      "--dry-run", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "0 already done, 64 to run" in result.output

@@ -15,12 +15,12 @@ the cores one small run leaves idle), the reference is probed so too, two runs a
 per model-step is that pair's: a batch must beat what the reference really does in the sweep.
 
 The probe's runs are thrown away (a second or two). Its answer is cached in one JSON file
-(`choice_cache_file()`: $NORMEXP_CACHE_DIR or ~/.cache/normexp, `engine-choice.json`), keyed by the
-CPU (model and kernel-changing features), torch's version, the thread count and the shape (model,
-norm kind, data, optimizer family, runs per batch; not the placement, which moves no kernel: the
-article's four structures take two probes). A cache that cannot be read, holds another version's
-entries, or an entry that is not a valid measurement, is measured again and rewritten; the cache can
-only make `auto` faster to decide, never change a run (both engines give the same bits).
+(`choice_cache_file()`: `engine-choice.json` in $NORMEXP_CACHE_DIR, else $XDG_CACHE_HOME/normexp, else
+~/.cache/normexp), keyed by the CPU (model and kernel-changing features), torch's version, the thread
+count and the shape (model, norm kind, data, optimizer family, runs per batch; not the placement,
+which moves no kernel: the article's four structures take two probes). A cache that cannot be read,
+holds another version's entries, or an entry that is not a valid measurement, is measured again and
+rewritten; the cache can only make `auto` faster to decide, never change a run (both engines give the same bits).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch
 
 from normexp.config import RunConfig
 from normexp.engines.batched import train_batch
+from normexp.engines.common import user_cache_dir
 from normexp.engines.reference import train_run
 from normexp.environment import cpu_info
 
@@ -72,7 +73,9 @@ class Choice:
 
 
 def choice_cache_file() -> Path:
-    folder = os.environ.get("NORMEXP_CACHE_DIR") or str(Path.home() / ".cache" / "normexp")
+    folder = os.environ.get("NORMEXP_CACHE_DIR") or user_cache_dir()
+    if folder is None:  # no home folder: a per-user temporary one (the cache can only save a probe)
+        folder = Path(tempfile.gettempdir()) / f"normexp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
     return Path(folder) / "engine-choice.json"
 
 
@@ -148,7 +151,7 @@ def _median_step(train) -> float:
 def _read_cache() -> dict:
     try:
         data = json.loads(choice_cache_file().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: a file of nested brackets
         return {}
     if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
         return {}
@@ -174,8 +177,14 @@ def _write_cache(entries: dict) -> None:
     path = choice_cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8") as f:
-        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-    os.replace(f.name, path)
+        try:
+            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.replace(f.name, path)
+        except BaseException:  # a full disk, a folder where the file goes, Ctrl-C: no stray .tmp left behind
+            with contextlib.suppress(OSError):
+                os.unlink(f.name)
+            raise
 
 
 def auto_summary() -> str:
