@@ -466,7 +466,10 @@ def _arch_only_problem(cfg: RunConfig) -> tuple[str, str] | None:
     why = {"rezero_gate": "an FFN block is one sublayer, so its gate is the layer's",
            "deepnorm_count": "the Transformer's layer has two sublayers, so both readings give M = 2N",
            "dyt_alpha0_attn": "the FFN toy has no attention sublayer"}
+    inert = inert_keys(cfg.norm)  # kept only in a sweep's base (keep_inert): its grid may set what uses them
     for key, arch in ARCH_ONLY.items():
+        if key in inert:
+            continue
         if cfg.model.arch != arch and getattr(cfg.norm, key) != NormConfig.model_fields[key].default:
             return f"norm.{key}", f"applies to model.arch {arch} only ({why[key]})"
     return None
