@@ -276,6 +276,16 @@ def _panels(frame: pd.DataFrame, facets: Facets) -> tuple[list[list[tuple[str, p
     return grid, len(grid), max(1, len(cols))
 
 
+def _filled_panels(grid: list[list[tuple[str, pd.DataFrame | None]]], axes: np.ndarray):
+    """(ax, title, runs) for each filled slot of `_panels`' grid; an empty slot's axes are hidden."""
+    for i, line in enumerate(grid):
+        for j, (title, runs) in enumerate(line):
+            if runs is None:
+                axes[i, j].set_visible(False)
+            else:
+                yield axes[i, j], title, runs
+
+
 def _panel_title(keys: Sequence[str], values: tuple, texts: dict[str, dict] | None = None) -> str:
     """'Pre-RMS lr=1e-3': the article's label for a placement and a kind, then the other keys' values."""
     named = dict(zip(keys, values))
@@ -445,33 +455,28 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
     styles, handles = line_styles(tidy, facets)
     fig, axes = _subplots(n_rows, n_cols, sharex=True, sharey=True)
     extra: dict[str, object] = {}
-    for i, line in enumerate(grid):
-        for j, (panel, runs) in enumerate(line):
-            ax = axes[i, j]
-            if runs is None:
-                ax.set_visible(False)
-                continue
-            for values, group in _groups(runs, facets.lines):
-                style = styles[values]
-                finite = group[group["loss"].astype(float).map(math.isfinite)]
-                stats = finite.groupby("step")[metric].agg(["mean", "min", "max"])
-                ax.plot(stats.index, stats["mean"], color=style.color, linestyle=style.linestyle,
-                        marker=style.marker, markevery=max(1, len(stats) // 6), markersize=3, linewidth=1.3,
-                        label=f"{_values_label(facets.lines, values)} ({_coverage(group)})")
-                _mark_diverged(ax, group, stats, style)
-                if group["run_id"].nunique() > 1:
-                    ax.fill_between(stats.index, stats["min"], stats["max"], color=style.color, alpha=0.15,
-                                    linewidth=0)
-            if metric in LOSSES:
-                for handle in _reference_lines(ax, runs, trained_below, chance=metric == "loss"):
-                    extra.setdefault(handle.get_label(), handle)
-            if metric in ("loss", "val_loss", "grad_norm"):
-                ax.set_yscale("log")
-                _plain_log_ticks(ax.yaxis)
-            ax.set_title(f"{panel} ({_coverage(runs)})" if panel else f"all runs ({_coverage(runs)})",
-                         fontsize="small")
-            ax.grid(True, which="both", alpha=0.25)
-            ax.label_outer()
+    for ax, panel, runs in _filled_panels(grid, axes):
+        for values, group in _groups(runs, facets.lines):
+            style = styles[values]
+            finite = group[group["loss"].astype(float).map(math.isfinite)]
+            stats = finite.groupby("step")[metric].agg(["mean", "min", "max"])
+            ax.plot(stats.index, stats["mean"], color=style.color, linestyle=style.linestyle,
+                    marker=style.marker, markevery=max(1, len(stats) // 6), markersize=3, linewidth=1.3,
+                    label=f"{_values_label(facets.lines, values)} ({_coverage(group)})")
+            _mark_diverged(ax, group, stats, style)
+            if group["run_id"].nunique() > 1:
+                ax.fill_between(stats.index, stats["min"], stats["max"], color=style.color, alpha=0.15,
+                                linewidth=0)
+        if metric in LOSSES:
+            for handle in _reference_lines(ax, runs, trained_below, chance=metric == "loss"):
+                extra.setdefault(handle.get_label(), handle)
+        if metric in ("loss", "val_loss", "grad_norm"):
+            ax.set_yscale("log")
+            _plain_log_ticks(ax.yaxis)
+        ax.set_title(f"{panel} ({_coverage(runs)})" if panel else f"all runs ({_coverage(runs)})",
+                     fontsize="small")
+        ax.grid(True, which="both", alpha=0.25)
+        ax.label_outer()
     if metric in LOSSES:
         clipped = _clip_blowups(axes, tidy, metric)
         if clipped:
@@ -579,14 +584,9 @@ def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss
     panel = (max(3.2, 0.55 * n_x + 1.2), max(2.3, 0.42 * n_y + 1.1))
     fig, axes = _subplots(n_rows, n_cols, legend=False, panel=panel)
     image = None
-    for i, line in enumerate(grid):
-        for j, (title, runs) in enumerate(line):
-            ax = axes[i, j]
-            if runs is None:
-                ax.set_visible(False)
-                continue
-            image = _phase_panel(ax, runs, x_key, y_key, scale, cmap)
-            ax.set_title(f"{title} ({_coverage(runs)})" if title else _coverage(runs), fontsize="small")
+    for ax, title, runs in _filled_panels(grid, axes):
+        image = _phase_panel(ax, runs, x_key, y_key, scale, cmap)
+        ax.set_title(f"{title} ({_coverage(runs)})" if title else _coverage(runs), fontsize="small")
     for ax in axes.flat:
         if ax.get_visible():
             ax.label_outer()
@@ -702,25 +702,20 @@ def phase_scatter_figure(table: pd.DataFrame, x_key: str, y_key: str, metric: st
     cmap = "viridis" if accuracy else "viridis_r"
     fig, axes = _subplots(n_rows, n_cols, legend=False, panel=(4.4, 3.6))
     image = None
-    for i, line in enumerate(grid):
-        for j, (title, runs) in enumerate(line):
-            ax = axes[i, j]
-            if runs is None:
-                ax.set_visible(False)
-                continue
-            ok, bad = runs[runs["final"].notna()], runs[runs["final"].isna()]
-            image = ax.scatter(ok[x_key], ok[y_key], c=ok["final"], norm=scale, cmap=cmap, s=30,
-                               edgecolors=np.where(ok["trained"], TRAINED_EDGE, "black"),
-                               linewidths=np.where(ok["trained"], 1.6, 0.3))
-            ax.scatter(bad[x_key], bad[y_key], marker="x", color="red", s=30)
-            for key, set_scale in ((x_key, ax.set_xscale), (y_key, ax.set_yscale)):
-                column = table[key].astype(float)
-                if (column > 0).all() and column.max() / column.min() > 20:
-                    set_scale("log")
-            ax.set_xlabel(axis_label(x_key), fontsize="small")
-            ax.set_ylabel(axis_label(y_key), fontsize="small")
-            ax.set_title(f"{title} ({_coverage(runs)})" if title else _coverage(runs), fontsize="small")
-            ax.grid(True, which="both", alpha=0.25)
+    for ax, title, runs in _filled_panels(grid, axes):
+        ok, bad = runs[runs["final"].notna()], runs[runs["final"].isna()]
+        image = ax.scatter(ok[x_key], ok[y_key], c=ok["final"], norm=scale, cmap=cmap, s=30,
+                           edgecolors=np.where(ok["trained"], TRAINED_EDGE, "black"),
+                           linewidths=np.where(ok["trained"], 1.6, 0.3))
+        ax.scatter(bad[x_key], bad[y_key], marker="x", color="red", s=30)
+        for key, set_scale in ((x_key, ax.set_xscale), (y_key, ax.set_yscale)):
+            column = table[key].astype(float)
+            if (column > 0).all() and column.max() / column.min() > 20:
+                set_scale("log")
+        ax.set_xlabel(axis_label(x_key), fontsize="small")
+        ax.set_ylabel(axis_label(y_key), fontsize="small")
+        ax.set_title(f"{title} ({_coverage(runs)})" if title else _coverage(runs), fontsize="small")
+        ax.grid(True, which="both", alpha=0.25)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.9,
                      label=FINAL_LABELS.get(metric, metric) + ("" if accuracy else " (log scale)"))
@@ -956,33 +951,28 @@ def lr_figure(table: pd.DataFrame, keys: list[str], facets: Facets | None = None
     styles, handles = line_styles(table, facets)
     fig, axes = _subplots(n_rows, n_cols, sharex=True, sharey=True)
     extra: dict[str, object] = {}
-    for i, line in enumerate(grid):
-        for j, (panel, runs) in enumerate(line):
-            ax = axes[i, j]
-            if runs is None:
-                ax.set_visible(False)
-                continue
-            for values, group in _groups(runs, facets.lines):
-                style = styles[values]
-                stats = group.groupby(LR_KEY)["clipped"].agg(["mean", "min", "max"])
-                ax.plot(stats.index, stats["mean"], marker=style.marker or "o", markersize=3.5, color=style.color,
-                        linestyle=style.linestyle, linewidth=1.3, label=_values_label(facets.lines, values))
-                ax.fill_between(stats.index, stats["min"], stats["max"], color=style.color, alpha=0.15, linewidth=0)
-            for handle in _reference_lines(ax, runs, trained_below, chance=False):
-                extra.setdefault(handle.get_label(), handle)
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            lrs = sorted(table[LR_KEY].unique())
-            if len(lrs) <= 8:  # a tick at each learning rate of the grid
-                ax.set_xticks(lrs, [short_number(v, True) for v in lrs])
-            else:
-                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: short_number(v, True)))
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            _plain_log_ticks(ax.yaxis)
-            ax.set_title(f"{panel} ({_coverage(runs)})" if panel else f"all runs ({_coverage(runs)})",
-                         fontsize="small")
-            ax.grid(True, which="both", alpha=0.25)
-            ax.label_outer()
+    for ax, panel, runs in _filled_panels(grid, axes):
+        for values, group in _groups(runs, facets.lines):
+            style = styles[values]
+            stats = group.groupby(LR_KEY)["clipped"].agg(["mean", "min", "max"])
+            ax.plot(stats.index, stats["mean"], marker=style.marker or "o", markersize=3.5, color=style.color,
+                    linestyle=style.linestyle, linewidth=1.3, label=_values_label(facets.lines, values))
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=style.color, alpha=0.15, linewidth=0)
+        for handle in _reference_lines(ax, runs, trained_below, chance=False):
+            extra.setdefault(handle.get_label(), handle)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        lrs = sorted(table[LR_KEY].unique())
+        if len(lrs) <= 8:  # a tick at each learning rate of the grid
+            ax.set_xticks(lrs, [short_number(v, True) for v in lrs])
+        else:
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: short_number(v, True)))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        _plain_log_ticks(ax.yaxis)
+        ax.set_title(f"{panel} ({_coverage(runs)})" if panel else f"all runs ({_coverage(runs)})",
+                     fontsize="small")
+        ax.grid(True, which="both", alpha=0.25)
+        ax.label_outer()
     _label_bottoms(axes, axis_label(LR_KEY))
     for ax in axes[:, 0]:
         ax.set_ylabel("final training loss", fontsize="small")
