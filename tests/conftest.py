@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,6 +32,26 @@ def done_markers(out: Path) -> list[Path]:
     """The done.json of every run folder swapped in, while a sweep may still be writing: a folder
     being built (hidden, `.<run_id>.tmp-<pid>`) is not a finished run yet."""
     return [p for p in out.glob("*/done.json") if not p.parent.name.startswith(".")]
+
+
+def trained_sweep(tmp_path_factory, name: str, text: str, *options: str) -> Path:
+    """The out/ folder of a sweep file `text`, trained once with `options` (an engine, --set axes, -q) into
+    a fresh folder `name` beside its sweep.yaml: what a module's tests read, or change copies of."""
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "sweep.yaml").write_text(text)
+    result = CliRunner().invoke(app, ["sweep", str(folder / "sweep.yaml"), "--out", str(folder / "out"), *options])
+    assert result.exit_code == 0, result.output
+    return folder / "out"
+
+
+def fresh_copy(pristine: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(config, out) of a copy of a `trained_sweep`'s folder (symbolic links kept as links)."""
+    shutil.copytree(pristine, tmp_path / "copy", symlinks=True)
+    return tmp_path / "copy" / "sweep.yaml", tmp_path / "copy" / "out"
 
 
 @pytest.fixture

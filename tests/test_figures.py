@@ -11,6 +11,7 @@ import math
 
 import pandas as pd
 import pytest
+from conftest import trained_sweep
 from typer.testing import CliRunner
 
 from normexp.cli import app
@@ -50,12 +51,7 @@ def invoke(*args: str):
 
 
 def sweep(tmp_path_factory, name: str, text: str, *sets: str):
-    folder = tmp_path_factory.mktemp(name)
-    config, out = folder / "sweep.yaml", folder / "out"
-    config.write_text(text)
-    result = invoke("sweep", str(config), "--out", str(out), "--engine", "batched", "--quiet", *sets)
-    assert result.exit_code == 0, result.output
-    return out
+    return trained_sweep(tmp_path_factory, name, text, "--engine", "batched", "--quiet", *sets)
 
 
 @pytest.fixture(scope="module")

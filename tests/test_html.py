@@ -10,6 +10,7 @@ import subprocess
 from html.parser import HTMLParser
 
 import pytest
+from conftest import trained_sweep
 from typer.testing import CliRunner
 
 from normexp.cli import app
@@ -34,12 +35,8 @@ def invoke(*args: str):
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("page")
-    (folder / "sweep.yaml").write_text(SWEEP)
-    out = folder / "out"
-    result = invoke("sweep", str(folder / "sweep.yaml"), "--out", str(out), "--engine", "batched", "--quiet")
-    assert result.exit_code == 0, result.output
-    target = folder / "report.html"
+    out = trained_sweep(tmp_path_factory, "page", SWEEP, "--engine", "batched", "--quiet")
+    target = out.parent / "report.html"
     result = invoke("report", str(out), "--format", "html", "-o", str(target))
     assert result.exit_code == 0, result.output
     return target

@@ -7,6 +7,7 @@ import math
 import shutil
 
 import pytest
+from conftest import trained_sweep
 from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -35,12 +36,7 @@ def invoke(*args: str):
 
 
 def sweep(tmp_path_factory, name: str, text: str, *sets: str):
-    folder = tmp_path_factory.mktemp(name)
-    config, out = folder / "sweep.yaml", folder / "out"
-    config.write_text(text)
-    result = invoke("sweep", str(config), "--out", str(out), "--engine", "reference", *sets)
-    assert result.exit_code == 0, result.output
-    return out
+    return trained_sweep(tmp_path_factory, name, text, "--engine", "reference", *sets)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import fresh_copy, trained_sweep
 from typer.testing import CliRunner
 
 from normexp import store
@@ -35,18 +36,13 @@ def normexp(*args: object):
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
     """The sweep, trained once; tests change copies of it."""
-    folder = tmp_path_factory.mktemp("pristine")
-    (folder / "sweep.yaml").write_text(SWEEP)
-    result = normexp("sweep", folder / "sweep.yaml", "--out", folder / "out", "-q")
-    assert result.exit_code == 0, result.output
-    return folder
+    return trained_sweep(tmp_path_factory, "pristine", SWEEP, "-q").parent
 
 
 @pytest.fixture
 def sweep_dir(pristine, tmp_path) -> tuple[Path, Path]:
     """(config, out): a fresh copy of the pristine sweep."""
-    shutil.copytree(pristine, tmp_path / "copy", symlinks=True)
-    return tmp_path / "copy" / "sweep.yaml", tmp_path / "copy" / "out"
+    return fresh_copy(pristine, tmp_path)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
