@@ -51,7 +51,7 @@ from typing import NoReturn
 import pandas as pd
 
 from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
-from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, variant_groups, variant_label
+from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, thresholds, variant_groups, variant_label
 from normexp.config import ConfigError, Sweep, load_sweep
 from normexp.executors import usable_cores
 from normexp.report import build_report, to_markdown
@@ -453,7 +453,7 @@ def instabilities_verdict(source: Path | Folder) -> str:
         sens[(v["norm.placement"], v["norm.kind"], _flag(v["model.qk_norm"]), float(v["train.z_loss"]))] = row
     seeds = runs["seed"].nunique()
     summary = _finished_summary(folder)
-    threshold = math.log(int(n_choices(summary).iloc[0])) / 10  # trained: a final loss under a tenth of chance
+    threshold = float(thresholds(summary, folder.trained_rule()).iloc[0])  # the folder's trained rule
     cells = runs.groupby([*INSTABILITY_KEYS, "optim.lr"])[["logit_peak", "log_z_peak"]].mean()
     designs = list(dict.fromkeys((p, k) for p, k, _, _ in sens))
     z_on = max((z for *_, z in sens), default=0.0)
