@@ -142,12 +142,12 @@ def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
     paths = save_plots(folder, run_dir / "loss.png")
     varying = varying_keys(folder.latest)
     if "norm.placement" in varying and "norm.kind" in varying:  # the placements study: where each pair trains
-        fig = trained_fraction_figure(folder.latest, "norm.placement", "norm.kind", folder.sweep.report.trained_below)
+        fig = trained_fraction_figure(folder.latest, "norm.placement", "norm.kind", folder.trained_rule())
         fig.savefig(run_dir / "trained.png", dpi=150)
         plt.close(fig)
         paths.append(run_dir / "trained.png")
     if x_key:
-        fig = final_loss_figure(folder.latest.copy(), x_key, folder.sweep.report.trained_below)
+        fig = final_loss_figure(folder.latest.copy(), x_key, folder.trained_rule())
         fig.savefig(run_dir / "final_loss.png", dpi=120)
         paths.append(run_dir / "final_loss.png")
     if run_dir.name == "blocks":
