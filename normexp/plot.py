@@ -751,7 +751,10 @@ def trained_fraction_figure(summary: pd.DataFrame, row_key: str = "norm.placemen
     rows = list(dict.fromkeys(finished[row_key]))
     cols = list(dict.fromkeys(finished[col_key]))
     share = np.full((len(rows), len(cols)), np.nan)
-    fig, ax = plt.subplots(figsize=(1.5 + 0.75 * len(cols) + 1.2, 1.3 + 0.36 * len(rows)), layout="constrained")
+    # at least 5.5 x 3.6 inches: the title (the rule and the constants) wraps to the width, and a map of two
+    # rows left room for neither it nor the colour bar
+    fig, ax = plt.subplots(figsize=(max(5.5, 2.7 + 0.75 * len(cols)), max(3.6, 2.4 + 0.36 * len(rows))),
+                           layout="constrained")
     for (r, c), row in stats.iterrows():
         share[rows.index(r), cols.index(c)] = row["sum"] / row["count"]
     image = ax.imshow(np.ma.masked_invalid(share), cmap="Greens", vmin=0, vmax=1, aspect="auto")
