@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import OptimConfig, RunConfig
-from normexp.engines import fast
+from normexp.engines import aot, fast
 from normexp.engines.fast import FastOptimizer, compile_pays, plan_fast, should_compile, stretches, train_fast
 from normexp.engines.reference import train_run
 from normexp.registry import KINDS, placements_for
@@ -157,43 +157,90 @@ def test_plan_units_fast_decides_compile_per_structure_unless_told():
     assert all(u.engine == "fast" and u.compile for u in plan_units(configs, "fast", "cpu", 1, compile=True))
 
 
-def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
-    def broken_compile(fn, **kwargs):
-        def call(*args):
-            raise RuntimeError("no C++ compiler found\nlong details")
-        return call
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_path):
+    def broken_compile(graph, inputs, package):
+        raise RuntimeError("no C++ compiler found\nlong details")
 
-    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(aot, "compile_package", broken_compile)
     monkeypatch.setattr(fast, "_COMPILED", {})
     configs = runs(n=2, steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = train_fast(configs, compile=True)
     assert [str(w.message) for w in caught] == [
-        "torch.compile failed (RuntimeError: no C++ compiler found); training these runs uncompiled"]
+        "compiling the step failed (RuntimeError: no C++ compiler found); training these runs uncompiled"]
     assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
+
+
+def flipped(step):
+    """A compiled step that returns the eager metrics but every gradient negated (the same norms)."""
+    def call(*args):
+        *grads, metrics = step(*args)
+        return (*(-g for g in grads), metrics)
+    return call
 
 
 def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch):
     """The check against the eager step compares the gradients too: a graph that returns the eager loss,
     accuracy and gradient norm but a flipped gradient (same norm) would train every run of the structure
     the wrong way (it passed the check when only the metrics were compared)."""
-    def flipping_compile(fn, **kwargs):
-        def call(*args):
-            *grads, metrics = fn(*args)
-            return (*(-g for g in grads), metrics)
-        return call
-
-    monkeypatch.setattr(torch, "compile", flipping_compile)
+    monkeypatch.setattr(aot, "load_or_compile", lambda key, trace, inputs, fresh=False: (flipped(trace()), True))
     monkeypatch.setattr(fast, "_COMPILED", {})
     configs = runs(n=2, steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = train_fast(configs, compile=True)
     assert [str(w.message).split(";")[0] for w in caught] == [
-        "torch.compile failed (ValueError: the traced step does not reproduce the eager one (its gradients))"]
+        "compiling the step failed (ValueError: the traced step does not reproduce the eager one (its gradients))"]
     assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
 
+
+def test_a_package_on_disk_is_loaded_by_later_processes_and_compiled_again_when_it_disagrees(monkeypatch, tmp_path):
+    """The package is a cache: a second process loads it instead of compiling; a package whose step does
+    not reproduce the eager one (stale, or another machine's) is compiled again, not used or refused.
+    (The compiler is stood in for by the traced graph itself; the real one is test_scale's slow test.)"""
+    compiled: list[Path] = []
+    graphs: dict[Path, object] = {}
+
+    def fake_compile(graph, inputs, package):
+        compiled.append(package)
+        graphs[package] = graph
+        package.write_bytes(b"package")
+
+    def fake_load(package):
+        step = graphs[package]
+        return flipped(step) if package.read_bytes() == b"stale" else step
+
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(aot, "compile_package", fake_compile)
+    monkeypatch.setattr(aot, "load_package", fake_load)
+    configs = runs(n=2, steps=4)
+    results = []
+    for _ in range(2):  # a second process: nothing compiled in memory, the package on disk
+        monkeypatch.setattr(fast, "_COMPILED", {})
+        results.append(train_fast(configs, compile=True))
+    assert len(compiled) == 1 and [p.parent for p in compiled] == [tmp_path / "steps"]
+    compiled[0].write_bytes(b"stale")
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compiling the step failed": compiled again and used
+        results.append(train_fast(configs, compile=True))
+    assert compiled == [compiled[0]] * 2 and compiled[0].read_bytes() == b"package"
+    assert len({repr([r.metrics for r in batch]) for batch in results}) == 1
+
+
+def test_a_package_is_named_by_everything_that_makes_its_step(monkeypatch):
+    what = {"step": "grad", "model": {"depth": 2}, "runs": 64}
+    key = aot.step_key(what, "cpu")
+    assert aot.step_key(dict(what), "cpu") == key  # a pure function of its inputs
+    assert aot.step_key({**what, "runs": 32}, "cpu") != key
+    assert aot.step_key(what, "cuda") != key
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    assert aot.step_key(what, "cpu") != key
+    monkeypatch.undo()
+    monkeypatch.setattr(aot, "_SOURCE", ["another normexp"])
+    assert aot.step_key(what, "cpu") != key
 
 
 def test_the_gradient_check_tolerates_rounding_noise_in_a_gradient_that_is_zero_in_exact_arithmetic():
@@ -213,6 +260,7 @@ def test_the_gradient_check_tolerates_rounding_noise_in_a_gradient_that_is_zero_
 @pytest.mark.slow
 def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(fast, "_COMPILED", {})
     configs = [RunConfig.model_validate({"model": {"arch": "transformer", "depth": 2, "width": 16},
                                          "data": {"task": "assoc_recall"}, "norm": {"placement": "post"},
@@ -220,7 +268,7 @@ def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = train_fast(configs, compile=True)
-    assert not [w for w in caught if "torch.compile failed" in str(w.message)]  # it was refused (its gradients)
+    assert not [w for w in caught if "compiling the step failed" in str(w.message)]  # it was refused (its gradients)
     eager = train_fast(configs, compile=False)
     assert len(fast._COMPILED) == 1
     for a, b in zip(compiled, eager):

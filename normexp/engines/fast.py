@@ -20,15 +20,14 @@
   masked out and its parameters no longer change (a `live` mask, so batch shapes stay fixed); its
   batch-mates go on. With `train.stop_on_nonfinite: false` it keeps training, as in the reference.
   A run that `train.stop_when` stops (`common.EarlyStop`, on its own recorded losses) is frozen alike.
-- `torch.compile` of the gradient step (forward, backward, grad norms) is optional. `compile=None`
-  decides from the planned model-steps (a pure function of the sweep, so the same sweep makes the same
-  choice). The step is first traced into one flat graph of aten operations (make_fx: vmap and grad
-  applied, forward and backward in it), and that graph is compiled: the compiler's tracer then walks
-  a plain graph, not torch.func's transforms, and the first call takes a fraction of the time.
-  vmap specialises the run axis, so compiled batches are padded to MAX_CHUNK runs: one compiled step
-  per structure serves every batch. A compile that fails falls back to the eager step
-  (the batch restarts from its initial state) with one warning. Inductor's cache lives in a stable
-  folder (`compile_cache_dir()`), so later sweeps reuse it.
+- Compiling the gradient step (forward, backward, grad norms) is optional. `compile=None` decides
+  from the planned model-steps (a pure function of the sweep, so the same sweep makes the same
+  choice). The step is traced into one flat graph of aten operations (make_fx: vmap and grad
+  applied, forward and backward in it), and that graph is compiled ahead of time by AOTInductor into
+  a package on disk (`engines.aot`: once per machine, shape and code; later batches, workers and
+  sweeps load it in a fraction of a second). vmap specialises the run axis, so compiled batches are
+  padded to MAX_CHUNK runs: one compiled step per structure serves every batch. A compile that fails
+  falls back to the eager step (the batch restarts from its initial state) with one warning.
 
 What can change a run's bits: the runs it is batched with (kernels may block differently for other
 batch sizes), compiling or not, the thread count, the device and torch build. What cannot: the sweep
@@ -53,6 +52,7 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 from normexp.config import OptimConfig, RunConfig
+from normexp.engines import aot
 from normexp.engines.common import (
     EarlyStop,
     RunResult,
@@ -358,7 +358,7 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
             for key in [k for k in _COMPILED if k[:3] == (runs[0].model, runs[0].norm, runs[0].data)]:
                 del _COMPILED[key]  # the next batch tries again
             first_line = (str(exc).strip().splitlines() or [""])[0][:200]
-            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {first_line}); training these runs "
+            warnings.warn(f"compiling the step failed ({type(exc).__name__}: {first_line}); training these runs "
                           "uncompiled", RuntimeWarning, stacklevel=2)
     return _train(runs, device, False, on_step)
 
@@ -419,20 +419,22 @@ def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch) -> GradStep:
     key = (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, str(batch.x.device))
     if key not in _COMPILED:
         compile_cache_dir()
+        what = {"step": "grad", "model": cfg.model.model_dump(mode="json"), "norm": cfg.norm.model_dump(mode="json"),
+                "data": cfg.data.model_dump(mode="json"), "z_loss": cfg.train.z_loss, "runs": len(batch.x)}
         _COMPILED[key] = compile_grad_step(make_grad_step(base, batch.positions, cfg.train.z_loss), batch.params,
-                                           *batch.step_data(0))
+                                           *batch.step_data(0), key=aot.step_key(what, str(batch.x.device)))
     return _COMPILED[key]
 
 
-def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor) -> GradStep:
+def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, key: str) -> GradStep:
     """`step` traced once into one flat graph of aten operations (make_fx: forward, backward and the
-    norms, vmap and grad already applied), then compiled by torch.compile. Tracing first takes the
-    compiler's own tracer through a plain graph instead of through torch.func's transforms: the
-    depth-24 step's first call takes about a fifth of the time (docs/performance.md). The graph is
-    checked against the eager step on (params, x, y) before it is used, its metrics and each run's
-    gradients: a graph that the compiler got wrong is refused (ValueError), as any compile failure is.
-    (The check runs on the values the graph was traced on, so it cannot see a forward that branches on
-    its values in Python; vmap refuses such a forward in the eager step already.)"""
+    norms, vmap and grad already applied), compiled ahead of time (AOTInductor) and kept on disk under
+    `key` (`aot.load_or_compile`): later batches, worker processes and sweeps load it instead of
+    compiling. The step is checked against the eager step on (params, x, y) before it is used, its
+    metrics and each run's gradients: a loaded package that fails is compiled again, and a step that
+    the compiler got wrong is refused (ValueError), as any compile failure is. (The check runs on the
+    values the graph was traced on, so it cannot see a forward that branches on its values in Python;
+    vmap refuses such a forward in the eager step already.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     names = list(params)
@@ -443,19 +445,29 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
 
     inputs = (*params.values(), x, y)
     with torch.no_grad():
-        graph = make_fx(flat)(*inputs)
-        compiled = torch.compile(graph, dynamic=False)
-        eager, got = flat(*inputs), compiled(*inputs)
-    if not torch.allclose(eager[-1], got[-1], rtol=1e-3, atol=1e-5, equal_nan=True):
-        raise ValueError("the traced step does not reproduce the eager one (its metrics)")
-    if not _gradients_close(eager[:-1], got[:-1]):
-        raise ValueError("the traced step does not reproduce the eager one (its gradients)")
+        eager = flat(*inputs)
+        for fresh in (False, True):
+            compiled, now = aot.load_or_compile(key, lambda: make_fx(flat)(*inputs), inputs, fresh=fresh)
+            problem = _disagreement(eager, tuple(compiled(*inputs)))
+            if problem is None:
+                break
+            if now:  # compiled just now and still wrong: refused
+                raise ValueError(f"the traced step does not reproduce the eager one ({problem})")
 
     def compiled_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
         *grads, metrics = compiled(*(params[name] for name in names), x, y)
         return dict(zip(names, grads)), metrics
 
     return compiled_step
+
+
+def _disagreement(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> str | None:
+    """What of the compiled step's outputs differs from the eager step's (None: nothing)."""
+    if len(got) != len(eager) or not torch.allclose(eager[-1], got[-1], rtol=1e-3, atol=1e-5, equal_nan=True):
+        return "its metrics"
+    if not _gradients_close(eager[:-1], got[:-1]):
+        return "its gradients"
+    return None
 
 
 def _gradients_close(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> bool:

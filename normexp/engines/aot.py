@@ -1,0 +1,157 @@
+"""The fast engine's compiled step, kept on disk: compiled ahead of time once per machine, shape and code,
+then loaded by every later batch, worker process and sweep in a fraction of a second.
+
+    key      sha256 of what the step computes (the structure's config sections, runs per batch), where
+             it runs (device, CPU model and kernel-changing features, torch, threads) and the code that
+             defines it (normexp's own source, and the module of a plugin the structure names)
+    package  <cache>/steps/<key>.pt2: the step traced into one graph of aten operations, exported
+             (torch.export) and compiled by AOTInductor into a shared library
+    lock     <cache>/steps/<key>.lock: the first process compiles; others wanting the same step wait
+             for it (their core helps the compiler's C++ jobs meanwhile) and load its package
+
+A package is a cache, never a source of truth: `fast.compile_grad_step` checks the step it gets against
+the eager step on the batch before using it, and a loaded package that fails the check is compiled
+again (`load_or_compile(fresh=True)`). A package that cannot be read is compiled again too. Packages are
+written atomically (a temporary file renamed into place), so a killed compile leaves none half-written.
+
+Why on disk: the in-process compile (torch.compile of the same graph) costs 20-40 s per process even
+with inductor's caches warm (its tracer walks the 2,400-node graph again), once per worker process and
+sweep; loading a package takes well under a second (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from normexp.engines.common import user_cache_dir
+from normexp.environment import cpu_info
+
+PACKAGE_VERSION = 1  # bump when what a package holds changes meaning
+
+Step = Callable[..., Sequence[torch.Tensor]]
+
+
+def steps_dir() -> Path:
+    """Where packages live: $NORMEXP_CACHE_DIR/steps, else the user's cache folder's, else a per-user
+    temporary folder (a user without a home folder still compiles once per machine boot)."""
+    folder = os.environ.get("NORMEXP_CACHE_DIR") or user_cache_dir()
+    if folder is None:
+        folder = Path(tempfile.gettempdir()) / f"normexp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    return Path(folder) / "steps"
+
+
+def step_key(what: dict, device: str) -> str:
+    """The package's name: `what` (JSON-able: the structure and batch size) plus device, machine, torch,
+    threads and the source of the code that builds the step."""
+    cpu = cpu_info()
+    text = json.dumps({"what": what, "device": device, "cpu": [cpu.model, cpu.features_text()],
+                       "torch": torch.__version__, "threads": torch.get_num_threads(), "python": sys.version,
+                       "code": source_digest(), "plugins": _plugin_digests(what), "version": PACKAGE_VERSION},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+_SOURCE: list[str] = []  # normexp's own source digest, computed once per process
+
+
+def source_digest() -> str:
+    """sha256 of every .py file of the installed normexp package (its path and bytes): any change to the
+    code that builds a step, or to anything it calls, names another package."""
+    if not _SOURCE:
+        root = Path(__file__).resolve().parents[1]
+        digest = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        _SOURCE.append(digest.hexdigest())
+    return _SOURCE[0]
+
+
+def _plugin_digests(what: dict) -> dict[str, str]:
+    """sha256 of the module file of each plugin (`module:attribute`) the structure names; the check
+    against the eager step covers what a plugin imports in turn."""
+    found: dict[str, str] = {}
+    for value in _strings(what):
+        module, sep, _ = value.partition(":")
+        if not sep or module in found:
+            continue
+        spec = sys.modules.get(module)
+        origin = getattr(spec, "__file__", None)
+        with contextlib.suppress(OSError, TypeError):
+            found[module] = hashlib.sha256(Path(origin).read_bytes()).hexdigest()  # type: ignore[arg-type]
+    return found
+
+
+def _strings(value: object) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def load_or_compile(key: str, trace: Callable[[], torch.fx.GraphModule], inputs: Sequence[torch.Tensor],
+                    fresh: bool = False) -> tuple[Step, bool]:
+    """The compiled step named `key`: loaded from its package, or (missing, unreadable, or `fresh`)
+    traced by `trace()`, compiled for `inputs`' shapes and written. Returns (step, compiled now)."""
+    folder = steps_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    package = folder / f"{key}.pt2"
+    with _locked(folder / f"{key}.lock"):
+        if not fresh and package.is_file():
+            with contextlib.suppress(Exception):  # noqa: BLE001 - any unreadable package is compiled again
+                return load_package(package), False
+        compile_package(trace(), inputs, package)
+        return load_package(package), True
+
+
+def compile_package(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor], package: Path) -> None:
+    """`graph` exported for `inputs`' shapes and compiled by AOTInductor into `package`, atomically."""
+    from torch._inductor import aoti_compile_and_package
+
+    with warnings.catch_warnings():  # torch's own deprecation inside export, nothing a user can act on
+        warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
+        exported = torch.export.export(graph, tuple(inputs))
+    tmp = package.with_name(f"{package.stem}.{os.getpid()}.tmp.pt2")
+    try:
+        aoti_compile_and_package(exported, package_path=str(tmp))
+        os.replace(tmp, package)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def load_package(package: Path) -> Step:
+    from torch._inductor import aoti_load_package
+
+    return aoti_load_package(str(package))
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` across processes (released when the process dies), where the
+    platform has one (fcntl); elsewhere none: two processes may then both compile, and the last
+    rename wins (both packages are the same step)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
