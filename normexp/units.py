@@ -10,10 +10,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from normexp.config import RunConfig
 from normexp.store import FinishedRun
+
+if TYPE_CHECKING:
+    from normexp.engines.auto import Choice
 
 Engine = Literal["reference", "batched", "fast"]
 
@@ -94,15 +97,15 @@ class _Measurement:
     def units(self) -> list[WorkUnit]:
         return [*self.reference, self.batched]
 
-    def choose(self, results: Sequence[UnitResult]) -> Any:
-        """The Choice (normexp/engines/auto.py) from the timed results of these units, cached; None
-        where a unit was not timed (it failed, or stopped before its second step): then the reference."""
+    def choose(self, results: Sequence[UnitResult]) -> Choice | str:
+        """The Choice from the timed results of these units, cached; or, where a unit was not timed (its
+        runs failed, or stopped before their second step), why there is none: then the reference."""
         from normexp.engines.auto import decide
 
         reference = [r.step_s for r in results if r.step_s and r.unit in self.reference]
         batched = [r.step_s for r in results if r.step_s and r.unit == self.batched]
         if not reference or not batched:
-            return None
+            return UNTIMED
         at_once = len(self.reference) if self.paired else 1
         runs = len(self.batched.configs)
         return decide(self.batch, self.paired, statistics.median(reference) / at_once, batched[0] / runs, runs)
@@ -125,7 +128,7 @@ class AutoPlan:
         batches, alone = plan_batches(runs)
         self._alone = [_unit([cfg], "reference", device, threads) for cfg in alone]
         self._later: list[tuple[str, list[RunConfig]]] = []  # runs on their shape's engine, by shape key
-        self._choices: dict[str, Any] = {}  # shape key -> Choice, or None: the reference, not measured
+        self._choices: dict[str, Choice | str] = {}  # shape key -> Choice, or why none: the reference
         self._measuring: dict[str, _Measurement] = {}
         self.probe: list[WorkUnit] = []
         for batch in batches:
@@ -138,7 +141,7 @@ class AutoPlan:
                     self.probe += measurement.units
                     batch = batch[len(measurement.reference) + len(measurement.batched.configs):]
                 else:
-                    self._choices[key] = choice
+                    self._choices[key] = choice or TOO_SMALL
             if batch:
                 self._later.append((key, batch))
         self.note = self._first_note(len(alone))
@@ -172,33 +175,39 @@ class AutoPlan:
         units = list(self._alone)
         for key, runs in self._later:
             choice = self._choices.get(key)
-            if self.device != "cpu" or (choice is not None and choice.engine == "batched"):
+            if self.device != "cpu" or getattr(choice, "engine", "") == "batched":
                 units.append(_unit(runs, "batched", self.device, self.threads))
             else:
                 units += [_unit([cfg], "reference", self.device, self.threads) for cfg in runs]
         return units, auto_note(list(self._choices.values()), len(self._alone)) if self._measuring else ""
 
 
-def auto_note(choices: list, alone: int) -> str:
+TOO_SMALL = "its batches hold too few runs to measure"  # why a shape has no Choice: the reference trains it
+UNTIMED = "the runs that measure it failed"
+
+
+def auto_note(choices: Sequence[Choice | str], alone: int) -> str:
     """The line that says which exact engine `--engine auto` trains what with, and why: `choices`, each
-    shape's Choice, or None for a shape too small to measure (or whose measurement failed)."""
+    shape's Choice, or why it has none (TOO_SMALL, UNTIMED: the reference trains it)."""
     from normexp.engines.auto import MARGIN, MIN_RUNS
 
-    measured = [c for c in choices if c is not None]
+    measured = [c for c in choices if not isinstance(c, str)]
+    unmeasured = [c for c in choices if isinstance(c, str)]
     if not choices:
         return "engine auto: reference (no runs share a batch)" if alone else "engine auto: nothing to train"
     if not measured:
-        return (f"engine auto: reference (batches of fewer than {MIN_RUNS} runs, or not measured: too few to "
-                "tell whether batching pays)")
+        why = f"batches of fewer than {MIN_RUNS} runs" if set(unmeasured) == {TOO_SMALL} else "; ".join(
+            sorted(set(unmeasured)))
+        return f"engine auto: reference (not measured: {why})"
     if len(choices) == 1:
         return f"engine auto: {measured[0].engine} ({measured[0].why()})"
-    engines = ["batched" if c is not None and c.engine == "batched" else "reference" for c in choices]
+    engines = [getattr(c, "engine", "reference") for c in choices]
     parts = [f"{engines.count(e)} shape{'s' * (engines.count(e) > 1)} {e}" for e in sorted(set(engines))]
     ratios = [c.reference_ms / c.batched_ms for c in measured]
     where = "this CPU" if all(c.cached for c in measured) else "this sweep's first runs"
-    unmeasured = f", {len(choices) - len(measured)} not measured (too few runs)" if len(measured) < len(choices) else ""
+    others = f"; {len(unmeasured)} not measured: {', '.join(sorted(set(unmeasured)))}" if unmeasured else ""
     return (f"engine auto: {', '.join(parts)} (batched measured {min(ratios):.2f}-{max(ratios):.2f}x the reference "
-            f"per model-step on {where}; it needs >= {1 / MARGIN:.2f}x{unmeasured})")
+            f"per model-step on {where}; it needs >= {1 / MARGIN:.2f}x{others})")
 
 
 
