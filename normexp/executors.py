@@ -137,16 +137,19 @@ class PoolExecutor:
     The coordinator sends each worker one unit and knows which unit every worker holds, so a worker
     that dies costs only its own unit an attempt (retried once on a fresh worker, then `crashed`);
     the other workers go on. Workers leave Ctrl-C to the coordinator, which stops them on close(),
-    and die with it however it ends (see `die_with_parent`).
+    and die with it however it ends (see `die_with_parent`). Workers idle after one run() serve the
+    next (`--engine auto` trains its measurement first, then the rest), until close().
     """
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._workers: list[_Worker] = []
+        self._idle: list[_Worker] = []  # started, alive, holding no unit
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
         queue, attempts = deque(units), {id(unit): 0 for unit in units}
-        idle = [self._start_worker() for _ in range(min(self.workers, len(queue)))]
+        idle, self._idle = self._idle, []
+        idle += [self._start_worker() for _ in range(min(self.workers, len(queue)) - len(idle))]
         busy: dict[_Worker, WorkUnit] = {}
         while queue or busy:
             while queue and idle:
@@ -168,7 +171,7 @@ class PoolExecutor:
                     queue.appendleft(unit)  # retried once, on a fresh worker
                 if queue:
                     idle.append(self._start_worker())
-        self.close()
+        self._idle = idle
 
     def _start_worker(self) -> _Worker:
         """Start a worker that a terminal's Ctrl-C cannot reach before it ignores it: the stop signals
@@ -201,6 +204,7 @@ class PoolExecutor:
         """Stop every worker at once (a unit in progress is abandoned; its runs count as not run)."""
         for worker in list(self._workers):
             self._retire(worker)
+        self._idle = []
 
 
 def _send(worker: _Worker, message: object) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from normexp.analysis.variants import (
+    APPROXIMATE_ENGINES,
     PLACEMENT_LABELS,
     axis_label,
     constants,
@@ -237,10 +238,17 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
 
 def _mixed(summary: pd.DataFrame) -> str:
     """' · mixed engine: batched, fast' where the folder's finished runs (of several invocations) were
-    trained by several engines or thread counts: their last digits are not comparable bit for bit."""
+    trained by the fast engine and an exact one, or with several thread counts: their last digits are
+    not comparable bit for bit. The exact engines (reference, batched) give the same bits: one
+    `--engine auto` sweep may train its runs on both, and that is no mix."""
     finished = finished_runs(summary)
-    parts = [f"mixed {key}: {', '.join(map(str, sorted(set(finished[key]))))}" for key in ("engine", "threads")
-             if key in finished and finished[key].nunique() > 1]
+    parts = []
+    if "engine" in finished:
+        engines = set(finished["engine"].astype(str))
+        if engines & set(APPROXIMATE_ENGINES) and engines - set(APPROXIMATE_ENGINES):
+            parts.append(f"mixed engine: {', '.join(sorted(engines))}")
+    if "threads" in finished and finished["threads"].nunique() > 1:
+        parts.append(f"mixed threads: {', '.join(map(str, sorted(set(finished['threads']))))}")
     return "".join(f" · {part}" for part in parts)
 
 

@@ -15,7 +15,8 @@ The sweep process is the coordinator and the only writer of its output folder. I
 4. appends this invocation to `history.jsonl` (command line, time, commit, CPU, torch build, the
    sweep file's text as given, the grid, runs planned and to train),
 5. plans work units for the engine (batches, or single runs) and writes each run's folder as its
-   result arrives,
+   result arrives; under `--engine auto`, in two stages (`units.AutoPlan`): the runs that measure which
+   exact engine is faster for a shape not measured before, then the rest on the faster,
 6. rebuilds `summary.csv` from the run folders, also when interrupted or when a run fails.
 
 With `shard` (I, N), the sweep trains only shard I's runs (normexp/shard.py: whole batches of the
@@ -40,7 +41,7 @@ import contextlib
 import errno
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -67,7 +68,7 @@ from normexp.store import (
 
 if TYPE_CHECKING:
     from normexp.executors import Executor
-    from normexp.units import UnitResult
+    from normexp.units import UnitResult, WorkUnit
 
 T = TypeVar("T")
 EngineName = Literal["auto", "reference", "batched", "fast"]
@@ -90,7 +91,8 @@ class SweepEvent:
     """One thing that happened to one run: skipped (already done), corrupt (found so, to be redone),
     redone (done, but not as this sweep would train it: `error` says why), finished, or failed. Or,
     about no run (`run_id` empty), waiting: nothing can train for now, `error` says why (a Dask
-    scheduler without workers); or engine: which engine `--engine auto` chose and why (`error`)."""
+    scheduler without workers); or engine: which engine `--engine auto` chose and why, or what it
+    measures first (`error`)."""
 
     kind: Literal["skipped", "corrupt", "redone", "finished", "failed", "waiting", "engine"]
     run_id: str
@@ -330,24 +332,49 @@ def refuse_another_sweep(out_dir: Path, sweep: Sweep,
 
 def _execute(pending: list[RunConfig], out_dir: Path, options: SweepOptions, executor: Executor,
              outcome: SweepOutcome, emit: EventCallback, threads: int, planned: list[RunConfig]) -> None:
-    from normexp.units import plan_auto_units, plan_units
+    from normexp.units import AutoPlan, plan_units
 
-    if options.engine == "auto":
-        from normexp.executors import InProcessExecutor, pairs_well
-
-        pairs = pairs_well if isinstance(executor, InProcessExecutor) else (lambda unit: False)
-        units, note = plan_auto_units(pending, options.device, threads, pairs)
-        emit(SweepEvent("engine", "", len(outcome.statuses), outcome.total, error=note))
-    else:
+    if options.engine != "auto":
         units = plan_units(pending, options.engine, options.device, threads, options.compile, planned)
+        _train(units, out_dir, options, executor, outcome, emit)
+        return
+    plan = AutoPlan(pending, options.device, threads, _pairing(executor, pending))
+    emit(SweepEvent("engine", "", len(outcome.statuses), outcome.total, error=plan.note))
+    measured = _train(plan.probe, out_dir, options, executor, outcome, emit)  # the measurement's runs, kept
+    if options.fail_fast and outcome.failed:
+        return
+    units, note = plan.rest(measured)
+    if note:
+        emit(SweepEvent("engine", "", len(outcome.statuses), outcome.total, error=note))
+    _train(units, out_dir, options, executor, outcome, emit)
+
+
+def _pairing(executor: Executor, runs: list[RunConfig]) -> Callable[[WorkUnit], bool]:
+    """Whether `executor` trains a reference unit of `runs` beside another (as InProcessExecutor pairs
+    them: small runs, of one thread count), for `--engine auto` to time the reference as it trains."""
+    from normexp.executors import InProcessExecutor, pairs_well
+
+    if not isinstance(executor, InProcessExecutor) or len({cfg.train.threads for cfg in runs}) > 1:
+        return lambda unit: False
+    return pairs_well
+
+
+def _train(units: list[WorkUnit], out_dir: Path, options: SweepOptions, executor: Executor,
+           outcome: SweepOutcome, emit: EventCallback) -> list[UnitResult]:
+    """Train `units` on `executor`, writing each run as its unit finishes. Returns their results (up to
+    the first failure with `fail_fast`) without the runs' metrics, which are written: a unit and how
+    long its steps took."""
+    results = []
     # closed here, not by the garbage collector when --fail-fast leaves the loop: the executor then
     # stops the runs still training, and a Ctrl-C while it waits for them must interrupt the sweep,
     # not be printed as an "Exception ignored" and lost
-    with contextlib.closing(executor.run(units)) as results:
-        for result in results:
+    with contextlib.closing(executor.run(units)) as running:
+        for result in running:
             _record_unit(result, out_dir, outcome, emit)
+            results.append(replace(result, outcomes=()))
             if options.fail_fast and outcome.failed:
-                return
+                break
+    return results
 
 
 def _record_unit(result: UnitResult, out_dir: Path, outcome: SweepOutcome, emit: EventCallback) -> None:

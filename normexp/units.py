@@ -5,13 +5,18 @@ ship them: in process, to a worker process, or to a Dask worker."""
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from normexp.config import RunConfig
 from normexp.store import FinishedRun
+
+if TYPE_CHECKING:
+    from normexp.engines.auto import Choice
 
 Engine = Literal["reference", "batched", "fast"]
 
@@ -51,6 +56,7 @@ class UnitResult:
     unit: WorkUnit
     outcomes: tuple[FinishedRun | str, ...]
     status: str = "failed"  # the status of the runs that have an error message
+    step_s: float | None = None  # seconds a training step of the unit took (`StepClock`); None: not timed
 
 
 
@@ -60,62 +66,148 @@ def plan_units(runs: Sequence[RunConfig], engine: str, device: str, threads: int
     with the fast engine, batches of every structure (`compile` None: decided per structure).
     `planned`: every run of the sweep, `runs` those still to train. The fast engine's batches (and its
     compile choice) are planned over all of them, so that they do not depend on which runs are done:
-    each batch with a run to train is trained whole, and only those runs are recorded."""
-    def unit(configs: Sequence[RunConfig], engine: Engine) -> WorkUnit:
-        return WorkUnit(tuple(c.model_dump(mode="json") for c in configs), engine, device, threads)
-
+    each batch with a run to train is trained whole, and only those runs are recorded. (`--engine auto`
+    plans in two stages: `AutoPlan`.)"""
     if engine == "reference":
-        return [unit([cfg], "reference") for cfg in runs]
+        return [_unit([cfg], "reference", device, threads) for cfg in runs]
     if engine == "fast":
         return _plan_fast_units(runs, device, threads, compile, runs if planned is None else planned)
-    if engine == "auto":
-        return plan_auto_units(runs, device, threads)[0]  # the sweep passes its executor's pairing
     from normexp.engines.batched import plan_batches
 
     batches, alone = plan_batches(runs)
-    return [unit(batch, "batched") for batch in batches] + [unit([cfg], "reference") for cfg in alone]
+    return ([_unit(batch, "batched", device, threads) for batch in batches]
+            + [_unit([cfg], "reference", device, threads) for cfg in alone])
 
 
-def plan_auto_units(runs: Sequence[RunConfig], device: str, threads: int,
-                    pairs: Callable[[WorkUnit], bool] = lambda unit: False) -> tuple[list[WorkUnit], str]:
-    """`--engine auto`: each batch the batched engine could train goes to the faster exact engine for its
-    shape on this machine (normexp/engines/auto.py: measured once, cached); on a GPU, batched. `pairs`:
-    whether the executor trains a reference unit beside another (then the reference is probed so).
-    Returns the units and a line saying which engine and why."""
-    from normexp.engines.batched import plan_batches
-
-    def unit(configs: Sequence[RunConfig], engine: Engine) -> WorkUnit:
-        return WorkUnit(tuple(c.model_dump(mode="json") for c in configs), engine, device, threads)
-
-    batches, alone = plan_batches(runs)
-    units = [unit([cfg], "reference") for cfg in alone]
-    if device != "cpu":
-        return [unit(b, "batched") for b in batches] + units, "engine auto: batched (stacked runs on the GPU)"
-    from normexp.engines.auto import choose
-
-    choices: dict[tuple, Any] = {}
-    for batch in batches:
-        shape = (batch[0].model, batch[0].norm.kind, batch[0].data, batch[0].optim.name, len(batch))
-        if shape not in choices:
-            choices[shape] = choose(batch, pairs(unit(batch[:1], "reference")))
-        choice = choices[shape]
-        units += [unit(batch, "batched")] if choice.engine == "batched" else [unit([c], "reference") for c in batch]
-    return units, auto_note(list(choices.values()), len(alone))
+def _unit(configs: Sequence[RunConfig], engine: Engine, device: str, threads: int) -> WorkUnit:
+    return WorkUnit(tuple(c.model_dump(mode="json") for c in configs), engine, device, threads)
 
 
-def auto_note(choices: list, alone: int) -> str:
-    """The sweep's first line under `--engine auto`: which exact engine trains what, and why."""
-    from normexp.engines.auto import MARGIN
+@dataclass(frozen=True)
+class _Measurement:
+    """A shape's measurement on the sweep's own runs (normexp/engines/auto.py): its first batch's first
+    runs, each a reference unit, and the next ones as one batched unit."""
 
+    batch: tuple[RunConfig, ...]  # the shape's first batch: what the choice is cached for
+    paired: bool  # the sweep trains the reference units in pairs: each pair's step advances two runs
+    reference: tuple[WorkUnit, ...]
+    batched: WorkUnit
+
+    @property
+    def units(self) -> list[WorkUnit]:
+        return [*self.reference, self.batched]
+
+    def choose(self, results: Sequence[UnitResult]) -> Choice | str:
+        """The Choice from the timed results of these units, cached; or, where a unit was not timed (its
+        runs failed, or stopped before their second step), why there is none: then the reference."""
+        from normexp.engines.auto import decide
+
+        reference = [r.step_s for r in results if r.step_s and r.unit in self.reference]
+        batched = [r.step_s for r in results if r.step_s and r.unit == self.batched]
+        if not reference or not batched:
+            return UNTIMED
+        at_once = len(self.reference) if self.paired else 1
+        runs = len(self.batched.configs)
+        return decide(self.batch, self.paired, statistics.median(reference) / at_once, batched[0] / runs, runs)
+
+
+class AutoPlan:
+    """`--engine auto`'s units (normexp/engines/auto.py), in two stages. `probe`, trained first: for each
+    shape of batch without a cached choice, its first batch's first runs on the reference and the next
+    ones batched, timed; `rest(results)`, given their results: every other unit, each shape's batches on
+    the engine its measurement or cached choice took (the reference for a shape too small to measure).
+    On a GPU, every batch batched, nothing measured. `note`: the sweep's first line, which engine and why,
+    or what it measures first."""
+
+    def __init__(self, runs: Sequence[RunConfig], device: str, threads: int,
+                 pairs: Callable[[WorkUnit], bool] = lambda unit: False) -> None:
+        from normexp.engines.auto import MIN_RUNS, cached, shape_key
+        from normexp.engines.batched import plan_batches
+
+        self.device, self.threads = device, threads
+        batches, alone = plan_batches(runs)
+        self._alone = [_unit([cfg], "reference", device, threads) for cfg in alone]
+        self._later: list[tuple[str, list[RunConfig]]] = []  # runs on their shape's engine, by shape key
+        self._choices: dict[str, Choice | str] = {}  # shape key -> Choice, or why none: the reference
+        self._measuring: dict[str, _Measurement] = {}
+        self.probe: list[WorkUnit] = []
+        for batch in batches:
+            paired = device == "cpu" and pairs(_unit(batch[:1], "reference", device, threads))
+            key = shape_key(batch, paired)
+            if device == "cpu" and key not in self._choices and key not in self._measuring:
+                choice = cached(batch, paired)
+                if choice is None and len(batch) >= MIN_RUNS:
+                    self._measuring[key] = measurement = self._measure(batch, paired)
+                    self.probe += measurement.units
+                    batch = batch[len(measurement.reference) + len(measurement.batched.configs):]
+                else:
+                    self._choices[key] = choice or TOO_SMALL
+            if batch:
+                self._later.append((key, batch))
+        self.note = self._first_note(len(alone))
+
+    def _measure(self, batch: list[RunConfig], paired: bool) -> _Measurement:
+        from normexp.engines.auto import BATCHED_RUNS, REFERENCE_RUNS
+
+        first, then = batch[:REFERENCE_RUNS], batch[REFERENCE_RUNS:REFERENCE_RUNS + BATCHED_RUNS]
+        return _Measurement(tuple(batch), paired, tuple(_unit([cfg], "reference", self.device, self.threads)
+                                                        for cfg in first),
+                            _unit(then, "batched", self.device, self.threads))
+
+    def _first_note(self, alone: int) -> str:
+        if self.device != "cpu":
+            return "engine auto: batched (stacked runs on the GPU)" if self._later else auto_note([], alone)
+        if not self._measuring:
+            return auto_note(list(self._choices.values()), alone)
+        shapes = len(self._measuring)
+        reference = sum(len(m.reference) for m in self._measuring.values())
+        batched = sum(len(m.batched.configs) for m in self._measuring.values())
+        pairs = " in pairs" if all(m.paired for m in self._measuring.values()) else ""
+        return (f"engine auto: measuring which exact engine is faster here on this sweep's first runs ({reference} "
+                f"on the reference{pairs}, {batched} batched, for {shapes} shape{'s' * (shapes > 1)}; each is a "
+                f"result), then the rest on the faster")
+
+    def rest(self, results: Sequence[UnitResult]) -> tuple[list[WorkUnit], str]:
+        """The units after `probe`, from its `results`, and the line that says which engine and why
+        ("" where nothing was measured: the first line said it)."""
+        for key, measurement in self._measuring.items():
+            self._choices[key] = measurement.choose(results)
+        units = list(self._alone)
+        for key, runs in self._later:
+            choice = self._choices.get(key)
+            if self.device != "cpu" or getattr(choice, "engine", "") == "batched":
+                units.append(_unit(runs, "batched", self.device, self.threads))
+            else:
+                units += [_unit([cfg], "reference", self.device, self.threads) for cfg in runs]
+        return units, auto_note(list(self._choices.values()), len(self._alone)) if self._measuring else ""
+
+
+TOO_SMALL = "its batches hold too few runs to measure"  # why a shape has no Choice: the reference trains it
+UNTIMED = "the runs that measure it failed"
+
+
+def auto_note(choices: Sequence[Choice | str], alone: int) -> str:
+    """The line that says which exact engine `--engine auto` trains what with, and why: `choices`, each
+    shape's Choice, or why it has none (TOO_SMALL, UNTIMED: the reference trains it)."""
+    from normexp.engines.auto import MARGIN, MIN_RUNS
+
+    measured = [c for c in choices if not isinstance(c, str)]
+    unmeasured = [c for c in choices if isinstance(c, str)]
     if not choices:
         return "engine auto: reference (no runs share a batch)" if alone else "engine auto: nothing to train"
-    engines = sorted({c.engine for c in choices})
+    if not measured:
+        why = f"batches of fewer than {MIN_RUNS} runs" if set(unmeasured) == {TOO_SMALL} else "; ".join(
+            sorted(set(unmeasured)))
+        return f"engine auto: reference (not measured: {why})"
     if len(choices) == 1:
-        return f"engine auto: {choices[0].engine} ({choices[0].why()})"
-    parts = [f"{sum(c.engine == e for c in choices)} shapes {e}" for e in engines]
-    ratios = [c.reference_ms / c.batched_ms for c in choices]
+        return f"engine auto: {measured[0].engine} ({measured[0].why()})"
+    engines = [getattr(c, "engine", "reference") for c in choices]
+    parts = [f"{engines.count(e)} shape{'s' * (engines.count(e) > 1)} {e}" for e in sorted(set(engines))]
+    ratios = [c.reference_ms / c.batched_ms for c in measured]
+    where = "this CPU" if all(c.cached for c in measured) else "this sweep's first runs"
+    others = f"; {len(unmeasured)} not measured: {', '.join(sorted(set(unmeasured)))}" if unmeasured else ""
     return (f"engine auto: {', '.join(parts)} (batched measured {min(ratios):.2f}-{max(ratios):.2f}x the reference "
-            f"per model-step on this CPU; it needs >= {1 / MARGIN:.2f}x)")
+            f"per model-step on {where}; it needs >= {1 / MARGIN:.2f}x{others})")
 
 
 
@@ -151,23 +243,45 @@ class Stopped(BaseException):  # noqa: N818 - not an error: the executor asked a
 
 
 def run_unit(unit: WorkUnit, stop: threading.Event | None = None) -> UnitResult:
-    """Train one unit (in whatever process runs this) and return plain results; never raises, except
-    `Stopped` at the first step after `stop` is set (reference and fast units)."""
+    """Train one unit (in whatever process runs this) and return plain results, its steps timed; never
+    raises, except `Stopped` at the first step after `stop` is set (reference and fast units)."""
     import torch
 
     torch.set_num_threads(unit.threads)
     runs = unit.runs
+    clock = StepClock(_stop_check(stop))
     if unit.engine != "reference":
         from normexp.engines.batched import train_batch
         from normexp.engines.fast import train_fast
 
         try:
-            results = (train_fast(runs, unit.device, unit.compile, on_step=_stop_check(stop)) if unit.engine == "fast"
-                       else train_batch(runs, unit.device))
+            results = (train_fast(runs, unit.device, unit.compile, on_step=clock) if unit.engine == "fast"
+                       else train_batch(runs, unit.device, on_step=clock))
         except Exception:  # noqa: BLE001 - one run's error must not fail its batch-mates: see _run_alone
             return UnitResult(unit, _run_alone(runs, unit.device, stop))
-        return UnitResult(unit, tuple(_finished(r, unit.device) for r in results))
-    return UnitResult(unit, _run_alone(runs, unit.device, stop))
+        return UnitResult(unit, tuple(_finished(r, unit.device) for r in results), step_s=clock.step_s())
+    outcomes = _run_alone(runs, unit.device, stop, clock)
+    return UnitResult(unit, outcomes, step_s=clock.step_s() if len(runs) == 1 else None)
+
+
+class StepClock:
+    """A step callback that stamps the time of each step that goes on (then calls `then`, if any), so
+    that a unit knows how long its steps took: what `--engine auto` compares the engines by."""
+
+    def __init__(self, then: Callable[..., None] | None = None) -> None:
+        self.then = then
+        self.stamps: list[float] = []
+
+    def __call__(self, *step: object) -> None:
+        self.stamps.append(time.perf_counter())
+        if self.then is not None:
+            self.then(*step)
+
+    def step_s(self) -> float | None:
+        """The median interval between consecutive stamps: one whole step (update, forward, backward),
+        step 0 excluded (it warms the kernels); None with fewer than two stamps."""
+        intervals = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        return statistics.median(intervals) if intervals else None
 
 
 
@@ -184,18 +298,18 @@ def _stop_check(stop: threading.Event | None) -> Callable[..., None] | None:
 
 
 
-def _run_alone(runs: Sequence[RunConfig], device: str,
-               stop: threading.Event | None = None) -> tuple[FinishedRun | str, ...]:
+def _run_alone(runs: Sequence[RunConfig], device: str, stop: threading.Event | None = None,
+               on_step: Callable[..., None] | None = None) -> tuple[FinishedRun | str, ...]:
     """Each run on the reference engine, one at a time; a run that raises gets its error message.
     A batch that raised is retried this way: the reference engine gives the batched engine's bits,
     so the batch-mates of a bad run finish with the numbers they would have had, and only the
-    culprit is recorded as failed."""
+    culprit is recorded as failed. `on_step`: the step callback (else: the stop check)."""
     from normexp.engines.reference import train_run
 
     outcomes: list[FinishedRun | str] = []
     for cfg in runs:
         try:
-            outcomes.append(_finished(train_run(cfg, device=device, on_step=_stop_check(stop)), device))
+            outcomes.append(_finished(train_run(cfg, device=device, on_step=on_step or _stop_check(stop)), device))
         except Exception as exc:  # noqa: BLE001 - reported per run
             outcomes.append(_error(exc))
     return tuple(outcomes)

@@ -270,10 +270,13 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     assert result.exit_code == 2 and "no CUDA device" in result.output and not (tmp_path / "o").exists()
 
 
-def test_a_report_over_invocations_of_several_engines_says_so(write_yaml, tmp_path):
+def test_a_report_over_invocations_of_the_fast_and_an_exact_engine_says_so(write_yaml, tmp_path):
+    """The exact engines give the same bits (`--engine auto` trains one sweep on both): no mix; the fast
+    engine's runs beside theirs are."""
     path, out = write_yaml(SMALL_SWEEP), tmp_path / "out"
     assert normexp("sweep", path, "--out", out, "--engine", "batched", "-q").exit_code == 0
-    assert "mixed engine" not in normexp("report", out, "--format", "markdown").output
     assert normexp("sweep", path, "--out", out, "--engine", "reference", "--set", "optim.lr=0.02", "-q").exit_code == 0
-    assert "mixed engine: batched, reference" in normexp("report", out, "--format", "markdown").output
+    assert "mixed engine" not in normexp("report", out, "--format", "markdown").output
+    assert normexp("sweep", path, "--out", out, "--engine", "fast", "--set", "optim.lr=0.03", "-q").exit_code == 0
+    assert "mixed engine: batched, fast, reference" in normexp("report", out, "--format", "markdown").output
     assert "mixed engine" not in normexp("report", out, "--only-last", "--format", "markdown").output

@@ -21,7 +21,7 @@ from normexp.engines.fast import train_fast
 from normexp.engines.reference import train_run
 from normexp.executors import DaskExecutor, InProcessExecutor, PoolExecutor, pairs_well
 from normexp.results import load_metrics, load_summary
-from normexp.units import Stopped, WorkUnit, crashed, plan_units, run_unit
+from normexp.units import Stopped, UnitResult, WorkUnit, crashed, plan_units, run_unit
 
 GRID = """\
 name: ex
@@ -84,6 +84,25 @@ def test_pool_retries_a_dead_worker_once_then_marks_crashed(monkeypatch):
     monkeypatch.setattr("normexp.executors.run_unit", die)  # the worker dies at once, every time
     results = list(PoolExecutor(1).run([unit]))
     assert len(results) == 1 and results[0].status == "crashed"
+
+
+def worker_pid(unit: WorkUnit) -> UnitResult:
+    """Stands in for run_unit in a worker: says which process it ran in."""
+    return UnitResult(unit, (), status=str(os.getpid()))
+
+
+def test_a_pool_keeps_its_idle_workers_for_the_next_run_until_closed(monkeypatch):
+    """`--engine auto` runs its measurement, then the rest: the second run() must not start workers again
+    (a second or more of imports each)."""
+    unit = WorkUnit((RunConfig().model_dump(mode="json"),), engine="reference", device="cpu", threads=1)
+    monkeypatch.setattr("normexp.executors.run_unit", worker_pid)
+    pool = PoolExecutor(1)
+    try:
+        first, second = ([r.status for r in pool.run([unit, unit])] for _ in range(2))
+        assert first[0] == first[1] and second == first and first[0] != str(os.getpid())
+    finally:
+        pool.close()
+    assert pool._workers == []
 
 
 @pytest.mark.slow

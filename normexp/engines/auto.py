@@ -4,23 +4,31 @@ The batched engine stacks runs to save per-operation overhead, but it keeps the 
 computing some things run by run (LayerNorm's backward, each run's loss, on some CPUs each Linear),
 and how much stacking then saves depends on the CPU's kernels: about 3x the reference on the machine
 the engines were written on, about nothing end to end on an Intel Xeon with AVX-512 and AMX (issue 29).
-So `auto` measures instead of assuming, once per machine and shape:
+So `auto` measures instead of assuming, once per machine and shape, and it measures on the sweep's own
+runs, so that the measurement trains nothing the sweep would not train anyway:
 
-    probe: the batch's first PROBE_RUNS runs, PROBE_STEPS steps, on each engine; the time of one
-           step (the median of the steps after the first), per model-step
-    batched if its time per model-step is at most MARGIN x the reference's, else the reference
+    a shape without a cached choice: the first REFERENCE_RUNS runs of its first batch train on the
+        reference (two at once where the sweep trains its reference runs in pairs: `executors.pairs_well`),
+        the next runs of that batch (at most BATCHED_RUNS) as one batch on the batched engine
+    each engine's time per model-step: the median interval between its consecutive steps (step 0, which
+        warms the kernels, excluded), over the model-steps it advances at once (2 for a pair, R for a batch)
+    the shape's other runs: batched if its time per model-step is at most MARGIN x the reference's, else
+        the reference
 
-Where the sweep trains small reference runs two at a time (`executors.pairs_well`: two threads fill
-the cores one small run leaves idle), the reference is probed so too, two runs at once, and its time
-per model-step is that pair's: a batch must beat what the reference really does in the sweep.
+Every run of the measurement is a result the sweep keeps: both engines give the same bits, whatever
+runs a batch holds, and each run's done.json records the engine that trained it (a resumed sweep keeps
+the runs of either exact engine). A shape whose batches hold fewer than MIN_RUNS runs is not measured:
+it trains on the reference (a batch that small saves little, and a pair and a batch of two would
+measure little). The plan of those units is `units.plan_auto_units`'s.
 
-The probe's runs are thrown away (a second or two). Its answer is cached in one JSON file
-(`choice_cache_file()`: `engine-choice.json` in $NORMEXP_CACHE_DIR, else $XDG_CACHE_HOME/normexp, else
-~/.cache/normexp), keyed by the CPU (model and kernel-changing features), torch's version, the thread
-count and the shape (model, norm kind, data, optimizer family, runs per batch; not the placement,
-which moves no kernel: the article's four structures take two probes). A cache that cannot be read,
-holds another version's entries, or an entry that is not a valid measurement, is measured again and
-rewritten; the cache can only make `auto` faster to decide, never change a run (both engines give the same bits).
+The answer is cached in one JSON file (`choice_cache_file()`: `engine-choice.json` in $NORMEXP_CACHE_DIR,
+else $XDG_CACHE_HOME/normexp, else ~/.cache/normexp), keyed by the CPU (model and kernel-changing
+features), torch's version, the thread count and the shape (model, norm kind, data, optimizer family,
+runs per batch, the reference paired or not; not the placement, which moves no kernel: the article's
+four structures are two shapes), so that a later sweep of the shape trains every run on the chosen
+engine from the start. A cache that cannot be read, holds another version's entries, or an entry that
+is not a valid measurement, is measured again and rewritten; the cache can only make `auto` decide
+sooner, never change a run (both engines give the same bits).
 """
 
 from __future__ import annotations
@@ -31,10 +39,7 @@ import json
 import math
 import os
 import platform
-import statistics
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,15 +47,16 @@ from pathlib import Path
 import torch
 
 from normexp.config import RunConfig
-from normexp.engines.batched import train_batch
 from normexp.engines.common import user_cache_dir
-from normexp.engines.reference import train_run
 from normexp.environment import cpu_info
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: measured on a sweep's own runs (1: a throw-away probe of 4 runs, 3 steps)
 MARGIN = 0.85  # batched must save at least 15% per model-step: a tie (within noise) goes to the reference
-PROBE_RUNS = 4  # runs the batched probe stacks (fewer than a sweep's batch: the estimate errs toward the reference)
-PROBE_STEPS = 3  # steps 0..3: the median of steps 1..3 is timed (step 0 warms the kernels)
+REFERENCE_RUNS = 2  # a shape's first runs, on the reference: a pair where the sweep pairs reference runs
+BATCHED_RUNS = 14  # at most this many of the next runs, batched: the article's 16-run batch whole, and a
+# bound on what a CPU where stacking does not pay loses to measuring it (smaller than the sweep's
+# batches of up to 64 runs: the estimate errs toward the reference, which a bigger batch only beats by more)
+MIN_RUNS = REFERENCE_RUNS + 2  # runs a batch needs for its shape to be measured; fewer: the reference
 
 
 @dataclass(frozen=True)
@@ -60,21 +66,21 @@ class Choice:
     engine: str  # "batched" or "reference"
     reference_ms: float  # per model-step
     batched_ms: float  # per model-step, at `runs` runs a batch
-    runs: int
-    paired: bool = False  # the reference probed two runs at a time, as the sweep trains it
+    runs: int  # runs of the batched measurement
+    paired: bool = False  # the reference was timed two runs at a time, as the sweep trains it
     cached: bool = False
 
     def why(self) -> str:
         ratio = self.reference_ms / self.batched_ms
-        source = "cached measurement" if self.cached else "measured now"
+        source = "a cached measurement" if self.cached else "measured on this sweep's first runs"
         pair = " in pairs" if self.paired else ""
         return (f"batched {self.batched_ms:.2f} ms vs reference{pair} {self.reference_ms:.2f} ms per model-step: "
-                f"{ratio:.2f}x, batched needs >= {1 / MARGIN:.2f}x; {self.runs}-run probe, {source}")
+                f"{ratio:.2f}x, batched needs >= {1 / MARGIN:.2f}x; {self.runs} runs batched, {source}")
 
 
 def choice_cache_file() -> Path:
     folder = os.environ.get("NORMEXP_CACHE_DIR") or user_cache_dir()
-    if folder is None:  # no home folder: a per-user temporary one (the cache can only save a probe)
+    if folder is None:  # no home folder: a per-user temporary one (the cache can only save a measurement)
         folder = Path(tempfile.gettempdir()) / f"normexp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
     return Path(folder) / "engine-choice.json"
 
@@ -95,57 +101,22 @@ def shape_key(batch: Sequence[RunConfig], paired: bool = False) -> str:
     return machine_key() + ":" + hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def choose(batch: Sequence[RunConfig], paired: bool = False) -> Choice:
-    """The exact engine for runs shaped like `batch` (equal batch keys), from the cache or measured now;
-    `paired`: the sweep would train these runs' reference two at a time."""
-    key = shape_key(batch, paired)
+def cached(batch: Sequence[RunConfig], paired: bool = False) -> Choice | None:
+    """The cached choice for runs shaped like `batch` (equal batch keys), or None where there is none
+    sound; `paired`: the sweep trains these runs' reference two at a time."""
+    return _valid(_read_cache().get(shape_key(batch, paired)))
+
+
+def decide(batch: Sequence[RunConfig], paired: bool, reference_s: float, batched_s: float, runs: int) -> Choice:
+    """The engine for runs shaped like `batch`, from each engine's measured seconds per model-step
+    (`runs`: the batched measurement's); cached for later sweeps."""
+    engine = "batched" if batched_s <= MARGIN * reference_s else "reference"
+    choice = Choice(engine, reference_s * 1e3, batched_s * 1e3, runs, paired)
     entries = _read_cache()
-    cached = _valid(entries.get(key))
-    if cached is not None:
-        return cached
-    choice = measure(batch, paired)
-    entries[key] = {k: v for k, v in asdict(choice).items() if k != "cached"}
-    with contextlib.suppress(OSError):  # a cache that cannot be written costs a measurement next time
+    entries[shape_key(batch, paired)] = {k: v for k, v in asdict(choice).items() if k != "cached"}
+    with contextlib.suppress(OSError):  # a cache that cannot be written: the next sweep measures again
         _write_cache(entries)
     return choice
-
-
-def measure(batch: Sequence[RunConfig], paired: bool = False) -> Choice:
-    """Time one step per model-step of each engine on the first PROBE_RUNS runs of `batch`."""
-    probe = [_probe_config(cfg) for cfg in batch[:PROBE_RUNS]]
-    reference_s = _reference_seconds(probe[:2] if paired and len(probe) > 1 else probe[:1])
-    batched_s = _median_step(lambda stamp: train_batch(probe, on_step=lambda *a: stamp())) / len(probe)
-    engine = "batched" if batched_s <= MARGIN * reference_s else "reference"
-    return Choice(engine, reference_s * 1e3, batched_s * 1e3, len(probe), paired and len(probe) > 1)
-
-
-def _reference_seconds(runs: Sequence[RunConfig]) -> float:
-    """Seconds per model-step of the reference training `runs` (one, or two at once in two threads)."""
-    steps = [0.0] * len(runs)
-
-    def one(index: int) -> None:
-        steps[index] = _median_step(lambda stamp: train_run(runs[index], on_step=lambda *a: stamp()))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(runs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return statistics.median(steps) / len(runs)
-
-
-def _probe_config(cfg: RunConfig) -> RunConfig:
-    train = cfg.train.model_copy(update={"steps": PROBE_STEPS, "log_blocks": False, "stop_on_nonfinite": False,
-                                         "stop_when": None})  # every probe step runs
-    return cfg.model_copy(update={"train": train})
-
-
-def _median_step(train) -> float:
-    """The median interval between consecutive steps of `train(stamp)` (its step 0 excluded)."""
-    stamps: list[float] = []
-    train(lambda: stamps.append(time.perf_counter()))
-    intervals = [b - a for a, b in zip(stamps, stamps[1:])]
-    return statistics.median(intervals) if intervals else math.inf
 
 
 def _read_cache() -> dict:
@@ -192,8 +163,8 @@ def auto_summary() -> str:
     mine = machine_key() + ":"
     choices = [c for key, entry in _read_cache().items() if key.startswith(mine) and (c := _valid(entry))]
     if not choices:
-        return (f"not measured on this machine yet (a sweep measures each shape once, about a second; "
-                f"cached in {choice_cache_file()})")
+        return (f"not measured on this machine yet (a sweep measures each shape on its own first runs, at no "
+                f"extra cost; cached in {choice_cache_file()})")
     batched = sum(c.engine == "batched" for c in choices)
     ratios = [c.reference_ms / c.batched_ms for c in choices]
     return (f"batched for {batched} of {len(choices)} measured shapes, the reference for the rest (batched "
