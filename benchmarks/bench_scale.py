@@ -80,10 +80,12 @@ def per_model_step(runs: list[RunConfig], quick: bool) -> None:
 
 
 def sweep_seconds(args: list[str]) -> tuple[float, str]:
+    """Seconds of `normexp sweep ARGS` and its last line naming the engine (auto: what it chose and why)."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "normexp", "sweep", *args], cwd=REPO, check=True,
                           capture_output=True, text=True)
-    return time.perf_counter() - start, (done.stdout.splitlines() or [""])[0]
+    engine = [line for line in done.stdout.splitlines() if line.startswith("engine ")]
+    return time.perf_counter() - start, (engine or done.stdout.splitlines() or [""])[-1]
 
 
 ARTICLE_SEEDS = "--set=seeds=" + ",".join(map(str, range(16)))  # the article's grid: 4 structures x 16 seeds
@@ -91,23 +93,24 @@ ARTICLE_SEEDS = "--set=seeds=" + ",".join(map(str, range(16)))  # the article's 
 
 def auto_vs_reference(rounds: int) -> None:
     """`normexp sweep configs/warmup.yaml` with 16 seeds (64 runs: configs/warmup.yaml alone has one seed, 4 runs,
-    where no runs share a batch and auto probes nothing) with --engine auto and reference, fresh processes."""
+    where no runs share a batch and auto measures nothing) with --engine auto and reference, fresh processes
+    (auto with this machine's cache: a shape not measured before is measured on the first round's runs)."""
     times: dict[str, list[float]] = {"reference": [], "auto": []}
-    first = ""
+    chose = ""
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for engine in times:
                 seconds, line = sweep_seconds([str(REPO / "configs" / "warmup.yaml"), ARTICLE_SEEDS, "--engine", engine,
                                                "--force", "--out", str(Path(tmp) / f"{engine}{r}")])
                 times[engine].append(seconds)
-                first = line if engine == "auto" else first
+                chose = line if engine == "auto" else chose
     ref = statistics.median(times["reference"])
     print(f"\nthe article's 64-run grid end to end (normexp sweep, fresh processes, {rounds} alternated rounds), "
           f"{load()}:")
     for engine, values in times.items():
         print(f"  --engine {engine:<10} {' / '.join(f'{v:.1f}' for v in values)} s   "
               f"{ref / statistics.median(values):5.2f}x the reference")
-    print(f"  auto's first line: {first}")
+    print(f"  auto chose: {chose}")
 
 
 def sweep_per_run(fast_seeds: int) -> None:

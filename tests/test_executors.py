@@ -334,7 +334,7 @@ def test_a_failing_run_does_not_fail_its_batch_mates(monkeypatch):
     batched = run_unit(unit)  # the batch's own numbers, before anything fails
     real_train_run = normexp.engines.reference.train_run
 
-    def fail_batch(runs, device="cpu"):
+    def fail_batch(runs, device="cpu", on_step=None):
         raise ZeroDivisionError("float division by zero")
 
     def fail_seed_1(cfg, **kwargs):

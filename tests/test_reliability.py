@@ -181,10 +181,10 @@ def test_a_failing_batch_is_retried_run_by_run(write_yaml, tmp_path, monkeypatch
 
     real = batched.train_batch
 
-    def train_batch(runs, device="cpu"):
+    def train_batch(runs, device="cpu", on_step=None):
         if runs[0].norm.kind == "rmsnorm":
             raise RuntimeError("batch boom")
-        return real(runs, device)
+        return real(runs, device, on_step)
 
     monkeypatch.setattr(batched, "train_batch", train_batch)
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\n"

@@ -19,7 +19,7 @@ Every run of the measurement is a result the sweep keeps: both engines give the 
 runs a batch holds, and each run's done.json records the engine that trained it (a resumed sweep keeps
 the runs of either exact engine). A shape whose batches hold fewer than MIN_RUNS runs is not measured:
 it trains on the reference (a batch that small saves little, and a pair and a batch of two would
-measure little). The plan of those units is `units.plan_auto_units`'s.
+measure little). The plan of those units is `units.AutoPlan`'s.
 
 The answer is cached in one JSON file (`choice_cache_file()`: `engine-choice.json` in $NORMEXP_CACHE_DIR,
 else $XDG_CACHE_HOME/normexp, else ~/.cache/normexp), keyed by the CPU (model and kernel-changing
