@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -134,9 +135,18 @@ def compile_package(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
 
 
 def load_package(package: Path) -> Step:
+    """The step in `package`; what cannot be read raises. Torch's own log line on such a package
+    ("Loading outdated pt2 file. Please regenerate your package.") is held back: normexp compiles it
+    again itself, so it would only ask the user to do what is already being done."""
     from torch._inductor import aoti_load_package
 
-    return aoti_load_package(str(package))
+    logger = logging.getLogger("torch._inductor.package.package")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return aoti_load_package(str(package))
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager
