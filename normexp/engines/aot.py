@@ -122,16 +122,17 @@ def compile_package(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
     """`graph` exported for `inputs`' shapes and compiled by AOTInductor into `package`, atomically."""
     from torch._inductor import aoti_compile_and_package
 
-    with warnings.catch_warnings():  # torch's own deprecation inside export, nothing a user can act on
-        warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
-        exported = torch.export.export(graph, tuple(inputs))
     tmp = package.with_name(f"{package.stem}.{os.getpid()}.tmp.pt2")
-    try:
-        aoti_compile_and_package(exported, package_path=str(tmp))
-        os.replace(tmp, package)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    # torch's own deprecation (treespec) inside export and inside the compile (which copies the
+    # exported program), nothing a user can act on
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
+        try:
+            aoti_compile_and_package(torch.export.export(graph, tuple(inputs)), package_path=str(tmp))
+            os.replace(tmp, package)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def load_package(package: Path) -> Step:
