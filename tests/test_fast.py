@@ -395,3 +395,37 @@ def test_an_exact_sweep_redoes_runs_the_fast_engine_trained_and_a_fast_sweep_kee
     result = runner.invoke(app, ["sweep", config, "--out", str(out), "--engine", "fast"])
     assert result.exit_code == 0 and "0 ran, 8 already done" in result.output
     assert set(load_summary(out)["engine"]) == exact
+
+
+def test_a_package_on_disk_that_fails_when_called_is_compiled_again(monkeypatch, tmp_path):
+    """A loaded package that raises when called (another structure's, with other inputs; a library that
+    loads but does not run) is stale like one that disagrees: compiled again and used, with no warning,
+    not a fallback to eager for every later batch and process while it stays on disk."""
+    compiled: list[Path] = []
+
+    def fake_compile(graph, inputs, package):
+        compiled.append(package)
+        package.write_bytes(b"package")
+
+    def fake_load(package):
+        if package.read_bytes() == b"other":
+            def call(*args):
+                raise RuntimeError("expected 9 inputs, got 11")
+            return call
+        return make_fx_step[0]
+
+    make_fx_step: list = []
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(aot, "compile_package", lambda graph, inputs, package: (
+        make_fx_step.append(graph), fake_compile(graph, inputs, package)))
+    monkeypatch.setattr(aot, "load_package", fake_load)
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    configs = runs(n=2, steps=4)
+    first = train_fast(configs, compile=True)
+    compiled[0].write_bytes(b"other")
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = train_fast(configs, compile=True)
+    assert compiled == [compiled[0]] * 2 and compiled[0].read_bytes() == b"package"
+    assert repr([r.metrics for r in again]) == repr([r.metrics for r in first])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -121,22 +122,32 @@ def compile_package(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
     """`graph` exported for `inputs`' shapes and compiled by AOTInductor into `package`, atomically."""
     from torch._inductor import aoti_compile_and_package
 
-    with warnings.catch_warnings():  # torch's own deprecation inside export, nothing a user can act on
-        warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
-        exported = torch.export.export(graph, tuple(inputs))
     tmp = package.with_name(f"{package.stem}.{os.getpid()}.tmp.pt2")
-    try:
-        aoti_compile_and_package(exported, package_path=str(tmp))
-        os.replace(tmp, package)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    # torch's own deprecation (treespec) inside export and inside the compile (which copies the
+    # exported program), nothing a user can act on
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
+        try:
+            aoti_compile_and_package(torch.export.export(graph, tuple(inputs)), package_path=str(tmp))
+            os.replace(tmp, package)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def load_package(package: Path) -> Step:
+    """The step in `package`; what cannot be read raises. Torch's own log line on such a package
+    ("Loading outdated pt2 file. Please regenerate your package.") is held back: normexp compiles it
+    again itself, so it would only ask the user to do what is already being done."""
     from torch._inductor import aoti_load_package
 
-    return aoti_load_package(str(package))
+    logger = logging.getLogger("torch._inductor.package.package")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return aoti_load_package(str(package))
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -431,8 +431,9 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
     norms, vmap and grad already applied), compiled ahead of time (AOTInductor) and kept on disk under
     `key` (`aot.load_or_compile`): later batches, worker processes and sweeps load it instead of
     compiling. The step is checked against the eager step on (params, x, y) before it is used, its
-    metrics and each run's gradients: a loaded package that fails is compiled again, and a step that
-    the compiler got wrong is refused (ValueError), as any compile failure is. (The check runs on the
+    metrics and each run's gradients: a loaded package that fails it, or raises when called (another
+    structure's inputs), is compiled again, and a step that the compiler got wrong is refused
+    (ValueError), as any compile failure is. (The check runs on the
     values the graph was traced on, so it cannot see a forward that branches on its values in Python;
     vmap refuses such a forward in the eager step already.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -448,7 +449,12 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
         eager = flat(*inputs)
         for fresh in (False, True):
             compiled, now = aot.load_or_compile(key, lambda: make_fx(flat)(*inputs), inputs, fresh=fresh)
-            problem = _disagreement(eager, tuple(compiled(*inputs)))
+            try:
+                problem = _disagreement(eager, tuple(compiled(*inputs)))
+            except Exception:  # noqa: BLE001 - a loaded package that cannot run here is stale: compiled again
+                if now:
+                    raise
+                problem = "it failed when called"
             if problem is None:
                 break
             if now:  # compiled just now and still wrong: refused
