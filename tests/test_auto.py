@@ -182,7 +182,9 @@ def test_an_unreadable_cache_or_another_version_is_measured_again_and_rewritten(
                                    {"engine": "batched", "reference_ms": 8.0, "batched_ms": 10.0, "runs": 4,
                                     "paired": False},  # says batched where its own numbers say reference
                                    {"engine": "reference", "reference_ms": float("nan"), "batched_ms": 1.0,
-                                    "runs": 4, "paired": False}])
+                                    "runs": 4, "paired": False},
+                                   {"engine": "batched", "reference_ms": 8.0, "batched_ms": True, "runs": 4,
+                                    "paired": False}])  # JSON's true is no time (Python counts it an int)
 def test_a_cache_entry_that_is_not_a_sound_measurement_is_measured_again(cache, entry):
     key = auto.shape_key(tiny())
     cache.parent.mkdir(parents=True)
