@@ -139,13 +139,15 @@ def sweep_per_run(fast_seeds: int) -> None:
 
 
 def synthetic_folder(out: Path, seeds: int) -> int:
-    """A phase-diagram run folder written through the store, without training (made-up loss curves)."""
+    """A phase-diagram run folder written through the store, without training (made-up loss curves); its
+    summary written last, as a sweep's, records the runs that pass in .verified.json."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(phase_grid_yaml(seeds))
     sweep = load_sweep(f.name, max_runs=100_000)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / SWEEP_FILE, sweep_yaml(sweep))
-    append_history(out, {"command": "bench_scale", "sweep": sweep.name, "runs_planned": len(sweep.runs)})
+    append_history(out, {"command": "bench_scale", "sweep": sweep.name, "runs_planned": len(sweep.runs),
+                         "resolved": sweep.to_yaml()})  # as a sweep records its grid
     rnd = random.Random(0)
     for cfg in sweep.runs:
         n, lr = cfg.train.steps + 1, cfg.optim.lr

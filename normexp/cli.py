@@ -395,23 +395,25 @@ def _print_grid(spec: Sweep, target: Path, engine: str) -> None:
     runs the folder holds already and an estimate of the time the rest take."""
     from normexp.engines.cost import estimated_seconds
     from normexp.runfolder import run_id
-    from normexp.tables import rich_table
 
     keys = spec.varying_keys
     ids = [run_id(cfg) for cfg in spec.runs]
-    dumps = [cfg.model_dump(mode="json") for cfg in spec.runs]
+    flats = spec.flat_runs  # each key's value as the run's config.yaml writes it
     if len(spec.runs) <= DRY_RUN_TABLE_RUNS:
-        rows = [[rid, *(str(_dotted(dump, k)) for k in keys)] for rid, dump in zip(ids, dumps)]
+        from normexp.tables import rich_table  # pandas: a large grid's summary needs none
+
+        rows = [[rid, *(str(flat[k]) for k in keys)] for rid, flat in zip(ids, flats)]
         show(rich_table(["run_id", *keys], rows, "l" * (len(keys) + 1),
                          title=f"{spec.name}: {_plural(len(spec.runs), 'run')}"))
     else:
         out.print(f"{spec.name}: {_plural(len(spec.runs), 'run')}", markup=False)
         for key in keys:
-            values = list(dict.fromkeys(_dotted(dump, key) for dump in dumps))
+            values = list(dict.fromkeys(flat[key] for flat in flats))
             shown = ", ".join(map(str, values)) if len(values) <= 8 else \
                 f"{', '.join(map(str, values[:3]))}, ..., {', '.join(map(str, values[-2:]))}"
             out.print(f"  {key}: {_plural(len(values), 'value')} ({shown})", markup=False)
-    todo = [cfg for rid, cfg in zip(ids, spec.runs) if not (target / rid / "done.json").is_file()]
+    folder = str(target)  # os.path, not pathlib: 10,000 runs
+    todo = [cfg for rid, cfg in zip(ids, spec.runs) if not os.path.isfile(os.path.join(folder, rid, "done.json"))]
     done = len(ids) - len(todo)  # a done.json present; `normexp verify` checks what it says
     estimate = ", ".join(f"~{_minutes(estimated_seconds(todo, e))} on --engine {e}" for e in ("fast", "reference"))
     out.print(f"{done} already done, {len(todo)} to run in {target}; estimated {estimate} "
@@ -420,12 +422,6 @@ def _print_grid(spec: Sweep, target: Path, engine: str) -> None:
 
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
-
-
-def _dotted(data: dict, key: str) -> object:
-    for part in key.split("."):
-        data = data[part]
-    return data
 
 
 def _print_report(run_dir: Path) -> None:

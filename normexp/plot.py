@@ -45,6 +45,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from normexp.analysis.gradnorm import SUBLAYERS, LayerGradnorm  # noqa: E402
 from normexp.analysis.sensitivity import LR_KEY, MIN_LRS, lr_table  # noqa: E402
 from normexp.analysis.variants import (  # noqa: E402
+    CHOICE_KEYS,
     axis_label,
     constants,
     engine_note,
@@ -404,13 +405,18 @@ def constants_text(frame: pd.DataFrame) -> str:
 
 def _chances(frame: pd.DataFrame) -> list[int]:
     """Each distinct number of choices among the runs (`n_choices`: n_classes, or a Transformer's
-    vocabulary): one chance line, ln(n), per value."""
-    return list(dict.fromkeys(int(n) for n in n_choices(frame)))
+    vocabulary), in order of appearance: one chance line, ln(n), per value."""
+    return list(dict.fromkeys(int(n) for n in n_choices(_choices(frame))))
 
 
 def _limits(frame: pd.DataFrame, trained_below: float | None) -> list[float]:
     """Each distinct trained threshold among the runs."""
-    return sorted(set(thresholds(frame, trained_below).round(12)))
+    return sorted(set(thresholds(_choices(frame), trained_below).round(12)))
+
+
+def _choices(frame: pd.DataFrame) -> pd.DataFrame:
+    """The distinct combinations of what `n_choices` reads, in order of appearance: the same values, once."""
+    return frame[[k for k in CHOICE_KEYS if k in frame]].drop_duplicates()
 
 
 def _reference_lines(ax, frame: pd.DataFrame, trained_below: float | None, chance: bool = True) -> list:
@@ -451,14 +457,16 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
     """Mean curve per hue value with a min–max band over seeds, in panels by `facets` (default:
     `choose_facets(keys)`); the chance level and the trained threshold on a loss."""
     facets = facets or choose_facets(keys, counts=value_counts(tidy, keys))
-    grid, n_rows, n_cols = _panels(tidy, facets)
-    styles, handles = line_styles(tidy, facets)
+    used = [*facets.keys, "run_id", "status", "step", "loss", metric, *CHOICE_KEYS]  # what the panels read
+    frame = tidy[[c for c in dict.fromkeys(used) if c in tidy]]  # each panel a copy of these alone
+    grid, n_rows, n_cols = _panels(frame, facets)
+    styles, handles = line_styles(frame, facets)
     fig, axes = _subplots(n_rows, n_cols, sharex=True, sharey=True)
     extra: dict[str, object] = {}
     for ax, panel, runs in _filled_panels(grid, axes):
         for values, group in _groups(runs, facets.lines):
             style = styles[values]
-            finite = group[group["loss"].astype(float).map(math.isfinite)]
+            finite = group[np.isfinite(group["loss"].astype(float))]
             stats = finite.groupby("step")[metric].agg(["mean", "min", "max"])
             ax.plot(stats.index, stats["mean"], color=style.color, linestyle=style.linestyle,
                     marker=style.marker, markevery=max(1, len(stats) // 6), markersize=3, linewidth=1.3,

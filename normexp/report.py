@@ -24,10 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from normexp.analysis.variants import (
     APPROXIMATE_ENGINES,
+    CHOICE_KEYS,
     PLACEMENT_LABELS,
     axis_label,
     constants,
@@ -229,8 +231,9 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
     unfinished = summary[summary["run_id"].isin(unfinished_runs(summary))]
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
     pooled = tuple(k for k in varying if k not in keys)
-    columns = [_column(label, group, keys, steps, metric, missing.get(label, 0), rule, pooled)
-               for label, group in variant_groups(tidy, keys, everything="run")]
+    used = [*keys, *pooled, "run_id", "seed", "status", "step", "loss", metric, *CHOICE_KEYS]  # what `_column` reads
+    columns = [_column(label, group, finals, keys, steps, metric, missing.get(label, 0), pooled)
+               for label, group, finals in _variants(tidy[[c for c in dict.fromkeys(used) if c in tidy]], keys, rule)]
     title = _title(summary, metric, pooled) + _mixed(summary) + _about(folder.sweep)
     return Report(title, metric, steps, columns, n_classes, missing_note(summary, run_dir), engine_note(summary, keys),
                   rule, pooled, tuple(keys), stopped=stopped_note(summary))
@@ -258,28 +261,59 @@ def _about(sweep: Sweep) -> str:
     return text + (f"\n{sweep.notes.strip()}" if sweep.notes.strip() else "")
 
 
-def _column(label: str, group: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
-            missing: int = 0, trained_below: float | None = None, pooled: Sequence[str] = ()) -> Column:
-    """One variant's column; its `missing` runs (no verified result) count in every cell's n. Its runs
-    are "seeds" only where no `pooled` key varies among them."""
+LIMIT, TRAINED = " limit", " trained"  # `_variants`' columns of each run's last row (no config key has a space)
+Variant = tuple[str, pd.DataFrame, pd.DataFrame]  # a column's label, its rows, its runs' last rows
+
+
+def _variants(tidy: pd.DataFrame, keys: list[str], trained_below: float | None) -> list[Variant]:
+    """Each variant (`variant_groups` of `tidy` by `keys`): its label, its rows, and its runs' last rows
+    with the final loss under which each counts as trained (LIMIT) and whether it did (TRAINED), judged
+    for every run at once."""
+    finals = _last_rows(tidy)
+    limits = thresholds(finals, trained_below)
+    finals = finals.assign(**{LIMIT: limits, TRAINED: is_trained(finals["loss"], finals["status"], n_choices(finals),
+                                                                 limits)})
+    groups = variant_groups(tidy, keys, everything="run")
+    if not keys:
+        return [(label, group, finals) for label, group in groups]
+    codes = tidy.groupby(keys, sort=False, dropna=False).ngroup()  # the order `variant_groups` lists them in
+    by_code = dict(iter(finals.groupby(codes.loc[finals.index].to_numpy(), sort=True)))
+    return [(label, group, by_code[code]) for code, (label, group) in enumerate(groups)]
+
+
+def _column(label: str, group: pd.DataFrame, finals: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
+            missing: int = 0, pooled: Sequence[str] = ()) -> Column:
+    """One variant's column from its rows and its runs' last rows (`_variants`); its `missing` runs (no
+    verified result) count in every cell's n. Its runs are "seeds" only where no `pooled` key varies
+    among them."""
     values = {k: group[k].iloc[0] for k in keys}
-    finals = group.sort_values("step").groupby("run_id").tail(1)
+    last, diverged_run = finals["step"].to_numpy(), (finals["status"] == "diverged").to_numpy()
+    step_of, finite = group["step"].to_numpy(), np.isfinite(group["loss"].astype(float).to_numpy())
+    measured = group[metric].astype(float).to_numpy()
     cells = {}
     for step in steps:
         # the runs that reached this step, or would have but diverged (they stop at a non-finite loss)
-        runs = int(((finals["step"] >= step) | (finals["status"] == "diverged")).sum()) + missing
-        at_step = group[(group["step"] == step) & group["loss"].astype(float).map(math.isfinite)]
-        series = at_step[metric].astype(float)
+        runs = int(((last >= step) | diverged_run).sum()) + missing
+        series = pd.Series(measured[(step_of == step) & finite])  # the runs' values at this step, in run order
         std = float(series.std(ddof=1)) if len(series) > 1 else math.nan  # one run has no spread, not 0
         if runs:
             cells[step] = (float(series.mean()) if len(series) else math.nan, std, len(series), runs)
-    limits = thresholds(finals, trained_below)
-    trained = int(is_trained(finals["loss"], finals["status"], n_choices(finals), limits).sum())
+    limits = finals[LIMIT]
     same = all(finals[k].nunique(dropna=False) <= 1 for k in pooled if k in finals)
-    unit = "seeds" if same and group["seed"].nunique() == len(finals) else "runs"
-    diverged = int((finals["status"] == "diverged").sum())
+    unit = "seeds" if same and finals["seed"].nunique() == len(finals) else "runs"  # a run's seed is its last row's
     threshold = float(limits.iloc[0]) if limits.nunique() == 1 else math.nan
-    return Column(label, values, cells, trained, len(finals), unit, diverged, missing, threshold)
+    return Column(label, values, cells, int(finals[TRAINED].sum()), len(finals), unit, int(diverged_run.sum()),
+                  missing, threshold)
+
+
+def _last_rows(group: pd.DataFrame) -> pd.DataFrame:
+    """Each run's row at its last recorded step. A tidy table holds each run's rows together, steps
+    ascending (as its metrics.csv, verified): each run's last row, without sorting; else sorted."""
+    rid, step = group["run_id"].to_numpy(), group["step"].to_numpy()
+    ends = np.append(rid[1:] != rid[:-1], True)
+    if len(set(rid[ends])) == int(ends.sum()) and bool((np.diff(step)[~ends[:-1]] > 0).all()):
+        return group[ends]
+    return group.sort_values("step").groupby("run_id").tail(1)
 
 
 def _title(summary: pd.DataFrame, metric: str, pooled: Sequence[str] = ()) -> str:

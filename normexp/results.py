@@ -20,16 +20,18 @@ sensitivity, the figures and the studies' verdicts all take a `Folder` (or a pat
 from __future__ import annotations
 
 import io
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from normexp.config import Sweep, run_keys
 from normexp.registry import references_unchecked
-from normexp.runfolder import BLOCKS_FILE, FINISHED_STATUSES, METRICS_FILE, RunState, StoreError, run_id
-from normexp.store import cached_statuses, folder_runs, read_sweep, rows_csv, summary_row
+from normexp.runfolder import BLOCKS_FILE, FINISHED_STATUSES, METRICS_FILE, RunState, StoreError
+from normexp.store import cached_statuses, folder_run_ids, read_sweep, rows_csv, summary_rows
 
 FINISHED = FINISHED_STATUSES
 MISSING_LISTED = 5  # runs named in a missing-runs note before "and N more"
@@ -93,13 +95,13 @@ def load_folder(run_dir: str | Path) -> Folder:
 
 def _load_folder(run_dir: Path) -> Folder:
     sweep = read_sweep(run_dir)
-    verified: dict[str, RunState] = {}
-    runs = folder_runs(run_dir, sweep, verified)
-    statuses = cached_statuses(run_dir)
-    rows = [summary_row(run_dir, cfg, statuses.get(rid, "pending"), verified.get(rid), sweep.report.trained_below)
-            for cfg, rid in ((cfg, run_id(cfg)) for cfg in runs)]
-    first = runs[0] if runs else None
-    return Folder(run_dir, sweep, _frame(rows_csv(rows, first)), _frame(rows_csv(rows[:len(sweep.runs)], first)))
+    found: dict[str, RunState] = {}
+    runs = folder_run_ids(run_dir, sweep, found)
+    rows = summary_rows(run_dir, runs, cached_statuses(run_dir), sweep.report.trained_below, found)
+    first = next(iter(runs.values()), None)
+    latest = rows_csv(rows[:len(sweep.runs)], first)  # the latest sweep's runs come first
+    return Folder(run_dir, sweep, _frame(latest + rows_csv(rows[len(sweep.runs):], first, header=False)),
+                  _frame(latest))
 
 
 def as_folder(source: str | Path | Folder) -> Folder:
@@ -112,9 +114,14 @@ def _frame(text: str) -> pd.DataFrame:
 
 
 def _copy(table: pd.DataFrame) -> pd.DataFrame:
-    copy = table.copy()
+    """A copy of `table` the caller may change: under pandas' copy-on-write (pandas 3) a shallow one is
+    (a change copies what it changes), else a deep one."""
+    copy = table.copy(deep=not _COPY_ON_WRITE)
     copy.attrs = dict(table.attrs)
     return copy
+
+
+_COPY_ON_WRITE = int(pd.__version__.split(".")[0]) >= 3
 
 
 def load_summary(run_dir: str | Path | Folder, only_last: bool = False) -> pd.DataFrame:
@@ -219,12 +226,19 @@ def _attach(run_dir: str | Path, summary: pd.DataFrame, finished: pd.DataFrame, 
     keys = config_columns(summary) if all_config else [k for k in varying_keys(summary) if k != "seed"]
     attach = list(dict.fromkeys(["run_id", *keys, "seed", "status"]))
     data, repeats = _read_tables(Path(run_dir), list(finished["run_id"]), file)
-    # the run's columns in front, once for all rows (per frame they cost a minute at 10,000 runs)
-    front = {column: [value for value, n in zip(finished[column].tolist(), repeats) for _ in range(n)]
-             for column in attach}
-    tidy = pd.concat([pd.DataFrame(front), data.drop(columns=[c for c in attach if c in data])], axis=1)
+    tidy = pd.concat([_repeated(finished[attach], repeats), data.drop(columns=[c for c in attach if c in data])],
+                     axis=1)
     tidy.attrs["unfinished"] = unfinished_runs(summary)
     return tidy
+
+
+def _repeated(runs: pd.DataFrame, repeats: list[int]) -> pd.DataFrame:
+    """The runs' columns in front of their rows: row i of `runs` `repeats[i]` times, once for all rows (per
+    run's frame they cost a minute at 10,000 runs). Each column is typed as pandas types the list of its
+    values (as a column built from the repeated values would be), then repeated by position."""
+    kept = [i for i, n in enumerate(repeats) if n]  # a run without rows has no value here
+    values = pd.DataFrame({column: runs[column].iloc[kept].tolist() for column in runs})
+    return values.take(np.repeat(np.arange(len(kept)), [repeats[i] for i in kept])).reset_index(drop=True)
 
 
 def _read_tables(run_dir: Path, run_ids: list[str], file: str) -> tuple[pd.DataFrame, list[int]]:
@@ -234,7 +248,8 @@ def _read_tables(run_dir: Path, run_ids: list[str], file: str) -> tuple[pd.DataF
     texts = []
     for rid in run_ids:
         try:
-            texts.append((run_dir / rid / file).read_text(encoding="utf-8"))
+            with open(os.path.join(run_dir, rid, file), "rb") as f:  # not pathlib: 10,000 files
+                texts.append(f.read().decode("utf-8"))
         except (OSError, ValueError) as exc:  # deleted or replaced after it was verified (a sweep writing?)
             raise ResultsError(f"{run_dir}/{rid}/{file}: changed while it was read "
                                f"({type(exc).__name__}); run the command again") from None

@@ -21,6 +21,8 @@ import json
 import math
 import os
 import re
+import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -29,6 +31,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
+from normexp import __version__
 from normexp.config import (
     METRIC_COLUMNS,
     STOP_REASONS,
@@ -38,6 +41,7 @@ from normexp.config import (
     RunConfig,
     mixln_post_count,
     parse_yaml,
+    section_cache,
     validate_run,
 )
 from normexp.registry import PLUGIN_PREFIX, short_name
@@ -51,6 +55,10 @@ HISTORY_FILE = "history.jsonl"
 
 
 SUMMARY_FILE = "summary.csv"
+
+
+
+VERIFIED_FILE = ".verified.json"  # which done.json texts passed every check (`Verified`): a cache
 
 
 
@@ -135,7 +143,7 @@ def _declared_default(model: type[BaseModel], name: str) -> Any:
     return to_jsonable_python(model.model_fields[name].get_default(call_default_factory=True))
 
 
-@functools.lru_cache(maxsize=4096)
+@section_cache
 def _section_view(section: str, value: BaseModel) -> dict[str, Any] | None:
     """The hashed part of one config section (see `hashed_config`); None where nothing of it is hashed.
     Cached: the 10,000 runs of a grid hold a few dozen distinct sections (a copy is handed out)."""
@@ -210,9 +218,57 @@ def hashed_config(cfg: RunConfig, revised: bool = True) -> dict[str, Any]:
 
 
 def config_hash(cfg: RunConfig, revised: bool = True) -> str:
-    """A stable hash of the resolved config (see `hashed_config`): equal configs, equal hashes, anywhere."""
-    canonical = json.dumps(hashed_config(cfg, revised), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """A stable hash of the resolved config (see `hashed_config`): equal configs, equal hashes, anywhere.
+    The SHA-256 of `_canonical(hashed_config(cfg, revised))`, written a section at a time (`_canonical_view`),
+    once per config object while it lives (`_HASHES`: a command of 10,000 runs asks for each several times)."""
+    key = (id(cfg), revised)
+    known = _HASHES.get(key)
+    if known is not None and known[0]() is cfg:
+        return known[1]
+    value = hashlib.sha256(_canonical_view(cfg, revised).encode()).hexdigest()
+    _HASHES[key] = (weakref.ref(cfg, lambda _, key=key: _HASHES.pop(key, None)), value)
+    return value
+
+
+# config_hash's values by config object (a RunConfig is frozen: its hash never changes), each entry dropped
+# when its object is (the weak reference's callback runs before the object's id can be reused)
+_HASHES: dict[tuple[int, bool], tuple[weakref.ref, str]] = {}
+
+
+def _canonical(value: Any) -> str:
+    """The one JSON text that a hashed view is hashed as: keys sorted, no spaces."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _canonical_view(cfg: RunConfig, revised: bool) -> str:
+    """`_canonical(hashed_config(cfg, revised))`, the same text, from each section's text (`_section_text`,
+    each distinct section written once): JSON writes an object's members one after the other, so the
+    sorted members' texts joined are its text. A 10,000-run grid hashes in a tenth of the time."""
+    members = {}
+    for section in type(cfg).model_fields:
+        value = getattr(cfg, section)
+        if isinstance(value, BaseModel):
+            try:
+                text = _section_text(section, value)
+            except TypeError:  # an unhashable section value: written here
+                text = _section_text.__wrapped__(section, value)
+            if text is not None:
+                members[section] = text
+            continue
+        values = to_jsonable_python(value)
+        if section in HASHED_SINCE_0_1 or values != _declared_default(RunConfig, section):
+            members[section] = _canonical(values)
+    placement = revised_definition(cfg)
+    if revised and placement is not None:
+        members["definition"] = _canonical({placement: 2})
+    # the members' names are identifiers (sections, "definition"): JSON writes each as itself in quotes
+    return "{" + ",".join(f'"{name}":{members[name]}' for name in sorted(members)) + "}"
+
+
+@section_cache
+def _section_text(section: str, value: BaseModel) -> str | None:
+    kept = _section_view(section, value)
+    return None if kept is None else _canonical(kept)
 
 
 
@@ -293,7 +349,7 @@ def encode_done(done: dict[str, Any]) -> str:
 
 
 
-TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE)  # the files `atomic_write` writes in a sweep folder
+TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE, VERIFIED_FILE)  # the files `atomic_write` writes in a sweep folder
 
 
 
@@ -369,6 +425,7 @@ class RunState:
     problem: str = ""
     done: dict[str, Any] | None = None
     failed: dict[str, Any] | None = None
+    sha256: str = ""  # of the done.json read, where it was checked for a `Verified` record
 
     @property
     def finished(self) -> bool:
@@ -386,17 +443,23 @@ class Superseded(Exception):
 
 
 
-def inspect_run(run_dir: Path, cfg: RunConfig | None = None, thorough: bool = False) -> RunState:
+def inspect_run(run_dir: Path, cfg: RunConfig | None = None, thorough: bool = False,
+                verified: Verified | None = None) -> RunState:
     """Check a run folder against its done.json (and against `cfg`, the config asked for, if given).
 
     config.yaml is parsed, and its run id compared with the folder's, where no checksum vouches for it
     (release 0.1) or when `thorough` (`normexp verify`); otherwise its SHA-256 and done.json's config
     hash stand for it, since parsing YAML is what a check of thousands of runs would spend its time on.
+    With `verified` (the folder's record of done.json texts that passed), a done.json that passed
+    before is checked as `Verified` says, and any other thoroughly, its verdict recorded there.
     A folder swapped in while it was read (a --force rerun) is read again, so that files of the old
     and the new folder are never judged together."""
+    done = verified.unchanged(run_dir) if verified is not None else None
+    if done is not None:  # the file system says no file of the run changed since it passed: nothing is read
+        return _same_config(done, cfg) or RunState("finished", done=done)
     for _ in range(3):
         before = _identity(run_dir)
-        state = _inspect_once(run_dir, cfg, thorough)
+        state = _inspect_once(run_dir, cfg, thorough, verified)
         if state.finished or _identity(run_dir) == before:
             break
     return state
@@ -412,8 +475,8 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 
-def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:
-    state = _inspect_folder(run_dir, cfg, thorough)
+def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool, verified: Verified | None) -> RunState:
+    state = _inspect_folder(run_dir, cfg, thorough, verified)
     if state.finished or state.kind == "superseded":
         return state  # a result counts, read through a link too: reading is harmless
     blocked = in_the_way(run_dir)
@@ -421,22 +484,50 @@ def _inspect_once(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunSt
 
 
 
-def _inspect_folder(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> RunState:
+def _inspect_folder(run_dir: Path, cfg: RunConfig | None, thorough: bool, verified: Verified | None) -> RunState:
     if not run_dir.is_dir():
         return RunState("absent")
+    if verified is None:
+        return _read_and_check(run_dir, cfg, thorough)
+    taken = time.time_ns()
+    stamps = file_stamps(run_dir) if verified.stamping else None  # before the files are read: a later change is seen
+    state = _read_and_check(run_dir, cfg, True, verified)
+    verified.record(run_dir.name, state, stamps if stamps is not None and _settled(stamps, taken) else None)
+    return state
+
+
+
+def _read_and_check(run_dir: Path, cfg: RunConfig | None, thorough: bool, verified: Verified | None = None) -> RunState:
+    """Read the run's done.json and check it (`_checked`), or, where `verified` records that this very text
+    passed before, check only that the files it vouches for are still those (`_passed_before`)."""
     try:
         raw = (run_dir / DONE_FILE).read_bytes()
     except FileNotFoundError:
         return _without_done(run_dir, cfg)
     except OSError as exc:
         return RunState("corrupt", f"{DONE_FILE}: cannot read: {exc.strerror}")
+    if verified is None:
+        return _checked(run_dir, raw, cfg, thorough)
+    digest = _sha256(raw)
+    state = _passed_before(run_dir, raw, cfg) if verified.passed(run_dir.name, digest) else \
+        _checked(run_dir, raw, cfg, thorough)
+    return RunState(state.kind, state.problem, state.done, state.failed, digest)
+
+
+
+def _same_config(done: dict[str, Any], cfg: RunConfig | None) -> RunState | None:
+    """A corrupt state where `cfg` is not the config `done` was written for, else None."""
+    if cfg is not None and config_hash(cfg) != done["config_hash"]:
+        return RunState("corrupt", f"{DONE_FILE}: written for another config than this run's")
+    return None
+
+
+
+def _checked(run_dir: Path, raw: bytes, cfg: RunConfig | None, thorough: bool) -> RunState:
+    """Every check of `inspect_run`, `raw` being the folder's done.json."""
     try:
         done, stamped = _read_done(raw, run_dir.name)
-        texts = {name: _read_text(run_dir / name) for name in VOUCHED_FILES}
-        if stamped:
-            _check_records(done["files"], texts)
-            if BLOCKS_FILE in done["files"]:  # vouched for where the run logged blocks
-                _check_records(done["files"], {BLOCKS_FILE: _read_text(run_dir / BLOCKS_FILE)})
+        texts = _vouched_texts(run_dir, done, stamped)
         if cfg is not None and config_hash(cfg) != done["config_hash"]:
             raise Corrupt(f"{DONE_FILE}: written for another config than this run's")
         if thorough or not stamped or cfg is None:
@@ -447,6 +538,164 @@ def _inspect_folder(run_dir: Path, cfg: RunConfig | None, thorough: bool) -> Run
     except Superseded as exc:
         return RunState("superseded", str(exc), done=done)
     return RunState("finished" if stamped else "unstamped", done=done)
+
+
+
+def _vouched_texts(run_dir: Path, done: dict[str, Any], stamped: bool) -> dict[str, str]:
+    """config.yaml and metrics.csv, read; where done.json is stamped, each file it vouches for (blocks.csv
+    too, where the run logged blocks) has the SHA-256 and rows it records."""
+    texts = {name: _read_text(run_dir / name) for name in VOUCHED_FILES}
+    if stamped:
+        _check_records(done["files"], texts)
+        if BLOCKS_FILE in done["files"]:  # vouched for where the run logged blocks
+            _check_records(done["files"], {BLOCKS_FILE: _read_text(run_dir / BLOCKS_FILE)})
+    return texts
+
+
+
+def _passed_before(run_dir: Path, raw: bytes, cfg: RunConfig | None) -> RunState:
+    """A run whose done.json, byte for byte, passed every check before (`Verified`): the files it vouches
+    for must still be the ones it records, and `cfg` the config it was written for."""
+    try:
+        done = json.loads(raw)
+    except ValueError:  # a record written on purpose for this text: it is checked after all
+        done = None
+    if not isinstance(done, dict) or not _valid_records(done.get("files")) or "config_hash" not in done:
+        return _checked(run_dir, raw, cfg, thorough=True)
+    try:
+        _vouched_texts(run_dir, done, stamped=True)
+    except Corrupt as exc:
+        return RunState("corrupt", str(exc))
+    return _same_config(done, cfg) or RunState("finished", done=done)
+
+
+
+class Verified:
+    """What a sweep folder's runs were when they last passed every check of `inspect_run` (thorough), so
+    that a command reading 10,000 runs does not check each again from scratch: per run id, the SHA-256
+    of its done.json, its fields, and the stamps of its files (`file_stamps`: size, mtime, ctime, inode).
+    The folder keeps it in .verified.json (`store.verified_states`); `checks_version` says whose checks
+    wrote it.
+
+    Two levels, and what each can prove:
+
+    - **Its content** (always): a run whose done.json is byte for byte one that passed is not checked
+      field by field again, but its config.yaml and metrics.csv (and blocks.csv) are read and must have
+      the SHA-256 and rows done.json vouches for. Any change to any byte of the run is seen (a changed
+      done.json has another SHA-256 and is checked in full). What is not redone is re-deriving, from the
+      same bytes, the verdict they earned; what it cannot cover is a record written on purpose to vouch
+      for a done.json that fails (a damaged record names no done.json there is).
+    - **Its stamps** (`trust_stamps`: `report`, `plot`, a sweep; never `verify`): where every file of the
+      run still has the stamp it had when it passed, nothing is read. A stamp shows that no one asked
+      the file system to change the file since: a write, a rename over it, a `touch` all change its
+      ctime, which no program can set back. It cannot show that the bytes on the disk are still those:
+      corruption under the file system (a failing disk, bit rot) changes no stamp. `normexp verify`
+      re-reads and re-hashes every file, stamps or not. A stamp taken within `SETTLED_NS` of the
+      file's last change is not recorded (a change in the same clock tick could keep it), nor one in
+      the future (another machine's clock): such a run is read again next time."""
+
+    def __init__(self, runs: dict[str, dict[str, Any]] | None = None, trust_stamps: bool = False,
+                 stamping: bool = True) -> None:
+        self.runs = dict(runs or {})
+        self.trust_stamps = trust_stamps
+        self.stamping = stamping  # whether `record` gets the files' stamps (a record that is not kept needs none)
+        self.forgotten: set[str] = set()  # runs recorded before that no longer pass
+        self.changed = False
+
+    @classmethod
+    def from_data(cls, data: Any, trust_stamps: bool = False, stamping: bool = True) -> Verified:
+        """The record `data()` gave (read back from JSON); empty where it is of other checks, and without
+        any entry that is not as `record` writes it."""
+        runs = data.get("runs") if isinstance(data, dict) and data.get("checks") == checks_version() else None
+        return cls({rid: entry for rid, entry in runs.items() if _valid_entry(entry)} if isinstance(runs, dict)
+                   else {}, trust_stamps, stamping)
+
+    def data(self) -> dict[str, Any]:
+        return {"checks": checks_version(), "runs": self.runs}
+
+    def unchanged(self, run_dir: Path) -> dict[str, Any] | None:
+        """The done.json fields of the run in `run_dir` where its files' stamps are those it passed with
+        (and stamps are trusted), else None."""
+        entry = self.runs.get(run_dir.name)
+        if not self.trust_stamps or entry is None or "stamps" not in entry:
+            return None
+        # the files it passed with (a file that was not there then, blocks.csv, is vouched for by no done.json)
+        return entry["done"] if file_stamps(run_dir, entry["stamps"]) == entry["stamps"] else None
+
+    def passed(self, rid: str, digest: str) -> bool:
+        """Whether `digest` is the SHA-256 of the done.json with which run `rid` passed."""
+        entry = self.runs.get(rid)
+        return entry is not None and entry["sha256"] == digest
+
+    def record(self, rid: str, state: RunState, stamps: list[list[int] | None] | None) -> None:
+        """The outcome of checking run `rid`, whose files had `stamps` before they were read (None: too
+        recent to be trusted, `_settled`)."""
+        if state.kind != "finished":
+            self.changed |= self.runs.pop(rid, None) is not None
+            self.forgotten.add(rid)
+            return
+        entry = {"sha256": state.sha256, "done": state.done, **({"stamps": stamps} if stamps is not None else {})}
+        if self.runs.get(rid) != entry:
+            self.runs[rid], self.changed = entry, True
+        self.forgotten.discard(rid)
+
+
+
+def _valid_entry(entry: Any) -> bool:
+    if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("done"), dict)
+            and isinstance(entry["done"].get("config_hash"), str)):
+        return False
+    stamps = entry.get("stamps", [])
+    return isinstance(stamps, list) and all(stamp is None or (isinstance(stamp, list) and len(stamp) == 4)
+                                            for stamp in stamps)
+
+
+
+SETTLED_NS = 2_000_000_000  # a stamp is recorded once its file is this old (file systems' clock ticks: 1 ns to 2 s)
+
+
+
+def file_stamps(run_dir: Path, like: list[list[int] | None] | None = None) -> list[list[int] | None]:
+    """The stamp of each file a run folder's result is read from (None: not there): size, mtime, ctime
+    and inode, in nanoseconds. `like`: only of the files these stamps have (the others: None, unread)."""
+    stamps = []
+    for i, name in enumerate(STAMPED_FILES):
+        if like is not None and (i >= len(like) or like[i] is None):
+            stamps.append(None)
+            continue
+        try:
+            stat = os.stat(os.path.join(run_dir, name))
+        except OSError:
+            stamps.append(None)
+            continue
+        stamps.append([stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino])
+    return stamps
+
+
+
+STAMPED_FILES = (DONE_FILE, CONFIG_FILE, METRICS_FILE, BLOCKS_FILE)
+
+
+
+def _settled(stamps: list[list[int] | None], taken: int) -> bool:
+    """Whether every file was last changed (mtime, ctime) at least SETTLED_NS before `taken` (the time
+    its stamp was taken, in the same nanoseconds), and so not in the future either."""
+    return all(stamp is None or max(stamp[1], stamp[2]) <= taken - SETTLED_NS for stamp in stamps)
+
+
+
+@functools.cache
+def checks_version() -> str:
+    """What a .verified.json holds for: normexp's version and the source of the code that decides a
+    verdict (this module, the config's validation, the names of users' placements), hashed."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256(__version__.encode())
+    for path in [Path(__file__), *sorted((here / "config").glob("*.py")), here / "registry.py"]:
+        try:
+            digest.update(path.read_bytes())
+        except OSError:  # installed without its sources: the version alone
+            continue
+    return digest.hexdigest()
 
 
 
@@ -555,7 +804,7 @@ def config_yaml(cfg: RunConfig) -> str:
     return "".join(parts)
 
 
-@functools.lru_cache(maxsize=4096)
+@section_cache
 def _section_yaml(section: str, value: Any) -> str:
     dumped = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
     return yaml.safe_dump({section: dumped}, sort_keys=False)

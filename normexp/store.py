@@ -78,10 +78,12 @@ from normexp.runfolder import (
     SUMMARY_STATS,
     SWEEP_FILE,
     TOP_FILES,
+    VERIFIED_FILE,
     VOUCHED_FILES,
     InTheWay,
     RunState,
     StoreError,
+    Verified,
     _read_text,
     _real_dir,
     _sha256,
@@ -379,7 +381,8 @@ def stray_paths(out_dir: Path) -> list[Path]:
     found = [p for p in top if _is_stray(p, TOP_FILES, run_folders=True)]
     for folder in top:
         if is_run_id(folder.name) and folder.is_dir() and not folder.is_symlink():
-            found += [p for p in sorted(folder.iterdir()) if _is_stray(p, RUN_DIR_FILES, run_folders=False)]
+            hidden = sorted(entry.name for entry in os.scandir(folder) if entry.name.startswith("."))  # as all strays
+            found += [p for p in (folder / name for name in hidden) if _is_stray(p, RUN_DIR_FILES, run_folders=False)]
     return found
 
 
@@ -422,15 +425,81 @@ def stamp_run(run_dir: Path, state: RunState) -> dict[str, Any]:
     return done
 
 
+def verified_states(out_dir: Path, runs: dict[str, RunConfig], record: bool = False,
+                    trust_stamps: bool = True) -> dict[str, RunState]:
+    """Each run of `runs` (by run id), as `inspect_run` finds it in `out_dir`, thoroughly, where the
+    folder's .verified.json does not say it passed before unchanged (`runfolder.Verified`: by the SHA-256
+    of its files, or, with `trust_stamps`, their stamps). With `record` (a command that writes the folder:
+    a sweep, `verify --fix`), what passes now is recorded there for the next command (`save_verified`);
+    readers leave the folder as it is."""
+    if not runs:
+        return {}
+    verified = read_verified(out_dir, trust_stamps, stamping=record)
+    states = {rid: inspect_run(out_dir / rid, cfg, thorough=True, verified=verified) for rid, cfg in runs.items()}
+    if record and verified.changed:
+        save_verified(out_dir, verified)
+    return states
+
+
+VERIFIED_CHECKSUM = "# normexp's record of verified runs; sha256 of the lines below: "
+
+
+def read_verified(out_dir: Path, trust_stamps: bool = False, stamping: bool = True) -> Verified:
+    """The folder's .verified.json (an empty record if there is none, or it is damaged, or of other checks,
+    or not normexp's): `runfolder.Verified`."""
+    body = _verified_body(out_dir / VERIFIED_FILE)
+    try:
+        data = json.loads(body) if body is not None else None
+    except ValueError:
+        data = None
+    return Verified.from_data(data, trust_stamps, stamping)
+
+
+def _verified_body(path: Path) -> str | None:
+    """The JSON under .verified.json's checksum line, where the checksum holds."""
+    text = _own_verified(path)
+    if text is None:
+        return None
+    first, _, body = text.partition("\n")
+    return body if first == VERIFIED_CHECKSUM + _sha256(body.encode()) else None
+
+
+def _own_verified(path: Path) -> str | None:
+    """The text of .verified.json if it is normexp's (a file that starts with its checksum line), else None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read() if not path.is_symlink() else ""
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text.startswith(VERIFIED_CHECKSUM) else None
+
+
+def save_verified(out_dir: Path, verified: Verified) -> None:
+    """Write `verified` as the folder's .verified.json, keeping what another command recorded there
+    meanwhile for runs this one did not check. A cache: where it cannot be written (a read-only folder),
+    or something normexp did not write stands there, nothing is, and the next command checks again."""
+    path = out_dir / VERIFIED_FILE
+    if os.path.lexists(path) and _own_verified(path) is None:
+        return  # not normexp's: left alone
+    runs = {**read_verified(out_dir).runs, **verified.runs}
+    for rid in verified.forgotten:
+        runs.pop(rid, None)
+    body = json.dumps(Verified(runs).data(), separators=(",", ":")) + "\n"
+    with contextlib.suppress(OSError):
+        atomic_write(path, f"{VERIFIED_CHECKSUM}{_sha256(body.encode())}\n{body}")
+
+
 # ----------------------------------------------------------------------------- the summary
 
 
 def summary_row(out_dir: Path, cfg: RunConfig, pending_status: str = "pending",
-                state: RunState | None = None, trained_below: float | None = None) -> dict[str, Any]:
-    """One summary.csv row for `cfg`, from its run folder as verified by `inspect_run` (or as `state`
-    says, where the caller has just inspected it against `cfg`). A finished run is judged by the
-    trained rule: `trained_below`, or by default ln(C)/10 (`config.trained_threshold`)."""
-    rid = run_id(cfg)
+                state: RunState | None = None, trained_below: float | None = None,
+                rid: str | None = None) -> dict[str, Any]:
+    """One summary.csv row for `cfg` (whose run id is `rid`, computed if not given), from its run folder
+    as verified by `inspect_run` (or as `state` says, where the caller has just inspected it against
+    `cfg`). A finished run is judged by the trained rule: `trained_below`, or by default ln(C)/10
+    (`config.trained_threshold`)."""
+    rid = rid or run_id(cfg)
     row: dict[str, Any] = {"run_id": rid, **flatten(cfg)}
     state = state if state is not None else inspect_run(out_dir / rid, cfg)
     if state.finished:
@@ -459,13 +528,22 @@ def superseded_folder(out_dir: Path, cfg: RunConfig) -> Path | None:
     return out_dir / earlier if inspect_run(out_dir / earlier).kind == "superseded" else None
 
 
-def summary_csv(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> str:
-    """summary.csv's text, rebuilt from the verified run folders (`statuses` names unfinished runs' state),
-    each finished run judged by the folder's trained rule (`trained_rule`)."""
-    statuses = statuses or {}
-    rule = trained_rule(out_dir)
-    return rows_csv([summary_row(out_dir, cfg, statuses.get(run_id(cfg), "pending"), trained_below=rule)
-                     for cfg in runs], runs[0] if runs else None)
+def summary_csv(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None,
+                found: dict[str, RunState] | None = None) -> str:
+    """summary.csv's text, rebuilt from the verified run folders (`statuses` names unfinished runs' state;
+    `found`, runs just inspected), each finished run judged by the folder's trained rule (`trained_rule`)."""
+    rows = summary_rows(out_dir, {run_id(cfg): cfg for cfg in runs}, statuses, trained_rule(out_dir), found)
+    return rows_csv(rows, runs[0] if runs else None)
+
+
+def summary_rows(out_dir: Path, runs: dict[str, RunConfig], statuses: dict[str, str] | None = None,
+                 trained_below: float | None = None, found: dict[str, RunState] | None = None) -> list[dict[str, Any]]:
+    """summary.csv's rows of `runs` (by run id: `summary_row`), each run verified once (`verified_states`)
+    unless `found` holds its state."""
+    statuses, found = statuses or {}, found or {}
+    states = {**verified_states(out_dir, {rid: cfg for rid, cfg in runs.items() if rid not in found}), **found}
+    return [summary_row(out_dir, cfg, statuses.get(rid, "pending"), states[rid], trained_below, rid)
+            for rid, cfg in runs.items()]
 
 
 def trained_rule(out_dir: Path) -> float | None:
@@ -479,16 +557,30 @@ def trained_rule(out_dir: Path) -> float | None:
         return None
 
 
-def rows_csv(rows: Sequence[dict[str, Any]], first: RunConfig | None) -> str:
-    """summary.csv's text from its rows (`summary_row`), its columns those of the `first` run's config."""
+def rows_csv(rows: Sequence[dict[str, Any]], first: RunConfig | None, header: bool = True) -> str:
+    """summary.csv's text from its rows (`summary_row`), its columns those of the `first` run's config
+    (`header` False: the rows' lines alone, which follow another text's)."""
     columns = list(dict.fromkeys(["run_id", *flatten(first), *SUMMARY_STATS, STOPPED_COLUMN, *JUDGED, "error"])) \
         if first else []
+    known = set(columns)
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", restval="")
-    writer.writeheader()
+    writer = csv.writer(buffer, lineterminator="\n")
+    if header:
+        writer.writerow(columns)
     for row in rows:
-        writer.writerow({k: (format_float(v) if isinstance(v, float) else _cell(v)) for k, v in row.items()})
+        if not row.keys() <= known:
+            raise ValueError(f"summary row has fields not in its columns: {sorted(row.keys() - known)}")
+        cells = list(map(row.get, columns))  # a missing field: None, written empty like a null value
+        for i, value in enumerate(cells):
+            if type(value) not in _WRITTEN_AS_IS:
+                cells[i] = format_float(value) if isinstance(value, float) else _cell(value)
+        writer.writerow(cells)
     return buffer.getvalue()
+
+
+# the cells the csv module writes as `format_float` and `_cell` would (a float as its repr(), None empty),
+# left to it: 700,000 cells at 10,000 runs (a float's subclass, numpy's, is converted: its repr differs)
+_WRITTEN_AS_IS = frozenset({str, int, bool, float, type(None)})
 
 
 STOPPED_COLUMN = "stopped_at"  # the step at which train.stop_when stopped a run (empty: it ran every step)
@@ -503,11 +595,15 @@ def cached_statuses(out_dir: Path) -> dict[str, str]:
     else it says is ignored, and a damaged summary.csv gives none."""
     try:
         with open(out_dir / SUMMARY_FILE, encoding="utf-8", newline="") as f:
-            rows = list(csv.DictReader(f))
+            rows = csv.reader(f)
+            header = next(rows, [])
+            if "run_id" not in header or "status" not in header:
+                return {}
+            rid, status = (max(i for i, name in enumerate(header) if name == key) for key in ("run_id", "status"))
+            return {row[rid]: row[status] for row in rows if len(row) > max(rid, status)
+                    and row[status] in CACHED_STATUSES}
     except (OSError, UnicodeDecodeError, csv.Error):
         return {}
-    return {row["run_id"]: row["status"] for row in rows
-            if isinstance(row.get("run_id"), str) and row.get("status") in CACHED_STATUSES}
 
 
 SWEEP_CHECKSUM = "# sha256 of the lines below: "
@@ -551,31 +647,36 @@ def folder_runs(out_dir: Path, sweep: Sweep, verified: dict[str, RunState] | Non
     earlier release's), in folder order. A folder accumulates runs: a sweep of another grid adds its
     runs and hides none. `verified`, if given, receives the state of each run found by listing the
     folder, by run id, so that a caller need not inspect it again."""
-    runs = list(sweep.runs)
-    ids = {run_id(cfg) for cfg in runs}
-    for cfg in _history_runs(out_dir):
-        if run_id(cfg) not in ids:
-            ids.add(run_id(cfg))
-            runs.append(cfg)
-    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir()) if out_dir.is_dir() else ():
-        if folder.name in ids or folder.name.startswith(".") or not (folder / DONE_FILE).is_file():
+    return list(folder_run_ids(out_dir, sweep, verified).values())
+
+
+def folder_run_ids(out_dir: Path, sweep: Sweep, verified: dict[str, RunState] | None = None) -> dict[str, RunConfig]:
+    """`folder_runs`, by run id."""
+    runs = {run_id(cfg): cfg for cfg in sweep.runs}
+    for cfg in _history_runs(out_dir, sweep.to_yaml()):
+        runs.setdefault(run_id(cfg), cfg)
+    names = sorted(entry.name for entry in os.scandir(out_dir) if entry.name not in runs) if out_dir.is_dir() else ()
+    for name in names:
+        folder = out_dir / name
+        if name.startswith(".") or not folder.is_dir() or not (folder / DONE_FILE).is_file():
             continue
         state = inspect_run(folder)
         if state.finished:  # config.yaml parsed and checked against the folder's run id
-            runs.append(validate_run(parse_yaml(_read_text(folder / CONFIG_FILE), CONFIG_FILE)))
+            runs[name] = validate_run(parse_yaml(_read_text(folder / CONFIG_FILE), CONFIG_FILE))
             if verified is not None:
-                verified[folder.name] = state
+                verified[name] = state
     return runs
 
 
-def _history_runs(out_dir: Path) -> list[RunConfig]:
+def _history_runs(out_dir: Path, latest: str = "") -> list[RunConfig]:
     """The runs of every invocation history.jsonl records, oldest first (from each one's resolved sweep;
-    one that no longer validates, say a placement of a user's package not installed here, is skipped)."""
+    one that no longer validates, say a placement of a user's package not installed here, is skipped).
+    Each resolved sweep is expanded once, and none whose text is `latest` (the latest sweep's, whose
+    runs the caller has: a resumed sweep records the same one again)."""
     runs = []
-    for record in read_history(out_dir):
-        resolved = record.get("resolved")
-        if not isinstance(resolved, str):
-            continue
+    texts = dict.fromkeys(text for text in (record.get("resolved") for record in read_history(out_dir))
+                          if isinstance(text, str) and text != latest)
+    for resolved in texts:
         try:
             runs += build_sweep(parse_yaml(resolved, HISTORY_FILE), max_runs=sys.maxsize).runs
         except ConfigError:
@@ -629,9 +730,11 @@ def read_history(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_summary(out_dir: Path, runs: Sequence[RunConfig], statuses: dict[str, str] | None = None) -> Path:
-    """Rebuild summary.csv from the run folders (`statuses` names unfinished runs' state)."""
+    """Rebuild summary.csv from the run folders (`statuses` names unfinished runs' state), and record the
+    runs that pass in .verified.json (`verified_states`)."""
     path = out_dir / SUMMARY_FILE
-    atomic_write(path, summary_csv(out_dir, runs, statuses))
+    found = verified_states(out_dir, {run_id(cfg): cfg for cfg in runs}, record=True)
+    atomic_write(path, summary_csv(out_dir, runs, statuses, found))
     return path
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
-from normexp.runfolder import SWEEP_FILE, InTheWay, StoreError, in_the_way, inspect_run, run_id
+from normexp.runfolder import SWEEP_FILE, InTheWay, RunState, StoreError, in_the_way, inspect_run, run_id
 from normexp.stopping import stop_signals_deferred
 from normexp.store import (
     FinishedRun,
@@ -61,6 +61,7 @@ from normexp.store import (
     stamp_run,
     sweep_name,
     sweep_yaml,
+    verified_states,
     write_failed,
     write_run,
     write_summary,
@@ -211,8 +212,10 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
     try:
         with folder_writes(out_dir, shared):
             _write_or_explain(atomic_write, out_dir / SWEEP_FILE, sweep_yaml(sweep))
-        pending = [cfg for cfg in runs
-                   if options.force or not _finished(cfg, out_dir, options, threads, outcome, emit)]
+        ids = {run_id(cfg): cfg for cfg in runs}
+        states = {} if options.force else verified_states(out_dir, ids, record=not shared)  # shards: at the end
+        pending = [cfg for rid, cfg in ids.items()
+                   if options.force or not _finished(cfg, rid, states[rid], out_dir, options, threads, outcome, emit)]
         pending = [cfg for cfg in pending if not _blocked(cfg, out_dir, outcome, emit)]
         with folder_writes(out_dir, shared):
             _write_or_explain(append_history, out_dir, _history_record(sweep, invocation, options, len(pending),
@@ -264,13 +267,12 @@ def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions,
     }
 
 
-def _finished(cfg: RunConfig, out_dir: Path, options: SweepOptions, threads: int, outcome: SweepOutcome,
-              emit: EventCallback) -> bool:
-    """Whether `cfg`'s run folder holds a verified result this sweep can keep (reported as skipped).
-    A corrupt one is reported and left to be redone, an unstamped one (release 0.1) is stamped and
-    kept; one trained with another thread count, or by the fast engine for an exact sweep, is redone."""
-    rid = run_id(cfg)
-    state = inspect_run(out_dir / rid, cfg)
+def _finished(cfg: RunConfig, rid: str, state: RunState, out_dir: Path, options: SweepOptions, threads: int,
+              outcome: SweepOutcome, emit: EventCallback) -> bool:
+    """Whether `cfg`'s run folder (`rid`, found in `state`: `store.verified_states`) holds a verified result
+    this sweep can keep (reported as skipped). A corrupt one is reported and left to be redone, an
+    unstamped one (release 0.1) is stamped and kept; one trained with another thread count, or by the
+    fast engine for an exact sweep, is redone."""
     if state.kind == "corrupt":
         outcome.corrupt.append(rid)
         emit(SweepEvent("corrupt", rid, len(outcome.statuses), outcome.total, "corrupt", error=state.problem))

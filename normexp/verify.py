@@ -62,6 +62,7 @@ from normexp.store import (
     stray_paths,
     summary_csv,
     superseded_folder,
+    verified_states,
     write_summary,
 )
 
@@ -127,9 +128,10 @@ def _check(out_dir: Path, runs: list[RunConfig], fix: bool) -> tuple[list[Findin
     """Every finding, in folder order (fixing each as it goes with `fix`), and the verified runs."""
     findings = _strays(out_dir, fix)
     ids = {run_id(cfg): cfg for cfg in runs}
+    states = verified_states(out_dir, ids, record=fix, trust_stamps=False)  # every byte read; plain: writes nothing
     verified, earlier, engines = 0, set(), {}
     for rid, cfg in ids.items():
-        state = inspect_run(out_dir / rid, cfg, thorough=True)
+        state = states[rid]
         old = superseded_folder(out_dir, cfg) if state.kind == "absent" else None
         if old is not None:
             earlier.add(old.name)
@@ -143,7 +145,7 @@ def _check(out_dir: Path, runs: list[RunConfig], fix: bool) -> tuple[list[Findin
             engines[rid] = str(state.done.get("engine"))
     findings += _mixed_engines(engines)
     findings += _foreign(out_dir, set(ids) | earlier, fix)
-    findings += _summary(out_dir, runs, fix)
+    findings += _summary(out_dir, runs, fix, None if fix else states)  # fixed runs are inspected again
     return findings, verified
 
 
@@ -245,10 +247,11 @@ def _summary_difference(found: str, expected: str) -> str:
     return f"written by an earlier normexp: agrees with the run folders but lacks {', '.join(lacking)}"
 
 
-def _summary(out_dir: Path, runs: list[RunConfig], rebuild: bool) -> list[Finding]:
-    """summary.csv must be the table rebuilt from the verified run folders."""
+def _summary(out_dir: Path, runs: list[RunConfig], rebuild: bool,
+             found: dict[str, RunState] | None = None) -> list[Finding]:
+    """summary.csv must be the table rebuilt from the verified run folders (`found`: those just inspected)."""
     statuses = cached_statuses(out_dir)
-    expected = summary_csv(out_dir, runs, statuses)
+    expected = summary_csv(out_dir, runs, statuses, found)
     try:
         found = (out_dir / SUMMARY_FILE).read_bytes().decode("utf-8")
     except FileNotFoundError:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from rich.console import Console
 
 from normexp import progress
@@ -193,3 +195,92 @@ def test_make_bench_times_auto_on_the_64_run_article_grid_it_names(tmp_path):
                                       "--dry-run", "--out", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert "0 already done, 64 to run" in result.output
+
+
+# ----------------------------------------------------------------------------- reading 10,000 runs: same results
+
+
+def _configs():
+    from normexp.config import RunConfig
+
+    return [RunConfig(), RunConfig.model_validate({"optim": {"betas": [0.8, 0.95], "lr": 0.003}, "seed": 7}),
+            RunConfig.model_validate({"model": {"arch": "transformer"}, "data": {"task": "copy"},
+                                      "norm": {"placement": "mixln", "kind": "rmsnorm"}}),
+            RunConfig.model_validate({"norm": {"placement": "deepnorm"}, "train": {"steps": 60, "threads": 1}})]
+
+
+def test_flatten_and_the_config_hash_by_sections_are_the_whole_configs_own():
+    """flatten and config_hash are written a section at a time from caches (by object, then by value): the
+    same mapping and the same hash as from the whole config, the first time and from the caches."""
+    import hashlib
+    import json
+
+    from normexp.config import flatten
+    from normexp.runfolder import config_hash, hashed_config
+
+    for cfg in _configs() + _configs() + _configs()[:1] * 2:
+        whole = {f"{s}.{k}" if isinstance(v, dict) else s: x for s, v in cfg.model_dump(mode="json").items()
+                 for k, x in (v.items() if isinstance(v, dict) else [(None, v)])}
+        assert flatten(cfg) == whole and list(flatten(cfg)) == list(whole)
+        for revised in (True, False):
+            text = json.dumps(hashed_config(cfg, revised), sort_keys=True, separators=(",", ":"))
+            assert config_hash(cfg, revised) == hashlib.sha256(text.encode()).hexdigest()
+    cfg = _configs()[1]
+    flatten(cfg)["optim.betas"].append(0.5)  # a caller's list is its own, not the cache's
+    assert flatten(cfg)["optim.betas"] == [0.8, 0.95]
+
+
+@given(st.lists(st.one_of(st.text(max_size=6), st.integers(), st.booleans(), st.none(),
+                          st.floats(allow_nan=True, allow_infinity=True), st.lists(st.floats(allow_nan=False))),
+                min_size=3, max_size=3), st.booleans())
+def test_summary_rows_are_written_as_the_csv_module_writes_their_converted_cells(values, drop):
+    """rows_csv leaves the cells the csv module writes alike to it: the text is csv.DictWriter's of the
+    cells converted one by one (floats as repr, nulls empty, lists as JSON), a missing field empty."""
+    import csv
+    import io
+
+    import numpy as np
+
+    from normexp.config import RunConfig, flatten
+    from normexp.store import _cell, format_float, rows_csv
+
+    cfg = RunConfig()
+    row = {"run_id": "r", **flatten(cfg), "final_loss": values[0], "error": values[1], "wall_s": values[2],
+           "min_loss": np.float64(0.1)}
+    if drop:  # a field the row lacks: written empty
+        del row["seed"]
+    columns = next(csv.reader(io.StringIO(rows_csv([], cfg))))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n", restval="")
+    writer.writeheader()
+    writer.writerow({k: format_float(v) if isinstance(v, float) else _cell(v) for k, v in row.items()})
+    assert rows_csv([row], cfg) == buffer.getvalue()
+
+
+def test_the_runs_columns_in_front_of_their_rows_are_typed_as_the_values_themselves():
+    """load_metrics puts each run's config columns in front of its rows once for all rows (`_repeated`): the
+    table pandas builds from the repeated values themselves, dtypes and all, a run without rows left out."""
+    import pandas as pd
+
+    from normexp.results import _repeated
+
+    runs = pd.DataFrame({"run_id": ["a", "b", "c"], "i": [1, 2, 3], "f": [0.5, float("nan"), 2.0],
+                         "b": [True, False, True], "o": [None, "x", None], "m": [1, "two", 3.0]})
+    repeats = [2, 0, 3]
+    naive = pd.DataFrame({c: [v for v, n in zip(runs[c].tolist(), repeats) for _ in range(n)] for c in runs})
+    pd.testing.assert_frame_equal(_repeated(runs, repeats), naive, check_exact=True)
+
+
+@pytest.mark.parametrize("text", ["run_id,a,status\nx,1,pending\ny,2,completed\n\nz,3\nw,4,interrupted,extra\n",
+                                  "run_id,status,status\nx,pending,completed\ny,completed,interrupted\n",
+                                  "a,b\n1,2\n", "", 'run_id,status\n"q\nr",pending\n'])
+def test_the_statuses_only_summary_csv_knows_are_read_as_csv_dictreader_reads_them(tmp_path, text):
+    import csv
+    import io
+
+    from normexp.store import CACHED_STATUSES, cached_statuses
+
+    (tmp_path / "summary.csv").write_text(text)
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert cached_statuses(tmp_path) == {row["run_id"]: row["status"] for row in rows
+                                         if isinstance(row.get("run_id"), str) and row.get("status") in CACHED_STATUSES}

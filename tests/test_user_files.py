@@ -50,8 +50,9 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def hidden(out: Path) -> list[str]:
-    """Entries a writer hides under a temporary name, anywhere in the sweep folder."""
-    return sorted(str(p.relative_to(out)) for p in out.rglob(".*") if p.name != ".lock")
+    """Entries a writer hides under a temporary name, anywhere in the sweep folder (not the lock, nor the
+    record of verified runs: normexp's files under their own names)."""
+    return sorted(str(p.relative_to(out)) for p in out.rglob(".*") if p.name not in (".lock", ".verified.json"))
 
 
 def done_of(run_dir: Path) -> dict:

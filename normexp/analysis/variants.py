@@ -162,6 +162,9 @@ def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all 
             for values, group in frame.groupby(keys, sort=False, dropna=False)]
 
 
+CHOICE_KEYS = ("model.n_classes", "model.arch", "data.vocab")  # the columns `n_choices` reads
+
+
 def n_choices(frame: pd.DataFrame) -> pd.Series:
     """Per row, how many classes the run's loss chooses among: model.n_classes, or for a Transformer
     (`model.arch: transformer`) its vocabulary, data.vocab. A folder from before the Transformer has

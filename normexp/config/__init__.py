@@ -56,6 +56,7 @@ from normexp.config.schema import (
     load_run_config,
     mixln_post_count,
     run_keys,
+    section_cache,
     sequence_shape,
     trained_threshold,
     validate_run,
@@ -71,5 +72,5 @@ __all__ = [
     "RunConfig", "ScheduleConfig", "ScheduleKind", "Sweep", "SweepFile", "TaskName", "TooManyRuns",
     "TrainConfig", "arch_problem", "chance_classes", "build_sweep", "flatten", "inert_keys", "is_symlink_loop",
     "key_label", "load_run_config", "load_sweep", "mixln_post_count", "parse_set", "parse_yaml", "read_mapping",
-    "run_keys", "sequence_shape", "trained_threshold", "validate_run",
+    "run_keys", "section_cache", "sequence_shape", "trained_threshold", "validate_run",
 ]

@@ -8,11 +8,13 @@ which architecture, sequence shapes) are here too; errors are worded by `errors.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -24,7 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, to_jsonable_python
 
 from normexp.config.errors import ConfigError, _brief, _format_errors, _section_fields
 from normexp.config.loader import read_mapping
@@ -544,11 +546,54 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 def flatten(cfg: RunConfig) -> dict[str, Any]:
-    """A run config as one flat mapping of dotted keys (tuples become lists)."""
-    flat = {}
-    for section, values in cfg.model_dump(mode="json").items():
-        if isinstance(values, dict):
-            flat.update({f"{section}.{k}": v for k, v in values.items()})
-        else:
-            flat[section] = values
+    """A run config as one flat mapping of dotted keys (tuples become lists): `cfg.model_dump(mode="json")`
+    with each section's keys under `section.`. Each distinct section is dumped once (`_flat_section`): the
+    runs of a grid share most of theirs."""
+    flat: dict[str, Any] = {}
+    for section in type(cfg).model_fields:
+        value = getattr(cfg, section)
+        if not isinstance(value, BaseModel):
+            flat[section] = to_jsonable_python(value)
+            continue
+        try:
+            items, lists = _flat_section(section, value)
+        except TypeError:  # an unhashable section value: dumped here
+            items, lists = _flat_section.__wrapped__(section, value)
+        flat.update(items)
+        flat.update((key, list(items[key])) for key in lists)  # a list is the caller's own, not the cache's
     return flat
+
+
+T = TypeVar("T")
+
+
+def section_cache(function: Callable[[str, BaseModel], T]) -> Callable[[str, BaseModel], T]:
+    """`function(section, value)` of a config section's frozen `value`, cached: by the object first (a
+    grid's runs share their section objects: 10,000 runs hold a few hundred, and pydantic's hash and ==
+    of a model cost ten times a dict lookup), then by equal value (`functools.lru_cache`). An unhashable
+    value raises TypeError as lru_cache does; `function` itself is the result's `__wrapped__`."""
+    by_value = functools.lru_cache(maxsize=SECTIONS_CACHED)(function)
+    by_object: dict[tuple[str, int], tuple[BaseModel, T]] = {}
+
+    @functools.wraps(function)
+    def cached(section: str, value: BaseModel) -> T:
+        known = by_object.get((section, id(value)))
+        if known is not None and known[0] is value:  # the entry holds its object: its id is not reused meanwhile
+            return known[1]
+        result = by_value(section, value)
+        if len(by_object) >= SECTIONS_CACHED:
+            by_object.clear()
+        by_object[section, id(value)] = (value, result)
+        return result
+
+    return cached
+
+
+SECTIONS_CACHED = 4096
+
+
+@section_cache
+def _flat_section(section: str, value: BaseModel) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The section's keys under `section.` and their values, and which of those are lists."""
+    items = {f"{section}.{key}": v for key, v in value.model_dump(mode="json").items()}
+    return items, tuple(key for key, v in items.items() if isinstance(v, list))
