@@ -67,7 +67,8 @@ def test_a_fresh_cache_measures_on_the_sweeps_runs_keeps_them_and_they_are_the_r
     config = sweep_file(write_yaml, 6)
     output = sweep(config, "--out", tmp_path / "auto")
     lines, paired = output.splitlines(), usable_cores() >= 2  # one core: no pairs
-    assert lines[0] == (f"engine auto: measuring which exact engine is faster here on this sweep's first runs (4 on the "
+    assert lines[0] == (f"engine auto: measuring which exact engine is faster here on this sweep's first runs "
+                        f"(4 on the "
                         f"reference{' in pairs' * paired}, 8 batched, for 2 shapes; each is a result), then the rest "
                         "on the faster")
     assert re.match(r"engine auto: .*per model-step on this sweep's first runs; it needs >= 1\.18x\)$",
@@ -132,7 +133,8 @@ def test_the_plan_measures_each_uncached_shape_once_on_its_first_batch(cache):
     assert [(u.engine, len(u.configs)) for u in plan.probe] == [("reference", 1)] * 2 + [("batched", 14)]
     assert [u.runs[0].seed for u in plan.probe] == [0, 1, 2]  # Post's first batch: the placement shares a shape
     rest, note = plan.rest(timed(plan, reference_s=0.010, batched_s=0.014 * 0.5))  # 0.5 ms vs 5 ms a model-step
-    assert sorted((u.engine, len(u.configs)) for u in rest) == [("batched", 4), ("batched", 20)] + [("reference", 1)] * 3
+    assert (sorted((u.engine, len(u.configs)) for u in rest)
+            == [("batched", 4), ("batched", 20)] + [("reference", 1)] * 3)
     assert note == ("engine auto: 1 shape batched, 1 shape reference (batched measured 10.00-10.00x the reference per "
                     "model-step on this sweep's first runs; it needs >= 1.18x; 1 not measured: its batches hold too "
                     "few runs to measure)")
@@ -155,7 +157,8 @@ def test_batched_is_chosen_exactly_when_it_saves_the_margin_per_model_step(refer
     per_reference, per_batched = reference_s / (2 if paired else 1), batched_s / len(batch.configs)
     assert len(batch.configs) == min(seeds - 2, auto.BATCHED_RUNS) and choice.runs == len(batch.configs)
     assert choice.engine == ("batched" if per_batched <= auto.MARGIN * per_reference else "reference")
-    assert choice.reference_ms == pytest.approx(per_reference * 1e3) and choice.batched_ms == pytest.approx(per_batched * 1e3)
+    assert choice.reference_ms == pytest.approx(per_reference * 1e3)
+    assert choice.batched_ms == pytest.approx(per_batched * 1e3)
 
 
 def test_a_measurement_without_timings_takes_the_reference_and_is_not_cached(cache):

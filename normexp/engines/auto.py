@@ -138,7 +138,8 @@ def _valid(entry: object) -> Choice | None:
     numbers = (choice.reference_ms, choice.batched_ms)
     if (choice.engine not in ("batched", "reference") or not isinstance(choice.runs, int)
             or not isinstance(choice.paired, bool)
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in numbers)):
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                       for x in numbers)):
         return None
     expected = "batched" if choice.batched_ms <= MARGIN * choice.reference_ms else "reference"
     return choice if choice.engine == expected else None
