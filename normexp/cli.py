@@ -96,7 +96,9 @@ def sweep(
         show_default=False)] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed run.")] = False,
-    workers: Annotated[int, typer.Option(help="Local worker processes (1: in this process).", min=1)] = 1,
+    workers: Annotated[int | None, typer.Option(
+        help="Local worker processes (1: in this process). Default: in this process, or one single-threaded "
+             "worker per core for a compiled fast sweep.", min=1)] = None,
     cluster: Annotated[str | None, typer.Option(help="Dask: local[:N] or tcp://HOST:PORT of a scheduler.")] = None,
     max_runs: Annotated[int, typer.Option(help="Refuse grids of more distinct runs.", min=1)] = DEFAULT_MAX_RUNS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,

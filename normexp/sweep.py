@@ -178,7 +178,7 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
 
 def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
     """Worker processes for a compiled fast sweep on the CPU (0: none). Where no executor is asked for
-    (no --workers above 1, no --cluster), no run sets `train.threads`, and the sweep compiles (--compile,
+    (no --workers at all, no --cluster), no run sets `train.threads`, and the sweep compiles (--compile,
     or by default where the planned model-steps pay for it), the batches train in one single-threaded
     worker process per core instead of one process with a thread per core: the step's many small
     kernels then never wait for each other's threads (measured on 2 cores: docs/performance.md). A
@@ -187,7 +187,7 @@ def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
     from normexp.executors import usable_cores
 
     cores = usable_cores()
-    if (options.engine != "fast" or options.device != "cpu" or options.cluster or (options.workers or 1) > 1
+    if (options.engine != "fast" or options.device != "cpu" or options.cluster or options.workers is not None
             or options.compile is False or cores < 2 or any(cfg.train.threads is not None for cfg in sweep.runs)):
         return 0
     if options.compile:

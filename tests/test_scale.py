@@ -102,7 +102,8 @@ def test_a_compiled_fast_sweep_on_several_cores_trains_in_one_single_threaded_wo
     assert fast_pool(big, fast) == 2 and fast_pool(small, SweepOptions(engine="fast", compile=True)) == 2
     assert fast_pool(small, fast) == 0  # too small to compile by default: one process, as before
     for options in (SweepOptions(engine="auto"), SweepOptions(engine="fast", compile=False),
-                    SweepOptions(engine="fast", workers=3), SweepOptions(engine="fast", cluster="local"),
+                    SweepOptions(engine="fast", workers=3), SweepOptions(engine="fast", workers=1),
+                    SweepOptions(engine="fast", cluster="local"),
                     SweepOptions(engine="fast", device="cuda")):
         assert fast_pool(big, options) == 0, options
     assert fast_pool(own, fast) == 0  # the config chose its threads
