@@ -21,7 +21,8 @@ from types import ModuleType
 from normexp import __version__
 
 # Environment variables that change torch's threads or the devices it sees.
-RELEVANT_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "MKL_DYNAMIC", "CUDA_VISIBLE_DEVICES")
+RELEVANT_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "MKL_DYNAMIC",
+                      "CUDA_VISIBLE_DEVICES")
 
 
 @dataclass(frozen=True)

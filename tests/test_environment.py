@@ -93,6 +93,19 @@ def test_importing_normexp_first_sets_the_threading_defaults_unless_the_environm
     assert facts[variable] == (given or default)
 
 
+@pytest.mark.parametrize(("policy", "spin", "expected"), [
+    (None, None, "2000"), (None, "", "2000"), (None, "50", "50"), ("ACTIVE", None, None), ("PASSIVE", None, None)])
+def test_idle_openmp_threads_spin_briefly_unless_the_user_chose_how_they_wait(policy, spin, expected):
+    """GOMP_SPINCOUNT=2000 (a short spin, then sleep) only where neither it nor OMP_WAIT_POLICY is set: on
+    a VM, sleeping at once made a 2-thread run 4x slower; a policy or spin count the user set stays theirs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update({name: value for name, value in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spin))
+                if value is not None})
+    code = "import os, normexp, torch; print(os.environ.get('GOMP_SPINCOUNT', '-'), os.environ['OMP_WAIT_POLICY'])"
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert ran.stdout.split() == [expected or "-", policy or "PASSIVE"]
+
+
 XEON = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Processor

@@ -50,7 +50,7 @@ from normexp.config import RunConfig
 from normexp.engines.common import user_cache_dir
 from normexp.environment import cpu_info
 
-CACHE_VERSION = 2  # 2: measured on a sweep's own runs (1: a throw-away probe of 4 runs, 3 steps)
+CACHE_VERSION = 3  # 3: keyed by the OpenMP wait policy too (2: measured on a sweep's own runs; 1: a probe)
 MARGIN = 0.85  # batched must save at least 15% per model-step: a tie (within noise) goes to the reference
 REFERENCE_RUNS = 2  # a shape's first runs, on the reference: a pair where the sweep pairs reference runs
 BATCHED_RUNS = 14  # at most this many of the next runs, batched: the article's 16-run batch whole, and a
@@ -86,10 +86,12 @@ def choice_cache_file() -> Path:
 
 
 def machine_key() -> str:
-    """What makes a measurement this machine's: CPU, its kernel-changing features, torch, threads."""
+    """What makes a measurement this machine's: CPU, its kernel-changing features, torch, threads, and how
+    idle OpenMP threads wait (asleep at once, batched steps paid a wake-up per kernel: normexp/__init__.py)."""
     cpu = cpu_info()
+    waiting = [os.environ.get(name, "") for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")]
     text = "|".join([cpu.model, cpu.features_text(), platform.machine(), torch.__version__,
-                     str(torch.get_num_threads())])
+                     str(torch.get_num_threads()), *waiting])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
