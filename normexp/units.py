@@ -226,13 +226,16 @@ def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compi
     model_steps: dict[tuple, int] = {}
     for cfg in planned:
         model_steps[fast_key(cfg)] = model_steps.get(fast_key(cfg), 0) + cfg.train.steps + 1
+
+    def compiled(cfg: RunConfig) -> bool:
+        return should_compile(cfg, model_steps[fast_key(cfg)]) if compile is None else compile
+
     units = []
-    for batch in plan_fast(planned):
+    for batch in plan_fast(planned, compiled):
         record = tuple(run_id(cfg) in wanted for cfg in batch)
         if any(record):
             units.append(WorkUnit(tuple(c.model_dump(mode="json") for c in batch), "fast", device, threads,
-                                  compile=should_compile(batch[0], model_steps[fast_key(batch[0])])
-                                  if compile is None else compile, record=() if all(record) else record))
+                                  compile=compiled(batch[0]), record=() if all(record) else record))
     return units + exact
 
 

@@ -169,31 +169,83 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_p
         warnings.simplefilter("always")
         results = train_fast(configs, compile=True)
     assert [str(w.message) for w in caught] == [
-        "compiling the step failed (RuntimeError: no C++ compiler found); training these runs uncompiled"]
+        "compiling the step failed (RuntimeError: no C++ compiler found); training this structure's runs uncompiled"]
     assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the structure's next batch: uncompiled at once, no second compile or warning
+        again = train_fast(configs, compile=True)
+    assert [repr(r.metrics) for r in again] == [repr(r.metrics) for r in results]
 
 
 def flipped(step):
-    """A compiled step that returns the eager metrics but every gradient negated (the same norms)."""
+    """A compiled step that returns the eager metrics but every gradient negated (the same norms), or, for
+    a step that updates its inputs in place (Adam's), every update reversed."""
     def call(*args):
+        before = [a.clone() for a in args]
         *grads, metrics = step(*args)
+        for now, then in zip(args, before):
+            if not torch.equal(now, then):
+                now.copy_(2 * then - now)
         return (*(-g for g in grads), metrics)
     return call
 
 
-def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch):
-    """The check against the eager step compares the gradients too: a graph that returns the eager loss,
-    accuracy and gradient norm but a flipped gradient (same norm) would train every run of the structure
-    the wrong way (it passed the check when only the metrics were compared)."""
+@pytest.mark.parametrize(("optim", "what"), [("adam", "its first moments"), ("adamw", "its first moments"),
+                                            ("sgd", "its gradients")])
+def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch, optim, what):
+    """The check against the eager step compares the gradients (with Adam, the update made from them and the
+    moments) too: a graph that returns the eager loss, accuracy and gradient norm but a flipped gradient
+    (same norm) would train every run of the structure the wrong way (it passed the check when only the
+    metrics were compared)."""
     monkeypatch.setattr(aot, "load_or_compile", lambda key, trace, inputs, fresh=False: (flipped(trace()), True))
     monkeypatch.setattr(fast, "_COMPILED", {})
-    configs = runs(n=2, steps=4)
+    configs = runs(optim=optim, n=2, steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = train_fast(configs, compile=True)
     assert [str(w.message).split(";")[0] for w in caught] == [
-        "compiling the step failed (ValueError: the traced step does not reproduce the eager one (its gradients))"]
+        f"compiling the step failed (ValueError: the traced step does not reproduce the eager one ({what}))"]
     assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(configs, compile=False)]
+
+
+def doubled_update(step):
+    """A compiled Adam step (params, exp_avg, exp_avg_sq, x, y, hyper -> metrics, in place) whose moments are
+    right but whose parameters move twice as far."""
+    def call(*args):
+        n = (len(args) - 3) // 3
+        before = [a.clone() for a in args[:n]]
+        out = step(*args)
+        for now, then in zip(args[:n], before):
+            now.copy_(then + 2 * (now - then))
+        return out
+    return call
+
+
+def test_a_compiled_adam_step_with_the_right_moments_but_a_wrong_update_is_refused(monkeypatch):
+    monkeypatch.setattr(aot, "load_or_compile", lambda key, trace, inputs, fresh=False: (doubled_update(trace()), True))
+    monkeypatch.setattr(fast, "_COMPILED", {})
+    configs = runs(n=2, steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_fast(configs, compile=True)
+    assert [str(w.message).split(";")[0] for w in caught] == [
+        "compiling the step failed (ValueError: the traced step does not reproduce the eager one (its update))"]
+
+
+def test_why_the_update_is_checked_from_the_compiled_moments_not_against_the_eager_update():
+    """Adam scales a gradient that is zero in exact arithmetic (rounding noise) to a full step of either sign:
+    two orders of summation give moments that agree and updates that do not. A phase-grid batch was refused
+    for it (and every later batch compiled again); the check now compares the moments with the eager ones
+    and the update with the one `adam_move` makes from the compiled moments."""
+    start = [torch.tensor([[1.0, 2.0, 3.0]])]
+    hyper = fast.adam_hypers([OptimConfig(lr=0.1)], "adam", 1, [0.1], [True])
+    m = [torch.tensor([[0.1, -0.2, 1e-10]])]
+    v = [torch.tensor([[1e-3, 4e-3, 1e-20]])]
+    m_other = [torch.tensor([[0.1, -0.2, -1e-10]])]  # the noise entry's sign flipped
+    moved = [fast.adam_move(p, a, b, hyper) - p for p, a, b in zip(start, m, v)]
+    moved_other = [fast.adam_move(p, a, b, hyper) - p for p, a, b in zip(start, m_other, v)]
+    assert fast._gradients_close(m, m_other)  # the moments agree: the noise is 1e-9 of the tensor
+    assert not fast._gradients_close(moved, moved_other)  # the updates do not: a full step of the other sign
 
 
 def test_a_package_on_disk_is_loaded_by_later_processes_and_compiled_again_when_it_disagrees(monkeypatch, tmp_path):

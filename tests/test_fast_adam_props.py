@@ -115,3 +115,35 @@ def test_frozen_runs_keep_their_parameters_bit_for_bit_and_the_rest_is_determini
             for a, b in zip(got, before):
                 assert torch.equal(a[r], b[r]), (r, s)
                 assert torch.isfinite(a[r]).all()
+
+
+def functional_steps(name: str, settings_: list[dict], params: list[torch.Tensor],
+                     grads: list[list[torch.Tensor]], nan_when_frozen: bool = False) -> list[torch.Tensor]:
+    """The compiled step's update (`adam_update` at `adam_hypers`), run eagerly, STEPS times."""
+    params = [p.clone() for p in params]
+    moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    optims = [OptimConfig(name=name, lr=max(s["lr"], 1e-9), betas=s["betas"], eps=s["eps"],
+                          weight_decay=s["weight_decay"]) for s in settings_]
+    for t in range(STEPS):
+        lrs, live = zip(*(schedule(s, t) for s in settings_))
+        hyper = fast.adam_hypers(optims, name, t + 1, lrs, live)
+        for i, p in enumerate(params):
+            g = grads[t][i].clone()
+            if nan_when_frozen:
+                g[[not a for a in live]] = float("nan")
+            params[i], moments[0][i], moments[1][i] = fast.adam_update(p, g, moments[0][i], moments[1][i], hyper)
+    return params
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+@settings(max_examples=40, deadline=None)
+@given(settings_=st.lists(run_settings, min_size=1, max_size=9), seed=st.integers(0, 2**16))
+def test_the_compiled_steps_update_is_torchs_adam_per_run_and_keeps_frozen_runs(name, settings_, seed):
+    """`adam_update`, the update compiled into the fast step with Adam and AdamW, is torch.optim's update
+    of each run alone for any per-run learning rates (schedules, zero), betas, eps and weight decay; a run
+    frozen from update f keeps its parameters after update f - 1 bit for bit, even with a nan gradient."""
+    params, grads = problem(settings_, seed)
+    got = functional_steps(name, settings_, params, grads, nan_when_frozen=True)
+    for a, want in zip(got, torch_steps(name, settings_, params, grads)):
+        torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
+    assert all(torch.isfinite(a).all() for a in got)

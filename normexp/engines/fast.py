@@ -20,14 +20,18 @@
   masked out and its parameters no longer change (a `live` mask, so batch shapes stay fixed); its
   batch-mates go on. With `train.stop_on_nonfinite: false` it keeps training, as in the reference.
   A run that `train.stop_when` stops (`common.EarlyStop`, on its own recorded losses) is frozen alike.
-- Compiling the gradient step (forward, backward, grad norms) is optional. `compile=None` decides
+- Compiling the step (forward, backward, grad norms, the update) is optional. `compile=None` decides
   from the planned model-steps (a pure function of the sweep, so the same sweep makes the same
   choice). The step is traced into one flat graph of aten operations (make_fx: vmap and grad
-  applied, forward and backward in it), and that graph is compiled ahead of time by AOTInductor into
-  a package on disk (`engines.aot`: once per machine, shape and code; later batches, workers and
+  applied, forward and backward in it; with Adam and AdamW the update too, made in place, so the
+  gradients never leave the compiled code), and that graph is compiled ahead of time by AOTInductor
+  into a package on disk (`engines.aot`: once per machine, shape and code; later batches, workers and
   sweeps load it in a fraction of a second). vmap specialises the run axis, so compiled batches are
-  padded to MAX_CHUNK runs: one compiled step per structure serves every batch. A compile that fails
-  falls back to the eager step (the batch restarts from its initial state) with one warning.
+  COMPILED_CHUNK runs, the last one padded: one compiled step per structure serves every batch. A
+  run that stops (diverged, train.stop_when) gets the update of the step it stopped at, as every run
+  gets one after the last step: nothing records it. A compile that fails
+  falls back to the eager step (the batch restarts from its initial state) with one warning, and
+  the structure's later batches in the process train uncompiled (a compile costs minutes).
 
 What can change a run's bits: the runs it is batched with (kernels may block differently for other
 batch sizes), compiling or not, the thread count, the device and torch build. What cannot: the sweep
@@ -68,9 +72,11 @@ from normexp.engines.common import (
 from normexp.engines.cost import model_step_flops
 from normexp.optim import step_lr
 
-MAX_CHUNK = 64  # runs per batch; larger batches gain little on a CPU and hold more activations
-COMPILE_ESTIMATE_S = 60.0  # a cold compile of the article's step on 2 CPU cores
-COMPILE_SPEEDUP = 2.4  # compiled vs eager step, measured on the article's model (CPU)
+MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
+COMPILED_CHUNK = 16  # runs per compiled batch: its per-kernel overhead is small, and 16 runs' parameters, moments
+# and activations stay nearer the cache than 64's (1.41 vs 1.58 ms per model-step, 8 runs 1.45: docs/performance.md)
+COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam step (Intel Xeon, 2 cores: 104 s)
+COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
 MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, and a scratch pass is cheaper
 EAGER_FLOP_RATE = 40e9  # FLOP/s the eager step reaches on the article's model (CPU), for the estimate
 
@@ -83,12 +89,15 @@ def fast_key(cfg: RunConfig) -> tuple:
     return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
 
 
-def plan_fast(runs: Sequence[RunConfig]) -> list[list[RunConfig]]:
-    """Group runs by `fast_key`, in chunks of at most MAX_CHUNK runs (a group of one is a batch too)."""
+def plan_fast(runs: Sequence[RunConfig], compiled: Callable[[RunConfig], bool] = lambda cfg: False
+              ) -> list[list[RunConfig]]:
+    """Group runs by `fast_key`, in chunks of at most MAX_CHUNK runs, or COMPILED_CHUNK for a structure
+    that `compiled` says compiles (a group of one is a batch too)."""
     groups: dict[tuple, list[RunConfig]] = {}
     for cfg in runs:
         groups.setdefault(fast_key(cfg), []).append(cfg)
-    return [group[i:i + MAX_CHUNK] for group in groups.values() for i in range(0, len(group), MAX_CHUNK)]
+    return [group[i:i + size] for group in groups.values()
+            for size in [COMPILED_CHUNK if compiled(group[0]) else MAX_CHUNK] for i in range(0, len(group), size)]
 
 
 def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,
@@ -238,6 +247,51 @@ def radam_rectification(beta2: float, t: int) -> tuple[float, float]:
     return 0.0, 1.0
 
 
+FUSED_OPTIMIZERS = ("adam", "adamw")  # compiled steps carry their update: `adam_update`, one pass over the state
+HYPERS = ("step_size", "decay", "l2", "1-beta1", "beta2", "1-beta2", "eps", "bias_correction2_sqrt", "live")  # its rows
+
+
+def adam_hypers(optims: Sequence[OptimConfig], name: str, t: int, lrs: Sequence[float],
+                live: Sequence[bool]) -> torch.Tensor:
+    """`adam_update`'s per-run numbers for update `t` (1, 2, ...) at learning rates `lrs`: a (len(HYPERS), R)
+    tensor. Bias corrections, step sizes and 1 - beta are computed in double, as torch computes them (1 - beta2
+    in float32 is 1e-5 off at beta2 = 0.999);
+    AdamW's decay is decoupled (param * (1 - lr * weight_decay)), Adam's is L2 (grad + weight_decay * param)."""
+    rows = []
+    for o, lr, alive in zip(optims, lrs, live):
+        beta1, beta2 = o.betas
+        decoupled = name == "adamw"
+        rows.append((lr / (1 - beta1**t), 1 - lr * o.weight_decay if decoupled else 1.0,
+                     0.0 if decoupled else o.weight_decay, 1 - beta1, beta2, 1 - beta2, o.eps, math.sqrt(1 - beta2**t),
+                     float(alive)))
+    return torch.tensor(rows, dtype=torch.float32).t().contiguous()
+
+
+def _per_run(hyper: torch.Tensor, p: torch.Tensor) -> list[torch.Tensor]:
+    """`hyper`'s rows (HYPERS), each viewed (R, 1, ...) to broadcast against p (R, ...)."""
+    return [row.view(-1, *([1] * (p.dim() - 1))) for row in hyper]
+
+
+def adam_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                hyper: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Adam or AdamW update of R runs' stacked tensor p (R, ...) with gradient g and moments m, v, each
+    run with its own numbers (`hyper`, rows `HYPERS`): torch's update (torch.optim.Adam, single tensor),
+    written as a pure function so that the compiled step computes it in one pass over the state. A run
+    that is not live keeps its tensor and moments. Returns (p, m, v) after the update."""
+    _, _, l2, weight1, beta2, weight2, _, _, live = _per_run(hyper, p)
+    g = g + l2 * p
+    m_new = torch.lerp(m, g, weight1)  # torch's exp_avg.lerp_(grad, 1 - beta1): exact at beta1 = 0
+    v_new = v * beta2 + weight2 * g * g
+    keep = live > 0
+    return adam_move(p, m_new, v_new, hyper), torch.where(keep, m_new, m), torch.where(keep, v_new, v)
+
+
+def adam_move(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
+    """p after the step that the updated moments m, v make (AdamW's decay first); a run not live keeps p."""
+    step_size, decay, _, _, _, _, eps, bc2_sqrt, live = _per_run(hyper, p)
+    return torch.where(live > 0, p * decay - step_size * m / (v.sqrt() / bc2_sqrt + eps), p)
+
+
 # ----------------------------------------------------------------------------- the stacked step
 
 
@@ -351,22 +405,28 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
     `compile`: compile the gradient step, or None to decide from this batch's model-steps. `on_step` is
     called after each recorded step (what it raises ends the batch)."""
     use_compile = should_compile(runs[0], len(runs) * (runs[0].train.steps + 1)) if compile is None else compile
-    if use_compile:
+    refused = ("refused", runs[0].model, runs[0].norm, runs[0].data, device)
+    if use_compile and refused not in _COMPILED:
         try:
             return _train_padded(runs, device, on_step)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
-            for key in [k for k in _COMPILED if k[:3] == (runs[0].model, runs[0].norm, runs[0].data)]:
-                del _COMPILED[key]  # the next batch tries again
+            for key in [k for k in _COMPILED if k[:3] == refused[1:4]]:
+                del _COMPILED[key]
+            _COMPILED[refused] = None  # later batches of the structure in this process: uncompiled, not compiled again
             first_line = (str(exc).strip().splitlines() or [""])[0][:200]
-            warnings.warn(f"compiling the step failed ({type(exc).__name__}: {first_line}); training these runs "
-                          "uncompiled", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"compiling the step failed ({type(exc).__name__}: {first_line}); training this "
+                          "structure's runs uncompiled", RuntimeWarning, stacklevel=2)
     return _train(runs, device, False, on_step)
 
 
 def _train_padded(runs: Sequence[RunConfig], device: str, on_step: Callable[[int], None] | None) -> list[RunResult]:
-    """The compiled loop on a batch padded to MAX_CHUNK runs with copies of its first run (one compiled
-    shape for every batch); the copies' results are dropped."""
-    padded = list(runs) + [runs[0]] * (MAX_CHUNK - len(runs))
+    """The compiled loop on batches of COMPILED_CHUNK runs (one compiled shape for every batch): a larger
+    batch in chunks, one after another, and the last padded with copies of its first run, whose results
+    are dropped."""
+    if len(runs) > COMPILED_CHUNK:
+        return [result for i in range(0, len(runs), COMPILED_CHUNK)
+                for result in _train_padded(runs[i:i + COMPILED_CHUNK], device, on_step)]
+    padded = list(runs) + [runs[0]] * (COMPILED_CHUNK - len(runs))
     results = _train(padded, device, True, on_step)[:len(runs)]
     for result in results:
         result.wall_s *= len(padded) / len(runs)
@@ -381,21 +441,24 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
     stop_on_nonfinite = first.train.stop_on_nonfinite
     with torch_threads(first.train.threads) as threads:
         base, batch = stack_runs(runs, device)
-        grad_step = (_compiled(first, base, batch) if compiled
-                     else make_grad_step(base, batch.positions, first.train.z_loss))
-        val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
+        step_fn = _compiled(first, base, batch, optimizer) if compiled else None
+        grad_step = make_grad_step(base, batch.positions, first.train.z_loss) if step_fn is None else None
+        val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
         steps = first.train.steps
         for step in range(steps + 1):
-            grads, metrics = grad_step(batch.params, *batch.step_data(step))
             lrs = [step_lr(cfg, step) for cfg in runs]
             vals = [None] * len(runs)
-            if val_step is not None:
+            if val_step is not None:  # before the step: a compiled Adam step updates the parameters in place
                 with torch.no_grad():
                     held_out = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
                 vals = [tuple(v) for v in held_out.t().tolist()]
+            if step_fn is not None:
+                metrics = step_fn.step(batch.params, *batch.step_data(step), lrs, live)
+            else:
+                grads, metrics = grad_step(batch.params, *batch.step_data(step))
             losses, accs, norms, *zs = metrics.tolist()  # zs: [the z-loss terms] with train.z_loss
             record_live(results, live, step, losses, accs, lrs, norms, stop_on_nonfinite, vals, *zs)
             if not any(live):
@@ -403,62 +466,82 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
             if on_step is not None:
                 on_step(step)
             if step < steps:
-                optimizer.step(list(grads.values()), lrs, live)
+                if step_fn is not None:
+                    step_fn.update(lrs, live)
+                else:
+                    optimizer.step(list(grads.values()), lrs, live)
     return share_wall_time(results, start)
 
 
-# One compiled step per structure and device, kept for the process's life: later batches (other seeds
-# or hyper-parameters) reuse it instead of compiling again.
-_COMPILED: dict[tuple, GradStep] = {}
+class CompiledStep:
+    """A compiled step bound to one batch. Without the optimizer inside (`grad`: params, x, y -> grads,
+    metrics) it hands the gradients to the batch's `FastOptimizer` at `update`; with it (Adam and AdamW:
+    `compile_train_step`) one call computes this step's metrics and makes the update (`adam_update`) in
+    place, so the parameters have moved on when it returns, and `update` has nothing left to do. A run
+    that stops at this step (diverged, or train.stop_when), and every run at the last step, has that
+    update made too; none of them is recorded again, so it changes nothing a run reports."""
+
+    def __init__(self, compiled: Callable, optimizer: FastOptimizer, fused: bool) -> None:
+        self.compiled, self.optimizer, self.fused = compiled, optimizer, fused
+        self.grads: Tensors = {}
+
+    def step(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, lrs: Sequence[float],
+             live: Sequence[bool]) -> torch.Tensor:
+        if not self.fused:
+            self.grads, metrics = self.compiled(params, x, y)
+            return metrics
+        opt = self.optimizer
+        opt.t += 1
+        hyper = adam_hypers(opt.optims, opt.name, opt.t, lrs, live).to(x.device)
+        (metrics,) = self.compiled(*opt.params, *opt.state["exp_avg"], *opt.state["exp_avg_sq"], x, y, hyper)
+        return metrics
+
+    def update(self, lrs: Sequence[float], live: Sequence[bool]) -> None:
+        """This step's update, for the runs `live` after it was recorded (made already with Adam)."""
+        if not self.fused:
+            self.optimizer.step(list(self.grads.values()), lrs, live)
 
 
-def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch) -> GradStep:
-    """The compiled gradient step of runs shaped like `cfg` on the batch's device, for batches of
-    MAX_CHUNK runs (vmap specialises the run axis, so `train_fast` pads smaller batches). Compile
-    errors, and a compiled step that does not reproduce the eager one, surface at the first call."""
-    key = (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, str(batch.x.device))
+# One compiled step per structure, optimizer family and device, kept for the process's life: later
+# batches (other seeds or hyper-parameters) reuse it instead of compiling again.
+_COMPILED: dict[tuple, Callable | None] = {}  # None: refused (see train_fast)
+
+
+def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch, optimizer: FastOptimizer) -> CompiledStep:
+    """The compiled step of runs shaped like `cfg` on the batch's device, for batches of COMPILED_CHUNK runs
+    (vmap specialises the run axis, so `train_fast` pads smaller batches); with Adam or AdamW the update
+    is part of it. Compile errors, and a compiled step that does not reproduce the eager one, surface
+    at the first call."""
+    fused = cfg.optim.name in FUSED_OPTIMIZERS
+    key = (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, fused, str(batch.x.device))
     if key not in _COMPILED:
         compile_cache_dir()
-        what = {"step": "grad", "model": cfg.model.model_dump(mode="json"), "norm": cfg.norm.model_dump(mode="json"),
-                "data": cfg.data.model_dump(mode="json"), "z_loss": cfg.train.z_loss, "runs": len(batch.x)}
-        _COMPILED[key] = compile_grad_step(make_grad_step(base, batch.positions, cfg.train.z_loss), batch.params,
-                                           *batch.step_data(0), key=aot.step_key(what, str(batch.x.device)))
-    return _COMPILED[key]
+        what = {"step": "train-adam" if fused else "grad", "model": cfg.model.model_dump(mode="json"),
+                "norm": cfg.norm.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
+                "z_loss": cfg.train.z_loss, "runs": len(batch.x)}
+        step = make_grad_step(base, batch.positions, cfg.train.z_loss)
+        name = aot.step_key(what, str(batch.x.device))
+        x, y = batch.step_data(0)
+        if fused:  # the check's update: each run's base learning rate (a warmup may start at 0), live
+            hyper = adam_hypers(optimizer.optims, optimizer.name, 1, [o.lr for o in optimizer.optims],
+                                [True] * len(batch.x)).to(batch.x.device)
+            _COMPILED[key] = compile_train_step(step, batch.params, x, y, hyper, name)
+        else:
+            _COMPILED[key] = compile_grad_step(step, batch.params, x, y, key=name)
+    return CompiledStep(_COMPILED[key], optimizer, fused)
 
 
 def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, key: str) -> GradStep:
     """`step` traced once into one flat graph of aten operations (make_fx: forward, backward and the
     norms, vmap and grad already applied), compiled ahead of time (AOTInductor) and kept on disk under
-    `key` (`aot.load_or_compile`): later batches, worker processes and sweeps load it instead of
-    compiling. The step is checked against the eager step on (params, x, y) before it is used, its
-    metrics and each run's gradients: a loaded package that fails it, or raises when called (another
-    structure's inputs), is compiled again, and a step that the compiler got wrong is refused
-    (ValueError), as any compile failure is. (The check runs on the
-    values the graph was traced on, so it cannot see a forward that branches on its values in Python;
-    vmap refuses such a forward in the eager step already.)"""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
+    `key` (`_compile_checked`). Returns a step that takes and returns tensors by name."""
     names = list(params)
 
     def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         grads, metrics = step(dict(zip(names, tensors[:-2])), tensors[-2], tensors[-1])
         return (*(grads[name] for name in names), metrics)
 
-    inputs = (*params.values(), x, y)
-    with torch.no_grad():
-        eager = flat(*inputs)
-        for fresh in (False, True):
-            compiled, now = aot.load_or_compile(key, lambda: make_fx(flat)(*inputs), inputs, fresh=fresh)
-            try:
-                problem = _disagreement(eager, tuple(compiled(*inputs)))
-            except Exception:  # noqa: BLE001 - a loaded package that cannot run here is stale: compiled again
-                if now:
-                    raise
-                problem = "it failed when called"
-            if problem is None:
-                break
-            if now:  # compiled just now and still wrong: refused
-                raise ValueError(f"the traced step does not reproduce the eager one ({problem})")
+    compiled = _compile_checked(flat, (*params.values(), x, y), key, lambda eager, got: _disagreement(eager, got))
 
     def compiled_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
         *grads, metrics = compiled(*(params[name] for name in names), x, y)
@@ -467,12 +550,96 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
     return compiled_step
 
 
-def _disagreement(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> str | None:
-    """What of the compiled step's outputs differs from the eager step's (None: nothing)."""
+def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, hyper: torch.Tensor,
+                       key: str) -> Callable:
+    """`step` and the Adam update (`adam_update`) of every parameter traced into one graph and compiled
+    as `compile_grad_step`'s: (params, exp_avg, exp_avg_sq, x, y, hyper) -> (metrics,), positional, the
+    parameters and moments updated in place. The gradients never leave the compiled code, and each
+    tensor's update is one pass over its parameters, gradient and moments, written where they are.
+    Checked against the same function run eagerly, from zero moments at `hyper`: the metrics, each
+    run's update of its parameters, and the new moments."""
+    names, n = list(params), len(params)
+
+    def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ps, ms, vs, (x, y, hyper) = tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], tensors[3 * n:]
+        grads, metrics = step(dict(zip(names, ps)), x, y)
+        for name, p, m, v in zip(names, ps, ms, vs):  # after every gradient is taken: the weights are read there
+            for tensor, new in zip((p, m, v), adam_update(p, grads[name], m, v, hyper)):
+                tensor.copy_(new)
+        return (metrics,)
+
+    start = list(params.values())
+    inputs = (*start, *(torch.zeros_like(p) for p in start * 2), x, y, hyper)
+
+    def disagreement(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> str | None:
+        """The moments against the eager ones (each proportional to the gradient or its square); the update
+        against the one `adam_update` makes from the compiled moments. Adam scales a gradient that is zero
+        in exact arithmetic (rounding noise, as attention's key bias has) to a full step, so its update
+        differs between any two orders of summation by the learning rate; its moments do not."""
+        if len(got) != len(eager):
+            return "its outputs"
+        if not torch.allclose(eager[-1], got[-1], rtol=1e-3, atol=1e-5, equal_nan=True):
+            return "its metrics"
+        for i, what in ((1, "its first moments"), (2, "its second moments")):
+            if not _gradients_close(eager[i * n:(i + 1) * n], got[i * n:(i + 1) * n]):
+                return what
+        expected = [adam_move(p, m, v, hyper) for p, m, v in zip(start, got[n:2 * n], got[2 * n:3 * n])]
+        if not _gradients_close([e - p for e, p in zip(expected, start)], [g - p for g, p in zip(got[:n], start)]):
+            return "its update"
+        return None
+
+    return _compile_checked(flat, inputs, key, disagreement, mutated=3 * n)
+
+
+def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor], key: str,
+                     disagreement: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], str | None],
+                     mutated: int = 0) -> Callable:
+    """`flat` traced by make_fx into one graph of aten operations (vmap and grad applied), compiled ahead
+    of time (AOTInductor) and kept on disk under `key` (`aot.load_or_compile`): later batches, worker
+    processes and sweeps load it instead of compiling. `flat` may update its first `mutated` inputs in
+    place. The compiled function is checked against `flat` run eagerly on copies of `inputs` before it
+    is used (`disagreement` of the updated inputs, then the outputs): a loaded package that fails the
+    check, or raises when called (another structure's inputs), is compiled again, and a step that the
+    compiler got wrong is refused (ValueError), as any compile failure is. (The check runs on the values
+    the graph was traced on, so it cannot see a forward that branches on its values in Python; vmap
+    refuses such a forward in the eager step already.)"""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def copies() -> list[torch.Tensor]:
+        return [t.clone() if i < mutated else t for i, t in enumerate(inputs)]
+
+    def results(fn: Callable) -> tuple[torch.Tensor, ...]:
+        args = copies()
+        outputs = tuple(fn(*args))
+        return (*args[:mutated], *outputs)
+
+    with torch.no_grad():
+        eager = results(flat)
+        for fresh in (False, True):
+            compiled, now = aot.load_or_compile(key, lambda: make_fx(flat)(*copies()), copies(), fresh=fresh)
+            try:
+                problem = disagreement(eager, results(compiled))
+            except Exception:  # noqa: BLE001 - a loaded package that cannot run here is stale: compiled again
+                if now:
+                    raise
+                problem = "it failed when called"
+            if problem is None:
+                break
+            if now:  # compiled just now and still wrong: refused
+                raise ValueError(f"the traced step does not reproduce the eager one ({problem})")
+    return compiled
+
+
+def _disagreement(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor], groups: int = 1) -> str | None:
+    """What of the compiled step's outputs (tensors per parameter, in `groups` equal groups: gradients, or
+    updates and moments; then the metrics) differs from the eager step's (None: nothing)."""
     if len(got) != len(eager) or not torch.allclose(eager[-1], got[-1], rtol=1e-3, atol=1e-5, equal_nan=True):
         return "its metrics"
-    if not _gradients_close(eager[:-1], got[:-1]):
-        return "its gradients"
+    size = (len(eager) - 1) // groups
+    what = ("its gradients",) if groups == 1 else ("its update", "its first moments", "its second moments")
+    for i in range(groups):
+        if not _gradients_close(eager[i * size:(i + 1) * size], got[i * size:(i + 1) * size]):
+            return what[i]
     return None
 
 
