@@ -183,8 +183,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=2048, help="runs in the synthetic folder")
-    parser.add_argument("--fast-seeds", type=int, default=8, help="seeds of the phase grid the fast sweep trains "
-                        "(128 runs each; from 8 its defaults compile)")
+    parser.add_argument("--fast-seeds", type=int, default=16, help="seeds of the phase grid the fast sweep trains "
+                        "(128 runs each; from 16 its defaults compile)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {load()}")
     per_model_step(phase_runs(16 if args.quick else 64, 5 if args.quick else 10), args.quick)

@@ -38,7 +38,8 @@ def test_compiling_a_package_shows_no_treespec_deprecation(monkeypatch, tmp_path
     import torch
     import torch._inductor
 
-    def compile_and_package(exported, package_path):
+    def compile_and_package(exported, package_path, inductor_configs=None):
+        assert inductor_configs == aot.INDUCTOR_CONFIGS  # the wrapper at -O0
         warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, stacklevel=1)
         Path(package_path).write_bytes(b"package")
 
