@@ -405,14 +405,17 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
     `compile`: compile the gradient step, or None to decide from this batch's model-steps. `on_step` is
     called after each recorded step (what it raises ends the batch)."""
     use_compile = should_compile(runs[0], len(runs) * (runs[0].train.steps + 1)) if compile is None else compile
-    refused = ("refused", runs[0].model, runs[0].norm, runs[0].data, device)
+    structure = compiled_structure(runs[0])
+    refused = ("refused", *structure, device)
     if use_compile and refused not in _COMPILED:
         try:
             return _train_padded(runs, device, on_step)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
-            for key in [k for k in _COMPILED if k[:3] == refused[1:4]]:
+            for key in [k for k in _COMPILED if k[:len(structure)] == structure]:
                 del _COMPILED[key]
-            _COMPILED[refused] = None  # later batches of the structure in this process: uncompiled, not compiled again
+            # later batches of this step in this process: uncompiled, not compiled again (the structure's
+            # other steps, another optimizer family's or z_loss's, keep theirs)
+            _COMPILED[refused] = None
             first_line = (str(exc).strip().splitlines() or [""])[0][:200]
             warnings.warn(f"compiling the step failed ({type(exc).__name__}: {first_line}); training this "
                           "structure's runs uncompiled", RuntimeWarning, stacklevel=2)
@@ -507,13 +510,19 @@ class CompiledStep:
 _COMPILED: dict[tuple, Callable | None] = {}  # None: refused (see train_fast)
 
 
+def compiled_structure(cfg: RunConfig) -> tuple:
+    """What one compiled step serves (with the device): the model, norm, data, z-loss, and whether the Adam
+    update is inside it. A step that fails to compile is refused for exactly this (`train_fast`)."""
+    return (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, cfg.optim.name in FUSED_OPTIMIZERS)
+
+
 def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch, optimizer: FastOptimizer) -> CompiledStep:
     """The compiled step of runs shaped like `cfg` on the batch's device, for batches of COMPILED_CHUNK runs
     (vmap specialises the run axis, so `train_fast` pads smaller batches); with Adam or AdamW the update
     is part of it. Compile errors, and a compiled step that does not reproduce the eager one, surface
     at the first call."""
     fused = cfg.optim.name in FUSED_OPTIMIZERS
-    key = (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, fused, str(batch.x.device))
+    key = (*compiled_structure(cfg), str(batch.x.device))
     if key not in _COMPILED:
         compile_cache_dir()
         what = {"step": "train-adam" if fused else "grad", "model": cfg.model.model_dump(mode="json"),
