@@ -51,6 +51,7 @@ import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
@@ -81,6 +82,7 @@ MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, an
 EAGER_FLOP_RATE = 40e9  # FLOP/s the eager step reaches on the article's model (CPU), for the estimate
 
 Tensors = dict[str, torch.Tensor]
+_T = TypeVar("_T")
 
 
 def fast_key(cfg: RunConfig) -> tuple:
@@ -410,7 +412,8 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
     if use_compile and refused not in _COMPILED:
         try:
             return _train_padded(runs, device, on_step)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
+        except CompileFailed as failed:  # the eager step still works (what a run raises itself is not caught)
+            exc = failed.__cause__ or failed
             for key in [k for k in _COMPILED if k[:len(structure)] == structure]:
                 del _COMPILED[key]
             # later batches of this step in this process: uncompiled, not compiled again (the structure's
@@ -445,7 +448,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
     with torch_threads(first.train.threads) as threads:
         base, batch = stack_runs(runs, device)
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
-        step_fn = _compiled(first, base, batch, optimizer) if compiled else None
+        step_fn = _compiler_step(_compiled, first, base, batch, optimizer) if compiled else None
         grad_step = make_grad_step(base, batch.positions, first.train.z_loss) if step_fn is None else None
         val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
@@ -459,7 +462,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
                     held_out = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
                 vals = [tuple(v) for v in held_out.t().tolist()]
             if step_fn is not None:
-                metrics = step_fn.step(batch.params, *batch.step_data(step), lrs, live)
+                metrics = _compiler_step(step_fn.step, batch.params, *batch.step_data(step), lrs, live)
             else:
                 grads, metrics = grad_step(batch.params, *batch.step_data(step))
             losses, accs, norms, *zs = metrics.tolist()  # zs: [the z-loss terms] with train.z_loss
@@ -470,10 +473,24 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
                 on_step(step)
             if step < steps:
                 if step_fn is not None:
-                    step_fn.update(lrs, live)
+                    _compiler_step(step_fn.update, lrs, live)
                 else:
                     optimizer.step(list(grads.values()), lrs, live)
     return share_wall_time(results, start)
+
+
+class CompileFailed(Exception):  # noqa: N818 - raised from the compiler's exception, its __cause__
+    """Compiling, checking or calling the compiled step raised: `train_fast` trains the batch uncompiled.
+    What a run raises outside the compiled step (its initialisation, say) is not wrapped: it fails the batch
+    as it does uncompiled, and the compiled step stays in use."""
+
+
+def _compiler_step(fn: Callable[..., _T], *args: object) -> _T:
+    """`fn(*args)`, an exception it raises wrapped in CompileFailed."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
+        raise CompileFailed(str(exc)) from exc
 
 
 class CompiledStep:
