@@ -51,6 +51,7 @@ import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
@@ -81,6 +82,7 @@ MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, an
 EAGER_FLOP_RATE = 40e9  # FLOP/s the eager step reaches on the article's model (CPU), for the estimate
 
 Tensors = dict[str, torch.Tensor]
+_T = TypeVar("_T")
 
 
 def fast_key(cfg: RunConfig) -> tuple:
@@ -405,14 +407,18 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
     `compile`: compile the gradient step, or None to decide from this batch's model-steps. `on_step` is
     called after each recorded step (what it raises ends the batch)."""
     use_compile = should_compile(runs[0], len(runs) * (runs[0].train.steps + 1)) if compile is None else compile
-    refused = ("refused", runs[0].model, runs[0].norm, runs[0].data, device)
+    structure = compiled_structure(runs[0])
+    refused = ("refused", *structure, device)
     if use_compile and refused not in _COMPILED:
         try:
             return _train_padded(runs, device, on_step)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
-            for key in [k for k in _COMPILED if k[:3] == refused[1:4]]:
+        except CompileFailed as failed:  # the eager step still works (what a run raises itself is not caught)
+            exc = failed.__cause__ or failed
+            for key in [k for k in _COMPILED if k[:len(structure)] == structure]:
                 del _COMPILED[key]
-            _COMPILED[refused] = None  # later batches of the structure in this process: uncompiled, not compiled again
+            # later batches of this step in this process: uncompiled, not compiled again (the structure's
+            # other steps, another optimizer family's or z_loss's, keep theirs)
+            _COMPILED[refused] = None
             first_line = (str(exc).strip().splitlines() or [""])[0][:200]
             warnings.warn(f"compiling the step failed ({type(exc).__name__}: {first_line}); training this "
                           "structure's runs uncompiled", RuntimeWarning, stacklevel=2)
@@ -442,7 +448,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
     with torch_threads(first.train.threads) as threads:
         base, batch = stack_runs(runs, device)
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
-        step_fn = _compiled(first, base, batch, optimizer) if compiled else None
+        step_fn = _compiler_step(_compiled, first, base, batch, optimizer) if compiled else None
         grad_step = make_grad_step(base, batch.positions, first.train.z_loss) if step_fn is None else None
         val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
@@ -456,7 +462,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
                     held_out = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
                 vals = [tuple(v) for v in held_out.t().tolist()]
             if step_fn is not None:
-                metrics = step_fn.step(batch.params, *batch.step_data(step), lrs, live)
+                metrics = _compiler_step(step_fn.step, batch.params, *batch.step_data(step), lrs, live)
             else:
                 grads, metrics = grad_step(batch.params, *batch.step_data(step))
             losses, accs, norms, *zs = metrics.tolist()  # zs: [the z-loss terms] with train.z_loss
@@ -467,10 +473,24 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
                 on_step(step)
             if step < steps:
                 if step_fn is not None:
-                    step_fn.update(lrs, live)
+                    _compiler_step(step_fn.update, lrs, live)
                 else:
                     optimizer.step(list(grads.values()), lrs, live)
     return share_wall_time(results, start)
+
+
+class CompileFailed(Exception):  # noqa: N818 - raised from the compiler's exception, its __cause__
+    """Compiling, checking or calling the compiled step raised: `train_fast` trains the batch uncompiled.
+    What a run raises outside the compiled step (its initialisation, say) is not wrapped: it fails the batch
+    as it does uncompiled, and the compiled step stays in use."""
+
+
+def _compiler_step(fn: Callable[..., _T], *args: object) -> _T:
+    """`fn(*args)`, an exception it raises wrapped in CompileFailed."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager step still works
+        raise CompileFailed(str(exc)) from exc
 
 
 class CompiledStep:
@@ -507,13 +527,19 @@ class CompiledStep:
 _COMPILED: dict[tuple, Callable | None] = {}  # None: refused (see train_fast)
 
 
+def compiled_structure(cfg: RunConfig) -> tuple:
+    """What one compiled step serves (with the device): the model, norm, data, z-loss, and whether the Adam
+    update is inside it. A step that fails to compile is refused for exactly this (`train_fast`)."""
+    return (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, cfg.optim.name in FUSED_OPTIMIZERS)
+
+
 def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch, optimizer: FastOptimizer) -> CompiledStep:
     """The compiled step of runs shaped like `cfg` on the batch's device, for batches of COMPILED_CHUNK runs
     (vmap specialises the run axis, so `train_fast` pads smaller batches); with Adam or AdamW the update
     is part of it. Compile errors, and a compiled step that does not reproduce the eager one, surface
     at the first call."""
     fused = cfg.optim.name in FUSED_OPTIMIZERS
-    key = (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, fused, str(batch.x.device))
+    key = (*compiled_structure(cfg), str(batch.x.device))
     if key not in _COMPILED:
         compile_cache_dir()
         what = {"step": "train-adam" if fused else "grad", "model": cfg.model.model_dump(mode="json"),
