@@ -481,3 +481,13 @@ def test_a_package_on_disk_that_fails_when_called_is_compiled_again(monkeypatch,
         again = train_fast(configs, compile=True)
     assert compiled == [compiled[0]] * 2 and compiled[0].read_bytes() == b"package"
     assert repr([r.metrics for r in again]) == repr([r.metrics for r in first])
+
+
+def test_the_metrics_check_lets_one_accuracy_flip_through_but_not_a_wrong_loss():
+    """A sample whose top two logits tie within rounding may flip between eager and compiled: accuracy moves
+    by 1/n. Refusing that step made the compile choice depend on which batch a process met first."""
+    eager = torch.tensor([[2.30, 1.10], [0.50, 0.25], [3.0, 4.0]])  # loss, accuracy, gradient norm per run
+    assert fast._metrics_close(eager, eager + torch.tensor([[0.0, 0.0], [1 / 64, 0.0], [0.0, 0.0]]))
+    assert not fast._metrics_close(eager, eager + torch.tensor([[0.0, 0.0], [0.25, 0.0], [0.0, 0.0]]))
+    assert not fast._metrics_close(eager, eager * torch.tensor([[1.01], [1.0], [1.0]]))
+    assert not fast._metrics_close(eager, eager[:, :1])

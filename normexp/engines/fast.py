@@ -604,7 +604,7 @@ def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torc
         differs between any two orders of summation by the learning rate; its moments do not."""
         if len(got) != len(eager):
             return "its outputs"
-        if not torch.allclose(eager[-1], got[-1], rtol=1e-3, atol=1e-5, equal_nan=True):
+        if not _metrics_close(eager[-1], got[-1]):
             return "its metrics"
         for i, what in ((1, "its first moments"), (2, "its second moments")):
             if not _gradients_close(eager[i * n:(i + 1) * n], got[i * n:(i + 1) * n]):
@@ -656,17 +656,25 @@ def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequ
     return compiled
 
 
-def _disagreement(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor], groups: int = 1) -> str | None:
-    """What of the compiled step's outputs (tensors per parameter, in `groups` equal groups: gradients, or
-    updates and moments; then the metrics) differs from the eager step's (None: nothing)."""
-    if len(got) != len(eager) or not torch.allclose(eager[-1], got[-1], rtol=1e-3, atol=1e-5, equal_nan=True):
+def _disagreement(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> str | None:
+    """What of the compiled gradient step's outputs (a gradient per parameter, then the metrics) differs
+    from the eager step's (None: nothing)."""
+    if len(got) != len(eager) or not _metrics_close(eager[-1], got[-1]):
         return "its metrics"
-    size = (len(eager) - 1) // groups
-    what = ("its gradients",) if groups == 1 else ("its update", "its first moments", "its second moments")
-    for i in range(groups):
-        if not _gradients_close(eager[i * size:(i + 1) * size], got[i * size:(i + 1) * size]):
-            return what[i]
+    if not _gradients_close(eager[:-1], got[:-1]):
+        return "its gradients"
     return None
+
+
+def _metrics_close(eager: torch.Tensor, got: torch.Tensor) -> bool:
+    """The metrics rows (loss, accuracy, gradient norm[, z-loss]) within rounding of the eager ones; accuracy
+    within 0.1, since a sample whose two top logits tie within rounding may flip and move it by 1/n (a
+    batch refused for that would make the compile choice depend on which batch a process met first)."""
+    if eager.shape != got.shape:
+        return False
+    rows = [r for r in range(len(eager)) if r != 1]
+    return (torch.allclose(eager[rows], got[rows], rtol=1e-3, atol=1e-5, equal_nan=True)
+            and torch.allclose(eager[1], got[1], rtol=0, atol=0.1, equal_nan=True))
 
 
 def _gradients_close(eager: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> bool:
