@@ -32,6 +32,21 @@ def stop_cleanly(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def exit_stopped(code: int) -> None:
+    """End a command that a stop signal stopped with `code` (128 + signal), atexit handlers run and output
+    flushed, without the interpreter's own exit: a KeyboardInterrupt that escaped code the interpreter ran
+    for an import (a Ctrl-C while torch loads) leaves a flag that makes that exit a death by SIGINT
+    (return code -2) whatever `sys.exit` asked for."""
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit runs first
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    os._exit(code)
+
+
 def signal_name(signum: int | None) -> str:
     return {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(signum, "interrupted")
 

@@ -761,7 +761,7 @@ def run_command(out_option: str | Path, quick: bool = False) -> None:
         kept = f"every finished run is kept in {out}" if out.is_dir() else "nothing was written yet"
         print(f"{signal.Signals(signum).name}: studies stopped; {kept}. Run the same command again to resume.",
               file=sys.stderr)
-        sys.exit(128 + signum)
+        stopping.exit_stopped(128 + signum)
 
 
 def _check_out(option: str) -> Path:
