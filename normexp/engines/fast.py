@@ -259,10 +259,10 @@ def adam_hypers(optims: Sequence[OptimConfig], name: str, t: int, lrs: Sequence[
     tensor. Bias corrections, step sizes and 1 - beta are computed in double, as torch computes them (1 - beta2
     in float32 is 1e-5 off at beta2 = 0.999);
     AdamW's decay is decoupled (param * (1 - lr * weight_decay)), Adam's is L2 (grad + weight_decay * param)."""
+    decoupled = name == "adamw"
     rows = []
     for o, lr, alive in zip(optims, lrs, live):
         beta1, beta2 = o.betas
-        decoupled = name == "adamw"
         rows.append((lr / (1 - beta1**t), 1 - lr * o.weight_decay if decoupled else 1.0,
                      0.0 if decoupled else o.weight_decay, 1 - beta1, beta2, 1 - beta2, o.eps, math.sqrt(1 - beta2**t),
                      float(alive)))
@@ -567,7 +567,7 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
         grads, metrics = step(dict(zip(names, tensors[:-2])), tensors[-2], tensors[-1])
         return (*(grads[name] for name in names), metrics)
 
-    compiled = _compile_checked(flat, (*params.values(), x, y), key, lambda eager, got: _disagreement(eager, got))
+    compiled = _compile_checked(flat, (*params.values(), x, y), key, _disagreement)
 
     def compiled_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
         *grads, metrics = compiled(*(params[name] for name in names), x, y)
