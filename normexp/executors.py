@@ -151,16 +151,21 @@ class PoolExecutor:
         idle, self._idle = self._idle, []
         idle += [self._start_worker() for _ in range(min(self.workers, len(queue)) - len(idle))]
         busy: dict[_Worker, WorkUnit] = {}
-        while queue or busy:
+
+        def hand_out() -> None:
             while queue and idle:
                 worker, unit = idle.pop(), queue.popleft()
                 busy[worker] = unit
                 _send(worker, (run_unit, unit))
+
+        while queue or busy:
+            hand_out()
             for worker in _ready(busy):
                 unit = busy.pop(worker)
                 result = _receive(worker)
                 if result is not None:
                     idle.append(worker)
+                    hand_out()  # the worker trains its next unit while the consumer writes this one's results
                     yield result
                     continue
                 self._retire(worker)

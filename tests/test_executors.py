@@ -105,6 +105,28 @@ def test_a_pool_keeps_its_idle_workers_for_the_next_run_until_closed(monkeypatch
     assert pool._workers == []
 
 
+def started_at(unit: WorkUnit) -> UnitResult:
+    """Stands in for run_unit in a worker: says when it started."""
+    return UnitResult(unit, (), status=repr(time.time()))
+
+
+def test_a_worker_gets_its_next_unit_before_the_sweep_writes_the_last_ones_results(monkeypatch):
+    """The coordinator writes a unit's run folders between two results: its one worker must train the next
+    unit meanwhile, not wait for those writes (on 2 cores they left the workers idle 15% of a sweep)."""
+    unit = WorkUnit((RunConfig().model_dump(mode="json"),), engine="reference", device="cpu", threads=1)
+    monkeypatch.setattr("normexp.executors.run_unit", started_at)
+    pool = PoolExecutor(1)
+    try:
+        running = pool.run([unit, unit])
+        next(running)
+        time.sleep(1.0)  # the first unit's results being written
+        written = time.time()
+        second = float(next(running).status)
+        assert second < written - 0.5, "the second unit started only after the first one's results were written"
+    finally:
+        pool.close()
+
+
 @pytest.mark.slow
 def test_local_dask_cluster_equals_single_process(single_process, tmp_path):
     pytest.importorskip("distributed")
