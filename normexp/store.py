@@ -17,7 +17,7 @@
       <run_id>/done.json      written last: the run is complete (+ summary numbers, timings, versions)
 
 Every file is written to a temporary name, fsynced and renamed, so a reader (or a rerun after
-`kill -9`) never sees half a file. A run folder is built whole under a temporary name
+`kill -9`) never sees half a file (a sweep syncs a batch's run folders together: `synced_together`). A run folder is built whole under a temporary name
 (`.<run_id>.tmp-<pid>`) and swapped in at once, so a reader sees the old result or the new one,
 never neither, and a crash at any moment loses no finished result (`recover_strays` tidies up). Only
 normexp's own files go with a replaced folder: whatever else a user put in it moves into the new one.
@@ -40,6 +40,7 @@ import platform
 import shutil
 import socket
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,8 @@ def atomic_write(path: Path, text: str) -> None:
         with open(tmp, "w", encoding="utf-8", newline="") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            if not _deferring():
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -119,9 +121,50 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def _fsync_dir(folder: Path) -> None:
+    if _deferring():
+        return
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_DEFERRED = threading.local()  # .folder: the folder whose file system `synced_together` syncs at its end
+
+
+def _deferring() -> bool:
+    return getattr(_DEFERRED, "folder", None) is not None
+
+
+@contextlib.contextmanager
+def synced_together(folder: Path) -> Iterator[None]:
+    """Writes made inside (by this thread) reach the disk together when the block ends, however it ends:
+    one sync of `folder`'s file system (Linux syncfs; elsewhere os.sync) instead of an fsync per file and
+    folder written (a run folder's seven cost ~6 ms of CPU on an ext4 VM, as much as a fast engine run's
+    training; one sync per 16 runs ~0.5 ms a run). Until then a power cut may lose those writes (never a
+    kill: the kernel holds them), and what it leaves half-written is caught as every damaged run folder is
+    (done.json's checksums), never read as a result: the run trains again."""
+    if _deferring():
+        yield
+        return
+    _DEFERRED.folder = folder
+    try:
+        yield
+    finally:
+        _DEFERRED.folder = None
+        _sync_file_system(folder)
+
+
+def _sync_file_system(folder: Path) -> None:
+    syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None) if sys.platform.startswith("linux") else None
+    if syncfs is None:
+        os.sync()
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        if syncfs(fd) != 0:
+            os.sync()
     finally:
         os.close(fd)
 

@@ -61,6 +61,7 @@ from normexp.store import (
     stamp_run,
     sweep_name,
     sweep_yaml,
+    synced_together,
     verified_states,
     write_failed,
     write_run,
@@ -384,7 +385,7 @@ def _record_unit(result: UnitResult, out_dir: Path, outcome: SweepOutcome, emit:
     takes effect once the unit's folders are in place (milliseconds a run: about a second for a
     64-run batch), so an interrupted sweep leaves no half-built folder behind, nor a trained
     batch-mate unwritten."""
-    with stop_signals_deferred():
+    with stop_signals_deferred(), synced_together(out_dir):
         for index, (cfg, run) in enumerate(zip(result.unit.runs, result.outcomes)):
             if result.unit.recorded(index):  # a fast batch's runs that were done are left as they are
                 _record_now(cfg, run, result.status, out_dir, outcome, emit)
