@@ -8,10 +8,13 @@ then loaded by every later batch, worker process and sweep in a fraction of a se
              (torch.export) and compiled by AOTInductor into a shared library
     lock     <cache>/steps/<key>.lock: the first process compiles; others wanting the same step wait
              for it (their core helps the compiler's C++ jobs meanwhile) and load its package
+    checked  <cache>/steps/<key>.checked: the sha256 of a package that passed the check below
 
 A package is a cache, never a source of truth: `fast.compile_grad_step` checks the step it gets against
 the eager step on the batch before using it, and a loaded package that fails the check is compiled
-again (`load_or_compile(fresh=True)`). A package that cannot be read is compiled again too. Packages are
+again (`load_or_compile(fresh=True)`). A package that cannot be read is compiled again too. A package
+that passed the check once is vouched for (<key>.checked: the sha256 of its bytes), and a process that
+loads those same bytes later uses it unchecked (the check's eager step costs a worker ~1.3 s). Packages are
 written atomically (a temporary file renamed into place), so a killed compile leaves none half-written.
 
 Why on disk: the in-process compile (torch.compile of the same graph) costs 20-40 s per process even
@@ -31,6 +34,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,18 +144,84 @@ def compile_package(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
 
 
 def load_package(package: Path) -> Step:
-    """The step in `package`; what cannot be read raises. Torch's own log line on such a package
-    ("Loading outdated pt2 file. Please regenerate your package.") is held back: normexp compiles it
-    again itself, so it would only ask the user to do what is already being done."""
+    """The step in `package`; what cannot be read raises. The package's runner is made directly
+    (torch._C._aoti.AOTIModelPackageLoader, what torch's aoti_load_package makes too), without importing
+    torch's compiler (dynamo, inductor, sympy: 0.8 s a worker process) or running its load-time device
+    comparison, which probes the CPU's vector ISA by building and loading a library per ISA, each in a fresh
+    Python that imports torch (1.3 s a worker process), only to log a mismatch. A torch without that
+    runner loads through aoti_load_package; its log line on an outdated package ("Please regenerate your
+    package.") is held back there: normexp compiles it again itself."""
+    digest = _digest(package)
+    runner = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if runner is not None:
+        return _flat_call(runner(str(package), "model", False, 1, -1), digest)
     from torch._inductor import aoti_load_package
 
     logger = logging.getLogger("torch._inductor.package.package")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        return aoti_load_package(str(package))
+        model = aoti_load_package(str(package))
     finally:
         logger.setLevel(level)
+    return _flat_call(model.loader, digest)
+
+
+def _flat_call(loader: Any, digest: str) -> Step:
+    """The package's runner called with its tensors as a list, where its graph takes tensors and returns a
+    flat tuple of them, as every step normexp compiles does (torch's own wrapper parses the call's
+    specification again and walks both trees on every call: ~0.5 ms a step for the depth-24 step's 300
+    tensors, 3% of its time). Anything else is called through torch's wrapper. The step carries the
+    sha256 of the package's bytes (`digest`: what `vouch` records)."""
+    from torch.utils import _pytree as pytree
+
+    in_spec, out_spec = (pytree.treespec_loads(spec) for spec in loader.get_call_spec())
+    args, kwargs = in_spec.children()
+    if not (kwargs.num_leaves == 0 and args.num_leaves == args.num_children
+            and out_spec.type is tuple and out_spec.num_leaves == out_spec.num_children):
+        from torch.export.pt2_archive._package import AOTICompiledModel
+
+        model = AOTICompiledModel(loader)
+
+        def call(*tensors: torch.Tensor) -> Sequence[torch.Tensor]:
+            return model(*tensors)
+    else:
+        arity, run = args.num_children, loader.boxed_run
+
+        def call(*tensors: torch.Tensor) -> Sequence[torch.Tensor]:
+            if len(tensors) != arity:
+                raise TypeError(f"the compiled step takes {arity} tensors, got {len(tensors)}")
+            return tuple(run(list(tensors)))
+
+    call.digest = digest  # type: ignore[attr-defined]
+    return call
+
+
+def vouch(key: str, step: Step) -> None:
+    """Record that `step`, loaded from the package `key`, passed the check against the eager step
+    (`fast._compile_checked`): the sha256 of the bytes it was loaded from, in <key>.checked, so that later
+    processes that load those same bytes need not check them again. A step not loaded from a package
+    (no digest) vouches for nothing."""
+    digest = getattr(step, "digest", None)
+    if digest is None:
+        return
+    with contextlib.suppress(OSError):
+        tmp = steps_dir() / f"{key}.{os.getpid()}.tmp.checked"
+        tmp.write_text(digest)
+        os.replace(tmp, steps_dir() / f"{key}.checked")
+
+
+def vouched(key: str, step: Step) -> bool:
+    """Whether `step` was loaded from the very bytes that `vouch` recorded for `key`."""
+    digest = getattr(step, "digest", None)
+    try:
+        return digest is not None and (steps_dir() / f"{key}.checked").read_text() == digest
+    except OSError:
+        return False
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @contextlib.contextmanager

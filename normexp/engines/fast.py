@@ -624,12 +624,16 @@ def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequ
     of time (AOTInductor) and kept on disk under `key` (`aot.load_or_compile`): later batches, worker
     processes and sweeps load it instead of compiling. `flat` may update its first `mutated` inputs in
     place. The compiled function is checked against `flat` run eagerly on copies of `inputs` before it
-    is used (`disagreement` of the updated inputs, then the outputs): a loaded package that fails the
+    is used (`disagreement` of the updated inputs, then the outputs), unless the package's bytes passed
+    that check before (`aot.vouched`): a loaded package that fails the
     check, or raises when called (another structure's inputs), is compiled again, and a step that the
     compiler got wrong is refused (ValueError), as any compile failure is. (The check runs on the values
     the graph was traced on, so it cannot see a forward that branches on its values in Python; vmap
     refuses such a forward in the eager step already.)"""
-    from torch.fx.experimental.proxy_tensor import make_fx
+    def trace() -> torch.fx.GraphModule:  # imported here: a process that loads a package never traces
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        return make_fx(flat)(*copies())
 
     def copies() -> list[torch.Tensor]:
         return [t.clone() if i < mutated else t for i, t in enumerate(inputs)]
@@ -640,9 +644,12 @@ def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequ
         return (*args[:mutated], *outputs)
 
     with torch.no_grad():
-        eager = results(flat)
+        eager: tuple[torch.Tensor, ...] | None = None
         for fresh in (False, True):
-            compiled, now = aot.load_or_compile(key, lambda: make_fx(flat)(*copies()), copies(), fresh=fresh)
+            compiled, now = aot.load_or_compile(key, trace, copies(), fresh=fresh)
+            if not now and aot.vouched(key, compiled):  # loaded from bytes that passed the check before
+                break
+            eager = results(flat) if eager is None else eager
             try:
                 problem = disagreement(eager, results(compiled))
             except Exception:  # noqa: BLE001 - a loaded package that cannot run here is stale: compiled again
@@ -650,6 +657,7 @@ def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequ
                     raise
                 problem = "it failed when called"
             if problem is None:
+                aot.vouch(key, compiled)
                 break
             if now:  # compiled just now and still wrong: refused
                 raise ValueError(f"the traced step does not reproduce the eager one ({problem})")
