@@ -375,6 +375,9 @@ def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(
     assert len(fast._COMPILED) == 1
     for a, b in zip(compiled, eager):
         assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-4
+    assert len(list((tmp_path / "steps").glob("*.checked"))) == 1  # it passed the check: vouched for
+    monkeypatch.setattr(fast, "_COMPILED", {})  # as a second process: the package loaded, unchecked, the same bits
+    assert [repr(r.metrics) for r in train_fast(configs, compile=True)] == [repr(r.metrics) for r in compiled]
 
 def test_stable_grid_contract_fast_is_as_close_as_the_reference_to_itself():
     """Pre-LN runs: the reference does not move when its rows are summed in another order, so neither may fast."""
