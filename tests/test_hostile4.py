@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import textwrap
+import time
 
 import pytest
 from normexp import registry
@@ -88,3 +89,107 @@ def test_a_vouched_package_is_checked_again_when_a_module_its_plugin_imports_cha
                                                                      rel=1e-4)
     finally:
         _fresh_process("scalednorm", "scalehelper")
+
+
+def seed_or_die(unit):
+    """Stands in for run_unit in a pool worker: says its unit's seed; dies on seed 1 while $HOSTILE4_DIE
+    names a file that it may still create (once: `die once`), or always (`die always`)."""
+    import os
+    from pathlib import Path
+
+    from normexp.units import UnitResult
+
+    seed, flag = unit.runs[0].seed, os.environ.get("HOSTILE4_DIE", "")
+    mode, _, path = flag.partition(":")
+    if seed == 1 and mode == "always":
+        os._exit(3)
+    if seed == 1 and mode == "once" and not Path(path).exists():
+        Path(path).write_text("died")
+        os._exit(3)
+    return UnitResult(unit, (), status=str(seed))
+
+
+@pytest.mark.parametrize("mode", ["once", "always"])
+def test_a_worker_that_dies_holding_the_unit_it_got_before_the_last_results_were_written(monkeypatch, tmp_path,
+                                                                                        mode):
+    """One worker: it is handed seed 1 while the consumer still holds seed 0's results, and dies on it. Seed 1
+    costs one attempt per death (retried once, then crashed); no unit is lost or reported twice."""
+    from normexp.config import RunConfig
+    from normexp.executors import PoolExecutor
+    from normexp.units import WorkUnit
+
+    units = [WorkUnit((RunConfig(seed=s).model_dump(mode="json"),), engine="reference", device="cpu", threads=1)
+             for s in range(3)]
+    monkeypatch.setenv("HOSTILE4_DIE", f"{mode}:{tmp_path / 'died'}")
+    monkeypatch.setattr("normexp.executors.run_unit", seed_or_die)
+    pool = PoolExecutor(1)
+    try:
+        got = sorted((r.unit.runs[0].seed, r.status) for r in pool.run(units))
+    finally:
+        pool.close()
+    assert got == [(0, "0"), (1, "1" if mode == "once" else "crashed"), (2, "2")]
+
+
+def seed_after(unit):
+    """Stands in for run_unit in a pool worker: says its unit's seed after `train.steps` hundredths of a second."""
+    import time
+
+    from normexp.units import UnitResult
+
+    time.sleep(unit.runs[0].train.steps / 100)
+    return UnitResult(unit, (), status=str(unit.runs[0].seed))
+
+
+def test_units_a_pool_finished_but_never_yielded_when_the_sweep_stopped_are_unreported_not_lost(monkeypatch):
+    """The consumer stops (Ctrl-C while it writes seed 0's results) after the pool handed that worker its next
+    unit: seed 2 finishes meanwhile, as does seed 1 on the other worker. Both are trained runs the sweep never
+    saw: the pool keeps them in `unreported` (as InProcessExecutor does) for the sweep to record, not thrown
+    away with the workers. Seed 3 was never handed out."""
+    from normexp.config import RunConfig
+    from normexp.executors import PoolExecutor
+    from normexp.units import WorkUnit
+
+    steps = {0: 1, 1: 100, 2: 1, 3: 1}  # seed 0 first (or 1: then 0 and 2 end while it is written)
+    units = [WorkUnit((RunConfig(seed=s, train={"steps": steps[s]}).model_dump(mode="json"),), engine="reference",
+                      device="cpu", threads=1) for s in range(4)]
+    monkeypatch.setattr("normexp.executors.run_unit", seed_after)
+    pool = PoolExecutor(2)
+    try:
+        running = pool.run(units)
+        first = next(running)
+        time.sleep(2.5)  # its results being written: the Ctrl-C is raised when they are in place
+        running.close()
+        assert sorted([first.status] + [r.status for r in pool.unreported]) == ["0", "1", "2"]
+    finally:
+        pool.close()
+
+
+def test_a_ctrl_c_while_a_pool_sweep_writes_records_the_units_its_workers_finished_meanwhile(monkeypatch, tmp_path):
+    """The sweep end to end (--workers 2, the reference engine): Ctrl-C while the first unit's run is written;
+    the worker handed its next unit meanwhile, and the other worker, finish theirs. Every run that trained is
+    in its folder and reported as such in the summary; no run is reported that was not written."""
+    from normexp import sweep as sweep_module
+    from normexp.config import build_sweep
+    from normexp.results import load_summary
+    from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+
+    spec = build_sweep({"name": "c", "base": {"model": {"depth": 1, "width": 4}, "train": {"steps": 2}},
+                        "seeds": [0, 1, 2, 3, 4, 5]})
+    real, calls = sweep_module._record_unit, []
+
+    def record_then_ctrl_c(result, *args):
+        real(result, *args)
+        calls.append(result)
+        if len(calls) == 1:
+            time.sleep(4.0)  # the other units finish meanwhile
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_module, "_record_unit", record_then_ctrl_c)
+    with pytest.raises(SweepInterrupted) as stopped:
+        run_sweep(spec, tmp_path, SweepOptions(engine="reference", workers=2))
+    statuses = stopped.value.outcome.statuses
+    written = {p.parent.name for p in tmp_path.glob("*/done.json")}
+    assert len(calls) == 3  # the first unit, then the two finished while it was written
+    assert {rid for rid, status in statuses.items() if status == "completed"} == written and len(written) == 3
+    summary = load_summary(tmp_path)
+    assert sorted(summary["status"]) == ["completed"] * 3 + ["interrupted"] * 3
