@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+
 from normexp import registry
 from normexp.config import validate_run
 from normexp.engines import aot, fast
