@@ -138,19 +138,24 @@ class PoolExecutor:
     that dies costs only its own unit an attempt (retried once on a fresh worker, then `crashed`);
     the other workers go on. Workers leave Ctrl-C to the coordinator, which stops them on close(),
     and die with it however it ends (see `die_with_parent`). Workers idle after one run() serve the
-    next (`--engine auto` trains its measurement first, then the rest), until close().
+    next (`--engine auto` trains its measurement first, then the rest), until close(). Units that busy
+    workers finished, but that were not yielded when the consumer stopped (Ctrl-C), are `unreported`.
     """
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._workers: list[_Worker] = []
         self._idle: list[_Worker] = []  # started, alive, holding no unit
+        self.unreported: list[UnitResult] = []  # units that finished but were not yielded: the consumer
+        # stopped taking results (Ctrl-C while it wrote the last ones, a worker being handed its next unit
+        # meanwhile); the sweep records them
 
     def run(self, units: Sequence[WorkUnit]) -> Iterator[UnitResult]:
         queue, attempts = deque(units), {id(unit): 0 for unit in units}
         idle, self._idle = self._idle, []
         idle += [self._start_worker() for _ in range(min(self.workers, len(queue)) - len(idle))]
         busy: dict[_Worker, WorkUnit] = {}
+        self.unreported = []
 
         def hand_out() -> None:
             while queue and idle:
@@ -158,25 +163,28 @@ class PoolExecutor:
                 busy[worker] = unit
                 _send(worker, (run_unit, unit))
 
-        while queue or busy:
-            hand_out()
-            for worker in _ready(busy):
-                unit = busy.pop(worker)
-                result = _receive(worker)
-                if result is not None:
-                    idle.append(worker)
-                    hand_out()  # the worker trains its next unit while the consumer writes this one's results
-                    yield result
-                    continue
-                self._retire(worker)
-                attempts[id(unit)] += 1
-                if attempts[id(unit)] > 1:
-                    yield crashed(unit, "worker process died twice while training these runs")
-                else:
-                    queue.appendleft(unit)  # retried once, on a fresh worker
-                if queue:
-                    idle.append(self._start_worker())
-        self._idle = idle
+        try:
+            while queue or busy:
+                hand_out()
+                for worker in _ready(busy):
+                    unit = busy.pop(worker)
+                    result = _receive(worker)
+                    if result is not None:
+                        idle.append(worker)
+                        hand_out()  # the worker trains its next unit while the consumer writes this one's results
+                        yield result
+                        continue
+                    self._retire(worker)
+                    attempts[id(unit)] += 1
+                    if attempts[id(unit)] > 1:
+                        yield crashed(unit, "worker process died twice while training these runs")
+                    else:
+                        queue.appendleft(unit)  # retried once, on a fresh worker
+                    if queue:
+                        idle.append(self._start_worker())
+            self._idle = idle
+        finally:  # stopped early: what busy workers have sent already is a finished unit, not an abandoned one
+            self.unreported = [result for result in map(_receive, busy) if result is not None]  # waits for none
 
     def _start_worker(self) -> _Worker:
         """Start a worker that a terminal's Ctrl-C cannot reach before it ignores it: the stop signals

@@ -16,11 +16,12 @@
       <run_id>/failed.json    only for a run that raised: the error (the run is retried next time)
       <run_id>/done.json      written last: the run is complete (+ summary numbers, timings, versions)
 
-Every file is written to a temporary name, fsynced and renamed, so a reader (or a rerun after
-`kill -9`) never sees half a file (a sweep syncs a batch's run folders together: `synced_together`). A run folder is built whole under a temporary name
-(`.<run_id>.tmp-<pid>`) and swapped in at once, so a reader sees the old result or the new one,
-never neither, and a crash at any moment loses no finished result (`recover_strays` tidies up). Only
-normexp's own files go with a replaced folder: whatever else a user put in it moves into the new one.
+Every file is written to a temporary name, fsynced and renamed, so a reader (or a rerun after `kill -9`)
+never sees half a file (a sweep syncs a batch's run folders together: `synced_together`). A run folder
+is built whole under a temporary name (`.<run_id>.tmp-<pid>`) and swapped in at once, so a reader sees
+the old result or the new one, never neither, and a crash at any moment loses no finished result
+(`recover_strays` tidies up). Only normexp's own files go with a replaced folder: whatever else a user
+put in it moves into the new one.
 
 What a run folder holds and whether it can be trusted (its names, its run id, `inspect_run`) is
 normexp/runfolder.py's: this module writes, that one reads and checks.

@@ -14,7 +14,8 @@ A package is a cache, never a source of truth: `fast.compile_grad_step` checks t
 the eager step on the batch before using it, and a loaded package that fails the check is compiled
 again (`load_or_compile(fresh=True)`). A package that cannot be read is compiled again too. A package
 that passed the check once is vouched for (<key>.checked: the sha256 of its bytes), and a process that
-loads those same bytes later uses it unchecked (the check's eager step costs a worker ~1.3 s). Packages are
+loads those same bytes later uses it unchecked (the check's eager step costs a worker ~1.3 s), unless its
+structure names a plugin (`vouchable`). Packages are
 written atomically (a temporary file renamed into place), so a killed compile leaves none half-written.
 
 Why on disk: the in-process compile (torch.compile of the same graph) costs 20-40 s per process even
@@ -40,6 +41,7 @@ import torch
 
 from normexp.engines.common import user_cache_dir
 from normexp.environment import cpu_info
+from normexp.registry import is_plugin
 
 PACKAGE_VERSION = 1  # bump when what a package holds changes meaning
 # The wrapper (the ~700 KB of C++ that calls the step's kernels in order) compiled at -O0, not -O1: 10 s less
@@ -195,6 +197,14 @@ def _flat_call(loader: Any, digest: str) -> Step:
 
     call.digest = digest  # type: ignore[attr-defined]
     return call
+
+
+def vouchable(what: dict) -> bool:
+    """Whether a package of `what` may be vouched for (`vouch`): its name covers all the code its step runs.
+    Not where the structure names a plugin: the name covers the plugin's own module file, but not what that
+    module imports or reads, which only the check against the eager step sees (a user's helper module
+    changed, the same package's bytes would go on training the old step)."""
+    return not any(is_plugin(value) for value in _strings(what))
 
 
 def vouch(key: str, step: Step) -> None:

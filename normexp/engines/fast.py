@@ -546,18 +546,19 @@ def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch, optimizer: Fa
                 "norm": cfg.norm.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
                 "z_loss": cfg.train.z_loss, "runs": len(batch.x)}
         step = make_grad_step(base, batch.positions, cfg.train.z_loss)
-        name = aot.step_key(what, str(batch.x.device))
+        name, vouching = aot.step_key(what, str(batch.x.device)), aot.vouchable(what)
         x, y = batch.step_data(0)
         if fused:  # the check's update: each run's base learning rate (a warmup may start at 0), live
             hyper = adam_hypers(optimizer.optims, optimizer.name, 1, [o.lr for o in optimizer.optims],
                                 [True] * len(batch.x)).to(batch.x.device)
-            _COMPILED[key] = compile_train_step(step, batch.params, x, y, hyper, name)
+            _COMPILED[key] = compile_train_step(step, batch.params, x, y, hyper, name, vouching)
         else:
-            _COMPILED[key] = compile_grad_step(step, batch.params, x, y, key=name)
+            _COMPILED[key] = compile_grad_step(step, batch.params, x, y, key=name, vouching=vouching)
     return CompiledStep(_COMPILED[key], optimizer, fused)
 
 
-def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, key: str) -> GradStep:
+def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, key: str,
+                      vouching: bool = False) -> GradStep:
     """`step` traced once into one flat graph of aten operations (make_fx: forward, backward and the
     norms, vmap and grad already applied), compiled ahead of time (AOTInductor) and kept on disk under
     `key` (`_compile_checked`). Returns a step that takes and returns tensors by name."""
@@ -567,7 +568,7 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
         grads, metrics = step(dict(zip(names, tensors[:-2])), tensors[-2], tensors[-1])
         return (*(grads[name] for name in names), metrics)
 
-    compiled = _compile_checked(flat, (*params.values(), x, y), key, _disagreement)
+    compiled = _compile_checked(flat, (*params.values(), x, y), key, _disagreement, vouching=vouching)
 
     def compiled_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
         *grads, metrics = compiled(*(params[name] for name in names), x, y)
@@ -577,7 +578,7 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
 
 
 def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, hyper: torch.Tensor,
-                       key: str) -> Callable:
+                       key: str, vouching: bool = False) -> Callable:
     """`step` and the Adam update (`adam_update`) of every parameter traced into one graph and compiled
     as `compile_grad_step`'s: (params, exp_avg, exp_avg_sq, x, y, hyper) -> (metrics,), positional, the
     parameters and moments updated in place. The gradients never leave the compiled code, and each
@@ -614,18 +615,19 @@ def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torc
             return "its update"
         return None
 
-    return _compile_checked(flat, inputs, key, disagreement, mutated=3 * n)
+    return _compile_checked(flat, inputs, key, disagreement, mutated=3 * n, vouching=vouching)
 
 
 def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor], key: str,
                      disagreement: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], str | None],
-                     mutated: int = 0) -> Callable:
+                     mutated: int = 0, vouching: bool = False) -> Callable:
     """`flat` traced by make_fx into one graph of aten operations (vmap and grad applied), compiled ahead
     of time (AOTInductor) and kept on disk under `key` (`aot.load_or_compile`): later batches, worker
     processes and sweeps load it instead of compiling. `flat` may update its first `mutated` inputs in
     place. The compiled function is checked against `flat` run eagerly on copies of `inputs` before it
     is used (`disagreement` of the updated inputs, then the outputs), unless the package's bytes passed
-    that check before (`aot.vouched`): a loaded package that fails the
+    that check before (`aot.vouched`, only with `vouching`: where `key` names all the code of the step,
+    `aot.vouchable`): a loaded package that fails the
     check, or raises when called (another structure's inputs), is compiled again, and a step that the
     compiler got wrong is refused (ValueError), as any compile failure is. (The check runs on the values
     the graph was traced on, so it cannot see a forward that branches on its values in Python; vmap
@@ -647,7 +649,7 @@ def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequ
         eager: tuple[torch.Tensor, ...] | None = None
         for fresh in (False, True):
             compiled, now = aot.load_or_compile(key, trace, copies(), fresh=fresh)
-            if not now and aot.vouched(key, compiled):  # loaded from bytes that passed the check before
+            if vouching and not now and aot.vouched(key, compiled):  # loaded from bytes that passed the check before
                 break
             eager = results(flat) if eager is None else eager
             try:
@@ -657,7 +659,8 @@ def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequ
                     raise
                 problem = "it failed when called"
             if problem is None:
-                aot.vouch(key, compiled)
+                if vouching:
+                    aot.vouch(key, compiled)
                 break
             if now:  # compiled just now and still wrong: refused
                 raise ValueError(f"the traced step does not reproduce the eager one ({problem})")
