@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -151,29 +151,17 @@ def load_package(package: Path) -> Step:
     (torch._C._aoti.AOTIModelPackageLoader, what torch's aoti_load_package makes too), without importing
     torch's compiler (dynamo, inductor, sympy: 0.8 s a worker process) or running its load-time device
     comparison, which probes the CPU's vector ISA by building and loading a library per ISA, each in a fresh
-    Python that imports torch (1.3 s a worker process), only to log a mismatch. A torch without that
-    runner loads through aoti_load_package; its log line on an outdated package ("Please regenerate your
-    package.") is held back there: normexp compiles it again itself."""
+    Python that imports torch (1.3 s a worker process), only to log a mismatch (and, on a package it cannot
+    read, to ask for it to be regenerated, which normexp does itself)."""
     digest = _digest(package)
     _keep_freed_memory()
-    runner = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
-    if runner is not None:
-        return _flat_call(runner(str(package), "model", False, 1, -1), digest)
-    from torch._inductor import aoti_load_package
-
-    logger = logging.getLogger("torch._inductor.package.package")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        model = aoti_load_package(str(package))
-    finally:
-        logger.setLevel(level)
-    return _flat_call(model.loader, digest)
+    return _flat_call(torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1), digest)
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
+@functools.cache
 def _keep_freed_memory() -> None:
     """glibc's allocator told to keep what a compiled step frees for its next call (a fixed mmap threshold of
     32 MB, the most it takes, and no trimming below 256 MB free), in this process, once. By default both move
@@ -181,16 +169,10 @@ def _keep_freed_memory() -> None:
     step's buffers to the kernel after every call and faulting them back in the next: 0.4 s of kernel time per
     16-run batch of the depth-24 step (1.8 vs 1.4 s a batch, measured side by side), or none, depending on what
     it happened to free before. Elsewhere (another C library) nothing is done."""
-    if _KEPT or not sys.platform.startswith("linux"):
-        return
-    _KEPT.append(True)
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform.startswith("linux") else None
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, 32 << 20)
         mallopt(M_TRIM_THRESHOLD, 256 << 20)
-
-
-_KEPT: list[bool] = []
 
 
 def _flat_call(loader: Any, digest: str) -> Step:
