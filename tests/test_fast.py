@@ -282,16 +282,13 @@ def test_a_package_on_disk_is_loaded_by_later_processes_and_compiled_again_when_
     assert len({repr([r.metrics for r in batch]) for batch in results}) == 1
 
 
-def test_a_package_that_passed_the_check_is_used_unchecked_by_later_processes_until_its_bytes_change(
-        monkeypatch, tmp_path):
-    """The check's eager step costs a worker ~1.3 s: a package that passed it is vouched for by the sha256 of
-    its bytes (<key>.checked), and a later process that loads those very bytes skips the check. Other bytes
-    under the same name (recompiled, replaced, damaged) are checked again; a step not loaded from a package
-    (no digest) never vouches."""
+def packaged_graphs(monkeypatch) -> dict[Path, object]:
+    """The compiler stood in for by the traced graph: `aot.compile_package` writes b"package" and keeps the
+    graph (in the dict returned, by package path); `aot.load_package` gives it back carrying the sha256 of the
+    package's bytes, as a loaded step does (what `aot.vouch` records)."""
     import hashlib
 
     graphs: dict[Path, object] = {}
-    checks: list[int] = []
 
     def fake_compile(graph, inputs, package):
         graphs[package] = graph
@@ -305,11 +302,22 @@ def test_a_package_that_passed_the_check_is_used_unchecked_by_later_processes_un
         call.digest = hashlib.sha256(package.read_bytes()).hexdigest()
         return call
 
+    monkeypatch.setattr(aot, "compile_package", fake_compile)
+    monkeypatch.setattr(aot, "load_package", fake_load)
+    return graphs
+
+
+def test_a_package_that_passed_the_check_is_used_unchecked_by_later_processes_until_its_bytes_change(
+        monkeypatch, tmp_path):
+    """The check's eager step costs a worker ~1.3 s: a package that passed it is vouched for by the sha256 of
+    its bytes (<key>.checked), and a later process that loads those very bytes skips the check. Other bytes
+    under the same name (recompiled, replaced, damaged) are checked again; a step not loaded from a package
+    (no digest) never vouches."""
+    checks: list[int] = []
     real_close = fast._metrics_close
     monkeypatch.setattr(fast, "_metrics_close", lambda e, g: (checks.append(1), real_close(e, g))[1])
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(aot, "compile_package", fake_compile)
-    monkeypatch.setattr(aot, "load_package", fake_load)
+    graphs = packaged_graphs(monkeypatch)
     configs = runs(n=2, steps=4)
     results = []
     for expect_checked in (True, False):  # the compiling process checks; the next one loads vouched bytes

@@ -3,16 +3,16 @@ unit's run folders synced together, and step packages vouched for by their bytes
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import textwrap
 import time
 
 import pytest
+from test_fast import packaged_graphs
 
 from normexp import registry
 from normexp.config import validate_run
-from normexp.engines import aot, fast
+from normexp.engines import fast
 from normexp.engines.fast import train_fast
 
 PLUGIN = '''
@@ -51,26 +51,11 @@ def test_a_vouched_package_is_checked_again_when_a_module_its_plugin_imports_cha
     the eager step covered the rest (aot._plugin_digests). A package vouched for by its bytes alone skipped
     that check in a later process, which then trained the old helper's step: losses of another model,
     looking normal."""
-    graphs: dict = {}
-
-    def fake_compile(graph, inputs, package):  # the compiler stood in for by the traced graph
-        graphs[package] = graph
-        package.write_bytes(b"package")
-
-    def fake_load(package):
-        step = graphs[package]
-
-        def call(*args):
-            return step(*args)
-        call.digest = hashlib.sha256(package.read_bytes()).hexdigest()
-        return call
-
     (tmp_path / "scalednorm.py").write_text(textwrap.dedent(PLUGIN))
     (tmp_path / "scalehelper.py").write_text("SCALE = 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(aot, "compile_package", fake_compile)
-    monkeypatch.setattr(aot, "load_package", fake_load)
+    packaged_graphs(monkeypatch)
     monkeypatch.setattr(fast, "_COMPILED", {})
 
     def configs():
