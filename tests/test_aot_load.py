@@ -31,22 +31,50 @@ def test_an_unreadable_package_raises_without_torchs_regenerate_line(tmp_path, c
 
 
 def test_compiling_a_package_shows_no_treespec_deprecation(monkeypatch, tmp_path):
-    """torch warns of its own treespec deprecation while AOTInductor copies the exported program (seen
-    on stderr of every cold compile, torch 2.13); nothing a user can act on, so none is shown."""
+    """torch may warn of its own treespec deprecation inside AOTInductor (seen on stderr of every cold
+    compile through torch.export, torch 2.13); nothing a user can act on, so none is shown."""
     import warnings
 
-    import torch
     import torch._inductor
+    import torch._inductor.package
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    def compile_and_package(exported, package_path, inductor_configs=None):
-        assert inductor_configs == aot.INDUCTOR_CONFIGS  # the wrapper at -O0
+    def compile_graph(graph, inputs, options=None):
+        assert options == {**aot.INDUCTOR_CONFIGS, "aot_inductor.package": True}  # the wrapper at -O0
         warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, stacklevel=1)
-        Path(package_path).write_bytes(b"package")
+        return ["files"]
 
-    monkeypatch.setattr(torch.export, "export", lambda graph, inputs: graph)
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    def package(path, files):
+        assert files == ["files"]
+        Path(path).write_bytes(b"package")
+
+    monkeypatch.setattr(torch._inductor, "aot_compile", compile_graph)
+    monkeypatch.setattr(torch._inductor.package, "package_aoti", package)
+    x = torch.ones(3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        aot.compile_package(None, (), tmp_path / "step.pt2")
+        aot.compile_package(make_fx(lambda x: (x + 1,))(x), (x,), tmp_path / "step.pt2")
     assert [str(w.message) for w in caught] == []
     assert (tmp_path / "step.pt2").read_bytes() == b"package" and list(tmp_path.iterdir()) == [tmp_path / "step.pt2"]
+
+
+def test_a_package_compiled_as_traced_updates_its_inputs_in_place_and_is_called_flat(tmp_path):
+    """compile_package hands make_fx's graph to AOTInductor as traced (no torch.export): the package writes
+    what the graph copies into its inputs back into them, returns its flat tuple, and carries the flat call
+    specification that load_package's direct call needs (a call with the wrong count is refused by it)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = (p * x).sum()
+        p.copy_(p - 0.5 * x)
+        return total, x * 3
+
+    p, x = torch.arange(4.0), torch.tensor([1.0, -2.0, 0.5, 4.0])
+    aot.compile_package(make_fx(step)(p.clone(), x), (p, x), tmp_path / "step.pt2")
+    loaded = aot.load_package(tmp_path / "step.pt2")
+    mine = p.clone()
+    total, tripled = loaded(mine, x)
+    assert torch.equal(mine, p - 0.5 * x) and torch.equal(total, (p * x).sum()) and torch.equal(tripled, x * 3)
+    with pytest.raises(TypeError, match="takes 2 tensors, got 1"):
+        loaded(mine)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 from test_fast import runs
 
-from normexp.engines import aot, fast
+from normexp.engines import aot, fast, initial
 from normexp.engines.fast import train_fast
 
 
@@ -70,16 +70,16 @@ def test_a_run_that_raises_in_a_compiled_batch_is_not_blamed_on_the_compiler(mon
     used: list[int] = []
     monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(calls, used))
     monkeypatch.setattr(fast, "_COMPILED", {})
-    real_init = fast.seeded_init
+    real_start = initial.seeded_start
     bad = runs(n=2, steps=3)
     culprit = bad[1].model_copy(update={"seed": 999})
 
-    def seeded_init(cfg):
+    def seeded_start(cfg):
         if cfg.seed == 999:
             raise RuntimeError("boom in this run")
-        return real_init(cfg)
+        return real_start(cfg)
 
-    monkeypatch.setattr(fast, "seeded_init", seeded_init)
+    monkeypatch.setattr(initial, "seeded_start", seeded_start)
     train_fast(bad, compile=True)  # compiles
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -28,7 +28,7 @@ LAYERS = {
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
-                    "normexp.engines.aot"],
+                    "normexp.engines.initial", "normexp.engines.aot"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.engines.auto", "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],

@@ -4,8 +4,8 @@ then loaded by every later batch, worker process and sweep in a fraction of a se
     key      sha256 of what the step computes (the structure's config sections, runs per batch), where
              it runs (device, CPU model and kernel-changing features, torch, threads) and the code that
              defines it (normexp's own source, and the module of a plugin the structure names)
-    package  <cache>/steps/<key>.pt2: the step traced into one graph of aten operations, exported
-             (torch.export) and compiled by AOTInductor into a shared library
+    package  <cache>/steps/<key>.pt2: the step traced into one graph of aten operations (make_fx) and
+             compiled by AOTInductor, as traced, into a shared library
     lock     <cache>/steps/<key>.lock: the first process compiles; others wanting the same step wait
              for it (their core helps the compiler's C++ jobs meanwhile) and load its package
     checked  <cache>/steps/<key>.checked: the sha256 of a package that passed the check below
@@ -129,17 +129,27 @@ def load_or_compile(key: str, trace: Callable[[], torch.fx.GraphModule], inputs:
 
 
 def compile_package(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor], package: Path) -> None:
-    """`graph` exported for `inputs`' shapes and compiled by AOTInductor into `package`, atomically."""
-    from torch._inductor import aoti_compile_and_package
+    """`graph`, make_fx's graph of a step that takes a flat tuple of tensors and returns one (what every step
+    normexp compiles is), compiled by AOTInductor for `inputs`' shapes into `package`, atomically. The graph
+    goes to the compiler as traced, without torch.export's trace of it again (12 s of the depth-24 step's
+    108 s cold compile, 16 s with what export adds to the compile: docs/performance.md); the call's
+    specification export would record, a flat tuple in and out, is given with it."""
+    from torch._inductor import aot_compile
+    from torch._inductor.package import package_aoti
+    from torch.utils import _pytree as pytree
 
+    for node in graph.graph.nodes:  # make_fx's example values, each of its own fake mode: the compiler makes its own
+        node.meta.pop("val", None)
+        node.meta.pop("tensor_meta", None)
+    graph._in_spec = pytree.tree_flatten((tuple(inputs), {}))[1]  # type: ignore[assignment]
+    graph._out_spec = pytree.tree_flatten(tuple(graph.graph.output_node().args[0]))[1]  # type: ignore[assignment]
     tmp = package.with_name(f"{package.stem}.{os.getpid()}.tmp.pt2")
-    # torch's own deprecation (treespec) inside export and inside the compile (which copies the
-    # exported program), nothing a user can act on
+    # torch's own deprecation (treespec) inside the compile, nothing a user can act on
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
         try:
-            aoti_compile_and_package(torch.export.export(graph, tuple(inputs)), package_path=str(tmp),
-                                     inductor_configs=INDUCTOR_CONFIGS)
+            files = aot_compile(graph, tuple(inputs), options={**INDUCTOR_CONFIGS, "aot_inductor.package": True})
+            package_aoti(str(tmp), files)
             os.replace(tmp, package)
         finally:
             with contextlib.suppress(OSError):

@@ -1,6 +1,6 @@
 """The fast engine: runs of one structure trained together through torch.func; close, not bit-exact.
 
-    params = each run's Net (built by seeded_init), stacked            # (R, ...) per parameter
+    params = each run's Net's (seeded_init's draws, replayed), stacked  # (R, ...) per parameter
     grads, (loss, acc) = vmap(grad_and_value(functional_call(Net on "meta", ...)))(params, x, y)
     one vectorised optimizer update of every run, hyper-parameters as (R, 1, ...) tensors
 
@@ -57,14 +57,13 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 from normexp.config import OptimConfig, RunConfig
-from normexp.engines import aot
+from normexp.engines import aot, initial
 from normexp.engines.common import (
     EarlyStop,
     RunResult,
     batch_order,
     loss_and_acc,
     record_live,
-    seeded_init,
     share_wall_time,
     torch_threads,
     user_cache_dir,
@@ -323,17 +322,18 @@ _STACKING = threading.Lock()
 
 
 def stack_runs(runs: Sequence[RunConfig], device: str) -> tuple[torch.nn.Module, Batch]:
-    """Each run's model and task from `seeded_init` (the reference's draws), stacked on `device`;
-    returns the parameter-less ("meta") model that `functional_call` runs, and the batch."""
+    """Each run's parameters and task as `seeded_init` draws them (the reference's draws; replayed, not
+    built, after a structure's first run: `initial.seeded_start`), stacked on `device`; returns the batch's
+    own copy of the parameter-less ("meta") model that `functional_call` runs (batches trained at once in
+    threads must not share one: functional_call swaps its parameters in place), and the batch."""
     with _STACKING:  # one batch at a time (paired batches): the collector's pause is process-wide
         collecting = gc.isenabled()
-        gc.disable()  # R models are ~10^4 modules: the cyclic collector would rescan them (and, once
-        try:  # torch.compile has loaded, dynamo's module registry) many times over while they are built
-            nets, tasks = zip(*(seeded_init(cfg) for cfg in runs))
-            named = [dict(net.named_parameters()) for net in nets]  # neither model has buffers
+        gc.disable()  # a structure's first model is ~10^2 modules, each run ~10^3 tensors: the cyclic
+        try:  # collector would rescan them (and, once torch.compile has loaded, dynamo's registry) over and over
+            named, tasks = zip(*(initial.seeded_start(cfg) for cfg in runs))  # neither model has buffers
             with torch.no_grad():
                 params = {name: torch.stack([run[name] for run in named]).to(device) for name in named[0]}
-            base = copy.deepcopy(nets[0]).to("meta")
+            base = copy.deepcopy(initial.meta_model(runs[0]))
         finally:
             if collecting:
                 gc.enable()

@@ -1,0 +1,200 @@
+"""Each run's starting parameters and task exactly as `common.seeded_init` draws them, without building its
+model: the model a structure's first run builds is recorded as the aten operations its construction makes,
+and every later run of that structure replays them after its own seed.
+
+    first run of a structure   torch.manual_seed(seed); build_model(cfg) under a recording dispatch mode
+                               -> the operations (empty, uniform_, zero_, fill_, mul_, ...) and which
+                               result each parameter is; replayed once for that seed and kept only if
+                               the replay gives the built model's parameters bit for bit
+    every later run            torch.manual_seed(seed); the operations again, in order, on fresh tensors;
+                               make_task(...): the same global generator, the same draws, in the same order
+
+The model's construction is the only definition of a run's weights: nothing here knows a placement, a norm
+or an init; the recording is what that code did. Replaying costs a fraction of building the model (a
+depth-24 FFN toy: ~150 modules, ~4 ms a run, against ~400 operations). A structure is built, never
+replayed, where the recording could not be exact for another seed: its construction, or its model's
+`profile_at_init`, reads a value back into Python (`.item()`, a comparison in an `if`: an operation that
+returns no tensor; Admin's profiling does), its construction passes tensors in a form the replay does not
+follow (a keyword or a list), or `profile_at_init` changes a parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from normexp.config import RunConfig
+from normexp.data import Task, make_task
+from normexp.engines.common import INIT_LOCK, build_model, seeded_init
+
+Params = dict[str, torch.Tensor]
+_Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _key(tensor: torch.Tensor) -> _Key:
+    """What identifies a tensor's values while everything recorded is alive: its storage, offset and view."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One recorded operation: `func(*args, **kwargs)` with args[i] = the result in slot s for each (i, s) of
+    `refs`; its results go to `outs` (one slot per tensor it returns)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    refs: tuple[tuple[int, int], ...]
+    outs: tuple[int, ...]
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten operation made under it as an `_Op`; `exact` turns False at one it cannot replay.
+    Keeps each result alive until it is done, so that no storage is reused and taken for another's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_Op] = []
+        self.slots: dict[_Key, int] = {}
+        self.constants: dict[int, torch.Tensor] = {}  # slots of tensors made outside the recording
+        self.alive: list[torch.Tensor] = []
+        self.exact = True
+
+    def slot(self, tensor: torch.Tensor) -> int:
+        found = self.slots.get(_key(tensor))
+        if found is None:  # made before the recording, or without an operation: kept as it is now
+            found = self.slots[_key(tensor)] = len(self.alive)
+            self.constants[found] = tensor.detach().clone()
+            self.alive.append(tensor)
+        return found
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()) or any(
+                isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a) for a in args):
+            self.exact = False
+        refs = tuple((i, self.slot(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        out = func(*args, **kwargs)
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(isinstance(r, torch.Tensor) for r in results):
+            self.exact = False  # a value read back into Python: what follows may depend on it
+        outs = []
+        for result in results:
+            if isinstance(result, torch.Tensor):
+                self.slots[_key(result)] = len(self.alive)
+                outs.append(len(self.alive))
+                self.alive.append(result)
+        plain = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
+        self.ops.append(_Op(func, plain, dict(kwargs), refs, tuple(outs)))
+        return out
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A structure's model construction as operations, and the slot of each parameter (by name, in
+    `named_parameters` order)."""
+
+    ops: tuple[_Op, ...]
+    constants: dict[int, torch.Tensor]
+    size: int
+    params: dict[str, int]
+
+    def replay(self) -> Params:
+        """The parameters the construction makes from the global generator's current state."""
+        values: list[Any] = [None] * self.size
+        for slot, tensor in self.constants.items():
+            values[slot] = tensor.clone()
+        for op in self.ops:
+            args = op.args
+            if op.refs:
+                args = list(args)
+                for i, slot in op.refs:
+                    args[i] = values[slot]
+            out = op.func(*args, **op.kwargs)
+            if len(op.outs) == 1:
+                values[op.outs[0]] = out
+            else:
+                for slot, result in zip(op.outs, out):
+                    values[slot] = result
+        return {name: values[slot] for name, slot in self.params.items()}
+
+
+@dataclass(frozen=True)
+class _Known:
+    """What a process keeps of a structure it has met: its recording (None: built each time) and its model
+    without values (the "meta" device), whose forward the fast engine calls with each run's parameters."""
+
+    recording: Recording | None
+    meta: torch.nn.Module
+
+
+_KNOWN: dict[tuple, _Known] = {}  # per structure, for the process's life
+_RECORDING = threading.Lock()
+
+
+def structure(cfg: RunConfig) -> tuple:
+    """What a run's model construction may depend on besides its seed."""
+    return (cfg.model, cfg.norm, cfg.data)
+
+
+def seeded_start(cfg: RunConfig) -> tuple[Params, Task]:
+    """`cfg`'s initial parameters by name and its task, bit for bit those of `seeded_init(cfg)` (same draws
+    from the global generator, in the same order), replayed where its structure was recorded before."""
+    with _RECORDING:
+        if structure(cfg) not in _KNOWN:
+            net, task = seeded_init(cfg)
+            built = dict(net.named_parameters())
+            _KNOWN[structure(cfg)] = _Known(_record(cfg, built), copy.deepcopy(net).to("meta"))
+            return built, task
+        recording = _KNOWN[structure(cfg)].recording
+    if recording is None:
+        net, task = seeded_init(cfg)
+        return dict(net.named_parameters()), task
+    with INIT_LOCK:
+        torch.manual_seed(cfg.seed)
+        params = recording.replay()
+        task = make_task(cfg.data, cfg.model)
+    return params, task
+
+
+def meta_model(cfg: RunConfig) -> torch.nn.Module:
+    """The model of `cfg`'s structure on the "meta" device (shapes, no values), shared by its runs: one that
+    `seeded_start` met (it builds the structure's first run)."""
+    if structure(cfg) not in _KNOWN:
+        seeded_start(cfg)
+    return _KNOWN[structure(cfg)].meta
+
+
+def _record(cfg: RunConfig, built: Params) -> Recording | None:
+    """The recording of `cfg`'s model construction, or None where replaying it could differ from building it:
+    checked on `cfg`'s own seed against the parameters `built` by `seeded_init`."""
+    with INIT_LOCK:
+        torch.manual_seed(cfg.seed)
+        with _Recorder() as recorder:
+            net = build_model(cfg)
+        task = make_task(cfg.data, cfg.model)
+    names = dict(net.named_parameters())
+    before = {name: p.detach().clone() for name, p in names.items()}
+    with _Recorder() as profiling:
+        net.profile_at_init(task.x)
+    if (not recorder.exact or not profiling.exact or not _same(names, before)
+            or any(_key(p) not in recorder.slots for p in names.values())):
+        return None
+    recording = Recording(tuple(recorder.ops), recorder.constants, len(recorder.alive),
+                          {name: recorder.slots[_key(p)] for name, p in names.items()})
+    with INIT_LOCK:
+        torch.manual_seed(cfg.seed)
+        again = recording.replay()
+    return recording if _same(again, built) else None
+
+
+def _same(a: Params, b: Params) -> bool:
+    """Equal names in equal order, each tensor of equal dtype, shape and bits."""
+    return list(a) == list(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a.values(), b.values()))

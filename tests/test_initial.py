@@ -1,0 +1,103 @@
+"""A run's start replayed from its structure's recorded construction (normexp/engines/initial.py) is
+`seeded_init`'s, bit for bit: every parameter and the task, for any structure and seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from test_config_space import VALUES
+
+from normexp.config import ConfigError, RunConfig, validate_run
+from normexp.engines import common, initial
+from normexp.engines.common import seeded_init
+from normexp.registry import ARCHS, KINDS, PLACEMENTS
+
+STRUCTURE_KEYS = sorted(k for k in VALUES if k.split(".")[0] in ("model", "norm", "data"))
+
+
+def _equal_start(cfg: RunConfig, start: tuple[dict[str, torch.Tensor], object]) -> bool:
+    params, task = start
+    net, want = seeded_init(cfg)
+    same_task = all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in ((getattr(task, f), getattr(want, f)) for f in ("x", "y", "positions", "val_x", "val_y")))
+    return initial._same(params, dict(net.named_parameters())) and same_task
+
+
+def _small(data: dict) -> dict:
+    model = data.setdefault("model", {})
+    model["depth"] = min(model.get("depth", 2), 3)
+    model["width"] = min(model.get("width", 8), 8)
+    return data
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(values=st.fixed_dictionaries({}, optional={k: VALUES[k] for k in STRUCTURE_KEYS}),
+    seeds=st.lists(st.integers(0, 2**31 - 1), min_size=2, max_size=3, unique=True))
+def test_a_replayed_start_is_seeded_inits_for_any_structure_and_seed(values: dict, seeds: list[int]):
+    data: dict = {}
+    for key, value in values.items():
+        section, field = key.split(".")
+        data.setdefault(section, {})[field] = value
+    try:
+        configs = [validate_run({**_small(data), "seed": seed}) for seed in seeds]
+    except (ConfigError, ValueError):
+        assume(False)
+    for cfg in configs:  # the first records the structure (where it is new), the others replay it
+        assert _equal_start(cfg, initial.seeded_start(cfg)), cfg
+
+
+STRUCTURES = [(arch, placement, kind) for arch in ARCHS for placement, method in PLACEMENTS.items()
+              if arch in method.archs for kind in KINDS]
+
+
+@pytest.mark.parametrize("arch, placement, kind", STRUCTURES)
+def test_every_registered_structure_is_replayed_exactly_and_only_admin_is_built(arch, placement, kind):
+    """From the registry: each placement and kind on each architecture it applies to, its first run recorded
+    and later seeds replayed, equal to seeded_init; Admin's profiling reads the run's own data (`.item()`),
+    so its runs are built, never replayed."""
+    task = {"task": "copy"} if arch == "transformer" else {}
+    configs = [validate_run({"model": {"arch": arch, "depth": 2, "width": 8}, "data": task,
+                             "norm": {"placement": placement, "kind": kind}, "seed": seed}) for seed in (3, 11, 0)]
+    for cfg in configs:
+        assert _equal_start(cfg, initial.seeded_start(cfg))
+    replayed = initial._KNOWN[initial.structure(configs[0])].recording is not None
+    assert replayed == (placement != "admin")
+
+
+def test_a_construction_that_reads_a_value_back_is_built_each_time(monkeypatch):
+    """A model whose construction branches on a drawn value (an operation that returns no tensor) could
+    make other operations for another seed: such a structure is never replayed, and each run is built."""
+    built = []
+    real = common.build_model
+
+    def branching(cfg: RunConfig):
+        net = real(cfg)
+        weight = next(net.parameters())
+        with torch.no_grad():
+            if weight.sum().item() > 0:  # read back: what follows depends on the seed's draws
+                weight.mul_(2.0)
+        built.append(cfg.seed)
+        return net
+
+    monkeypatch.setattr(common, "build_model", branching)
+    monkeypatch.setattr(initial, "build_model", branching)
+    monkeypatch.setattr(initial, "_KNOWN", {})
+    configs = [validate_run({"model": {"depth": 2, "width": 8}, "seed": seed}) for seed in range(6)]
+    for cfg in configs:
+        assert _equal_start(cfg, initial.seeded_start(cfg))
+    assert initial._KNOWN[initial.structure(configs[0])].recording is None
+    assert len(built) >= 2 * len(configs)  # each run built (and again by the comparison), none replayed
+
+
+def test_replaying_is_the_global_generators_draws_in_order():
+    """The replay draws from the global generator exactly as the build does: after a run's start, the
+    generator is where seeded_init leaves it (a later draw of the same process sees the same numbers)."""
+    cfg = validate_run({"model": {"depth": 2, "width": 8}, "seed": 5})
+    initial.seeded_start(validate_run({"model": {"depth": 2, "width": 8}, "seed": 4}))  # records the structure
+    initial.seeded_start(cfg)
+    after_replay = torch.rand(4)
+    seeded_init(cfg)
+    assert torch.equal(after_replay, torch.rand(4))
