@@ -22,6 +22,7 @@ from normexp.sweep import EventCallback, SweepEvent
 PER_RUN_LINES = 200  # a larger sweep's log gets progress lines, not a line per run
 LINE_EVERY_S = 30.0
 LINE_EVERY_RUNS = 0.05  # a share of the sweep's runs
+FIRST_BURST_S = 0.25  # runs finishing this soon after the first one came with it (one batch, one unit)
 
 
 def _duration(seconds: float) -> str:
@@ -33,22 +34,30 @@ def _duration(seconds: float) -> str:
 
 class ProgressLines:
     """The plain progress line of a large sweep: `[done/total] pct · statuses · elapsed, ETA`, due every
-    LINE_EVERY_RUNS of the runs or LINE_EVERY_S seconds, and at the end. The ETA is the time the runs
-    trained so far took, per run, times the runs left (skipped runs take no time and do not count)."""
+    LINE_EVERY_RUNS of the runs or LINE_EVERY_S seconds, and at the end. The ETA is the runs left times the
+    time per run trained since the first ones finished: what came before them (starting the workers,
+    compiling a step: 1.5 minutes before a compiled sweep's first batch) is paid once, not per run, and the
+    first batch's runs, finishing within FIRST_BURST_S of each other, mark the start together. Until a run
+    finishes after those, the ETA is "?". Skipped runs take no time and do not count."""
 
     def __init__(self, total: int, clock=time.monotonic) -> None:
         self.total, self.clock = total, clock
         self.start = self.last_time = clock()
         self.last_done, self.trained = 0, 0
+        self.first: float | None = None  # when the first run finished
+        self.mark: tuple[float, int] = (0.0, 0)  # when the first batch's last run finished, and runs trained then
         self.statuses: Counter[str] = Counter()
 
     def update(self, event: SweepEvent) -> str | None:
         """Account for `event`; the progress line if one is due now, else None."""
+        now = self.clock()
         if event.kind in ("finished", "failed"):
             self.trained += 1
+            self.first = now if self.first is None else self.first
+            if now - self.first <= FIRST_BURST_S:
+                self.mark = (now, self.trained)
         if event.kind in ("finished", "failed", "skipped"):
             self.statuses[event.status or event.kind] += 1
-        now = self.clock()
         due = (event.done - self.last_done >= max(1, int(self.total * LINE_EVERY_RUNS))
                or now - self.last_time >= LINE_EVERY_S or event.done >= self.total)
         if not due or event.done == self.last_done:
@@ -59,7 +68,9 @@ class ProgressLines:
     def line(self, now: float, done: int) -> str:
         elapsed = now - self.start
         left = self.total - done
-        eta = "done" if not left else f"ETA {_duration(elapsed / self.trained * left)}" if self.trained else "ETA ?"
+        since, then = self.mark
+        per_run = (now - since) / (self.trained - then) if self.trained > then else None
+        eta = "done" if not left else f"ETA {_duration(per_run * left)}" if per_run is not None else "ETA ?"
         counts = ", ".join(f"{n} {status}" for status, n in sorted(self.statuses.items()))
         return f"[{done}/{self.total}] {100 * done // self.total}% · {counts} · {_duration(elapsed)} elapsed, {eta}"
 

@@ -26,7 +26,7 @@ def test_progress_lines_come_every_five_percent_with_statuses_and_an_eta():
         if line is not None:
             shown.append(line)
     assert len(shown) == 20
-    assert shown[0] == "[50/1000] 5% · 45 completed, 5 diverged · 0m01s elapsed, ETA 0m19s"
+    assert shown[0] == "[50/1000] 5% · 45 completed, 5 diverged · 0m01s elapsed, ETA 0m19s"  # 0.02 s a run
     assert shown[-1] == "[1000/1000] 100% · 900 completed, 100 diverged · 0m20s elapsed, done"
 
 
@@ -36,7 +36,32 @@ def test_progress_lines_come_every_thirty_seconds_and_skipped_runs_cost_no_eta()
     assert lines.update(SweepEvent("skipped", "a", 1, 10_000)) is None
     now[0] = 31.0
     line = lines.update(SweepEvent("finished", "b", 2, 10_000, "completed"))
-    assert line == "[2/10000] 0% · 1 completed, 1 skipped · 0m31s elapsed, ETA 86h05m"
+    assert line == "[2/10000] 0% · 1 completed, 1 skipped · 0m31s elapsed, ETA ?"  # no rate from one run
+    now[0] = 62.0
+    line = lines.update(SweepEvent("finished", "c", 3, 10_000, "completed"))
+    assert line == "[3/10000] 0% · 2 completed, 1 skipped · 1m02s elapsed, ETA 86h05m"  # 31 s a run since "b"
+
+
+def test_the_eta_leaves_out_what_came_before_the_first_batch_finished():
+    """A compiled sweep's first 16-run batch finishes after a 99 s compile (what the 10,240-run phase grid
+    showed: "[1/10240] ... ETA 280h38m"); then batches come every 1.4 s. The ETA counts from the first
+    batch's last run, so it is the batches' pace times the runs left, not the compile's share of each run."""
+    now = [0.0]
+    lines = ProgressLines(10_240, clock=lambda: now[0])
+    now[0] = 99.0
+    shown = []
+    for batch in range(64):
+        for run in range(16):
+            now[0] += 0.001  # one batch's runs are written one after another
+            done = 16 * batch + run + 1
+            line = lines.update(SweepEvent("finished", f"r{done}", done, 10_240, "completed"))
+            if line is not None:
+                shown.append(line)
+        now[0] += 1.4
+    assert shown[0] == "[1/10240] 0% · 1 completed · 1m39s elapsed, ETA ?"  # the 30 s line, within the first batch
+    # 30 s later, at the first run of batch 23: 337 runs in the 31.1 s since the first batch, x the 9,887 left
+    # (the batches' pace, 1.416 s / 16 runs, gives 14m35s; from the sweep's start it would read 60m42s)
+    assert shown[1] == "[353/10240] 3% · 353 completed · 2m10s elapsed, ETA 15m14s", shown[1]
 
 
 
