@@ -84,3 +84,15 @@ def test_a_users_placement_that_measures_its_branch_starts_as_seeded_init(tmp_pa
                              "seed": seed}) for seed in range(3)]
     for cfg in configs:
         assert _equal_start(cfg, initial.seeded_start(cfg)), cfg.seed
+
+
+def test_after_a_structures_first_run_the_generator_is_where_seeded_init_leaves_it(monkeypatch):
+    """test_initial checks this of a replayed run; the first run of a structure (built, then recorded and
+    replayed once for the check) must leave the global generator after the task's draws too, as
+    seeded_init does, not after the model's only."""
+    monkeypatch.setattr(initial, "_KNOWN", {})
+    cfg = validate_run({"model": {"depth": 2, "width": 8}, "seed": 5})
+    initial.seeded_start(cfg)
+    after_first = torch.rand(4)
+    common.seeded_init(cfg)
+    assert torch.equal(after_first, torch.rand(4))

@@ -212,6 +212,7 @@ def _record(cfg: RunConfig, built: Params) -> Recording | None:
     with INIT_LOCK:
         torch.manual_seed(cfg.seed)
         again = recording.replay()
+        make_task(cfg.data, cfg.model)  # the generator left where seeded_init leaves it, as after a replayed run
     return recording if _same(again, built) else None
 
 
