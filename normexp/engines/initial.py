@@ -14,8 +14,9 @@ or an init; the recording is what that code did. Replaying costs a fraction of b
 depth-24 FFN toy: ~150 modules, ~4 ms a run, against ~400 operations). A structure is built, never
 replayed, where the recording could not be exact for another seed: its construction, or its model's
 `profile_at_init`, reads a value back into Python (`.item()`, a comparison in an `if`: an operation that
-returns no tensor; Admin's profiling does), its construction passes tensors in a form the replay does not
-follow (a keyword or a list), or `profile_at_init` changes a parameter.
+returns no tensor; Admin's profiling does; or by a path that makes none: `.tolist()`, `.numpy()`, NumPy's
+`__array__`, the shape of a result whose shape depends on values, as `nonzero`'s), its construction passes
+tensors in a form the replay does not follow (a keyword or a list), or `profile_at_init` changes a parameter.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from normexp.config import RunConfig
@@ -84,6 +86,8 @@ class _Recorder(TorchDispatchMode):
         results = out if isinstance(out, (tuple, list)) else (out,)
         if not all(isinstance(r, torch.Tensor) for r in results):
             self.exact = False  # a value read back into Python: what follows may depend on it
+        if torch.Tag.dynamic_output_shape in func.tags:
+            self.exact = False  # its shape is read from values (nonzero, unique): what reads it reads them
         outs = []
         for result in results:
             if isinstance(result, torch.Tensor):
@@ -93,6 +97,23 @@ class _Recorder(TorchDispatchMode):
         plain = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
         self.ops.append(_Op(func, plain, dict(kwargs), refs, tuple(outs)))
         return out
+
+
+# Tensor methods that hand a tensor's values to Python without an aten operation (no dispatch mode sees them)
+_READ_BACK = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__dlpack__,
+                        torch.Tensor.data_ptr})
+
+
+class _Reads(TorchFunctionMode):
+    """Watches the Python calls made under it: `read` turns True at one of `_READ_BACK`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.read = self.read or func in _READ_BACK
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass(frozen=True)
@@ -176,14 +197,14 @@ def _record(cfg: RunConfig, built: Params) -> Recording | None:
     checked on `cfg`'s own seed against the parameters `built` by `seeded_init`."""
     with INIT_LOCK:
         torch.manual_seed(cfg.seed)
-        with _Recorder() as recorder:
+        with _Reads() as reads, _Recorder() as recorder:
             net = build_model(cfg)
         task = make_task(cfg.data, cfg.model)
     names = dict(net.named_parameters())
     before = {name: p.detach().clone() for name, p in names.items()}
-    with _Recorder() as profiling:
+    with _Reads() as profile_reads, _Recorder() as profiling:
         net.profile_at_init(task.x)
-    if (not recorder.exact or not profiling.exact or not _same(names, before)
+    if (not recorder.exact or not profiling.exact or reads.read or profile_reads.read or not _same(names, before)
             or any(_key(p) not in recorder.slots for p in names.values())):
         return None
     recording = Recording(tuple(recorder.ops), recorder.constants, len(recorder.alive),
@@ -191,6 +212,7 @@ def _record(cfg: RunConfig, built: Params) -> Recording | None:
     with INIT_LOCK:
         torch.manual_seed(cfg.seed)
         again = recording.replay()
+        make_task(cfg.data, cfg.model)  # the generator left where seeded_init leaves it, as after a replayed run
     return recording if _same(again, built) else None
 
 
