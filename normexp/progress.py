@@ -22,7 +22,7 @@ from normexp.sweep import EventCallback, SweepEvent
 PER_RUN_LINES = 200  # a larger sweep's log gets progress lines, not a line per run
 LINE_EVERY_S = 30.0
 LINE_EVERY_RUNS = 0.05  # a share of the sweep's runs
-FIRST_BURST_S = 0.25  # runs finishing this soon after the first one came with it (one batch, one unit)
+FIRST_BURST_S = 0.25  # runs finishing this soon after a wait ends came with its first (one batch, one unit)
 
 
 def _duration(seconds: float) -> str:
@@ -35,17 +35,19 @@ def _duration(seconds: float) -> str:
 class ProgressLines:
     """The plain progress line of a large sweep: `[done/total] pct · statuses · elapsed, ETA`, due every
     LINE_EVERY_RUNS of the runs or LINE_EVERY_S seconds, and at the end. The ETA is the runs left times the
-    time per run trained since the first ones finished: what came before them (starting the workers,
-    compiling a step: 1.5 minutes before a compiled sweep's first batch) is paid once, not per run, and the
-    first batch's runs, finishing within FIRST_BURST_S of each other, mark the start together. Until a run
-    finishes after those, the ETA is "?". Skipped runs take no time and do not count."""
+    time per run trained since the longest wait so far for a finished run (the first one's included): what
+    came before it (starting the workers, compiling a step: 1.5 minutes before a compiled sweep's first
+    batch, even where a run failed at once before it) is paid once, not per run. The runs of the batch that
+    ends the wait, finishing within FIRST_BURST_S of its first, mark the start together; until a run
+    finishes after them, the ETA is "?". Skipped runs take no time and do not count."""
 
     def __init__(self, total: int, clock=time.monotonic) -> None:
         self.total, self.clock = total, clock
-        self.start = self.last_time = clock()
+        self.start = self.last_time = self.last_trained = clock()
         self.last_done, self.trained = 0, 0
-        self.first: float | None = None  # when the first run finished
-        self.mark: tuple[float, int] = (0.0, 0)  # when the first batch's last run finished, and runs trained then
+        self.longest = -1.0  # the longest wait for a finished run so far
+        self.waited = 0.0  # when that wait ended
+        self.mark: tuple[float, int] = (0.0, 0)  # when the batch that ended it was in, and the runs trained then
         self.statuses: Counter[str] = Counter()
 
     def update(self, event: SweepEvent) -> str | None:
@@ -53,9 +55,11 @@ class ProgressLines:
         now = self.clock()
         if event.kind in ("finished", "failed"):
             self.trained += 1
-            self.first = now if self.first is None else self.first
-            if now - self.first <= FIRST_BURST_S:
+            if now - self.last_trained > self.longest:
+                self.longest, self.waited = now - self.last_trained, now
+            if now - self.waited <= FIRST_BURST_S:
                 self.mark = (now, self.trained)
+            self.last_trained = now
         if event.kind in ("finished", "failed", "skipped"):
             self.statuses[event.status or event.kind] += 1
         due = (event.done - self.last_done >= max(1, int(self.total * LINE_EVERY_RUNS))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
@@ -310,3 +310,37 @@ def test_the_statuses_only_summary_csv_knows_are_read_as_csv_dictreader_reads_th
     rows = list(csv.DictReader(io.StringIO(text)))
     assert cached_statuses(tmp_path) == {row["run_id"]: row["status"] for row in rows
                                          if isinstance(row.get("run_id"), str) and row.get("status") in CACHED_STATUSES}
+
+
+def _eta_seconds(line: str) -> float:
+    eta = line.rsplit("ETA ", 1)[1]
+    big, small = (int(x) for x in eta.replace("h", " ").replace("m", " ").replace("s", "").split())
+    return big * 3600 + small * 60 if "h" in eta else big * 60 + small
+
+
+@settings(max_examples=60, deadline=None)
+@given(wait=st.floats(5, 300), period=st.floats(0.2, 3), size=st.sampled_from([1, 4, 16]),
+       early=st.integers(0, 3), batches=st.integers(8, 40))
+def test_after_any_first_wait_the_eta_is_the_batches_pace(wait, period, size, early, batches):
+    """Runs that fail at once, then a long wait (a compile), then batches at a steady pace: after 8 batches the
+    ETA is the batches' pace times the runs left (within what reading it at a batch's first run can add:
+    one batch in eight), whatever the wait, the pace, the batch size and the early failures."""
+    total = early + size * (batches + 200)
+    now = [0.0]
+    lines = ProgressLines(total, clock=lambda: now[0])
+    done = 0
+    for _ in range(early):
+        now[0] += 0.01
+        done += 1
+        lines.update(SweepEvent("failed", f"f{done}", done, total, "failed"))
+    now[0] += wait
+    for batch in range(batches):
+        for _ in range(size):
+            now[0] += 0.001
+            done += 1
+            lines.update(SweepEvent("finished", f"r{done}", done, total, "completed"))
+            true_left = (total - done) / size * (period + 0.001 * size)
+            if batch >= 8:
+                eta = _eta_seconds(lines.line(now[0], done))
+                assert 0.85 * true_left - 1 <= eta <= 1.15 * true_left + 1, (eta, true_left)
+        now[0] += period
