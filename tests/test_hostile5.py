@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from test_initial import _equal_start
+from test_initial import _equal_start, assert_built_each_time
 
 from normexp.config import validate_run
 from normexp.engines import common, initial
@@ -33,22 +33,7 @@ def test_a_construction_reading_values_back_without_item_is_built_not_replayed(m
     """A model whose construction scales a weight by a value read from the drawn weights: each seed's
     scale is its own, so a recording of the first seed's construction replays the wrong scale for the
     others. Such a structure must be built for each run, as `.item()` already makes it."""
-    real = common.build_model
-
-    def reading(cfg):
-        net = real(cfg)
-        weight = next(net.parameters())
-        with torch.no_grad():
-            weight.mul_(READS[read](weight.detach()))
-        return net
-
-    monkeypatch.setattr(common, "build_model", reading)
-    monkeypatch.setattr(initial, "build_model", reading)
-    monkeypatch.setattr(initial, "_KNOWN", {})
-    configs = [validate_run({"model": {"depth": 2, "width": 8}, "seed": seed}) for seed in range(4)]
-    for cfg in configs:
-        assert _equal_start(cfg, initial.seeded_start(cfg)), (read, cfg.seed)
-    assert initial._KNOWN[initial.structure(configs[0])].recording is None
+    assert_built_each_time(monkeypatch, lambda weight: weight.mul_(READS[read](weight.detach())))
 
 
 PACKAGE = '''

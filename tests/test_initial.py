@@ -67,29 +67,39 @@ def test_every_registered_structure_is_replayed_exactly_and_only_admin_is_built(
     assert replayed == (placement != "admin")
 
 
-def test_a_construction_that_reads_a_value_back_is_built_each_time(monkeypatch):
-    """A model whose construction branches on a drawn value (an operation that returns no tensor) could
-    make other operations for another seed: such a structure is never replayed, and each run is built."""
-    built = []
+def assert_built_each_time(monkeypatch, alter) -> list[int]:
+    """With every model's construction followed by `alter(its first weight)` (under no_grad), each of six
+    runs starts as seeded_init starts it and the structure is never replayed. Returns the seeds built."""
+    built: list[int] = []
     real = common.build_model
 
-    def branching(cfg: RunConfig):
+    def altered(cfg: RunConfig):
         net = real(cfg)
-        weight = next(net.parameters())
         with torch.no_grad():
-            if weight.sum().item() > 0:  # read back: what follows depends on the seed's draws
-                weight.mul_(2.0)
+            alter(next(net.parameters()))
         built.append(cfg.seed)
         return net
 
-    monkeypatch.setattr(common, "build_model", branching)
-    monkeypatch.setattr(initial, "build_model", branching)
+    monkeypatch.setattr(common, "build_model", altered)
+    monkeypatch.setattr(initial, "build_model", altered)
     monkeypatch.setattr(initial, "_KNOWN", {})
     configs = [validate_run({"model": {"depth": 2, "width": 8}, "seed": seed}) for seed in range(6)]
     for cfg in configs:
-        assert _equal_start(cfg, initial.seeded_start(cfg))
+        assert _equal_start(cfg, initial.seeded_start(cfg)), cfg.seed
     assert initial._KNOWN[initial.structure(configs[0])].recording is None
-    assert len(built) >= 2 * len(configs)  # each run built (and again by the comparison), none replayed
+    return built
+
+
+def test_a_construction_that_reads_a_value_back_is_built_each_time(monkeypatch):
+    """A model whose construction branches on a drawn value (an operation that returns no tensor) could
+    make other operations for another seed: such a structure is never replayed, and each run is built."""
+
+    def branching(weight: torch.Tensor) -> None:
+        if weight.sum().item() > 0:  # read back: what follows depends on the seed's draws
+            weight.mul_(2.0)
+
+    built = assert_built_each_time(monkeypatch, branching)
+    assert len(built) >= 2 * 6  # each run built (and again by the comparison), none replayed
 
 
 def test_replaying_is_the_global_generators_draws_in_order():
