@@ -41,14 +41,16 @@ running twice, the executor, resuming. Tests hold it to the reference within the
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import gc
 import math
 import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -321,22 +323,13 @@ class Batch:
 _STACKING = threading.Lock()
 
 
-def stack_runs(runs: Sequence[RunConfig], device: str) -> tuple[torch.nn.Module, Batch]:
+def stack_runs(runs: Sequence[RunConfig], device: str) -> Batch:
     """Each run's parameters and task as `seeded_init` draws them (the reference's draws; replayed, not
-    built, after a structure's first run: `initial.seeded_start`), stacked on `device`; returns the batch's
-    own copy of the parameter-less ("meta") model that `functional_call` runs (batches trained at once in
-    threads must not share one: functional_call swaps its parameters in place), and the batch."""
-    with _STACKING:  # one batch at a time (paired batches): the collector's pause is process-wide
-        collecting = gc.isenabled()
-        gc.disable()  # a structure's first model is ~10^2 modules, each run ~10^3 tensors: the cyclic
-        try:  # collector would rescan them (and, once torch.compile has loaded, dynamo's registry) over and over
-            named, tasks = zip(*(initial.seeded_start(cfg) for cfg in runs))  # neither model has buffers
-            with torch.no_grad():
-                params = {name: torch.stack([run[name] for run in named]).to(device) for name in named[0]}
-            base = copy.deepcopy(initial.meta_model(runs[0]))
-        finally:
-            if collecting:
-                gc.enable()
+    built, after a structure's first run: `initial.seeded_start`), stacked on `device`."""
+    with _collector_paused():  # a structure's first model is ~10^2 modules, each run ~10^3 tensors
+        named, tasks = zip(*(initial.seeded_start(cfg) for cfg in runs))  # neither model has buffers
+        with torch.no_grad():
+            params = {name: torch.stack([run[name] for run in named]).to(device) for name in named[0]}
 
     def stacked(name: str) -> torch.Tensor | None:
         values = [getattr(task, name) for task in tasks]
@@ -348,7 +341,30 @@ def stack_runs(runs: Sequence[RunConfig], device: str) -> tuple[torch.nn.Module,
         per_run = [batch_order(cfg.data.n_samples, cfg.data.batch_size, cfg.seed, cfg.train.steps) for cfg in runs]
         order = torch.stack([torch.stack(steps) for steps in zip(*per_run)]).to(device)
     positions = tasks[0].positions.to(device) if tasks[0].positions is not None else None
-    return base, Batch(params, stacked("x"), stacked("y"), positions, stacked("val_x"), stacked("val_y"), order)
+    return Batch(params, stacked("x"), stacked("y"), positions, stacked("val_x"), stacked("val_y"), order)
+
+
+def batch_model(cfg: RunConfig) -> torch.nn.Module:
+    """A batch's own copy of the parameter-less ("meta") model of `cfg`'s structure that `functional_call`
+    runs: batches trained at once in threads must not share one (functional_call swaps its parameters in
+    place). A compiled batch needs none once its step is compiled (the depth-24 toy's copy: ~8 ms a batch)."""
+    with _collector_paused():
+        return copy.deepcopy(initial.meta_model(cfg))
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off inside, one batch at a time (paired batches): the pause is process-wide,
+    and the collector would rescan the models' objects (and, once torch.compile has loaded, dynamo's
+    registry) over and over."""
+    with _STACKING:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if collecting:
+                gc.enable()
 
 
 GradStep = Callable[[Tensors, torch.Tensor, torch.Tensor], tuple[Tensors, torch.Tensor]]
@@ -446,11 +462,12 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
     first = runs[0]
     stop_on_nonfinite = first.train.stop_on_nonfinite
     with torch_threads(first.train.threads) as threads:
-        base, batch = stack_runs(runs, device)
+        batch = stack_runs(runs, device)
+        base = functools.cache(functools.partial(batch_model, first))  # made where needed, once
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
         step_fn = _compiler_step(_compiled, first, base, batch, optimizer) if compiled else None
-        grad_step = make_grad_step(base, batch.positions, first.train.z_loss) if step_fn is None else None
-        val_step = vmap(make_loss_fn(base, batch.positions)) if batch.val_x is not None else None
+        grad_step = make_grad_step(base(), batch.positions, first.train.z_loss) if step_fn is None else None
+        val_step = vmap(make_loss_fn(base(), batch.positions)) if batch.val_x is not None else None
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
         steps = first.train.steps
@@ -533,11 +550,12 @@ def compiled_structure(cfg: RunConfig) -> tuple:
     return (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, cfg.optim.name in FUSED_OPTIMIZERS)
 
 
-def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch, optimizer: FastOptimizer) -> CompiledStep:
+def _compiled(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Batch,
+              optimizer: FastOptimizer) -> CompiledStep:
     """The compiled step of runs shaped like `cfg` on the batch's device, for batches of COMPILED_CHUNK runs
     (vmap specialises the run axis, so `train_fast` pads smaller batches); with Adam or AdamW the update
-    is part of it. Compile errors, and a compiled step that does not reproduce the eager one, surface
-    at the first call."""
+    is part of it; `base` makes the batch's model, which a step not compiled yet traces. Compile errors,
+    and a compiled step that does not reproduce the eager one, surface at the first call."""
     fused = cfg.optim.name in FUSED_OPTIMIZERS
     key = (*compiled_structure(cfg), str(batch.x.device))
     if key not in _COMPILED:
@@ -545,7 +563,7 @@ def _compiled(cfg: RunConfig, base: torch.nn.Module, batch: Batch, optimizer: Fa
         what = {"step": "train-adam" if fused else "grad", "model": cfg.model.model_dump(mode="json"),
                 "norm": cfg.norm.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
                 "z_loss": cfg.train.z_loss, "runs": len(batch.x)}
-        step = make_grad_step(base, batch.positions, cfg.train.z_loss)
+        step = make_grad_step(base(), batch.positions, cfg.train.z_loss)
         name, vouching = aot.step_key(what, str(batch.x.device)), aot.vouchable(what)
         x, y = batch.step_data(0)
         if fused:  # the check's update: each run's base learning rate (a warmup may start at 0), live
