@@ -347,7 +347,8 @@ def stack_runs(runs: Sequence[RunConfig], device: str) -> Batch:
 def batch_model(cfg: RunConfig) -> torch.nn.Module:
     """A batch's own copy of the parameter-less ("meta") model of `cfg`'s structure that `functional_call`
     runs: batches trained at once in threads must not share one (functional_call swaps its parameters in
-    place). A compiled batch needs none once its step is compiled (the depth-24 toy's copy: ~8 ms a batch)."""
+    place). A compiled batch needs none once its step is compiled, unless it evaluates a held-out split (the
+    Transformer's sequence tasks) with the eager model (the depth-24 toy's copy: ~8 ms a batch)."""
     with _collector_paused():
         return copy.deepcopy(initial.meta_model(cfg))
 

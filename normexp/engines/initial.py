@@ -217,10 +217,12 @@ def _record(cfg: RunConfig, built: Params) -> Recording | None:
 
 
 def _seed(seed: int) -> None:
-    """`torch.manual_seed(seed)` for a replay: the CPU generator, which every draw of a construction and a
-    task is made from (a replay builds no plugin's model, and the fast engine draws nothing while it
-    trains). torch.manual_seed also queues the seeding of every other device's generator, formatting the
-    Python stack for each: 0.15-0.25 ms a call, against ~3 ms for the rest of a replayed run's start."""
+    """`torch.manual_seed(seed)` for a replay: the CPU generator, which the draws of a construction and a
+    task are made from (a replay builds no plugin's model, and the fast engine draws nothing while it
+    trains). A construction that draws from another generator (another device's, its own) is built, never
+    replayed: `_record` checks its replay after this same seeding, from which that generator's draws differ.
+    torch.manual_seed also queues the seeding of every other device's generator, formatting the Python
+    stack for each: 0.15-0.25 ms a call, against ~3 ms for the rest of a replayed run's start."""
     torch.default_generator.manual_seed(seed)
 
 
