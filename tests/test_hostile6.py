@@ -4,13 +4,19 @@ alone)."""
 from __future__ import annotations
 
 import threading
+import warnings
 
-from normexp import executors
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from normexp.config import RunConfig
 from normexp.engines import fast, initial
+from normexp.engines.common import seeded_init
 from normexp.engines.fast import train_fast
 from normexp.executors import InProcessExecutor, pairs_well
-from normexp.units import plan_units, run_unit
+from normexp.units import plan_units
 
 
 def test_paired_fast_batches_of_one_structure_each_run_their_own_model(monkeypatch):
@@ -39,3 +45,84 @@ def test_paired_fast_batches_of_one_structure_each_run_their_own_model(monkeypat
     for unit in units:
         alone = train_fast(unit.runs, "cpu", compile=False)
         assert [o.metrics for o in paired[id(unit)]] == [r.metrics for r in alone]  # bit for bit
+
+
+def packaged(monkeypatch, tmp_path):
+    """The compiler stood in for by the traced graph itself (test_fast.packaged_graphs)."""
+    from test_fast import packaged_graphs
+
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    packaged_graphs(monkeypatch)
+    monkeypatch.setattr(fast, "_COMPILED", {})
+
+
+TRANSFORMER = {"model": {"arch": "transformer", "depth": 1, "width": 16}, "data": {"task": "assoc_recall"}}
+
+
+@pytest.mark.parametrize("structure", [{"model": {"depth": 2, "width": 8}}, TRANSFORMER], ids=["ffn", "transformer"])
+@pytest.mark.parametrize("optim", ["adam", "sgd"])
+def test_a_compiled_step_that_fails_in_a_batch_that_made_no_model_falls_back_to_one(monkeypatch, tmp_path,
+                                                                                       structure, optim):
+    """A later batch of a compiled structure makes no model (its step is compiled already) unless it has a
+    held-out split; when the compiled step raises in the middle of it, `train_fast` trains the batch again
+    uncompiled, which needs the model: it gets its own, and the numbers are the eager ones."""
+    packaged(monkeypatch, tmp_path)
+    configs = [RunConfig.model_validate({**structure, "optim": {"name": optim, "lr": 0.01},
+                                         "train": {"steps": 5}, "seed": s}) for s in range(2)]
+    train_fast(configs, compile=True)  # compiles the structure's step
+    (key,) = fast._COMPILED
+    step, calls = fast._COMPILED[key], []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the compiled kernel failed")
+        return step(*args)
+
+    fast._COMPILED[key] = failing
+    made: list[object] = []
+    real = fast.batch_model
+    monkeypatch.setattr(fast, "batch_model", lambda cfg: made.append(real(cfg)) or made[-1])
+    later = [cfg.model_copy(update={"seed": cfg.seed + 2}) for cfg in configs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = train_fast(later, compile=True)
+    assert [str(w.message).split(";")[0] for w in caught] == [
+        "compiling the step failed (RuntimeError: the compiled kernel failed)"]
+    held_out = structure is TRANSFORMER
+    assert len(made) == 1 + held_out  # the eager retry's, and the compiled try's for its held-out split
+    assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(later, compile=False)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1), before=st.integers(0, 2**64 - 1), draws=st.integers(0, 3),
+       arch=st.sampled_from(["ffn", "transformer"]))
+def test_a_replayed_start_and_the_generator_after_it_do_not_depend_on_the_generator_before(seed, before, draws, arch):
+    """A replay seeds the CPU generator alone (`initial._seed`): over the whole range of seeds the schema allows,
+    whatever the generator's state before (another seed, draws of normal samples, whose cached second value
+    torch.manual_seed clears), the replayed start is seeded_init's and the generator's whole state after it
+    (get_rng_state: the Mersenne state and the normal caches) is where seeded_init leaves it."""
+    structure = TRANSFORMER if arch == "transformer" else {"model": {"depth": 2, "width": 8}}
+    initial.seeded_start(RunConfig.model_validate({**structure, "seed": seed ^ 1}))  # the structure recorded
+    cfg = RunConfig.model_validate({**structure, "seed": seed})
+    assert initial._KNOWN[initial.structure(cfg)].recording is not None  # replayed, not built
+    torch.manual_seed(before)
+    torch.randn(draws)  # an odd count leaves a normal sample cached
+    params, task = initial.seeded_start(cfg)
+    after = torch.get_rng_state()
+    net, want = seeded_init(cfg)
+    assert torch.equal(after, torch.get_rng_state())
+    assert initial._same(params, dict(net.named_parameters()))
+    assert torch.equal(task.x, want.x) and torch.equal(task.y, want.y)
+
+
+def test_a_construction_drawing_from_its_own_generator_is_built_each_time(monkeypatch):
+    """`initial._seed` seeds the CPU generator alone; a construction that draws from another generator (here
+    its own, seeded alike for every run) fails `_record`'s check, whose replay is seeded the same way, so its
+    structure is built, never replayed from a generator left where the check left it."""
+    from test_initial import assert_built_each_time
+
+    def own_draws(weight: torch.Tensor) -> None:
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(7)))
+
+    assert len(assert_built_each_time(monkeypatch, own_draws)) >= 6
