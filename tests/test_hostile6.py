@@ -126,3 +126,28 @@ def test_a_construction_drawing_from_its_own_generator_is_built_each_time(monkey
         weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(7)))
 
     assert len(assert_built_each_time(monkeypatch, own_draws)) >= 6
+
+
+def test_what_making_the_batchs_model_raises_fails_the_batch_and_is_no_compile_failure(monkeypatch, tmp_path):
+    """`CompileFailed`: what a run raises outside the compiled step is not wrapped. The batch's model, made
+    lazily since 788d925 and first needed inside the compile, is part of the batch's start: an error there
+    (a MemoryError) fails the batch as it does uncompiled, with no "compiling the step failed" and without
+    refusing the structure's compiled step for the rest of the process."""
+    packaged(monkeypatch, tmp_path)
+    real, calls = fast.batch_model, []
+
+    def flaky(cfg):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("no memory for the copy")
+        return real(cfg)
+
+    monkeypatch.setattr(fast, "batch_model", flaky)
+    configs = [RunConfig.model_validate({"model": {"depth": 2, "width": 8}, "train": {"steps": 2}, "seed": s})
+               for s in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(MemoryError, match="no memory for the copy"):
+            train_fast(configs, compile=True)
+        train_fast(configs, compile=True)  # the next batch compiles: nothing was refused
+    assert not [key for key in fast._COMPILED if key[0] == "refused"] and len(fast._COMPILED) == 1

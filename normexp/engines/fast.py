@@ -466,6 +466,8 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
         batch = stack_runs(runs, device)
         base = functools.cache(functools.partial(batch_model, first))  # made where needed, once
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
+        if compiled and _step_key(first, batch) not in _COMPILED:
+            base()  # the model the step is traced from, made outside the compiler's wrap: what it raises is the batch's
         step_fn = _compiler_step(_compiled, first, base, batch, optimizer) if compiled else None
         grad_step = make_grad_step(base(), batch.positions, first.train.z_loss) if step_fn is None else None
         val_step = vmap(make_loss_fn(base(), batch.positions)) if batch.val_x is not None else None
@@ -551,6 +553,11 @@ def compiled_structure(cfg: RunConfig) -> tuple:
     return (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, cfg.optim.name in FUSED_OPTIMIZERS)
 
 
+def _step_key(cfg: RunConfig, batch: Batch) -> tuple:
+    """The key of `_COMPILED` that the step of `cfg`'s runs on the batch's device is kept under."""
+    return (*compiled_structure(cfg), str(batch.x.device))
+
+
 def _compiled(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Batch,
               optimizer: FastOptimizer) -> CompiledStep:
     """The compiled step of runs shaped like `cfg` on the batch's device, for batches of COMPILED_CHUNK runs
@@ -558,7 +565,7 @@ def _compiled(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Batch,
     is part of it; `base` makes the batch's model, which a step not compiled yet traces. Compile errors,
     and a compiled step that does not reproduce the eager one, surface at the first call."""
     fused = cfg.optim.name in FUSED_OPTIMIZERS
-    key = (*compiled_structure(cfg), str(batch.x.device))
+    key = _step_key(cfg, batch)
     if key not in _COMPILED:
         compile_cache_dir()
         what = {"step": "train-adam" if fused else "grad", "model": cfg.model.model_dump(mode="json"),
