@@ -95,6 +95,7 @@ bench: install-dev
 	$(PY) benchmarks/bench_engines.py
 	$(PY) benchmarks/bench_workers.py
 	$(PY) benchmarks/bench_fast.py
+	$(PY) benchmarks/bench_kernels.py
 	$(PY) -m normexp norms bench --repeats 3
 
 # the documentation site (mkdocs.yml): a broken link, a missing anchor or a page left out of the nav fails
