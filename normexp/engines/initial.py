@@ -177,11 +177,7 @@ def seeded_start(cfg: RunConfig) -> tuple[Params, Task]:
     if recording is None:
         net, task = seeded_init(cfg)
         return dict(net.named_parameters()), task
-    with INIT_LOCK:
-        _seed(cfg.seed)
-        params = recording.replay()
-        task = make_task(cfg.data, cfg.model)
-    return params, task
+    return _replayed(recording, cfg)
 
 
 def meta_model(cfg: RunConfig) -> torch.nn.Module:
@@ -209,20 +205,26 @@ def _record(cfg: RunConfig, built: Params) -> Recording | None:
         return None
     recording = Recording(tuple(recorder.ops), recorder.constants, len(recorder.alive),
                           {name: recorder.slots[_key(p)] for name, p in names.items()})
+    again, _ = _replayed(recording, cfg)  # and the generator left where seeded_init leaves it
+    return recording if _same(again, built) else None
+
+
+def _replayed(recording: Recording, cfg: RunConfig) -> tuple[Params, Task]:
+    """`cfg`'s parameters from `recording` and its task, drawn after its seed (`_seed`) in seeded_init's order:
+    a replayed run's start, and `_record`'s check of it, seeded the same way."""
     with INIT_LOCK:
         _seed(cfg.seed)
-        again = recording.replay()
-        make_task(cfg.data, cfg.model)  # the generator left where seeded_init leaves it, as after a replayed run
-    return recording if _same(again, built) else None
+        return recording.replay(), make_task(cfg.data, cfg.model)
 
 
 def _seed(seed: int) -> None:
     """`torch.manual_seed(seed)` for a replay: the CPU generator, which the draws of a construction and a
     task are made from (a replay builds no plugin's model, and the fast engine draws nothing while it
     trains). A construction that draws from another generator (another device's, its own) is built, never
-    replayed: `_record` checks its replay after this same seeding, from which that generator's draws differ.
-    torch.manual_seed also queues the seeding of every other device's generator, formatting the Python
-    stack for each: 0.15-0.25 ms a call, against ~3 ms for the rest of a replayed run's start."""
+    replayed: `_record` checks its replay after this same seeding (`_replayed`), from which that
+    generator's draws differ. torch.manual_seed also queues the seeding of every other device's
+    generator, formatting the Python stack for each: 0.15-0.25 ms a call, against ~3 ms for the rest of a
+    replayed run's start."""
     torch.default_generator.manual_seed(seed)
 
 
