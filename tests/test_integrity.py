@@ -571,10 +571,11 @@ def test_a_crash_inside_the_swap_loses_no_result(sweep_dir, monkeypatch, exchang
     assert new == exchange and (exchange or snapshot(victim) == before)
 
 
-FORCE_SWEEP = """\
+FORCE_STEPS = 120  # long enough that a reader's load, slow on a loaded machine, falls inside the rewrite
+FORCE_SWEEP = f"""\
 name: force
-base: {model: {depth: 4, width: 16}, train: {steps: 40, threads: 1}}
-grid: {norm.placement: [post, pre]}
+base: {{model: {{depth: 4, width: 16}}, train: {{steps: {FORCE_STEPS}, threads: 1}}}}
+grid: {{norm.placement: [post, pre]}}
 seeds: [0, 1, 2, 3, 4, 5]
 """
 
@@ -597,7 +598,7 @@ def test_readers_see_every_run_while_force_rewrites_them(tmp_path):
     assert proc.returncode == 0, proc.stderr.read()
     assert any(0 < n < 12 for n in reads)  # some reads came while runs were being replaced
     assert all(p.stat().st_mtime_ns != t for p, t in stamps.items())  # every run was redone
-    assert len(load_metrics(out)) == 12 * 41
+    assert len(load_metrics(out)) == 12 * (FORCE_STEPS + 1)
 
 
 @pytest.mark.parametrize("cut", ["lines", "bytes", "edit"])
