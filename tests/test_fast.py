@@ -572,3 +572,26 @@ def test_the_metrics_check_lets_one_accuracy_flip_through_but_not_a_wrong_loss()
     assert not fast._metrics_close(eager, eager + torch.tensor([[0.0, 0.0], [0.25, 0.0], [0.0, 0.0]]))
     assert not fast._metrics_close(eager, eager * torch.tensor([[1.01], [1.0], [1.0]]))
     assert not fast._metrics_close(eager, eager[:, :1])
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=8), st.sampled_from(["adam", "adamw"]))
+def test_a_compiled_steps_update_numbers_made_ahead_are_adam_hypers_at_each_step(frozen_at: list[int], name: str):
+    """The fused step's numbers for each update, made at the batch's start for runs all live, are bit for
+    bit those `adam_hypers` makes at that update; once a run stops they come from `adam_hypers` with it
+    frozen (every run of `frozen_at` stops after that step)."""
+    optims = [OptimConfig(name=name, lr=0.01 * (1 + r), betas=(0.9, 0.99 - 0.01 * r), weight_decay=0.1 * r)
+              for r in range(len(frozen_at))]
+    schedule = [[o.lr * (s + 1) / 7 for o in optims] for s in range(7)]
+    seen: list[torch.Tensor] = []
+
+    def compiled(*tensors: torch.Tensor) -> tuple[torch.Tensor]:
+        seen.append(tensors[-1].clone())
+        return (torch.zeros(3, len(optims)),)
+
+    params = [torch.zeros(len(optims), 2)]
+    step = fast.CompiledStep(compiled, FastOptimizer(name, optims, params), True, schedule)
+    for s, lrs in enumerate(schedule):
+        live = [s <= stop for stop in frozen_at]
+        step.step({}, torch.zeros(1), torch.zeros(1), lrs, live)
+        expected = fast.adam_hypers(optims, name, s + 1, lrs, live)
+        assert seen[-1].dtype == expected.dtype and torch.equal(seen[-1], expected)

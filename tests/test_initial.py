@@ -111,3 +111,32 @@ def test_replaying_is_the_global_generators_draws_in_order():
     after_replay = torch.rand(4)
     seeded_init(cfg)
     assert torch.equal(after_replay, torch.rand(4))
+
+
+_aten = torch.ops.aten
+BINDING_CALLS = {  # each of initial._BINDINGS with arguments as a recording holds them
+    _aten.empty.memory_format: (([3, 5],), {"dtype": torch.float32, "device": torch.device("cpu"),
+                                           "pin_memory": False}),
+    _aten.detach.default: ((torch.ones(3, 5),), {}),
+    _aten.uniform_.default: ((torch.empty(3, 5), -0.3, 0.7), {}),
+    _aten.normal_.default: ((torch.empty(3, 5), 0.1, 2.0), {}),
+    _aten.zero_.default: ((torch.ones(3, 5),), {}),
+    _aten.fill_.Scalar: ((torch.empty(3, 5), 0.25), {}),
+}
+
+
+@pytest.mark.parametrize("op", list(initial._BINDINGS), ids=str)
+def test_each_binding_a_replay_calls_is_its_operator(op):
+    """A replay calls torch's Python binding for these operators: same result, same draws (the generator's
+    state after them), as the operator's overload; `empty` the same shape, dtype and device."""
+    assert set(BINDING_CALLS) == set(initial._BINDINGS)
+    args, kwargs = BINDING_CALLS[op]
+    outs = []
+    for call in (op, initial._BINDINGS[op]):
+        torch.manual_seed(5)
+        out = call(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        outs.append((out, torch.get_rng_state()))
+    (a, state_a), (b, state_b) = outs
+    assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) and torch.equal(state_a, state_b)
+    if op is not _aten.empty.memory_format:
+        assert torch.equal(a, b)

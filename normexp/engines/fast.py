@@ -468,14 +468,15 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
         optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
         if compiled and _step_key(first, batch) not in _COMPILED:
             base()  # the model the step is traced from, made outside the compiler's wrap: what it raises is the batch's
-        step_fn = _compiler_step(_compiled, first, base, batch, optimizer) if compiled else None
+        steps = first.train.steps
+        schedule = [[step_lr(cfg, step) for cfg in runs] for step in range(steps + 1)]  # each step's lrs, at once
+        step_fn = _compiler_step(_compiled, first, base, batch, optimizer, schedule) if compiled else None
         grad_step = make_grad_step(base(), batch.positions, first.train.z_loss) if step_fn is None else None
         val_step = vmap(make_loss_fn(base(), batch.positions)) if batch.val_x is not None else None
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
-        steps = first.train.steps
         for step in range(steps + 1):
-            lrs = [step_lr(cfg, step) for cfg in runs]
+            lrs = schedule[step]
             vals = [None] * len(runs)
             if val_step is not None:  # before the step: a compiled Adam step updates the parameters in place
                 with torch.no_grad():
@@ -521,9 +522,15 @@ class CompiledStep:
     that stops at this step (diverged, or train.stop_when), and every run at the last step, has that
     update made too; none of them is recorded again, so it changes nothing a run reports."""
 
-    def __init__(self, compiled: Callable, optimizer: FastOptimizer, fused: bool) -> None:
+    def __init__(self, compiled: Callable, optimizer: FastOptimizer, fused: bool,
+                 schedule: Sequence[Sequence[float]] = ()) -> None:
         self.compiled, self.optimizer, self.fused = compiled, optimizer, fused
         self.grads: Tensors = {}
+        # Each update's numbers while every run is live, made at the batch's start: `adam_hypers` between two
+        # calls of the step costs ~10x what it does here, the step having evicted what it touches
+        everyone = [True] * len(optimizer.optims)
+        self.hypers = [adam_hypers(optimizer.optims, optimizer.name, t, lrs, everyone)
+                       for t, lrs in enumerate(schedule, start=1)] if fused else []
 
     def step(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, lrs: Sequence[float],
              live: Sequence[bool]) -> torch.Tensor:
@@ -532,8 +539,10 @@ class CompiledStep:
             return metrics
         opt = self.optimizer
         opt.t += 1
-        hyper = adam_hypers(opt.optims, opt.name, opt.t, lrs, live).to(x.device)
-        (metrics,) = self.compiled(*opt.params, *opt.state["exp_avg"], *opt.state["exp_avg_sq"], x, y, hyper)
+        made = opt.t <= len(self.hypers) and all(live)
+        hyper = self.hypers[opt.t - 1] if made else adam_hypers(opt.optims, opt.name, opt.t, lrs, live)
+        (metrics,) = self.compiled(*opt.params, *opt.state["exp_avg"], *opt.state["exp_avg_sq"], x, y,
+                                   hyper.to(x.device))
         return metrics
 
     def update(self, lrs: Sequence[float], live: Sequence[bool]) -> None:
@@ -559,10 +568,11 @@ def _step_key(cfg: RunConfig, batch: Batch) -> tuple:
 
 
 def _compiled(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Batch,
-              optimizer: FastOptimizer) -> CompiledStep:
+              optimizer: FastOptimizer, schedule: Sequence[Sequence[float]] = ()) -> CompiledStep:
     """The compiled step of runs shaped like `cfg` on the batch's device, for batches of COMPILED_CHUNK runs
     (vmap specialises the run axis, so `train_fast` pads smaller batches); with Adam or AdamW the update
-    is part of it; `base` makes the batch's model, which a step not compiled yet traces. Compile errors,
+    is part of it, its numbers for every update made now from `schedule` (each step's learning rates,
+    `_train`'s); `base` makes the batch's model, which a step not compiled yet traces. Compile errors,
     and a compiled step that does not reproduce the eager one, surface at the first call."""
     fused = cfg.optim.name in FUSED_OPTIMIZERS
     key = _step_key(cfg, batch)
@@ -580,7 +590,7 @@ def _compiled(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Batch,
             _COMPILED[key] = compile_train_step(step, batch.params, x, y, hyper, name, vouching)
         else:
             _COMPILED[key] = compile_grad_step(step, batch.params, x, y, key=name, vouching=vouching)
-    return CompiledStep(_COMPILED[key], optimizer, fused)
+    return CompiledStep(_COMPILED[key], optimizer, fused, schedule)
 
 
 def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, key: str,
