@@ -81,9 +81,33 @@ COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam s
 COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
 MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, and a scratch pass is cheaper
 EAGER_FLOP_RATE = 40e9  # FLOP/s the eager step reaches on the article's model (CPU), for the estimate
+AHEAD = 64  # steps whose learning rates (and compiled Adam numbers) a batch makes at once: `MadeAhead`
 
 Tensors = dict[str, torch.Tensor]
 _T = TypeVar("_T")
+
+
+class MadeAhead(Sequence[_T]):
+    """`make(i)` for i in range(n), made `ahead` items at a time when one of them is first read, and only the
+    latest stretch kept: a loop that reads them in order makes each once, a few calls together (as
+    `adam_hypers`' with warm caches, ~10x cheaper than one between two compiled steps), and a batch that
+    stops early (train.stop_when, divergence) makes none past its stretch, whatever its train.steps (made all
+    at the batch's start, 10^6 steps took seconds and hundreds of MB before the first step)."""
+
+    def __init__(self, make: Callable[[int], _T], n: int, ahead: int | None = None) -> None:
+        self.make, self.n, self.ahead = make, n, AHEAD if ahead is None else ahead
+        self.start, self.items = 0, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> _T:  # one index: no slices
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if not self.start <= i < self.start + len(self.items):
+            self.start = i - i % self.ahead
+            self.items = [self.make(j) for j in range(self.start, min(self.start + self.ahead, self.n))]
+        return self.items[i - self.start]
 
 
 def fast_key(cfg: RunConfig) -> tuple:
@@ -469,7 +493,7 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
         if compiled and _step_key(first, batch) not in _COMPILED:
             base()  # the model the step is traced from, made outside the compiler's wrap: what it raises is the batch's
         steps = first.train.steps
-        schedule = [[step_lr(cfg, step) for cfg in runs] for step in range(steps + 1)]  # each step's lrs, at once
+        schedule = MadeAhead(lambda step: [step_lr(cfg, step) for cfg in runs], steps + 1)  # each step's lrs
         step_fn = _compiler_step(_compiled, first, base, batch, optimizer, schedule) if compiled else None
         grad_step = make_grad_step(base(), batch.positions, first.train.z_loss) if step_fn is None else None
         val_step = vmap(make_loss_fn(base(), batch.positions)) if batch.val_x is not None else None
@@ -526,11 +550,12 @@ class CompiledStep:
                  schedule: Sequence[Sequence[float]] = ()) -> None:
         self.compiled, self.optimizer, self.fused = compiled, optimizer, fused
         self.grads: Tensors = {}
-        # Each update's numbers while every run is live, made at the batch's start: `adam_hypers` between two
-        # calls of the step costs ~10x what it does here, the step having evicted what it touches
+        # Each update's numbers while every run is live (update t: index t - 1), made a stretch ahead
+        # (`MadeAhead`): `adam_hypers` between two calls of the step costs ~10x what it does in a row, the
+        # step having evicted what it touches
         everyone = [True] * len(optimizer.optims)
-        self.hypers = [adam_hypers(optimizer.optims, optimizer.name, t, lrs, everyone)
-                       for t, lrs in enumerate(schedule, start=1)] if fused else []
+        self.hypers = MadeAhead(lambda i: adam_hypers(optimizer.optims, optimizer.name, i + 1, schedule[i], everyone),
+                                len(schedule) if fused else 0)
 
     def step(self, params: Tensors, x: torch.Tensor, y: torch.Tensor, lrs: Sequence[float],
              live: Sequence[bool]) -> torch.Tensor:
@@ -571,8 +596,8 @@ def _compiled(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Batch,
               optimizer: FastOptimizer, schedule: Sequence[Sequence[float]] = ()) -> CompiledStep:
     """The compiled step of runs shaped like `cfg` on the batch's device, for batches of COMPILED_CHUNK runs
     (vmap specialises the run axis, so `train_fast` pads smaller batches); with Adam or AdamW the update
-    is part of it, its numbers for every update made now from `schedule` (each step's learning rates,
-    `_train`'s); `base` makes the batch's model, which a step not compiled yet traces. Compile errors,
+    is part of it, its numbers for each update made from `schedule` (each step's learning rates, `_train`'s),
+    a stretch of updates ahead; `base` makes the batch's model, which a step not compiled yet traces. Compile errors,
     and a compiled step that does not reproduce the eager one, surface at the first call."""
     fused = cfg.optim.name in FUSED_OPTIMIZERS
     key = _step_key(cfg, batch)
