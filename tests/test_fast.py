@@ -576,7 +576,7 @@ def test_the_metrics_check_lets_one_accuracy_flip_through_but_not_a_wrong_loss()
 
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=8), st.sampled_from(["adam", "adamw"]))
 def test_a_compiled_steps_update_numbers_made_ahead_are_adam_hypers_at_each_step(frozen_at: list[int], name: str):
-    """The fused step's numbers for each update, made at the batch's start for runs all live, are bit for
+    """The fused step's numbers for each update, made ahead (`MadeAhead`) for runs all live, are bit for
     bit those `adam_hypers` makes at that update; once a run stops they come from `adam_hypers` with it
     frozen (every run of `frozen_at` stops after that step)."""
     optims = [OptimConfig(name=name, lr=0.01 * (1 + r), betas=(0.9, 0.99 - 0.01 * r), weight_decay=0.1 * r)
