@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -140,3 +145,18 @@ def test_each_binding_a_replay_calls_is_its_operator(op):
     assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) and torch.equal(state_a, state_b)
     if op is not _aten.empty.memory_format:
         assert torch.equal(a, b)
+
+
+def test_recording_a_structure_does_not_load_the_compiler():
+    """A process's first run of a structure records its construction under a dispatch mode; torch wraps a
+    mode's handler to keep torch.compile out of it, importing the compiler (~1 s in each sweep worker) unless
+    the mode says it need not (`_Recorder._should_skip_dynamo`). Checked in a fresh process."""
+    code = ("import sys; from normexp.config import RunConfig; from normexp.engines import initial\n"
+            "cfg = RunConfig.model_validate({'model': {'depth': 2, 'width': 8}})\n"
+            "initial.seeded_start(cfg); initial.seeded_start(cfg.model_copy(update={'seed': 1}))\n"
+            "assert initial._KNOWN[initial.structure(cfg)].recording is not None, 'not recorded'\n"
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

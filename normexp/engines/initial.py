@@ -61,6 +61,12 @@ class _Recorder(TorchDispatchMode):
     """Records every aten operation made under it as an `_Op`; `exact` turns False at one it cannot replay.
     Keeps each result alive until it is done, so that no storage is reused and taken for another's."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch leaves `__torch_dispatch__` as it is, instead of wrapping it to keep torch.compile out,
+        which imports the compiler (~1 s, each process's first recording); nothing compiles under a recording."""
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[_Op] = []
