@@ -41,7 +41,7 @@ from normexp.config import (
     TooManyRuns,
     load_sweep,
 )
-from normexp.sweep import Invocation, SweepOptions, SweepOutcome
+from normexp.sweep import Invocation, SweepOptions, SweepOutcome, fast_pool
 
 if TYPE_CHECKING:
     from normexp.report import Report
@@ -268,7 +268,7 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool,
     from normexp.runfolder import StoreError
     from normexp.sweep import SweepInterrupted, run_sweep
 
-    _import_engines(options)
+    _import_engines(spec, options)
     stopping.on_stop_signals(stopping.stop_cleanly)
     try:
         with _progress(len(spec.runs), quiet) as on_event:
@@ -298,8 +298,12 @@ def _exit_at_once(signum: int, frame: object) -> None:
     os._exit(128 + signum)
 
 
-def _import_engines(options: SweepOptions) -> None:
-    """Load what the sweep will need (seconds for torch, and for Dask), while a signal simply exits."""
+def _import_engines(spec: Sweep, options: SweepOptions) -> None:
+    """Load what the sweep will need (seconds for torch, and for Dask), while a signal simply exits. A sweep
+    that trains in a pool of worker processes (`fast_pool`) starts them first and imports torch later, as it
+    writes: its workers import their own meanwhile."""
+    if fast_pool(spec, options):
+        return
     import torch  # noqa: F401
 
     import normexp.engines.batched  # noqa: F401

@@ -148,7 +148,7 @@ EventCallback = Callable[[SweepEvent], None]
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
               on_event: EventCallback | None = None, invocation: Invocation = Invocation()) -> SweepOutcome:
     """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
-    from normexp.executors import make_executor
+    from normexp.executors import PoolExecutor, make_executor
     from normexp.units import default_threads
 
     out_dir = Path(out_dir)
@@ -159,17 +159,20 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
         runs = shard_runs(sweep.runs, options.engine, *options.shard)
     outcome = SweepOutcome(out_dir, len(runs), command=invocation.command)
     emit = on_event or (lambda event: None)
-    threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
     workers = options.workers
-    pool = fast_pool(sweep, options)
+    pool = fast_pool(sweep, options)  # decided without torch: a pool's workers start before this process needs it
     if pool:
         workers, threads = pool, 1
         emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled, {pool} worker processes "
                         "x 1 thread each (faster than one process x all threads: docs/performance.md)"))
+    else:
+        threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
     executor = make_executor(workers, options.cluster,  # fails before anything is written
                              lambda why: emit(SweepEvent("waiting", "", len(outcome.statuses), outcome.total,
                                                          error=why)))
     try:
+        if pool and isinstance(executor, PoolExecutor):
+            executor.start()  # its workers import torch while this process checks the folder and plans
         with SweepLock(out_dir, shared=options.shard is not None):
             _run_locked(sweep, out_dir, options, executor, outcome, emit, threads, invocation, runs)
     finally:
@@ -193,7 +196,7 @@ def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
         return 0
     if options.compile:
         return cores
-    from normexp.engines.fast import fast_key, should_compile
+    from normexp.engines.cost import fast_key, should_compile
 
     steps: dict[tuple, tuple[RunConfig, int]] = {}
     for cfg in sweep.runs:

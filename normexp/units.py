@@ -216,7 +216,8 @@ def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compi
     """The fast engine's batches of `planned` that hold a run of `runs`; each structure compiles when
     its planned model-steps pay for it. Runs with `train.log_blocks` go to the exact engines instead:
     blocks.csv is the reference's bits or nothing."""
-    from normexp.engines.fast import fast_key, plan_fast, should_compile
+    from normexp.engines.cost import fast_key, should_compile
+    from normexp.engines.fast import plan_fast
     from normexp.runfolder import run_id
 
     logging = [cfg for cfg in runs if cfg.train.log_blocks]

@@ -105,6 +105,24 @@ def test_a_pool_keeps_its_idle_workers_for_the_next_run_until_closed(monkeypatch
     assert pool._workers == []
 
 
+def test_a_started_pool_trains_on_the_workers_it_started_and_starts_none_again(monkeypatch):
+    """A pool sweep starts its workers before it prepares (`PoolExecutor.start`): run() then hands the units
+    to those, and a second start() adds none."""
+    unit = WorkUnit((RunConfig().model_dump(mode="json"),), engine="reference", device="cpu", threads=1)
+    monkeypatch.setattr("normexp.executors.run_unit", worker_pid)
+    pool = PoolExecutor(2)
+    try:
+        pool.start()
+        pool.start()
+        started = {w.process.pid for w in pool._workers}
+        assert len(started) == 2 and all(w.process.is_alive() for w in pool._workers)
+        ran = {int(r.status) for r in pool.run([unit] * 6)}
+        assert ran <= started and {w.process.pid for w in pool._workers} == started
+    finally:
+        pool.close()
+    assert pool._workers == []
+
+
 def started_at(unit: WorkUnit) -> UnitResult:
     """Stands in for run_unit in a worker: says when it started."""
     return UnitResult(unit, (), status=repr(time.time()))

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from normexp.cli import app
 from normexp.config import OptimConfig, RunConfig
 from normexp.engines import aot, fast
-from normexp.engines.fast import FastOptimizer, compile_pays, plan_fast, should_compile, stretches, train_fast
+from normexp.engines.cost import compile_pays, fast_key, should_compile
+from normexp.engines.fast import FastOptimizer, plan_fast, stretches, train_fast
 from normexp.engines.reference import train_run
 from normexp.registry import KINDS, placements_for
 from normexp.results import load_summary
@@ -147,7 +148,7 @@ def test_plan_fast_chunks_each_structure_and_keeps_every_run():
     configs = runs(n=4) * 40 + runs(kind="layernorm", n=3)
     batches = plan_fast(configs)
     assert sorted(len(b) for b in batches) == [3, 32, 64, 64]
-    assert all(len({fast.fast_key(c) for c in b}) == 1 for b in batches)
+    assert all(len({fast_key(c) for c in b}) == 1 for b in batches)
     assert sum(map(len, batches)) == len(configs)
 
 

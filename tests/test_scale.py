@@ -4,6 +4,10 @@ line per failure), not a line per run; a small one keeps its line per run."""
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -134,6 +138,23 @@ def test_a_compiled_fast_sweep_on_several_cores_trains_in_one_single_threaded_wo
     assert fast_pool(own, fast) == 0  # the config chose its threads
     monkeypatch.setattr(executors, "usable_cores", lambda: 1)
     assert fast_pool(big, fast) == 0
+
+
+def test_a_pool_sweep_is_decided_without_torch_and_leaves_its_import_for_after_its_workers_start():
+    """The coordinator of a compiled fast sweep decides on its pool (`fast_pool`) and loads what it needs
+    (`cli._import_engines`) without importing torch, so its workers start first and import theirs meanwhile;
+    a sweep on another engine imports torch there, as before. In a fresh process (2 cores assumed)."""
+    code = ("import sys\nfrom normexp import executors\nexecutors.usable_cores = lambda: 2\n"
+            "from types import SimpleNamespace\nfrom normexp.cli import _import_engines\n"
+            "from normexp.config import RunConfig\nfrom normexp.sweep import SweepOptions, fast_pool\n"
+            "big = SimpleNamespace(runs=[RunConfig.model_validate({'train': {'steps': 60}})] * 4096)\n"
+            "assert fast_pool(big, SweepOptions(engine='fast')) == 2\n"
+            "_import_engines(big, SweepOptions(engine='fast'))\nprint('torch' in sys.modules)\n"
+            "_import_engines(big, SweepOptions(engine='reference'))\nprint('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
 
 
 @pytest.mark.slow

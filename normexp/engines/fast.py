@@ -71,16 +71,13 @@ from normexp.engines.common import (
     user_cache_dir,
     z_loss,
 )
-from normexp.engines.cost import model_step_flops
+from normexp.engines.cost import fast_key, should_compile
 from normexp.optim import step_lr
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
 COMPILED_CHUNK = 16  # runs per compiled batch: its per-kernel overhead is small, and 16 runs' parameters, moments
 # and activations stay nearer the cache than 64's (1.41 vs 1.58 ms per model-step, 8 runs 1.45: docs/performance.md)
-COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam step (Intel Xeon, 2 cores: 104 s)
-COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
 MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, and a scratch pass is cheaper
-EAGER_FLOP_RATE = 40e9  # FLOP/s the eager step reaches on the article's model (CPU), for the estimate
 AHEAD = 64  # steps whose learning rates (and compiled Adam numbers) a batch makes at once: `MadeAhead`
 
 Tensors = dict[str, torch.Tensor]
@@ -110,12 +107,6 @@ class MadeAhead(Sequence[_T]):
         return self.items[i - self.start]
 
 
-def fast_key(cfg: RunConfig) -> tuple:
-    """Runs with equal keys train in one batch: same model, norm, data, steps and optimizer family;
-    seeds, learning rates, optimizer hyper-parameters and schedules vary per run."""
-    return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
-
-
 def plan_fast(runs: Sequence[RunConfig], compiled: Callable[[RunConfig], bool] = lambda cfg: False
               ) -> list[list[RunConfig]]:
     """Group runs by `fast_key`, in chunks of at most MAX_CHUNK runs, or COMPILED_CHUNK for a structure
@@ -126,18 +117,6 @@ def plan_fast(runs: Sequence[RunConfig], compiled: Callable[[RunConfig], bool] =
     return [group[i:i + size] for group in groups.values()
             for size in [COMPILED_CHUNK if compiled(group[0]) else MAX_CHUNK] for i in range(0, len(group), size)]
 
-
-def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,
-                 speedup: float = COMPILE_SPEEDUP) -> bool:
-    """True when compiling saves more time than it costs: the eager time of `model_steps`, minus the
-    same work compiled, exceeds the compile time."""
-    return model_steps * eager_s_per_model_step * (1 - 1 / speedup) > compile_s
-
-
-def should_compile(cfg: RunConfig, model_steps: int) -> bool:
-    """The automatic choice for `model_steps` planned model-steps of runs shaped like `cfg`: an
-    estimate from the model's FLOPs, not a measurement, so the same sweep always chooses the same."""
-    return compile_pays(model_steps, model_step_flops(cfg) / EAGER_FLOP_RATE)
 
 
 def compile_cache_dir() -> Path | None:
