@@ -107,13 +107,16 @@ def test_a_paired_run_that_finishes_while_the_sweep_is_interrupted_is_kept(write
     import time
 
     real = reference.train_run
-    first_recorded = threading.Event()
+    first_recorded, zero_trained = threading.Event(), threading.Event()
 
     def train_run(cfg, **kwargs):
         result = real(cfg, **kwargs)
         if cfg.seed == 0:  # trained; returns while the sweep is being interrupted
+            zero_trained.set()
             first_recorded.wait(10)
             time.sleep(0.05)
+        else:  # seed 1 is recorded (and the sweep interrupted) only once seed 0 has trained: had seed 0 still
+            zero_trained.wait(10)  # been training then, the Ctrl-C would stop it, rightly, as interrupted
         return result
 
     monkeypatch.setattr(reference, "train_run", train_run)
