@@ -172,7 +172,8 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
                                                          error=why)))
     try:
         if pool and isinstance(executor, PoolExecutor):
-            executor.start()  # its workers import torch while this process checks the folder and plans
+            executor.start()  # its workers import torch while this process does, and checks the folder and plans
+            _import_engine()
         with SweepLock(out_dir, shared=options.shard is not None):
             _run_locked(sweep, out_dir, options, executor, outcome, emit, threads, invocation, runs)
     finally:
@@ -203,6 +204,17 @@ def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
         first, total = steps.get(fast_key(cfg), (cfg, 0))
         steps[fast_key(cfg)] = (first, total + cfg.train.steps + 1)
     return cores if any(should_compile(first, total) for first, total in steps.values()) else 0
+
+
+def _import_engine() -> None:
+    """Load torch and the fast engine for a sweep whose pool started before this process imported them, with
+    stop signals held until they are loaded (then raised here, before the folder is touched). A Ctrl-C or
+    SIGTERM raised as KeyboardInterrupt inside torch's import can vanish (torch._C imports numpy from C++,
+    which drops the error: the sweep trained on) or leave numpy half-loaded (the next import fails)."""
+    with stop_signals_deferred():
+        import torch  # noqa: F401
+
+        import normexp.engines.fast  # noqa: F401
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,
