@@ -2,7 +2,8 @@
 
 The sweep process is the coordinator and the only writer of its output folder. It
 
-1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py),
+1. starts the executor (this process, a process pool, or a Dask cluster: see executors.py); a compiled fast
+   sweep's pool (`fast_pool`) starts its workers before this process imports torch, then imports it,
 2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
    that holds a sweep of another name unless `force`,
 3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml` (this sweep's grid;
