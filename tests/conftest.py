@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +27,14 @@ if "NORMEXP_CACHE_DIR" not in os.environ:
     os.environ["NORMEXP_CACHE_DIR"] = tempfile.mkdtemp(prefix="normexp-test-cache-")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_output(code: str) -> str:
+    """What Python `code` prints, run in a fresh process on this checkout (its exit status checked)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def done_markers(out: Path) -> list[Path]:

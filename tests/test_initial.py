@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import subprocess_output
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_config_space import VALUES
@@ -156,7 +152,4 @@ def test_recording_a_structure_does_not_load_the_compiler():
             "initial.seeded_start(cfg); initial.seeded_start(cfg.model_copy(update={'seed': 1}))\n"
             "assert initial._KNOWN[initial.structure(cfg)].recording is not None, 'not recorded'\n"
             "print('torch._dynamo' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"
+    assert subprocess_output(code).strip() == "False"

@@ -4,12 +4,9 @@ line per failure), not a line per run; a small one keeps its line per run."""
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import subprocess_output
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -151,10 +148,7 @@ def test_a_pool_sweep_is_decided_without_torch_and_leaves_its_import_for_after_i
             "assert fast_pool(big, SweepOptions(engine='fast')) == 2\n"
             "_import_engines(big, SweepOptions(engine='fast'))\nprint('torch' in sys.modules)\n"
             "_import_engines(big, SweepOptions(engine='reference'))\nprint('torch' in sys.modules)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "True"]
+    assert subprocess_output(code).split() == ["False", "True"]
 
 
 @pytest.mark.slow
