@@ -268,11 +268,12 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool,
     from normexp.runfolder import StoreError
     from normexp.sweep import SweepInterrupted, run_sweep
 
-    _import_engines(spec, options)
+    pool = fast_pool(spec, options)
+    _import_engines(options, pool)
     stopping.on_stop_signals(stopping.stop_cleanly)
     try:
         with _progress(len(spec.runs), quiet) as on_event:
-            return run_sweep(spec, target, options, on_event, invocation or Invocation())
+            return run_sweep(spec, target, options, on_event, invocation or Invocation(), pool)
     except (StoreError, ExecutorError) as exc:
         raise fail(str(exc)) from None
     except SweepInterrupted as exc:
@@ -298,11 +299,11 @@ def _exit_at_once(signum: int, frame: object) -> None:
     os._exit(128 + signum)
 
 
-def _import_engines(spec: Sweep, options: SweepOptions) -> None:
+def _import_engines(options: SweepOptions, pool: int) -> None:
     """Load what the sweep will need (seconds for torch, and for Dask), while a signal simply exits. A sweep
-    that trains in a pool of worker processes (`fast_pool`) starts them first and imports torch later, as it
-    writes: its workers import their own meanwhile."""
-    if fast_pool(spec, options):
+    that trains in a pool of `pool` worker processes (`fast_pool`) starts them first and imports torch beside
+    them (`run_sweep`), stop signals held until it has loaded."""
+    if pool:
         return
     import torch  # noqa: F401
 

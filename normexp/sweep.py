@@ -147,8 +147,10 @@ EventCallback = Callable[[SweepEvent], None]
 
 
 def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(),
-              on_event: EventCallback | None = None, invocation: Invocation = Invocation()) -> SweepOutcome:
-    """Run every unfinished run of `sweep` into `out_dir`; see the module docstring."""
+              on_event: EventCallback | None = None, invocation: Invocation = Invocation(),
+              pool: int | None = None) -> SweepOutcome:
+    """Run every unfinished run of `sweep` into `out_dir`; see the module docstring. `pool`: `fast_pool(sweep,
+    options)` where the caller has it already (a pass over every run: ~0.1 s at 10,000), else decided here."""
     from normexp.executors import PoolExecutor, make_executor
     from normexp.units import default_threads
 
@@ -161,7 +163,8 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     outcome = SweepOutcome(out_dir, len(runs), command=invocation.command)
     emit = on_event or (lambda event: None)
     workers = options.workers
-    pool = fast_pool(sweep, options)  # decided without torch: a pool's workers start before this process needs it
+    if pool is None:  # decided without torch: a pool's workers start before this process needs it
+        pool = fast_pool(sweep, options)
     if pool:
         workers, threads = pool, 1
         emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled, {pool} worker processes "

@@ -145,9 +145,10 @@ def test_a_pool_sweep_is_decided_without_torch_and_leaves_its_import_for_after_i
             "from types import SimpleNamespace\nfrom normexp.cli import _import_engines\n"
             "from normexp.config import RunConfig\nfrom normexp.sweep import SweepOptions, fast_pool\n"
             "big = SimpleNamespace(runs=[RunConfig.model_validate({'train': {'steps': 60}})] * 4096)\n"
-            "assert fast_pool(big, SweepOptions(engine='fast')) == 2\n"
-            "_import_engines(big, SweepOptions(engine='fast'))\nprint('torch' in sys.modules)\n"
-            "_import_engines(big, SweepOptions(engine='reference'))\nprint('torch' in sys.modules)\n")
+            "pool = fast_pool(big, SweepOptions(engine='fast'))\nassert pool == 2\n"
+            "_import_engines(SweepOptions(engine='fast'), pool)\nprint('torch' in sys.modules)\n"
+            "reference = SweepOptions(engine='reference')\n"
+            "_import_engines(reference, fast_pool(big, reference))\nprint('torch' in sys.modules)\n")
     assert subprocess_output(code).split() == ["False", "True"]
 
 
