@@ -153,3 +153,41 @@ def test_recording_a_structure_does_not_load_the_compiler():
             "assert initial._KNOWN[initial.structure(cfg)].recording is not None, 'not recorded'\n"
             "print('torch._dynamo' in sys.modules)")
     assert subprocess_output(code).strip() == "False"
+
+
+def _toy(seed: int, **sections: dict) -> RunConfig:
+    return validate_run({"model": {"depth": 2, "width": 8}, **sections, "seed": seed})
+
+
+def test_a_seed_met_again_starts_from_its_kept_replay_with_the_generator_where_seeded_init_leaves_it(monkeypatch):
+    """The runs of a grid that share a structure and a seed share one replayed start (`_Starts`): asked
+    again, in any order and with other learning rates, each seed's start is seeded_init's, the very tensors
+    kept the first time, and the global generator is left where seeded_init leaves it."""
+    monkeypatch.setattr(initial, "_STARTS", initial._Starts(initial.START_BUDGET))
+    initial.seeded_start(_toy(99))  # records the structure
+    first = {seed: initial.seeded_start(_toy(seed)) for seed in (4, 7)}
+    for seed, lr in ((7, 0.5), (4, 0.01), (7, 0.02)):
+        cfg = _toy(seed, optim={"lr": lr})
+        params, task = initial.seeded_start(cfg)
+        after = torch.rand(3)
+        assert params is first[seed][0] and task is first[seed][1]
+        assert _equal_start(cfg, (params, task))  # seeded_init(cfg) draws again: the generator's state after
+        assert torch.equal(after, torch.rand(3))
+
+
+def test_the_kept_starts_are_the_last_structures_and_fit_the_budget(monkeypatch):
+    """A new structure empties the store; a full one keeps what it has and replays the rest."""
+    initial.seeded_start(_toy(99))  # records the structure
+    measure = initial._Starts(initial.START_BUDGET)
+    monkeypatch.setattr(initial, "_STARTS", measure)
+    initial.seeded_start(_toy(0))
+    store = initial._Starts(3 * measure.size)  # three seeds' parameters, task and generator state
+    monkeypatch.setattr(initial, "_STARTS", store)
+    for seed in range(5):
+        initial.seeded_start(_toy(seed))
+    assert sorted(store.by_seed) == [0, 1, 2] and store.size <= store.budget
+    assert initial.seeded_start(_toy(4))[0] is not initial.seeded_start(_toy(4))[0]  # not kept: replayed each time
+    other = _toy(1, norm={"placement": "post"})
+    initial.seeded_start(other)  # records it where it is new (a recorded run is built, not kept)
+    initial.seeded_start(other.model_copy(update={"seed": 2}))
+    assert store.structure == initial.structure(other) and 2 in store.by_seed and 0 not in store.by_seed

@@ -8,6 +8,8 @@ and every later run of that structure replays them after its own seed.
                                the replay gives the built model's parameters bit for bit
     every later run            the CPU generator seeded (`_seed`); the operations again, in order, on fresh
                                tensors; make_task(...): the same generator, the same draws, in the same order
+    a seed met before          the start replayed for it, kept (`_Starts`: the structure met last, up to
+                               START_BUDGET bytes): a phase diagram's cells of one seed start alike
 
 The model's construction is the only definition of a run's weights: nothing here knows a placement, a norm
 or an init; the recording is what that code did. Replaying costs a fraction of building the model (a
@@ -197,7 +199,54 @@ def seeded_start(cfg: RunConfig) -> tuple[Params, Task]:
     if recording is None:
         net, task = seeded_init(cfg)
         return dict(net.named_parameters()), task
-    return _replayed(recording, cfg)
+    return _STARTS.get(cfg, recording)
+
+
+START_BUDGET = 128 << 20  # bytes of replayed starts a process keeps (`_Starts`): ~150 seeds of the depth-24 toy
+
+
+class _Starts:
+    """The replayed starts (parameters, task) of the structure a process met last, by seed, while they fit in
+    `budget` bytes. A start depends on the structure and the seed alone, so the runs of a grid that differ
+    only in what it does not depend on (learning rate, warmup, optimizer, steps: a phase diagram's cells)
+    share their seed's start, replayed once (a depth-24 toy's: ~2.3 ms a run). A replay is a function of
+    the recording and the seed, so a kept start is bit for bit the one replaying it again would give. The
+    tensors are shared: whoever gets them reads them (`fast.stack_runs` stacks copies), never writes them;
+    the global generator is left where the replay left it (its state kept with the start), as seeded_init
+    leaves it.
+    A new structure empties the store (a sweep trains one structure's batches after another); a full store
+    keeps what it has (a grid's seeds come round again in the same order, where evicting the oldest would
+    keep none that is asked for next)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.lock = threading.Lock()
+        self.structure: tuple | None = None
+        self.by_seed: dict[int, tuple[Params, Task, torch.Tensor]] = {}
+        self.size = 0
+
+    def get(self, cfg: RunConfig, recording: Recording) -> tuple[Params, Task]:
+        """`cfg`'s start, kept, or replayed from its structure's `recording` (and kept if it fits)."""
+        key = structure(cfg)
+        with self.lock:
+            if key != self.structure:
+                self.structure, self.by_seed, self.size = key, {}, 0
+            kept = self.by_seed.get(cfg.seed)
+        if kept is not None:
+            params, task, after = kept
+            with INIT_LOCK:
+                torch.default_generator.set_state(after)
+            return params, task
+        params, task, after = _replayed(recording, cfg)
+        size = sum(t.nbytes for t in (*params.values(), *vars(task).values(), after) if isinstance(t, torch.Tensor))
+        with self.lock:
+            if key == self.structure and self.size + size <= self.budget:
+                self.by_seed[cfg.seed] = (params, task, after)
+                self.size += size
+        return params, task
+
+
+_STARTS = _Starts(START_BUDGET)
 
 
 def meta_model(cfg: RunConfig) -> torch.nn.Module:
@@ -225,16 +274,17 @@ def _record(cfg: RunConfig, built: Params) -> Recording | None:
         return None
     recording = Recording(tuple(recorder.ops), recorder.constants, len(recorder.alive),
                           {name: recorder.slots[_key(p)] for name, p in names.items()})
-    again, _ = _replayed(recording, cfg)  # and the generator left where seeded_init leaves it
+    again, _, _ = _replayed(recording, cfg)  # and the generator left where seeded_init leaves it
     return recording if _same(again, built) else None
 
 
-def _replayed(recording: Recording, cfg: RunConfig) -> tuple[Params, Task]:
-    """`cfg`'s parameters from `recording` and its task, drawn after its seed (`_seed`) in seeded_init's order:
-    a replayed run's start, and `_record`'s check of it, seeded the same way."""
+def _replayed(recording: Recording, cfg: RunConfig) -> tuple[Params, Task, torch.Tensor]:
+    """`cfg`'s parameters from `recording` and its task, drawn after its seed (`_seed`) in seeded_init's order,
+    and the global generator's state after them: a replayed run's start, and `_record`'s check of it, seeded
+    the same way."""
     with INIT_LOCK:
         _seed(cfg.seed)
-        return recording.replay(), make_task(cfg.data, cfg.model)
+        return recording.replay(), make_task(cfg.data, cfg.model), torch.default_generator.get_state()
 
 
 def _seed(seed: int) -> None:
