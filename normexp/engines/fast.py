@@ -343,7 +343,8 @@ def stack_runs(runs: Sequence[RunConfig], device: str) -> Batch:
     if first.data.batch_size is not None:
         per_run = [batch_order(cfg.data.n_samples, cfg.data.batch_size, cfg.seed, cfg.train.steps) for cfg in runs]
         order = torch.stack([torch.stack(steps) for steps in zip(*per_run)]).to(device)
-    positions = tasks[0].positions.to(device) if tasks[0].positions is not None else None
+    # a copy: the tasks may be kept starts (`initial._Starts`), and `.to` a tensor's own device is the tensor
+    positions = tasks[0].positions.to(device, copy=True) if tasks[0].positions is not None else None
     return Batch(params, stacked("x"), stacked("y"), positions, stacked("val_x"), stacked("val_y"), order)
 
 

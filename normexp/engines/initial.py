@@ -211,7 +211,7 @@ class _Starts:
     only in what it does not depend on (learning rate, warmup, optimizer, steps: a phase diagram's cells)
     share their seed's start, replayed once (a depth-24 toy's: ~2.3 ms a run). A replay is a function of
     the recording and the seed, so a kept start is bit for bit the one replaying it again would give. The
-    tensors are shared: whoever gets them reads them (`fast.stack_runs` stacks copies), never writes them;
+    tensors are shared: whoever gets them reads them (`fast.stack_runs` batches copies of them all), never writes them;
     the global generator is left where the replay left it (its state kept with the start), as seeded_init
     leaves it.
     A new structure empties the store (a sweep trains one structure's batches after another); a full store

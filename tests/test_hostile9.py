@@ -1,0 +1,35 @@
+"""Hostile review 9: the fast engine's per-process store of replayed starts (`initial._Starts`): what a batch
+holds of a kept start, what the budget counts, and two threads keeping the same seed at once."""
+
+from __future__ import annotations
+
+import torch
+
+from normexp.config import RunConfig, validate_run
+from normexp.engines import fast, initial
+
+
+def _sequence(seed: int, **data: object) -> RunConfig:
+    return validate_run({"model": {"arch": "transformer", "depth": 2, "width": 8, "n_heads": 2},
+                         "data": {"task": "modular_add", "vocab": 12, "n_samples": 48, "n_val": 24, **data},
+                         "train": {"steps": 2}, "seed": seed})
+
+
+def _storages(tensors: object) -> dict[int, int]:
+    """Each storage the tensors use, once: its address and its bytes."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def test_a_batch_shares_no_storage_with_a_kept_start(monkeypatch):
+    """stack_runs hands the batch copies of every kept tensor, the answer positions included (`.to("cpu")`
+    of a CPU tensor is that tensor): a write into the batch (the compiled Adam step updates in place) can
+    never reach the start that later runs of the same seed are given."""
+    store = initial._Starts(initial.START_BUDGET)
+    monkeypatch.setattr(initial, "_STARTS", store)
+    initial.seeded_start(_sequence(99))  # records the structure (its first run is built, not kept)
+    batch = fast.stack_runs([_sequence(0), _sequence(1)], "cpu")
+    kept = [t for params, task, _ in store.by_seed.values() for t in (*params.values(), *vars(task).values())]
+    held = [*batch.params.values(), batch.x, batch.y, batch.positions, batch.val_x, batch.val_y]
+    assert sorted(store.by_seed) == [0, 1]
+    assert not set(_storages(kept)) & set(_storages(held))
