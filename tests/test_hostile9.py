@@ -33,3 +33,17 @@ def test_a_batch_shares_no_storage_with_a_kept_start(monkeypatch):
     held = [*batch.params.values(), batch.x, batch.y, batch.positions, batch.val_x, batch.val_y]
     assert sorted(store.by_seed) == [0, 1]
     assert not set(_storages(kept)) & set(_storages(held))
+
+
+def test_the_budget_counts_the_storage_a_kept_start_holds_each_once(monkeypatch):
+    """A sequence task's inputs are views of its drawn sequences (x = train[:, :-1]; modular_add's two
+    splits are views of one tensor): what a kept start holds alive is the storages, each counted once, and
+    that is what the budget bounds."""
+    initial.seeded_start(_sequence(99))  # records the structure
+    store = initial._Starts(initial.START_BUDGET)
+    monkeypatch.setattr(initial, "_STARTS", store)
+    params, task = initial.seeded_start(_sequence(3))
+    after = store.by_seed[3][2]
+    held = sum(_storages((*params.values(), *vars(task).values(), after)).values())
+    assert held > sum(t.nbytes for t in (*params.values(), *vars(task).values(), after) if t is not None)
+    assert store.size == held

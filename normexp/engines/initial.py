@@ -207,13 +207,13 @@ START_BUDGET = 128 << 20  # bytes of replayed starts a process keeps (`_Starts`)
 
 class _Starts:
     """The replayed starts (parameters, task) of the structure a process met last, by seed, while they fit in
-    `budget` bytes. A start depends on the structure and the seed alone, so the runs of a grid that differ
-    only in what it does not depend on (learning rate, warmup, optimizer, steps: a phase diagram's cells)
-    share their seed's start, replayed once (a depth-24 toy's: ~2.3 ms a run). A replay is a function of
-    the recording and the seed, so a kept start is bit for bit the one replaying it again would give. The
-    tensors are shared: whoever gets them reads them (`fast.stack_runs` batches copies of them all), never writes them;
-    the global generator is left where the replay left it (its state kept with the start), as seeded_init
-    leaves it.
+    `budget` bytes (of the storages they hold, `_held`). A start depends on the structure and the seed alone,
+    so the runs of a grid that differ only in what it does not depend on (learning rate, warmup, optimizer,
+    steps: a phase diagram's cells) share their seed's start, replayed once (a depth-24 toy's: ~2.3 ms a
+    run). A replay is a function of the recording and the seed, so a kept start is bit for bit the one
+    replaying it again would give. The tensors are shared: whoever gets them reads them (`fast.stack_runs`
+    batches copies of them all), never writes them; the global generator is left where the replay left it
+    (its state kept with the start), as seeded_init leaves it.
     A new structure empties the store (a sweep trains one structure's batches after another); a full store
     keeps what it has (a grid's seeds come round again in the same order, where evicting the oldest would
     keep none that is asked for next)."""
@@ -238,7 +238,7 @@ class _Starts:
                 torch.default_generator.set_state(after)
             return params, task
         params, task, after = _replayed(recording, cfg)
-        size = sum(t.nbytes for t in (*params.values(), *vars(task).values(), after) if isinstance(t, torch.Tensor))
+        size = _held(params, task, after)
         with self.lock:
             if key == self.structure and self.size + size <= self.budget:
                 self.by_seed[cfg.seed] = (params, task, after)
@@ -247,6 +247,13 @@ class _Starts:
 
 
 _STARTS = _Starts(START_BUDGET)
+
+
+def _held(params: Params, task: Task, after: torch.Tensor) -> int:
+    """The bytes a kept start holds alive: the storages of its tensors, each once (a sequence task's inputs
+    are views of its drawn sequences, a view's `nbytes` its own elements only)."""
+    tensors = [t for t in (*params.values(), *vars(task).values(), after) if isinstance(t, torch.Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def meta_model(cfg: RunConfig) -> torch.nn.Module:
