@@ -3,6 +3,8 @@ holds of a kept start, what the budget counts, and two threads keeping the same 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from normexp.config import RunConfig, validate_run
@@ -47,3 +49,31 @@ def test_the_budget_counts_the_storage_a_kept_start_holds_each_once(monkeypatch)
     held = sum(_storages((*params.values(), *vars(task).values(), after)).values())
     assert held > sum(t.nbytes for t in (*params.values(), *vars(task).values(), after) if t is not None)
     assert store.size == held
+
+
+def test_two_threads_replaying_one_seed_at_once_keep_it_once(monkeypatch):
+    """Two batches of one structure trained in two threads (the paired thread executor) miss the same
+    seed together: the store keeps one start for it and counts its bytes once."""
+    initial.seeded_start(_sequence(99))  # records the structure
+    store = initial._Starts(initial.START_BUDGET)
+    monkeypatch.setattr(initial, "_STARTS", store)
+    replayed, together = initial._replayed, threading.Barrier(2, timeout=30)
+
+    def replayed_together(recording: initial.Recording, cfg: RunConfig) -> tuple:
+        start = replayed(recording, cfg)
+        together.wait()  # both have replayed seed 5, neither has kept it yet
+        return start
+
+    monkeypatch.setattr(initial, "_replayed", replayed_together)
+    starts: list = []
+    threads = [threading.Thread(target=lambda: starts.append(initial.seeded_start(_sequence(5)))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    monkeypatch.setattr(initial, "_replayed", replayed)
+    single = initial._Starts(initial.START_BUDGET)
+    monkeypatch.setattr(initial, "_STARTS", single)
+    initial.seeded_start(_sequence(5))
+    assert len(starts) == 2 and list(store.by_seed) == [5]
+    assert store.size == single.size

@@ -239,8 +239,8 @@ class _Starts:
             return params, task
         params, task, after = _replayed(recording, cfg)
         size = _held(params, task, after)
-        with self.lock:
-            if key == self.structure and self.size + size <= self.budget:
+        with self.lock:  # another thread may have kept this seed meanwhile: its replay, bit for bit this one
+            if key == self.structure and cfg.seed not in self.by_seed and self.size + size <= self.budget:
                 self.by_seed[cfg.seed] = (params, task, after)
                 self.size += size
         return params, task
