@@ -75,8 +75,9 @@ from normexp.engines.cost import fast_key, should_compile
 from normexp.optim import step_lr
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
-COMPILED_CHUNK = 16  # runs per compiled batch: its per-kernel overhead is small, and 16 runs' parameters, moments
-# and activations stay nearer the cache than 64's (1.41 vs 1.58 ms per model-step, 8 runs 1.45: docs/performance.md)
+COMPILED_CHUNK = 8  # runs per compiled batch: 8 runs' parameters, moments and activations stay nearer the cache
+# than 16's, with two workers sharing it (a 2,048-run phase sweep 90.3 vs 99.0 s, metrics identical; 4 runs no faster
+# than 8, 32 slower than 16: docs/performance.md)
 MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, and a scratch pass is cheaper
 AHEAD = 64  # steps whose learning rates (and compiled Adam numbers) a batch makes at once: `MadeAhead`
 
