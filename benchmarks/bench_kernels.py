@@ -1,10 +1,11 @@
 """The compiled phase-grid step's kernels, one at a time: its six matmuls in the layout the step calls them
 and in the other, and its Adam update, each in cache and out of it (docs/performance.md, "The step's memory").
 
-One thread. A 16-run batch of the phase grid's toy (width 32, hidden 128, 64 samples): "in cache" repeats one
+One thread. A compiled batch (`COMPILED_CHUNK` runs: 8; 16 before 19b3fbe, when docs/performance.md's "The step's
+memory" was measured) of the phase grid's toy (width 32, hidden 128, 64 samples): "in cache" repeats one
 call on the same operands; "out of cache" cycles through 24 layers' operands with an L2-sized write between
 calls (that write's own time subtracted), as a step meets them, and for Adam through 48 tensors' parameters,
-gradients and moments (50 MB). Microseconds per call, best of 5 rounds.
+gradients and moments (25 MB at 8 runs). Microseconds per call, best of 5 rounds.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-RUNS, SAMPLES, WIDTH, HIDDEN, LAYERS = 16, 64, 32, 128, 24
+from normexp.engines.fast import COMPILED_CHUNK
+
+RUNS, SAMPLES, WIDTH, HIDDEN, LAYERS = COMPILED_CHUNK, 64, 32, 128, 24
+EVICT_FLOATS = 400_000  # the write between two calls: 1.6 MB, about an L2 (what it was at 16 runs), whatever RUNS is
 Call = Callable[[], object]
 
 
@@ -38,7 +42,7 @@ def in_and_out_of_cache(make: Callable[[], Call], sets: int = LAYERS, evict_betw
     calls = [make() for _ in range(sets)]
     if not evict_between:
         return best_us(calls[:1], 300), best_us(calls, 20)
-    evict = [torch.randn(RUNS * 200_000 // LAYERS * 3) for _ in range(sets)]
+    evict = [torch.randn(EVICT_FLOATS) for _ in range(sets)]
     cycled = [lambda c=c, e=e: (e.mul_(1.0), c()) for c, e in zip(calls, evict)]
     eviction = best_us([lambda e=e: e.mul_(1.0) for e in evict], 5)
     return best_us(calls[:1], 300), best_us(cycled, 5) - eviction

@@ -1,0 +1,28 @@
+"""Hostile review of 19b3fbe (a compiled batch is COMPILED_CHUNK = 8 runs, not 16)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from normexp.engines import fast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_bench_kernels_measures_the_compiled_steps_batch_size():
+    """bench_kernels says it measures the compiled phase-grid step's kernels (its matmuls and its Adam update,
+    one batch's operands a call); it built 16-run operands after the compiled batch became 8 runs, so the
+    shapes it timed were no longer the step's."""
+    import bench_kernels
+
+    assert bench_kernels.RUNS == fast.COMPILED_CHUNK
+
+
+def test_bench_kernels_evicts_an_l2_between_calls_whatever_the_batch_size():
+    """Its "out of cache" figures write about an L2 (2 MB on the machine of docs/performance.md) between two
+    calls; that write was sized by RUNS (1.6 MB at 16 runs), so following the batch size to 8 would have
+    halved it and let the next call's operands stay in cache."""
+    import bench_kernels
+
+    assert 1_000_000 <= 4 * bench_kernels.EVICT_FLOATS <= 2 * 1024 * 1024
