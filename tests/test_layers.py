@@ -24,7 +24,7 @@ LAYERS = {
     "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
                 "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
-                 "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
+                 "normexp.analysis.gradnorm", "normexp.analysis.finals"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
@@ -39,7 +39,8 @@ LAYERS = {
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
-            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
+            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.analysis.finals",
+            "normexp.plot", "normexp.report",
             "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", "normexp.export",
             "normexp.merge", "normexp.config.sample")
 

@@ -148,6 +148,22 @@ def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
             "with --engine batched (it redoes the fast runs) or with --engine fast --force.")
 
 
+def mixed_note(summary: pd.DataFrame) -> str:
+    """' · mixed engine: batched, fast' where the folder's finished runs (of several invocations) were
+    trained by the fast engine and an exact one, or with several thread counts: their last digits are
+    not comparable bit for bit. The exact engines (reference, batched) give the same bits: one
+    `--engine auto` sweep may train its runs on both, and that is no mix."""
+    finished = finished_runs(summary)
+    parts = []
+    if "engine" in finished:
+        engines = set(finished["engine"].astype(str))
+        if engines & set(APPROXIMATE_ENGINES) and engines - set(APPROXIMATE_ENGINES):
+            parts.append(f"mixed engine: {', '.join(sorted(engines))}")
+    if "threads" in finished and finished["threads"].nunique() > 1:
+        parts.append(f"mixed threads: {', '.join(map(str, sorted(set(finished['threads']))))}")
+    return "".join(f" · {part}" for part in parts)
+
+
 def is_null(value: object) -> bool:
     """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
     return value is None or (isinstance(value, float) and math.isnan(value))
