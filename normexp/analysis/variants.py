@@ -199,6 +199,22 @@ def thresholds(frame: pd.DataFrame, trained_below: float | None = None) -> pd.Se
     return n_choices(frame).map(trained_threshold).astype(float)
 
 
+def chance_levels(frame: pd.DataFrame) -> list[int]:
+    """Each distinct number of choices among the runs (`n_choices`: n_classes, or a Transformer's
+    vocabulary), in order of appearance: one chance line, ln(n), per value."""
+    return list(dict.fromkeys(int(n) for n in n_choices(_choices(frame))))
+
+
+def trained_limits(frame: pd.DataFrame, trained_below: float | None) -> list[float]:
+    """Each distinct trained threshold among the runs."""
+    return sorted(set(thresholds(_choices(frame), trained_below).round(12)))
+
+
+def _choices(frame: pd.DataFrame) -> pd.DataFrame:
+    """The distinct combinations of what `n_choices` reads, in order of appearance: the same values, once."""
+    return frame[[k for k in CHOICE_KEYS if k in frame]].drop_duplicates()
+
+
 def rule_text(n_classes: Sequence[int], trained_below: float | None = None) -> str:
     """The trained rule as the report states it: 'final loss < 0.2 (report.trained_below)', or
     'final loss < ln(10)/10 = 0.230' (each n_classes of the runs)."""
