@@ -120,3 +120,10 @@ def test_importing_analysis_and_presentation_loads_no_torch_rich_or_typer(module
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == ""
 
+
+@pytest.mark.parametrize("module", LAYERS["analysis"])
+def test_importing_analysis_loads_no_matplotlib(module):
+    """What a result means is numbers; drawing them is the figures' (normexp.figures)."""
+    code = f"import sys, {module}; print('matplotlib' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "False"
