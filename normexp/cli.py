@@ -548,8 +548,8 @@ def _write_report(table: Report, folder: Folder, fmt: str, output: Path | None, 
     from normexp.report import to_csv, to_markdown
 
     if fmt == "html":
+        from normexp.figures import sweep_figures
         from normexp.htmlpage import report_page
-        from normexp.plot import sweep_figures
         from normexp.results import ResultsError
 
         try:
@@ -652,7 +652,7 @@ def plot(
     """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary.
     With --blocks: per variant, a heatmap of one per-block quantity over (block, step) and its first,
     middle and last block over steps."""
-    from normexp.plot import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
+    from normexp.figures import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
     from normexp.results import ResultsError
 
     if metric is not None:
@@ -738,7 +738,7 @@ def gradnorm(
 ) -> None:
     """Per-block gradient norms and hidden-state norms at initialisation (Xiong et al. 2020, Fig. 3)."""
     from normexp.diagnostics import gradnorm_study
-    from normexp.plot import save_gradnorm_plot
+    from normexp.figures import save_gradnorm_plot
     from normexp.tables import gradnorm_to_markdown, gradnorm_to_rich
 
     _check_choice("--format", fmt, ("table", "markdown"))

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from normexp.config import RunConfig, build_sweep
-from normexp.plot import curves_figure, phase_figure
+from normexp.figures import curves_figure, phase_figure
 from normexp.report import build_pivot, build_report, pivot_to_csv, pivot_to_markdown, to_csv, to_markdown, to_rich
 from normexp.results import load_metrics, load_summary, varying_keys
 from normexp.runfolder import run_id

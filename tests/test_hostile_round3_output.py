@@ -223,7 +223,7 @@ def test_an_empty_blocks_panel_is_as_wide_as_a_drawn_one_and_its_text_stays_insi
     """The reason's one long line made constrained layout squeeze the empty panel to a sliver and run
     its text across the neighbouring panels."""
     from normexp.config import build_sweep
-    from normexp.plot import blocks_figure
+    from normexp.figures import blocks_figure
     from normexp.results import load_blocks
     from normexp.runfolder import SWEEP_FILE, run_id
     from normexp.store import FinishedRun, write_run

@@ -274,7 +274,7 @@ def test_a_negative_largest_attention_logit_is_drawn_not_left_blank(tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.collections import QuadMesh
 
-    from normexp.plot import blocks_figure
+    from normexp.figures import blocks_figure
     from normexp.results import load_blocks
 
     folder = study_folder(tmp_path, lambda cfg: -0.5 if cfg.model.qk_norm else 80.0, lambda cfg: 1.0)

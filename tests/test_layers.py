@@ -15,6 +15,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
+FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves", "normexp.figures.phase",
+           "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm"]
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
@@ -24,7 +26,7 @@ LAYERS = {
     "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
                 "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
-                 "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
+                 "normexp.analysis.gradnorm", "normexp.analysis.finals"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
@@ -32,16 +34,16 @@ LAYERS = {
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.engines.auto", "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
-    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.htmlpage",
-                     "normexp.progress", "normexp.export"],
+    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
+                     "normexp.export", *FIGURES],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
-            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
-            "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", "normexp.export",
-            "normexp.merge", "normexp.config.sample")
+            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.analysis.finals", *FIGURES,
+            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage",
+            "normexp.export", "normexp.merge", "normexp.config.sample")
 
 
 def module_name(path: Path) -> str:
@@ -117,3 +119,11 @@ def test_importing_analysis_and_presentation_loads_no_torch_rich_or_typer(module
             "print(','.join(heavy))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == ""
+
+
+@pytest.mark.parametrize("module", LAYERS["analysis"])
+def test_importing_analysis_loads_no_matplotlib(module):
+    """What a result means is numbers; drawing them is the figures' (normexp.figures)."""
+    code = f"import sys, {module}; print('matplotlib' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "False"

@@ -13,9 +13,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from normexp.analysis.finals import numeric_axes
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
-from normexp.plot import curves_figure, numeric_axes, phase_figure, save_plots
+from normexp.figures import curves_figure, phase_figure, save_plots
 from normexp.report import build_pivot, build_report, pivot_to_markdown, to_markdown, to_rich
 from normexp.results import load_metrics, load_summary
 from normexp.runfolder import run_id
@@ -72,7 +73,7 @@ def test_load_metrics_is_tidy(fake_sweep):
 
 
 def test_results_module_does_not_import_torch():
-    code = "import sys, normexp.results, normexp.report, normexp.plot; assert 'torch' not in sys.modules"
+    code = "import sys, normexp.results, normexp.report, normexp.figures; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -169,7 +169,8 @@ def test_report_says_which_runs_stopped_early_and_why(tmp_path):
 def test_the_phase_diagram_marks_the_cells_with_a_run_stopped_early(tmp_path):
     import matplotlib.pyplot as plt
 
-    from normexp.plot import STOPPED_MARKER, final_values, phase_figure
+    from normexp.analysis.finals import final_values
+    from normexp.figures import STOPPED_MARKER, phase_figure
     from normexp.results import load_metrics
 
     sweep = tmp_path / "s.yaml"
