@@ -19,11 +19,11 @@ import pytest
 from conftest import fresh_copy, trained_sweep
 from typer.testing import CliRunner
 
-from normexp import runfolder, store
 from normexp.cli import app
+from normexp.folder import inspect, inspect_run, verified
+from normexp.folder.layout import VERIFIED_FILE, sha256_hex
 from normexp.report import build_report, to_markdown
 from normexp.results import load_metrics, load_summary
-from normexp.runfolder import VERIFIED_FILE, inspect_run
 from normexp.verify import verify_sweep
 
 SWEEP = """\
@@ -49,7 +49,7 @@ def pristine(tmp_path_factory) -> Path:
 def out(pristine, tmp_path, monkeypatch) -> Path:
     """A copy of the sweep whose record holds every run with its stamps (recorded by `verify --fix`)."""
     _, out = fresh_copy(pristine, tmp_path)
-    monkeypatch.setattr(runfolder, "SETTLED_NS", 0)
+    monkeypatch.setattr(verified, "SETTLED_NS", 0)
     assert normexp("verify", out, "--fix").exit_code == 0
     monkeypatch.undo()
     time.sleep(TICK)
@@ -65,10 +65,10 @@ def run_dirs(out: Path) -> list[Path]:
 
 
 def reads(monkeypatch) -> list[str]:
-    """The names of the files of run folders read from now on (by `runfolder`'s checks)."""
+    """The names of the files of run folders read from now on (by `inspect_run`'s checks)."""
     seen: list[str] = []
-    real = runfolder._read_text
-    monkeypatch.setattr(runfolder, "_read_text", lambda path: seen.append(path.name) or real(path))
+    real = inspect.read_text
+    monkeypatch.setattr(inspect, "read_text", lambda path: seen.append(path.name) or real(path))
     return seen
 
 
@@ -79,8 +79,8 @@ def test_a_sweep_records_its_runs_and_stamps_only_settled_files(pristine, tmp_pa
     assert not any("stamps" in entry for entry in runs.values())  # written moments before: not settled
     for run_dir in run_dirs(copy):
         raw = (run_dir / "done.json").read_bytes()
-        assert record(copy)[run_dir.name]["sha256"] == runfolder._sha256(raw)
-    monkeypatch.setattr(runfolder, "SETTLED_NS", 0)
+        assert record(copy)[run_dir.name]["sha256"] == sha256_hex(raw)
+    monkeypatch.setattr(verified, "SETTLED_NS", 0)
     assert normexp("verify", copy, "--fix").exit_code == 0  # a writer: records the stamps now
     assert all(len(entry["stamps"]) == 4 for entry in record(copy).values())
 
@@ -163,8 +163,8 @@ def test_what_a_stamp_cannot_see_verify_does(out, monkeypatch):
     victim = run_dirs(out)[3]
     stamps = record(out)[victim.name]["stamps"]
     _replace(victim / "metrics.csv", "0.", "1.")
-    real = runfolder.file_stamps
-    monkeypatch.setattr(runfolder, "file_stamps",  # as if the file system had not seen the change
+    real = verified.file_stamps
+    monkeypatch.setattr(verified, "file_stamps",  # as if the file system had not seen the change
                         lambda run_dir, like=None: stamps if run_dir == victim else real(run_dir, like))
     assert (load_summary(out)["status"] == "completed").sum() == RUNS  # the limit of a stamp
     found = verify_sweep(out)
@@ -194,14 +194,14 @@ def test_a_damaged_or_foreign_record_is_set_aside(out, pristine, damage):
     elif damage == "other checks":  # written by another normexp: its verdicts are not these checks'
         data = json.loads(body)
         text = json.dumps({**data, "checks": "0" * 64}) + "\n"
-        path.write_text(f"{store.VERIFIED_CHECKSUM}{runfolder._sha256(text.encode())}\n{text}")
+        path.write_text(f"{verified.VERIFIED_CHECKSUM}{sha256_hex(text.encode())}\n{text}")
     else:  # an entry that names another done.json than the run's: the run is checked in full
         data = json.loads(body)
         victim = run_dirs(out)[4]
         data["runs"][victim.name]["sha256"] = "0" * 64
         data["runs"][victim.name].pop("stamps")
         text = json.dumps(data) + "\n"
-        path.write_text(f"{store.VERIFIED_CHECKSUM}{runfolder._sha256(text.encode())}\n{text}")
+        path.write_text(f"{verified.VERIFIED_CHECKSUM}{sha256_hex(text.encode())}\n{text}")
         _replace(victim / "metrics.csv", "0.", "1.")
     summary = load_summary(out).set_index("run_id")
     if damage == "forged entry":
@@ -237,5 +237,6 @@ def test_a_run_redone_after_damage_is_recorded_again(out, pristine, tmp_path):
     DAMAGE["metrics cut"](victim)
     assert normexp("sweep", config, "--out", out, "-q").exit_code == 0
     raw = (victim / "done.json").read_bytes()
-    assert record(out)[victim.name]["sha256"] == runfolder._sha256(raw)
+    assert record(out)[victim.name]["sha256"] == sha256_hex(raw)
     assert inspect_run(victim).finished and verify_sweep(out).clean
+
