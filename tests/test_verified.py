@@ -10,8 +10,10 @@ record with SETTLED_NS at 0, then wait a clock tick before changing a file.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -240,3 +242,47 @@ def test_a_run_redone_after_damage_is_recorded_again(out, pristine, tmp_path):
     assert record(out)[victim.name]["sha256"] == sha256_hex(raw)
     assert inspect_run(victim).finished and verify_sweep(out).clean
 
+
+PACKAGE = Path(verified.__file__).resolve().parents[1]  # normexp/
+
+
+def _sources_imported(paths: list[Path]) -> set[Path]:
+    """The source files of normexp that `paths` import, directly or through others (ast: lazy imports too)."""
+    seen: set[Path] = set()
+    todo = list(paths)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module, *(f"{node.module}.{a.name}" for a in node.names)] \
+                if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in (n for n in names if n.split(".")[0] == "normexp"):
+                where = PACKAGE.parent.joinpath(*name.split("."))
+                todo += [p for p in (where.with_suffix(".py"), where / "__init__.py") if p.is_file()]
+    return seen
+
+
+def test_checks_version_hashes_every_file_that_decides_a_verdict():
+    """A change to the code that decides whether a run is trusted sets every folder's record aside: what
+    `checks_version` hashes holds every file of folder/ and every module of normexp that the checks import,
+    directly or not (normexp/__init__.py enters as its version)."""
+    hashed = set(verified.trusted_sources(PACKAGE))
+    assert set((PACKAGE / "folder").glob("*.py")) <= hashed
+    deciding = _sources_imported([PACKAGE / "folder" / "inspect.py", PACKAGE / "folder" / "verified.py"])
+    assert {PACKAGE / "folder" / "ids.py", PACKAGE / "folder" / "layout.py", PACKAGE / "registry.py",
+            PACKAGE / "config" / "schema.py"} <= deciding  # what the closure must find, or it finds nothing
+    assert deciding - {PACKAGE / "__init__.py"} <= hashed
+
+
+def test_an_edit_to_any_file_it_hashes_changes_checks_version(tmp_path):
+    copy = tmp_path / "normexp"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert verified.checks_digest(copy) == verified.checks_version()
+    for path in verified.trusted_sources(copy):
+        before, text = verified.checks_digest(copy), path.read_bytes()
+        path.write_bytes(text + b"# edited\n")
+        assert verified.checks_digest(copy) != before, path.relative_to(copy)
+        path.write_bytes(text)
