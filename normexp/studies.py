@@ -54,10 +54,9 @@ from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
 from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, thresholds, variant_groups, variant_label
 from normexp.config import ConfigError, Sweep, load_sweep
 from normexp.executors import usable_cores
+from normexp.folder import StoreError, lock_owner, out_folder_problem
 from normexp.report import build_report, to_markdown
 from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note, varying_keys
-from normexp.runfolder import StoreError
-from normexp.store import lock_owner, out_folder_problem
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 

@@ -15,8 +15,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import RunConfig, build_sweep
-from normexp.runfolder import SWEEP_FILE, run_id
-from normexp.store import FinishedRun, write_run
+from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
 
 LRS = [0.001, 0.01, 0.1]
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from normexp.config import ConfigError, build_sweep, flatten, load_sweep, parse_set, parse_yaml
 from normexp.config.sample import expand_range
-from normexp.runfolder import run_id
+from normexp.folder import run_id
 
 BASE = {"train": {"steps": 3}, "schedule": {"kind": "linear_warmup"}}
 
