@@ -46,8 +46,8 @@ import normexp  # noqa: F401 - before torch: torch's threads wait as under the n
 import torch
 
 from normexp.config import RunConfig
-from normexp.engines import fast, reference
-from normexp.engines.fast import plan_fast, train_fast
+from normexp.engines import reference
+from normexp.engines.fast import plan_fast, starts, train_fast
 from normexp.engines.common import RunResult, seeded_init
 from normexp.engines.reference import train_run
 
@@ -207,18 +207,20 @@ def print_contract(name: str, configs: Sequence[RunConfig], compile: bool) -> No
 
 
 def timed_init(seconds: list[float]) -> contextlib.AbstractContextManager:
-    """Within: `seeded_init` (each run's model and task, the same draws for every engine) adds its time
-    to seconds[0], in the reference and the fast engine alike."""
-    def timed(cfg: RunConfig):
-        start = time.perf_counter()
-        try:
-            return seeded_init(cfg)
-        finally:
-            seconds[0] += time.perf_counter() - start
+    """Within: each run's model and task (the same draws for every engine: the reference's `seeded_init`, the
+    fast engine's `starts.seeded_start`, replayed after a structure's first run) adds its time to seconds[0]."""
+    def timed(make):
+        def call(cfg: RunConfig):
+            start = time.perf_counter()
+            try:
+                return make(cfg)
+            finally:
+                seconds[0] += time.perf_counter() - start
+        return call
 
     stack = contextlib.ExitStack()
-    for module in (reference, fast):
-        stack.enter_context(mock.patch.object(module, "seeded_init", timed))
+    stack.enter_context(mock.patch.object(reference, "seeded_init", timed(seeded_init)))
+    stack.enter_context(mock.patch.object(starts, "seeded_start", timed(starts.seeded_start)))
     return stack
 
 

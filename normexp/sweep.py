@@ -218,7 +218,7 @@ def _import_engine() -> None:
     with stop_signals_deferred():
         import torch  # noqa: F401
 
-        import normexp.engines.fast  # noqa: F401
+        from normexp.engines.fast import train_fast  # noqa: F401 - the engine, loaded (it imports torch)
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,

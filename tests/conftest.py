@@ -137,3 +137,17 @@ def pytest_collection_modifyitems(config, items):
         name = module.__name__.rsplit(".", 1)[-1]
         if name in EQUIVALENCE_MODULES or any(token in item.name for token in EQUIVALENCE_NAMES):
             item.add_marker(pytest.mark.equivalence)
+
+
+@pytest.fixture
+def fresh_fast_engine():
+    """The fast engine's process-wide caches emptied before the test and again after it, as a fresh process
+    starts: its compiled steps and refusals (`compiled.reset_cache`), the structures it met and the starts it
+    kept (`starts.reset`). A test that stands a fake in for the compiler leaves no step of it behind."""
+    from normexp.engines.fast import compiled, starts
+
+    compiled.reset_cache()
+    starts.reset()
+    yield
+    compiled.reset_cache()
+    starts.reset()
