@@ -16,11 +16,11 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import OptimConfig, RunConfig
-from normexp.engines.cost import compile_pays, fast_key, should_compile
 from normexp.engines.fast import aot, plan_fast, train, train_fast
 from normexp.engines.fast import compiled as compiling
 from normexp.engines.fast import optim as fast_optim
 from normexp.engines.fast.optim import FastOptimizer, stretches
+from normexp.engines.fast.plan import compile_choice, compile_pays, fast_key, should_compile
 from normexp.engines.reference import train_run
 from normexp.registry import KINDS, placements_for
 from normexp.results import load_summary
@@ -145,6 +145,23 @@ def test_compile_pays_when_the_saving_exceeds_the_compile_time():
     article = RunConfig()
     assert not should_compile(article, 64 * 31) and should_compile(article, 4096 * 61)
 
+
+
+def test_the_compile_choice_is_one_per_structure_from_all_its_planned_model_steps():
+    """Every run of a structure counts towards its choice (the sweep's pool and its units decide by this one
+    function): 4096 article runs of 61 steps pay for a compile together, though no batch of them does alone;
+    a small structure beside them does not; --compile and --no-compile decide alone."""
+    article = RunConfig.model_validate({"train": {"steps": 60}})
+    big = [article.model_copy(update={"seed": s}) for s in range(4096)]
+    small = runs(n=2)
+    choice = compile_choice([*big, *small])
+    assert choice == {fast_key(article): True, fast_key(small[0]): False}
+    assert compile_choice(big[:64]) == {fast_key(article): False}  # one batch's model-steps alone
+    assert set(compile_choice([*big, *small], compile=False).values()) == {False}
+    assert set(compile_choice(small, compile=True).values()) == {True}
+    units = plan_units([*big[:64], *small], "fast", "cpu", 1, planned=[*big, *small])
+    assert {(u.runs[0].model.depth, u.compile) for u in units} == {(article.model.depth, True),
+                                                                    (small[0].model.depth, False)}
 
 def test_plan_fast_chunks_each_structure_and_keeps_every_run():
     configs = runs(n=4) * 40 + runs(kind="layernorm", n=3)

@@ -13,7 +13,6 @@ from torch.func import vmap
 
 from normexp.config import RunConfig
 from normexp.engines.common import EarlyStop, RunResult, record_live, share_wall_time, torch_threads
-from normexp.engines.cost import should_compile
 from normexp.engines.fast.compiled import (
     CompileFailed,
     compiled_step,
@@ -23,7 +22,7 @@ from normexp.engines.fast.compiled import (
     refuse,
 )
 from normexp.engines.fast.optim import FastOptimizer, MadeAhead
-from normexp.engines.fast.plan import COMPILED_CHUNK
+from normexp.engines.fast.plan import COMPILED_CHUNK, compile_choice, fast_key
 from normexp.engines.fast.step import batch_model, make_grad_step, make_loss_fn, stack_runs
 from normexp.optim import step_lr
 
@@ -31,9 +30,9 @@ from normexp.optim import step_lr
 def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | None = None,
                on_step: Callable[[int], None] | None = None) -> list[RunResult]:
     """Train `runs` (equal `fast_key`) together; one RunResult per run, recorded as `train_run` records.
-    `compile`: compile the gradient step, or None to decide from this batch's model-steps. `on_step` is
-    called after each recorded step (what it raises ends the batch)."""
-    use_compile = should_compile(runs[0], len(runs) * (runs[0].train.steps + 1)) if compile is None else compile
+    `compile`: compile the gradient step, or None to decide from this batch's model-steps (`compile_choice`).
+    `on_step` is called after each recorded step (what it raises ends the batch)."""
+    use_compile = compile_choice(runs, compile)[fast_key(runs[0])]
     if use_compile and not is_refused(runs[0], device):
         try:
             return _train_padded(runs, device, on_step)
