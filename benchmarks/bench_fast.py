@@ -26,7 +26,7 @@ each engine; peak RSS of a 4096-run grid. Timings are medians of alternating rep
 nothing here asserts a number (the tests do: tests/test_fast.py).
 """
 
-from __future__ import annotations  # noqa: I001 - normexp is imported before torch, on purpose
+from __future__ import annotations
 
 import argparse
 import contextlib
@@ -42,13 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-import normexp  # noqa: F401 - before torch: torch's threads wait as under the normexp command
+from normexp.environment import set_thread_defaults
+
+set_thread_defaults()  # before torch loads: its threads wait as under the normexp command
+
 import torch
 
 from normexp.config import RunConfig
 from normexp.engines import reference
-from normexp.engines.fast import plan_fast, starts, train_fast
 from normexp.engines.common import RunResult, seeded_init
+from normexp.engines.fast import plan_fast, starts, train_fast
 from normexp.engines.reference import train_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,6 +11,12 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from normexp.environment import set_thread_defaults
+
+# The tests' process, and the processes it starts, wait in OpenMP as normexp's own processes do (set before
+# anything loads torch): threads spinning long would starve each other on a loaded machine.
+set_thread_defaults()
+
 # CI draws the same hypothesis examples on every run, so a red CI is a reproducible defect and never a
 # draw's luck; a developer's run keeps drawing new examples (and keeps the failures it finds).
 settings.register_profile("ci", derandomize=True, database=None)
