@@ -34,7 +34,8 @@ LAYERS = {
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.htmlpage",
                      "normexp.progress", "normexp.export"],
-    "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
+    "commands": ["normexp.commands", "normexp.commands.console", "normexp.commands.sweep", "normexp.commands.read",
+                 "normexp.commands.tools", "normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
