@@ -38,13 +38,13 @@ app.command()(tools.doctor)
 app.add_typer(tools.norms_app, name="norms")
 
 
-def main() -> None:
-    """Run the command line (normexp/__main__.py calls this once its Ctrl-C handler is in place). Output
-    that cannot be written ends it as normexp/commands/console.py says; the last of it is flushed here,
-    while that can still be said."""
+def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
+    """Run the command line, sys.argv or `args` (normexp/__main__.py calls this once its Ctrl-C handler
+    is in place). Output that cannot be written ends it as normexp/commands/console.py says; the last of
+    it is flushed here, while that can still be said."""
     output.guard_streams()
     try:
-        app()
+        app(args=args, prog_name=prog_name)
     except output.OutputLost:
         pass  # the command ends here; said below
     finally:

@@ -4,13 +4,16 @@ and `norms bench` (seed 001's facts and speed table), `studies` (every study shi
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from normexp.commands.console import Exit, check_choice, emit, fail, load, out, out_folder
+from normexp import stopping
+from normexp.commands.console import Exit, check_choice, emit, err, fail, load, out, out_folder
+from normexp.config import ConfigError
 
 
 def gradnorm(
@@ -78,9 +81,39 @@ def studies(
 ) -> None:
     """Run every study shipped with normexp (configs/studies) and write OUT/REPORT.md, each verdict computed
     from its numbers. A rerun resumes; Ctrl-C stops cleanly and keeps every finished run."""
-    from normexp.studies import run_command
+    from normexp.executors import ExecutorError
+    from normexp.runfolder import StoreError
+    from normexp.studies.run import run_studies  # pandas and the sweep, loaded while a stop signal exits at once
+    from normexp.sweep import SweepInterrupted
 
-    run_command(out_dir, quick)
+    out = _studies_folder(out_dir)
+    stopping.on_stop_signals(stopping.stop_cleanly)  # a first Ctrl-C or SIGTERM stops cleanly, runs kept
+    try:
+        run_studies(out, quick)
+    except (StoreError, ExecutorError, ConfigError) as exc:  # a folder in use or full, an edited study config
+        raise fail(str(exc)) from None
+    except OSError as exc:  # a folder that cannot be written, a full disk: say which file
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise fail(f"--out {out}: cannot write the studies{where}: {exc.strerror or exc}") from None
+    except (SweepInterrupted, KeyboardInterrupt):
+        signum = stopping.received or signal.SIGINT
+        kept = f"every finished run is kept in {out}" if out.is_dir() else "nothing was written yet"
+        err.print(f"{signal.Signals(signum).name}: studies stopped; {kept}. Run the same command again to resume.",
+                  soft_wrap=True)
+        stopping.exit_stopped(128 + signum)
+
+
+def _studies_folder(option: str) -> Path:
+    """--out must name a folder, or a path where one can be made: as `normexp sweep` checks its --out."""
+    if not option.strip():  # Path("") is the current folder: every study would land there
+        raise fail("--out: empty; name a folder for the studies (the default is runs)")
+    from normexp.store import out_folder_problem
+
+    out = Path(option)
+    problem = out_folder_problem(out)  # as `normexp sweep` checks its --out (else mkdir says "File exists")
+    if problem is not None:
+        raise fail(f"--out {out}: {problem}")
+    return out
 
 
 def doctor() -> None:
