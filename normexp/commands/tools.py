@@ -75,29 +75,43 @@ def norms_bench(
 
 
 def studies(
+    names: Annotated[list[str] | None, typer.Argument(
+        metavar="NAME", help="Only these studies (--list names them) [default: every study].",
+        show_default=False)] = None,
     out_dir: Annotated[str, typer.Option("--out", help="Folder for every study's runs and REPORT.md.")] = "runs",
-    quick: Annotated[bool, typer.Option("--quick", help="A smoke test: 2 seeds per sweep, no big-shape speed table.")]
-    = False,
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="A smoke test: 2 seeds per sweep (the article's table its 1, instabilities 1 at 4 lrs, "
+                        "gradnorm 3), no big-shape speed table.")] = False,
+    list_: Annotated[bool, typer.Option("--list", help="Name every study, with what it asks; run nothing.")] = False,
 ) -> None:
-    """Run every study shipped with normexp (configs/studies) and write OUT/REPORT.md, each verdict computed
-    from its numbers. A rerun resumes; Ctrl-C stops cleanly and keeps every finished run."""
+    """Run the studies shipped with normexp (configs/studies), every one or the NAMEs given, and write
+    OUT/REPORT.md, each verdict computed from its numbers. A rerun resumes; Ctrl-C stops cleanly and keeps
+    every finished run."""
     from normexp.executors import ExecutorError
     from normexp.runfolder import StoreError
-    from normexp.studies.run import run_studies  # pandas and the sweep, loaded while a stop signal exits at once
-    from normexp.sweep import SweepInterrupted
+    from normexp.studies.run import NAMES, STUDIES, run_studies  # pandas and the sweep: loaded while a stop
+    from normexp.sweep import SweepInterrupted  # signal still exits at once
 
-    out = _studies_folder(out_dir)
+    for name in names or ():
+        check_choice("NAME", name, NAMES)
+    if list_:
+        width = max(len(name) for name in NAMES)
+        for study in STUDIES:
+            if not names or study.name in names:
+                out.print(f"{study.name:<{width}}  {study.about}")
+        return
+    folder = _studies_folder(out_dir)
     stopping.on_stop_signals(stopping.stop_cleanly)  # a first Ctrl-C or SIGTERM stops cleanly, runs kept
     try:
-        run_studies(out, quick)
+        run_studies(folder, quick, names=names or None)
     except (StoreError, ExecutorError, ConfigError) as exc:  # a folder in use or full, an edited study config
         raise fail(str(exc)) from None
     except OSError as exc:  # a folder that cannot be written, a full disk: say which file
         where = f" ({exc.filename})" if exc.filename else ""
-        raise fail(f"--out {out}: cannot write the studies{where}: {exc.strerror or exc}") from None
+        raise fail(f"--out {folder}: cannot write the studies{where}: {exc.strerror or exc}") from None
     except (SweepInterrupted, KeyboardInterrupt):
         signum = stopping.received or signal.SIGINT
-        kept = f"every finished run is kept in {out}" if out.is_dir() else "nothing was written yet"
+        kept = f"every finished run is kept in {folder}" if folder.is_dir() else "nothing was written yet"
         err.print(f"{signal.Signals(signum).name}: studies stopped; {kept}. Run the same command again to resume.",
                   soft_wrap=True)
         stopping.exit_stopped(128 + signum)

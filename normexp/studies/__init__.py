@@ -1,7 +1,7 @@
 """The studies shipped with the package (normexp/configs/, a checkout's configs/): run them all and write
 runs/REPORT.md (`make studies`), and beside it REPORT.html, the same as one self-contained page.
 
-    normexp studies [--out runs] [--quick]        (python -m normexp.studies: the same command)
+    normexp studies [NAME]... [--out runs] [--quick] [--list]   (python -m normexp.studies: the same command)
 
 Each study states its question, shows its table and figure, and ends with a verdict paragraph that
 is computed from the numbers it just measured (nothing in a verdict is written in advance):

@@ -5,7 +5,8 @@ table, figures and computed verdict, and OUT/REPORT.html, the same as one self-c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
@@ -63,47 +64,79 @@ def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
     return out / name, outcome.count("skipped")
 
 
-def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Run (or resume) every study into `out` and write out/REPORT.md and REPORT.html; return REPORT.md's
-    path. Every study's folder is checked before the first trains: one in use, or holding another sweep,
-    is refused (StoreError) with nothing trained."""
+@dataclass(frozen=True)
+class Study:
+    name: str  # its folder under OUT, its section of REPORT.md, and the NAME of `normexp studies NAME`
+    about: str  # one line: what `normexp studies --list` says of it
+    question: str  # REPORT.md's question
+    verdict: Callable[..., str] | None = None  # None: gradnorm and norms, which have their own measurements
+    x_key: str | None = None  # a final-loss figure against this key
+
+
+# Every study, in the order they run and REPORT.md shows them: the sweeps (configs/warmup.yaml and
+# configs/studies/NAME.yaml), then the measurements at init and of the norms themselves.
+STUDIES = (
+    Study("warmup", "the article's table: Post-LN vs Pre-LN without warmup, LayerNorm vs RMSNorm, depth 32",
+          "The article's table: does Post-LN train without warmup? (depth 32, Adam 0.01, 30 steps)", article_verdict),
+    Study("lr_warmup", "learning rate x warmup per placement: where Post-LN starts to train",
+          "Where does Post-LN start to train as learning rate and warmup change?", lr_warmup_verdict),
+    Study("depth", "depth 2..64: does the Post/Pre gap grow with depth?", "Does the Post/Pre gap grow with depth?",
+          depth_verdict, "model.depth"),
+    Study("placements", "every placement x every norm kind: which train without warmup",
+          "Every placement x every norm kind: which train without warmup?", placements_verdict),
+    Study("lr_sensitivity", "learning-rate sensitivity of every placement, with and without warmup",
+          "Which placement is least sensitive to the learning rate, with and without warmup? "
+          "(Wortsman et al. 2023's yardstick: 7 learning rates 1e-4..1e-1, 60 steps)", lr_sensitivity_verdict),
+    Study("transformer_warmup", "Xiong et al.'s warmup question on a 16-layer causal Transformer (fast engine)",
+          "On a 16-layer causal Transformer (assoc_recall), where does Post-LN train, and where does warmup "
+          "rescue it? Post / Pre / B2T / DeepNorm x Adam lr x warmup (fast engine)", transformer_warmup_verdict),
+    Study("blocks", "per-block gradients and Adam updates over the first steps, Post-LN vs Pre-LN",
+          "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
+          "Post-LN vs Pre-LN, with and without warmup?", blocks_verdict),
+    Study("instabilities", "Wortsman et al. 2023: qk-norm and the z-loss on a 4-layer causal Transformer",
+          "Wortsman et al. 2023 at toy scale: do qk-norm and the z-loss lower the learning-rate sensitivity of a "
+          "4-layer causal Transformer, Pre / Post / Peri-LN, LayerNorm or DyT, and do its attention logits and "
+          "output log Z grow at high learning rates as theirs did?", instabilities_verdict),
+    Study("gradnorm", "Xiong et al. at init: the last block's gradient and hidden-state norms against depth",
+          "Xiong et al. at initialisation: how does the last block's gradient scale with depth, and how do "
+          "hidden-state norms grow?"),
+    Study("norms", "the RMSNorm facts of seed 001 and LayerNorm vs RMSNorm speed, measured here",
+          "The RMSNorm facts of shared/seeds/001, measured here; and LayerNorm vs RMSNorm speed"),
+)
+NAMES = tuple(study.name for study in STUDIES)
+
+
+def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print,
+                names: Sequence[str] | None = None) -> Path:
+    """Run (or resume) the studies named (every study by default; in STUDIES' order whatever the order
+    given) into `out` and write out/REPORT.md and REPORT.html; return REPORT.md's path. Every chosen
+    study's folder is checked before the first trains: one in use, or holding another sweep, is refused
+    (StoreError) with nothing trained."""
     from normexp.config import RunConfig  # noqa: F401 - torch-backed modules below
     from normexp.diagnostics import gradnorm_study, norm_properties, norm_speed
     from normexp.plot import save_gradnorm_plot
 
+    unknown = sorted(set(names or ()) - set(NAMES))
+    if unknown:
+        raise ValueError(f"no such study: {', '.join(unknown)}")
+    chosen = [study for study in STUDIES if names is None or study.name in names]
     out.mkdir(parents=True, exist_ok=True)
     sections, times = [], {}
-    studies = [
-        ("warmup", "The article's table: does Post-LN train without warmup? (depth 32, Adam 0.01, 30 steps)",
-         None, article_verdict),
-        ("lr_warmup", "Where does Post-LN start to train as learning rate and warmup change?", None,
-         lr_warmup_verdict),
-        ("depth", "Does the Post/Pre gap grow with depth?", "model.depth", depth_verdict),
-        ("placements", "Every placement x every norm kind: which train without warmup?", None, placements_verdict),
-        ("lr_sensitivity", "Which placement is least sensitive to the learning rate, with and without warmup? "
-         "(Wortsman et al. 2023's yardstick: 7 learning rates 1e-4..1e-1, 60 steps)", None, lr_sensitivity_verdict),
-        ("transformer_warmup", "On a 16-layer causal Transformer (assoc_recall), where does Post-LN train, and "
-         "where does warmup rescue it? Post / Pre / B2T / DeepNorm x Adam lr x warmup (fast engine)",
-         None, transformer_warmup_verdict),
-        ("blocks", "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
-                   "Post-LN vs Pre-LN, with and without warmup?", None, blocks_verdict),
-        ("instabilities", "Wortsman et al. 2023 at toy scale: do qk-norm and the z-loss lower the learning-rate "
-         "sensitivity of a 4-layer causal Transformer, Pre / Post / Peri-LN, LayerNorm or DyT, and do its "
-         "attention logits and output log Z grow at high learning rates as theirs did?", None, instabilities_verdict),
-    ]
-    specs = {name: _spec(name, quick) for name, *_ in studies}
+    studies = [study for study in chosen if study.verdict is not None]  # the sweeps
+    specs = {study.name: _spec(study.name, quick) for study in studies}
     for name, spec in specs.items():  # before anything trains, not after the studies before it
         refuse_another_sweep(out / name, spec, remedy="choose another --out")
         owner = lock_owner(out / name)
         if owner is not None:
             raise StoreError(f"{out / name}: another sweep is writing here ({owner}); wait for it, or choose "
                              "another --out")
-    for name, question, x_key, verdict in studies:
+    for study in studies:
+        name = study.name
         log(f"study {name} ...")
         start = time.perf_counter()
         run_dir, resumed = _sweep(name, specs[name], out)
         folder = load_folder(run_dir)  # read and verified once for the study's table, figures and verdict
-        figures = study_figures(folder, x_key)
+        figures = study_figures(folder, study.x_key)
         sensitivity = (sensitivity_to_markdown(build_sensitivity(folder), sensitivity_engines(folder))
                        if name.startswith("lr_") or name == "instabilities" else "")
         table = (sensitivity if name in ("lr_sensitivity", "instabilities")
@@ -114,34 +147,39 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
             table += "\n" + pivot_to_markdown(build_pivot(folder, "optim.lr", "schedule.warmup_steps"))
             table += "\n" + sensitivity
         note = missing_note(folder.latest, run_dir)
-        verdict_text = verdict(folder) + (f" {note}." if note else "")
+        verdict_text = study.verdict(folder) + (f" {note}." if note else "")
         times[name] = time.perf_counter() - start
         earlier = f"{resumed} of its runs {'was' if resumed == 1 else 'were'} done by an earlier call"
-        sections.append(_section(question, name, table, figures, verdict_text, times[name],
+        sections.append(_section(study.question, name, table, figures, verdict_text, times[name],
                                  earlier if resumed else ""))
 
-    log("study gradnorm ...")
-    start = time.perf_counter()
-    spec = load_sweep(CONFIGS / "studies" / "gradnorm.yaml", ["seeds=0,1,2"] if quick else [])
-    summary = gradnorm_study(spec, out / "gradnorm")
-    save_gradnorm_plot(summary, out / "gradnorm" / "gradnorm.png")
-    times["gradnorm"] = time.perf_counter() - start
-    sections.append(_section("Xiong et al. at initialisation: how does the last block's gradient scale with "
-                             "depth, and how do hidden-state norms grow?", "gradnorm", gradnorm_to_markdown(summary),
-                             ["gradnorm/gradnorm.png"], gradnorm_verdict(summary), times["gradnorm"]))
+    by_name = {study.name: study for study in chosen}
+    if "gradnorm" in by_name:
+        log("study gradnorm ...")
+        start = time.perf_counter()
+        spec = load_sweep(CONFIGS / "studies" / "gradnorm.yaml", ["seeds=0,1,2"] if quick else [])
+        summary = gradnorm_study(spec, out / "gradnorm")
+        save_gradnorm_plot(summary, out / "gradnorm" / "gradnorm.png")
+        times["gradnorm"] = time.perf_counter() - start
+        sections.append(_section(by_name["gradnorm"].question, "gradnorm", gradnorm_to_markdown(summary),
+                                 ["gradnorm/gradnorm.png"], gradnorm_verdict(summary), times["gradnorm"]))
 
-    log("norm facts and speed ...")
-    start = time.perf_counter()
-    props = norm_properties()
-    timings = norm_speed([(64, 32)] + ([] if quick else [SPEED_SHAPE]), repeats=3)
-    times["norms"] = time.perf_counter() - start
-    sections.append(_section("The RMSNorm facts of shared/seeds/001, measured here; and LayerNorm vs RMSNorm speed",
-                             "norms", properties_to_markdown(props) + "\n" + speed_to_markdown(timings), [],
-                             props_verdict(props) + " " + speed_verdict(timings), times["norms"]))
+    if "norms" in by_name:
+        log("norm facts and speed ...")
+        start = time.perf_counter()
+        props = norm_properties()
+        timings = norm_speed([(64, 32)] + ([] if quick else [SPEED_SHAPE]), repeats=3)
+        times["norms"] = time.perf_counter() - start
+        sections.append(_section(by_name["norms"].question, "norms",
+                                 properties_to_markdown(props) + "\n" + speed_to_markdown(timings), [],
+                                 props_verdict(props) + " " + speed_verdict(timings), times["norms"]))
     report = out / "REPORT.md"
     total = sum(times.values())
-    header = (f"# normexp studies\n\nWritten by `make studies` (`normexp studies"
-              f"{' --quick' if quick else ''}`); every verdict below is computed from these runs. "
+    quick_flag = " --quick" if quick else ""
+    written = (f"`make studies` (`normexp studies{quick_flag}`)" if len(chosen) == len(STUDIES) else
+               f"`normexp studies {' '.join(s.name for s in chosen)}{quick_flag}` ({len(chosen)} of the "
+               f"{len(STUDIES)} studies)")
+    header = (f"# normexp studies\n\nWritten by {written}; every verdict below is computed from these runs. "
               f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
     report.write_text(header + "\n".join(sections))
     log(f"wrote {report}")
