@@ -15,7 +15,7 @@ import typer
 
 from normexp import output
 from normexp.commands import read, sweep, tools
-from normexp.commands.console import Exit, fail
+from normexp.commands.console import Exit, SectionedCommand, fail
 
 app = typer.Typer(
     add_completion=False,
@@ -25,7 +25,7 @@ app = typer.Typer(
     help="Where and which normalization makes a deep residual network trainable without warmup.",
 )
 # registered in the order `normexp --help` lists them
-app.command()(sweep.sweep)
+app.command(cls=SectionedCommand)(sweep.sweep)  # --help in sections
 app.command()(read.report)
 app.command()(read.plot)
 app.command()(read.verify)

@@ -24,6 +24,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand
 
 from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Sweep, TooManyRuns, load_sweep
 
@@ -131,3 +132,31 @@ def listed(option: str, value: str | None) -> list[str] | None:
 def check_trained_below(value: float | None) -> None:
     if value is not None and not (math.isfinite(value) and value > 0):
         raise fail(f"--trained-below {value}: must be a finite loss > 0")
+HELP_TERM_WIDTH = 30  # click's own limit: a longer option's help starts on the next line
+
+
+class SectionedCommand(TyperCommand):
+    """A command whose --help lists its options in sections, one per `rich_help_panel` (Typer's way to
+    group options, which Typer itself draws only in its Rich help: normexp's help is plain text, whole
+    in a log or a pipe). The options without one come first, under "Options"; every section's help
+    starts in the same column."""
+
+    def format_options(self, ctx, formatter) -> None:
+        from click.formatting import term_len
+
+        arguments, sections = [], {"Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append(record)
+            else:
+                sections.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        if arguments:
+            with formatter.section("Arguments"):
+                formatter.write_dl(arguments)
+        width = min(max(term_len(term) for rows in sections.values() for term, _ in rows), HELP_TERM_WIDTH)
+        for title, rows in sections.items():
+            with formatter.section(title):
+                formatter.write_dl([(term.ljust(width), text) for term, text in rows], col_max=HELP_TERM_WIDTH)

@@ -29,6 +29,9 @@ from normexp.commands.console import (
 from normexp.config import DEFAULT_MAX_RUNS, ConfigError, Sweep
 from normexp.sweep import Invocation, SweepOptions, SweepOutcome, fast_pool
 
+# The sections of `normexp sweep --help` (console.SectionedCommand); its other options come first.
+ENGINE, WHERE, ARRAY = "Engine", "Where it runs", "Job array (--launcher slurm | local)"
+
 
 def sweep(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file (see configs/).")],
@@ -36,35 +39,48 @@ def sweep(
     out_dir: Annotated[str | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded grid; run nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Redo runs that are already finished.")] = False,
-    engine: Annotated[str, typer.Option(help="auto | reference | batched | fast.")] = "auto",
-    compile_: Annotated[bool | None, typer.Option(
-        "--compile/--no-compile", help="--engine fast: compile its step [default: where the grid pays for it].",
-        show_default=False)] = None,
-    device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed run.")] = False,
-    workers: Annotated[int | None, typer.Option(
-        help="Local worker processes (1: in this process). Default: in this process, or one single-threaded "
-             "worker per core for a compiled fast sweep.", min=1)] = None,
-    cluster: Annotated[str | None, typer.Option(help="Dask: local[:N] or tcp://HOST:PORT of a scheduler.")] = None,
     max_runs: Annotated[int, typer.Option(help="Refuse grids of more distinct runs.", min=1)] = DEFAULT_MAX_RUNS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+    # Engine
+    engine: Annotated[str, typer.Option(help="auto | reference | batched | fast.", rich_help_panel=ENGINE)] = "auto",
+    compile_: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile", help="--engine fast: compile its step [default: where the grid pays for it].",
+        show_default=False, rich_help_panel=ENGINE)] = None,
+    device: Annotated[str, typer.Option(help="cpu | cuda.", rich_help_panel=ENGINE)] = "cpu",
+    # Where it runs
+    workers: Annotated[int | None, typer.Option(
+        help="Local worker processes (1: in this process). Default: in this process, or one single-threaded "
+             "worker per core for a compiled fast sweep.", min=1, rich_help_panel=WHERE)] = None,
+    cluster: Annotated[str | None, typer.Option(
+        help="Dask: local[:N] or tcp://HOST:PORT of a scheduler.", rich_help_panel=WHERE)] = None,
     shard: Annotated[str | None, typer.Option(
-        help="I/N: train shard I (from 0) of N only, whole batches of the plan (a job array's task).")] = None,
+        help="I/N: train shard I (from 0) of N only, whole batches of the plan (a job array's task).",
+        rich_help_panel=WHERE)] = None,
+    # Job array: 11 options, Slurm's (submitit's) and the local launcher's
     launcher: Annotated[str | None, typer.Option(
-        help="slurm: submit the sweep as a job array of --shards tasks (submitit); local: run it here.")] = None,
-    shards: Annotated[int | None, typer.Option(help="--launcher: the array's tasks.", min=1)] = None,
-    partition: Annotated[str | None, typer.Option(help="--launcher slurm: the partition.")] = None,
-    account: Annotated[str | None, typer.Option(help="--launcher slurm: the account to charge.")] = None,
-    qos: Annotated[str | None, typer.Option(help="--launcher slurm: the quality of service.")] = None,
-    time_min: Annotated[int, typer.Option("--time", help="--launcher: minutes per task (requeued past it).",
-                                          min=1)] = 60,
-    cpus: Annotated[int, typer.Option(help="--launcher slurm: CPUs per task.", min=1)] = 1,
-    mem: Annotated[str | None, typer.Option(help="--launcher slurm: memory per task, e.g. 8G.")] = None,
+        help="slurm: submit the sweep as a job array of --shards tasks (submitit); local: run it here.",
+        rich_help_panel=ARRAY)] = None,
+    shards: Annotated[int | None, typer.Option(
+        help="--launcher: the array's tasks.", min=1, rich_help_panel=ARRAY)] = None,
+    partition: Annotated[str | None, typer.Option(
+        help="--launcher slurm: the partition.", rich_help_panel=ARRAY)] = None,
+    account: Annotated[str | None, typer.Option(
+        help="--launcher slurm: the account to charge.", rich_help_panel=ARRAY)] = None,
+    qos: Annotated[str | None, typer.Option(
+        help="--launcher slurm: the quality of service.", rich_help_panel=ARRAY)] = None,
+    time_min: Annotated[int, typer.Option(
+        "--time", help="--launcher: minutes per task (requeued past it).", min=1, rich_help_panel=ARRAY)] = 60,
+    cpus: Annotated[int, typer.Option(help="--launcher slurm: CPUs per task.", min=1, rich_help_panel=ARRAY)] = 1,
+    mem: Annotated[str | None, typer.Option(
+        help="--launcher slurm: memory per task, e.g. 8G.", rich_help_panel=ARRAY)] = None,
     array_parallelism: Annotated[int | None, typer.Option(
-        help="--launcher slurm: tasks running at once [default: all].", min=1)] = None,
+        help="--launcher slurm: tasks running at once [default: all].", min=1, rich_help_panel=ARRAY)] = None,
     setup: Annotated[list[str] | None, typer.Option(
-        help="--launcher slurm: a shell line run before each task (module load ...); repeatable.")] = None,
-    logs: Annotated[Path | None, typer.Option(help="--launcher: submitit's folder [default: OUT/.submitit].")] = None,
+        help="--launcher slurm: a shell line run before each task (module load ...); repeatable.",
+        rich_help_panel=ARRAY)] = None,
+    logs: Annotated[Path | None, typer.Option(
+        help="--launcher: submitit's folder [default: OUT/.submitit].", rich_help_panel=ARRAY)] = None,
 ) -> None:
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
     spec = load(config, set_ or [], max_runs)
