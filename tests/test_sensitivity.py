@@ -125,7 +125,7 @@ def test_sweep_report_and_plot_end_to_end(write_yaml, tmp_path):
 
 
 def test_the_study_verdict_ranks_and_compares_warmups(tmp_path):
-    from normexp.studies import lr_sensitivity_verdict
+    from normexp.studies.verdicts import lr_sensitivity_verdict
 
     finals = {("post", 0): [2.0, 1.0, 2.2], ("post", 12): [0.6, 0.5, 0.7],  # 0.733 -> 0.1
               ("pre", 0): [0.6, 0.5, 0.9], ("pre", 12): [0.6, 0.5, 0.9]}   # 0.167 both
