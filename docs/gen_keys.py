@@ -33,7 +33,8 @@ MEANINGS = {
     "model.hidden_mult": "FFN inner size = hidden_mult * d",
     "model.n_classes": "classes of the toy task (`arch: ffn` only)",
     "model.final_norm": "a norm before the head (the article keeps one; Xiong's Post-LN has none)",
-    "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's",
+    "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's; `tfixup` and `fixup` are "
+                  "T-Fixup's and Fixup's rescaled xavier ([Inits](#inits-t-fixup-fixup-skipinit))",
     "model.arch": "`ffn` (the article's toy) or `transformer` ([The Transformer](transformer.md))",
     "model.n_heads": "transformer only: attention heads; must divide `model.width`",
     "model.qk_norm": "transformer only: normalise queries and keys with the run's norm kind before their dot "

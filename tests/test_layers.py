@@ -18,14 +18,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
-                   "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
+                   "normexp.config.inits", "normexp.config.schema", "normexp.config.sample", "normexp.config.grid",
+                   "normexp.config",
                    "normexp.environment", "normexp.stopping", "normexp.blocklog"],
     # the run folder: read and checked, written, loaded, verified
     "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
                 "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
-    "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
+    "models": ["normexp.models", "normexp.models.norms", "normexp.models.inits", "normexp.models.ffn",
+               "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
                     "normexp.engines.initial", "normexp.engines.aot"],

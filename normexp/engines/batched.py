@@ -80,23 +80,26 @@ class StackedLinear(nn.Module):
     baddbmm(bias, x, W^T), the weights stored transposed as `weight_t` (R, in, out) so that neither
     pass copies a transposed view. Elsewhere (MKL on an AVX2 CPU takes another kernel for outputs
     narrower than 16 in its batched product: the head of a 10-class model) F.linear run by run on
-    `weight` (R, out, in), the reference's own call on the reference's own layout."""
+    `weight` (R, out, in), the reference's own call on the reference's own layout. A Linear without a bias
+    (Fixup's) runs F.linear run by run too (the probe checks baddbmm with a bias)."""
 
     def __init__(self, layers: Sequence[nn.Linear], rows: int) -> None:
         super().__init__()
         out_features, in_features = layers[0].weight.shape
-        self.bmm = stacks_exactly(rows, in_features, out_features)
+        biased = layers[0].bias is not None
+        self.bmm = biased and stacks_exactly(rows, in_features, out_features)
         weights = torch.stack([layer.weight.detach().t() if self.bmm else layer.weight.detach() for layer in layers])
         if self.bmm:
             self.weight_t = nn.Parameter(weights.contiguous())
         else:
             self.weight = nn.Parameter(weights.contiguous())
-        self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers]))
+        self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers])) if biased else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bmm:
             return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight_t)
-        return torch.stack([F.linear(x[r], self.weight[r], self.bias[r]) for r in range(len(x))])
+        return torch.stack([F.linear(x[r], self.weight[r], None if self.bias is None else self.bias[r])
+                            for r in range(len(x))])
 
 
 _STACKS_EXACTLY: dict[tuple[int, int, int, int], bool] = {}
