@@ -94,6 +94,9 @@ MEANINGS = {
     "train.log_blocks": "also write `<run_id>/blocks.csv`: per-block gradients, updates and activations (a "
                         "Transformer's also attention logits, entropy and log Z)",
     "train.log_every": "blocks.csv keeps steps 0, k, 2k, ... (needs `log_blocks: true`)",
+    "train.log_sharpness": "every K steps (0, K, 2K, ...), the top Hessian eigenvalue, the preconditioned one "
+                           "(Adam family) and their thresholds 2/lr, (2+2 beta1)/((1-beta1) lr) "
+                           "([Sharpness](#sharpness)); unset: off. The reference engine measures it",
     "train.stop_when": "opt-in early stopping: `trained`, `stalled` or `diverged` (rules in "
                        "[Early stopping](#early-stopping)); unset: every run runs all its steps",
     "train.stop_patience": "consecutive steps the stop_when condition must hold before the run stops "

@@ -92,6 +92,7 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "train.stop_on_nonfinite": st.booleans(),
     "train.log_blocks": st.booleans(),
     "train.log_every": st.integers(0, 3),
+    "train.log_sharpness": _optional(st.integers(0, 3)),
     "train.z_loss": st.one_of(_floats(-1e-4, 1e-2), st.just(0.0)),
     "train.stop_when": _optional(st.sampled_from(["trained", "stalled", "diverged"])),
     "train.stop_patience": st.integers(0, 12),

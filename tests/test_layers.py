@@ -29,7 +29,7 @@ LAYERS = {
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.inits", "normexp.models.ffn",
                "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
-    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
+    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common", "normexp.sharpness",
                     "normexp.engines.initial", "normexp.engines.aot"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.engines.auto", "normexp.diagnostics"],

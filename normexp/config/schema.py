@@ -399,6 +399,7 @@ class TrainConfig(_Section):
     stop_when: StopReason | None = None
     stop_patience: int = Field(STOP_PATIENCE, ge=1, le=10_000_000)  # acts only under stop_when
     stop_below: PositiveFloat | None = None  # stop_when: trained only
+    log_sharpness: int | None = Field(None, ge=1, le=10_000_000)  # every K steps: sharpness rows (sharpness.py)
 
     @model_validator(mode="after")
     def _inert_keys_at_default(self, info: ValidationInfo) -> TrainConfig:

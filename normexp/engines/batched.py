@@ -261,6 +261,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
     `on_step` is called after each recorded step that goes on (`--engine auto` times the steps)."""
     start = time.perf_counter()
     first = runs[0]
+    if first.train.log_sharpness is not None:  # plan_batches leaves these to the reference engine
+        raise ValueError("train.log_sharpness: the batched engine does not measure sharpness; use the reference")
     with torch_threads(first.train.threads) as threads:
         nets, xs, ys = [], [], []
         for cfg in runs:  # each run's draws exactly as the reference makes them
@@ -322,11 +324,13 @@ def _grad_norms(model: nn.Module) -> list[float]:
 def plan_batches(runs: Sequence[RunConfig]) -> tuple[list[list[RunConfig]], list[RunConfig]]:
     """Group runs into batches, chunked to bound memory, and list the runs left to the reference
     engine: groups of one (a batch of one gains nothing), every Transformer run (this engine stacks
-    the FFN toy only; the reference gives a Transformer run its exact bits) and every run of a user's
-    placement or kind that does not say `stackable = True`."""
+    the FFN toy only; the reference gives a Transformer run its exact bits), every run of a user's
+    placement or kind that does not say `stackable = True`, and every run with `train.log_sharpness`
+    (measured by the reference engine only, normexp/sharpness.py)."""
     groups: dict[tuple, list[RunConfig]] = {}
     def stacks(cfg: RunConfig) -> bool:  # a user's placement or kind stacks only if it says it may
-        return cfg.model.arch == "ffn" and stackable(cfg.norm.placement) and stackable(cfg.norm.kind)
+        return (cfg.model.arch == "ffn" and stackable(cfg.norm.placement) and stackable(cfg.norm.kind)
+                and cfg.train.log_sharpness is None)
 
     alone = [cfg for cfg in runs if not stacks(cfg)]
     for cfg in runs:
