@@ -33,7 +33,8 @@ MEANINGS = {
     "model.hidden_mult": "FFN inner size = hidden_mult * d",
     "model.n_classes": "classes of the toy task (`arch: ffn` only)",
     "model.final_norm": "a norm before the head (the article keeps one; Xiong's Post-LN has none)",
-    "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's",
+    "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's; `tfixup` and `fixup` are "
+                  "T-Fixup's and Fixup's rescaled xavier ([Inits](#inits-t-fixup-fixup-skipinit))",
     "model.arch": "`ffn` (the article's toy) or `transformer` ([The Transformer](transformer.md))",
     "model.n_heads": "transformer only: attention heads; must divide `model.width`",
     "model.qk_norm": "transformer only: normalise queries and keys with the run's norm kind before their dot "
@@ -93,6 +94,9 @@ MEANINGS = {
     "train.log_blocks": "also write `<run_id>/blocks.csv`: per-block gradients, updates and activations (a "
                         "Transformer's also attention logits, entropy and log Z)",
     "train.log_every": "blocks.csv keeps steps 0, k, 2k, ... (needs `log_blocks: true`)",
+    "train.log_sharpness": "every K steps (0, K, 2K, ...), the top Hessian eigenvalue, the preconditioned one "
+                           "(Adam family) and their thresholds 2/lr, (2+2 beta1)/((1-beta1) lr) "
+                           "([Sharpness](#sharpness)); unset: off. The reference engine measures it",
     "train.stop_when": "opt-in early stopping: `trained`, `stalled` or `diverged` (rules in "
                        "[Early stopping](#early-stopping)); unset: every run runs all its steps",
     "train.stop_patience": "consecutive steps the stop_when condition must hold before the run stops "

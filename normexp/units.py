@@ -215,14 +215,18 @@ def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compi
                      planned: Sequence[RunConfig]) -> list[WorkUnit]:
     """The fast engine's batches of `planned` that hold a run of `runs`; each structure compiles when
     its planned model-steps pay for it. Runs with `train.log_blocks` go to the exact engines instead:
-    blocks.csv is the reference's bits or nothing."""
+    blocks.csv is the reference's bits or nothing; so do runs with `train.log_sharpness` (the reference
+    measures it)."""
     from normexp.engines.fast import compile_choice, fast_key, plan_fast
     from normexp.folder import run_id
 
-    logging = [cfg for cfg in runs if cfg.train.log_blocks]
+    def exact_only(cfg: RunConfig) -> bool:
+        return cfg.train.log_blocks or cfg.train.log_sharpness is not None
+
+    logging = [cfg for cfg in runs if exact_only(cfg)]
     exact = plan_units(logging, "batched", device, threads) if logging else []
-    wanted = {run_id(cfg) for cfg in runs if not cfg.train.log_blocks}
-    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if not cfg.train.log_blocks}.values())
+    wanted = {run_id(cfg) for cfg in runs if not exact_only(cfg)}
+    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if not exact_only(cfg)}.values())
     choice = compile_choice(planned, compile)
 
     def compiled(cfg: RunConfig) -> bool:

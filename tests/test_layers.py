@@ -27,7 +27,8 @@ FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}" for m in ("plan", "starts", "step", "opt
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
-                   "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
+                   "normexp.config.inits", "normexp.config.schema", "normexp.config.sample", "normexp.config.grid",
+                   "normexp.config",
                    "normexp.environment", "normexp.stopping", "normexp.blocklog"],
     # the run folder: its contract (folder/), loaded, compared, verified, merged
     "records": ["normexp.folder.layout", "normexp.folder.atomic", "normexp.folder.ids", "normexp.folder.verified",
@@ -36,9 +37,9 @@ LAYERS = {
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm", "normexp.analysis.finals",
                  "normexp.analysis.anova"],  # pure numbers: pandas and statistics
-    "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
-               "normexp.data", "normexp.optim"],
-    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common"],
+    "models": ["normexp.models", "normexp.models.norms", "normexp.models.inits", "normexp.models.ffn",
+               "normexp.models.transformer", "normexp.data", "normexp.optim"],
+    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common", "normexp.sharpness"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", *FAST, "normexp.engines.auto",
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],

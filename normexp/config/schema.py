@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, to_jsonable_python
 
 from normexp.config.errors import ConfigError, _brief, _format_errors, _section_fields
+from normexp.config.inits import init_problem, resolve_skipinit
 from normexp.config.loader import read_mapping
 from normexp.registry import (
     ARCHS,
@@ -44,7 +45,7 @@ from normexp.registry import (
 
 Placement = Literal[tuple(PLACEMENTS)]  # normexp/registry.py: every placement, registered once
 NormKind = Literal[tuple(KINDS)]
-Init = Literal["xavier_uniform", "xavier_normal", "torch_default"]
+Init = Literal["xavier_uniform", "xavier_normal", "torch_default", "tfixup", "fixup"]  # the last two: config/inits.py
 OptimName = Literal["adam", "adamw", "sgd", "radam"]
 ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
 Arch = Literal[ARCHS]  # normexp/registry.py
@@ -398,6 +399,7 @@ class TrainConfig(_Section):
     stop_when: StopReason | None = None
     stop_patience: int = Field(STOP_PATIENCE, ge=1, le=10_000_000)  # acts only under stop_when
     stop_below: PositiveFloat | None = None  # stop_when: trained only
+    log_sharpness: int | None = Field(None, ge=1, le=10_000_000)  # every K steps: sharpness rows (sharpness.py)
 
     @model_validator(mode="after")
     def _inert_keys_at_default(self, info: ValidationInfo) -> TrainConfig:
@@ -426,9 +428,14 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     seed: int = Field(0, ge=0, le=2**63 - 1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        return resolve_skipinit(data)  # norm.placement: skipinit is rezero (config/inits.py)
+
     @model_validator(mode="after")
     def _arch_fits(self, info: ValidationInfo) -> RunConfig:
-        problem = arch_problem(self)
+        problem = arch_problem(self) or init_problem(self)
         if problem is not None:
             raise cross_key_error(*problem)
         if self.norm.placement == "resdual" and not self.norm.resdual_final_norm and not self.model.final_norm:

@@ -80,23 +80,26 @@ class StackedLinear(nn.Module):
     baddbmm(bias, x, W^T), the weights stored transposed as `weight_t` (R, in, out) so that neither
     pass copies a transposed view. Elsewhere (MKL on an AVX2 CPU takes another kernel for outputs
     narrower than 16 in its batched product: the head of a 10-class model) F.linear run by run on
-    `weight` (R, out, in), the reference's own call on the reference's own layout."""
+    `weight` (R, out, in), the reference's own call on the reference's own layout. A Linear without a bias
+    (Fixup's) runs F.linear run by run too (the probe checks baddbmm with a bias)."""
 
     def __init__(self, layers: Sequence[nn.Linear], rows: int) -> None:
         super().__init__()
         out_features, in_features = layers[0].weight.shape
-        self.bmm = stacks_exactly(rows, in_features, out_features)
+        biased = layers[0].bias is not None
+        self.bmm = biased and stacks_exactly(rows, in_features, out_features)
         weights = torch.stack([layer.weight.detach().t() if self.bmm else layer.weight.detach() for layer in layers])
         if self.bmm:
             self.weight_t = nn.Parameter(weights.contiguous())
         else:
             self.weight = nn.Parameter(weights.contiguous())
-        self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers]))
+        self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers])) if biased else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bmm:
             return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight_t)
-        return torch.stack([F.linear(x[r], self.weight[r], self.bias[r]) for r in range(len(x))])
+        return torch.stack([F.linear(x[r], self.weight[r], None if self.bias is None else self.bias[r])
+                            for r in range(len(x))])
 
 
 _STACKS_EXACTLY: dict[tuple[int, int, int, int], bool] = {}
@@ -258,6 +261,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
     `on_step` is called after each recorded step that goes on (`--engine auto` times the steps)."""
     start = time.perf_counter()
     first = runs[0]
+    if first.train.log_sharpness is not None:  # plan_batches leaves these to the reference engine
+        raise ValueError("train.log_sharpness: the batched engine does not measure sharpness; use the reference")
     with torch_threads(first.train.threads) as threads:
         nets, xs, ys = [], [], []
         for cfg in runs:  # each run's draws exactly as the reference makes them
@@ -319,11 +324,13 @@ def _grad_norms(model: nn.Module) -> list[float]:
 def plan_batches(runs: Sequence[RunConfig]) -> tuple[list[list[RunConfig]], list[RunConfig]]:
     """Group runs into batches, chunked to bound memory, and list the runs left to the reference
     engine: groups of one (a batch of one gains nothing), every Transformer run (this engine stacks
-    the FFN toy only; the reference gives a Transformer run its exact bits) and every run of a user's
-    placement or kind that does not say `stackable = True`."""
+    the FFN toy only; the reference gives a Transformer run its exact bits), every run of a user's
+    placement or kind that does not say `stackable = True`, and every run with `train.log_sharpness`
+    (measured by the reference engine only, normexp/sharpness.py)."""
     groups: dict[tuple, list[RunConfig]] = {}
     def stacks(cfg: RunConfig) -> bool:  # a user's placement or kind stacks only if it says it may
-        return cfg.model.arch == "ffn" and stackable(cfg.norm.placement) and stackable(cfg.norm.kind)
+        return (cfg.model.arch == "ffn" and stackable(cfg.norm.placement) and stackable(cfg.norm.kind)
+                and cfg.train.log_sharpness is None)
 
     alone = [cfg for cfg in runs if not stacks(cfg)]
     for cfg in runs:

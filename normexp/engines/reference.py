@@ -10,11 +10,14 @@ The loop reports each recorded step through an optional callback and returns a `
 nothing. A non-finite loss is recorded as it is and marks the run diverged; with
 `train.stop_on_nonfinite` (the default) the run stops there. With `train.stop_when` the run stops after
 the step at which its rule (`EarlyStop`) fires, before that step's update. With `train.log_blocks` a
-`BlockRecorder` (normexp/blocklog.py) also records each block's gradients, updates and activations.
+`BlockRecorder` (normexp/blocklog.py) also records each block's gradients, updates and activations; with
+`train.log_sharpness` a `SharpnessRecorder` (normexp/sharpness.py) the Hessian's top eigenvalues, from a
+forward of its own after the step's backward (the run's numbers are the same bits with it or without).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -37,6 +40,7 @@ from normexp.engines.common import (
     z_loss,
 )
 from normexp.optim import REPLAYED_OPTIMIZERS, StackedOptimizer, build_optimizer, step_lr
+from normexp.sharpness import SecondMoment, SharpnessRecorder
 
 
 class ReferenceOptimizer:
@@ -47,7 +51,7 @@ class ReferenceOptimizer:
     machinery (torch._dynamo, about a second). Other optimizers (RAdam): torch's own, per tensor."""
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig) -> None:
-        self.params = params
+        self.params, self.optim = params, cfg.optim
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self.replayed: StackedOptimizer | None = None
         if cfg.optim.name in REPLAYED_OPTIMIZERS:
@@ -76,6 +80,21 @@ class ReferenceOptimizer:
                              "every module a placement or kind builds must be used by its forward") from None
         self.replayed.step([lr])
 
+    def second_moment(self) -> SecondMoment | None:
+        """Adam, AdamW, RAdam: each parameter's second moment v (zeros before the first update) and the
+        updates so far, as sharpness.py's preconditioner reads them; None for SGD."""
+        if self.optim.name == "sgd":
+            return None
+        if self.replayed is not None:
+            flat = self.replayed.state[0].get("exp_avg_sq", torch.zeros_like(self.flat))
+            values = list(torch.split(flat, [p.numel() for p in self.params]))
+            return SecondMoment([v.view_as(p) for v, p in zip(values, self.params)], self.replayed.steps,
+                                self.optim.betas, self.optim.eps)
+        states = [self.torch_optimizer.state.get(p, {}) for p in self.params]
+        values = [s["exp_avg_sq"] if "exp_avg_sq" in s else torch.zeros_like(p) for p, s in zip(self.params, states)]
+        updates = max((int(s["step"]) for s in states if "step" in s), default=0)
+        return SecondMoment(values, updates, self.optim.betas, self.optim.eps)
+
 
 def flatten_parameters(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """Copy `params` into one flat tensor and make each parameter a view of its slice (values unchanged)."""
@@ -100,6 +119,8 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         params = list(model.parameters())
         optimizer = ReferenceOptimizer(params, cfg)
         blocks = BlockRecorder(model, cfg.train.log_every, positions=task.positions) if cfg.train.log_blocks else None
+        every = cfg.train.log_sharpness
+        sharpness = SharpnessRecorder(every) if every is not None else None
         steps = cfg.train.steps
         coef = cfg.train.z_loss
         for step in range(steps + 1):
@@ -122,6 +143,9 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
             result.record(step, loss_value, acc, lr, grad_norm(params), val, z_value)
             if logged:
                 blocks.observe(step, [0], [True])
+            if sharpness is not None and sharpness.due(step):  # after blocks: its own forward refills their hooks
+                sharpness.observe(step, functools.partial(objective, model, x, y, task.positions, coef), params,
+                                  lr, optimizer.second_moment())
             if result.check_early_stop(step, loss_value):  # train.stop_when: this step recorded whole, then stop
                 break
             if on_step is not None:
@@ -133,4 +157,14 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         if blocks is not None:
             blocks.close()
             result.blocks = blocks.rows()
+        if sharpness is not None:
+            result.sharpness = sharpness.rows()
     return share_wall_time([result], start)[0]
+
+
+def objective(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None,
+              coef: float) -> torch.Tensor:
+    """The training objective the loop differentiates: the cross-entropy, plus the z term with train.z_loss."""
+    logits = model(x)
+    loss = loss_and_acc(logits, y, positions)[0]
+    return loss + z_loss(logits, positions, coef) if coef else loss
