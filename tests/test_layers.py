@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
+                   "normexp.config.fields", "normexp.config.optimizer",
                    "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
                    "normexp.environment", "normexp.stopping", "normexp.blocklog"],
     # the run folder: read and checked, written, loaded, verified

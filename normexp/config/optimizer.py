@@ -1,0 +1,76 @@
+"""The optimizer's and the learning-rate schedule's config sections (`optim`, `schedule`), their keys that act
+only under some optimizers or schedule kinds, and their checks across keys. normexp/optim.py implements
+them; docs/configs.md explains each key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationInfo, model_validator
+
+from normexp.config.fields import (
+    ActsOnlyUnder,
+    Beta,
+    Fraction,
+    NonNegFloat,
+    PositiveFloat,
+    _Section,
+    reset_unused_keys,
+)
+
+OptimName = Literal["adam", "adamw", "sgd", "radam"]
+ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
+
+
+class OptimConfig(_Section):
+    name: OptimName = "adam"
+    lr: PositiveFloat = 0.01
+    betas: Annotated[tuple[Beta, Beta], Field(strict=False)] = (0.9, 0.999)  # adam, adamw, radam only
+    eps: PositiveFloat = 1e-8  # adam, adamw, radam only
+    weight_decay: NonNegFloat | None = None  # None: the optimizer's own default (adamw 0.01, others 0)
+    momentum: Fraction = 0.9  # sgd only
+
+    @model_validator(mode="after")
+    def _resolve_weight_decay(self) -> OptimConfig:
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", 0.01 if self.name == "adamw" else 0.0)
+        return self
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> OptimConfig:
+        """As NormConfig's: momentum under Adam, betas and eps under SGD go back to their defaults."""
+        return reset_unused_keys(self, OPTIM_ACTS_ONLY_UNDER, info)
+
+
+class ScheduleConfig(_Section):
+    kind: ScheduleKind = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: Fraction = 0.0  # cosine only
+
+    @model_validator(mode="after")
+    def _warmup_needs_a_schedule(self) -> ScheduleConfig:
+        if self.kind == "constant" and self.warmup_steps > 0:
+            raise ValueError(
+                "warmup_steps has no effect with kind 'constant': "
+                "use kind linear_warmup, inverse_sqrt or cosine"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _inert_keys_at_default(self, info: ValidationInfo) -> ScheduleConfig:
+        """As NormConfig's: min_lr_ratio under any kind but cosine goes back to its default."""
+        return reset_unused_keys(self, SCHEDULE_ACTS_ONLY_UNDER, info)
+
+
+ADAM_FAMILY = frozenset({"adam", "adamw", "radam"})  # normexp/optim.py: the optimizers that take betas and eps
+# The optimizer's and the schedule's keys that act only under some optimizers or kinds (normexp/optim.py
+# and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay acts under all.
+OPTIM_ACTS_ONLY_UNDER: ActsOnlyUnder = {
+    "betas": ("name", ADAM_FAMILY),
+    "eps": ("name", ADAM_FAMILY),
+    "momentum": ("name", frozenset({"sgd"})),
+}
+SCHEDULE_ACTS_ONLY_UNDER: ActsOnlyUnder = {
+    "min_lr_ratio": ("kind", frozenset({"cosine"})),
+}
