@@ -84,6 +84,9 @@ MEANINGS = {
     "optim.weight_decay": "unset: the optimizer's own, 0.01 for adamw and 0 otherwise, resolved per run after the "
                           "grid and `--set`",
     "optim.momentum": "sgd only",
+    "optim.clip_norm": "every optimizer: clip the gradients' global L2 norm to this before each update, as "
+                       "`torch.nn.utils.clip_grad_norm_`; unset: no clipping "
+                       "([controls](#optimizer-and-schedule-controls))",
     "schedule.kind": "the learning-rate schedule ([schedules](#schedules))",
     "schedule.warmup_steps": "linear warmup length (0 = none; must be 0 with `constant`)",
     "schedule.min_lr_ratio": "cosine's final multiplier",

@@ -62,6 +62,24 @@ def step_lr(cfg: RunConfig, step: int) -> float:
 REPLAYED_OPTIMIZERS = ("adam", "adamw", "sgd")  # per-run hyper-parameters inside one batch
 
 
+def stacked_structure(optim: OptimConfig) -> tuple:
+    """What the runs of one batch of the batched engine share of their optimizer (`StackedOptimizer`):
+    its family, and which gradient clipping acts; its numbers vary per run."""
+    return (optim.name, optim.clip_norm is not None)
+
+
+def clip_grad_norms_(grads: Sequence[torch.Tensor], totals: torch.Tensor, max_norms: Sequence[float]) -> None:
+    """`torch.nn.utils.clip_grad_norm_` run by run on stacked gradients (R, ...): each run's gradients
+    times min(max_norm / (total + 1e-6), 1), with `totals` each run's global norm as clip_grad_norm_
+    computes it (`engines/batched.py` `_grad_norms`). The same float32 operations: `max_norm / tensor`
+    is `tensor.reciprocal() * max_norm` (`Tensor.__rtruediv__`), and every gradient is multiplied, by
+    1.0 where the norm is under max_norm."""
+    limit = torch.tensor(max_norms, dtype=totals.dtype, device=totals.device)
+    coef = torch.clamp((totals + 1e-6).reciprocal() * limit, max=1.0)
+    for grad in grads:
+        grad.mul_(coef.view(-1, *([1] * (grad.dim() - 1))))
+
+
 
 class RunScalars:
     """One step's per-run hyper-parameters as float32 (R,) tensors, viewed as (R, 1, ...) on demand."""

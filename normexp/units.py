@@ -214,16 +214,17 @@ def auto_note(choices: Sequence[Choice | str], alone: int) -> str:
 def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compile: bool | None,
                      planned: Sequence[RunConfig]) -> list[WorkUnit]:
     """The fast engine's batches of `planned` that hold a run of `runs`; each structure compiles when
-    its planned model-steps pay for it. Runs with `train.log_blocks` go to the exact engines instead:
-    blocks.csv is the reference's bits or nothing."""
-    from normexp.engines.cost import fast_key, should_compile
+    its planned model-steps pay for it. Runs the fast engine does not serve (`cost.fast_serves`: with
+    `train.log_blocks`, whose blocks.csv is the reference's bits or nothing, or an optimizer control it
+    does not replay yet) go to the exact engines instead."""
+    from normexp.engines.cost import fast_key, fast_serves, should_compile
     from normexp.engines.fast import plan_fast
     from normexp.runfolder import run_id
 
-    logging = [cfg for cfg in runs if cfg.train.log_blocks]
-    exact = plan_units(logging, "batched", device, threads) if logging else []
-    wanted = {run_id(cfg) for cfg in runs if not cfg.train.log_blocks}
-    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if not cfg.train.log_blocks}.values())
+    declined = [cfg for cfg in runs if not fast_serves(cfg)]
+    exact = plan_units(declined, "batched", device, threads) if declined else []
+    wanted = {run_id(cfg) for cfg in runs if fast_serves(cfg)}
+    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if fast_serves(cfg)}.values())
     model_steps: dict[tuple, int] = {}
     for cfg in planned:
         model_steps[fast_key(cfg)] = model_steps.get(fast_key(cfg), 0) + cfg.train.steps + 1

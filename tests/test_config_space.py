@@ -84,6 +84,7 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "optim.eps": _floats(1e-10, 1e-6),
     "optim.weight_decay": _optional(_floats(0, 0.5)),
     "optim.momentum": _floats(0, 1),
+    "optim.clip_norm": _optional(_floats(-0.1, 2)),
     "schedule.kind": st.sampled_from(["constant", "linear_warmup", "inverse_sqrt", "cosine"]),
     "schedule.warmup_steps": st.integers(0, 5),
     "schedule.min_lr_ratio": _floats(0, 1),

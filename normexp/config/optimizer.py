@@ -30,6 +30,9 @@ class OptimConfig(_Section):
     eps: PositiveFloat = 1e-8  # adam, adamw, radam only
     weight_decay: NonNegFloat | None = None  # None: the optimizer's own default (adamw 0.01, others 0)
     momentum: Fraction = 0.9  # sgd only
+    # every optimizer: the gradients' global L2 norm clipped to at most this before each update, as
+    # torch.nn.utils.clip_grad_norm_ (all gradients' norm together, 1e-6 added to it); null: no clipping
+    clip_norm: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _resolve_weight_decay(self) -> OptimConfig:
@@ -65,7 +68,8 @@ class ScheduleConfig(_Section):
 
 ADAM_FAMILY = frozenset({"adam", "adamw", "radam"})  # normexp/optim.py: the optimizers that take betas and eps
 # The optimizer's and the schedule's keys that act only under some optimizers or kinds (normexp/optim.py
-# and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay acts under all.
+# and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay and clip_norm act
+# under all.
 OPTIM_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "betas": ("name", ADAM_FAMILY),
     "eps": ("name", ADAM_FAMILY),

@@ -4,6 +4,7 @@
     for step in 0..S:
         loss = cross_entropy(model(X), y)                       # recorded: step, loss, acc, lr, grad_norm
         (loss + z_loss(model(X))).backward()                    # z term: train.z_loss > 0 only, recorded apart
+        clip_grad_norm_(params, optim.clip_norm)                 # optim.clip_norm set only
         set lr = optim.lr * lr_multiplier(step + 1); optimizer.step()   (not after step S)
 
 The loop reports each recorded step through an optional callback and returns a `RunResult`; it prints
@@ -48,6 +49,7 @@ class ReferenceOptimizer:
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig) -> None:
         self.params = params
+        self.clip_norm = cfg.optim.clip_norm
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self.replayed: StackedOptimizer | None = None
         if cfg.optim.name in REPLAYED_OPTIMIZERS:
@@ -61,6 +63,8 @@ class ReferenceOptimizer:
             param.grad = None
 
     def step(self, lr: float) -> None:
+        if self.clip_norm is not None:  # optim.clip_norm: the definition, torch's own
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
         if self.replayed is None:
             for group in self.torch_optimizer.param_groups:
                 group["lr"] = lr
