@@ -87,6 +87,10 @@ MEANINGS = {
     "optim.clip_norm": "every optimizer: clip the gradients' global L2 norm to this before each update, as "
                        "`torch.nn.utils.clip_grad_norm_`; unset: no clipping "
                        "([controls](#optimizer-and-schedule-controls))",
+    "optim.agc": "every optimizer: adaptive gradient clipping (NFNets), each unit's gradient norm at most agc * "
+                 "max(its weights' norm, agc_eps), the final layer's weight unclipped; unset: none; not with "
+                 "clip_norm",
+    "optim.agc_eps": "with `agc`: the floor of a unit's weight norm (NFNets' 1e-3)",
     "schedule.kind": "the learning-rate schedule ([schedules](#schedules))",
     "schedule.warmup_steps": "linear warmup length (0 = none; must be 0 with `constant`)",
     "schedule.min_lr_ratio": "cosine's final multiplier",

@@ -59,13 +59,71 @@ def step_lr(cfg: RunConfig, step: int) -> float:
     return cfg.optim.lr * lr_multiplier(step + 1, cfg.schedule, cfg.train.steps)
 
 
+# ----------------------------------------------------------------------------- gradient clipping
+
+
+AGC_SKIPPED = "skipped"  # `agc_units`: a parameter AGC leaves alone
+AGC_EXCLUDED = ("head.weight",)  # the final layer's weight: NFNets do not clip the classifier ("linear")
+
+
+def agc_units(model: torch.nn.Module) -> list[int | str | None]:
+    """For each parameter of `model` (in `parameters()` order), how `optim.agc` takes its unit-wise norm,
+    as deepmind-research `nfnets/agc_optax.py` `unitwise_norm` does on Haiku's layout: None for a scalar
+    or a vector (squeezed to at most one dimension: one norm over all of it); for a matrix, the dim of
+    torch's layout that holds a unit's fan-in (Haiku's axis 0 of an (in, out) weight): 1 for a Linear's
+    (out, in) weight, 0 for an Embedding's (vocab, d) table, which Haiku lays out alike; AGC_SKIPPED for
+    the final layer's weight (experiment_nfnets.py gives the `linear` classifier's weights no clipping,
+    its bias clipping as every other gain and bias)."""
+    modules = dict(model.named_modules())
+    units: list[int | str | None] = []
+    for name, param in model.named_parameters():
+        module = modules[name.rpartition(".")[0]]
+        if name in AGC_EXCLUDED:
+            units.append(AGC_SKIPPED)
+        elif sum(size != 1 for size in param.shape) <= 1:
+            units.append(None)
+        elif param.dim() == 2:
+            units.append(0 if isinstance(module, torch.nn.Embedding) else 1)
+        else:
+            raise ValueError(f"optim.agc: no unit-wise norm for parameter {name} of shape {tuple(param.shape)} "
+                             "(agc_optax.py knows scalars, vectors and matrices here)")
+    return units
+
+
+@torch.no_grad()
+def adaptive_clip_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], units: Sequence[int | str | None],
+                   clip: torch.Tensor, eps: torch.Tensor) -> None:
+    """Adaptive gradient clipping (Brock et al. 2021) of stacked runs, in place: `params` and `grads` (R, ...)
+    in the reference's layout, `units` from `agc_units`, `clip` and `eps` (R,) float32, each run's
+    `optim.agc` and `optim.agc_eps`. Per unit, as agc_optax.py `adaptive_grad_clip`: max_norm = clip *
+    max(||W||, eps); the gradient kept where ||G|| < max_norm, else G * (max_norm / max(||G||, 1e-6))."""
+    for param, grad, unit in zip(params, grads, units):
+        if unit == AGC_SKIPPED:
+            continue
+        runs = (len(param), *([1] * (param.dim() - 1)))
+        max_norm = clip.view(runs) * torch.maximum(_unitwise_norm(param, unit), eps.view(runs))
+        grad_norm = _unitwise_norm(grad, unit)
+        clipped = grad * (max_norm / torch.clamp(grad_norm, min=1e-6))
+        grad.copy_(torch.where(grad_norm < max_norm, grad, clipped))
+
+
+def _unitwise_norm(x: torch.Tensor, unit: int | None) -> torch.Tensor:
+    """agc_optax.py `compute_norm`, sum(x ** 2) ** 0.5, per run of stacked `x` (R, ...): over all of a run's
+    tensor (unit None, shaped (R, 1, ...)) or over its dim `unit` (kept). Summed from a contiguous copy, so
+    that a transposed view sums in the order the reference's own layout does."""
+    x = x.contiguous()
+    if unit is None:
+        return x.reshape(len(x), -1).square().sum(1).sqrt().view(len(x), *([1] * (x.dim() - 1)))
+    return x.square().sum(1 + unit, keepdim=True).sqrt()
+
+
 REPLAYED_OPTIMIZERS = ("adam", "adamw", "sgd")  # per-run hyper-parameters inside one batch
 
 
 def stacked_structure(optim: OptimConfig) -> tuple:
     """What the runs of one batch of the batched engine share of their optimizer (`StackedOptimizer`):
     its family, and which gradient clipping acts; its numbers vary per run."""
-    return (optim.name, optim.clip_norm is not None)
+    return (optim.name, optim.clip_norm is not None, optim.agc is not None)
 
 
 def clip_grad_norms_(grads: Sequence[torch.Tensor], totals: torch.Tensor, max_norms: Sequence[float]) -> None:

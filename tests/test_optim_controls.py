@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from normexp.config import RunConfig, validate_run
+from normexp.config import ConfigError, RunConfig, build_sweep, validate_run
 from normexp.engines.batched import plan_batches, train_batch
 from normexp.engines.common import loss_and_acc, seeded_init
 from normexp.engines.cost import fast_serves
@@ -114,10 +114,111 @@ def test_clipped_and_unclipped_runs_batch_apart():
     assert sorted(len(b) for b in batches) == [2, 2] and not alone
 
 
+# ----------------------------------------------------------------------------- optim.agc
+
+def transcribed_agc(clip: float, eps: float) -> Callable[[torch.nn.Module], None]:
+    """google-deepmind/deepmind-research nfnets/agc_optax.py (f5de0ede), lines 21-48 and 69-76:
+    `compute_norm`, `unitwise_norm`, `my_clip` and `adaptive_grad_clip`'s update_fn, on Haiku's layout (a
+    Linear's weight is (in, out), torch's transposed; an embedding table is (vocab, d) in both); and
+    nfnets/experiment_nfnets.py lines 118-131: the classifier's (`linear`) weights get `clipping: None`."""
+    def compute_norm(x, axis, keepdims):
+        return torch.sum(x ** 2, dim=axis, keepdim=keepdims) ** 0.5 if axis is not None else torch.sum(x ** 2) ** 0.5
+
+    def unitwise_norm(x):
+        if len(x.squeeze().shape) <= 1:  # Scalars and vectors
+            axis, keepdims = None, False
+        elif len(x.shape) in [2, 3]:  # Linear layers of shape IO or multihead linear
+            axis, keepdims = 0, True
+        else:
+            raise ValueError(x.shape)
+        return compute_norm(x, axis, keepdims)
+
+    def my_clip(g_norm, max_norm, grad):
+        trigger = g_norm < max_norm
+        clipped_grad = grad * (max_norm / torch.maximum(g_norm, torch.tensor(1e-6)))
+        return torch.where(trigger, grad, clipped_grad)
+
+    def apply(model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for module_name, module in model.named_modules():
+                for leaf, param in module.named_parameters(recurse=False):
+                    if f"{module_name}.{leaf}" == "head.weight":  # the final layer: no clipping
+                        continue
+                    haiku = isinstance(module, torch.nn.Linear) and leaf == "weight"  # (out, in) -> (in, out)
+                    w, g = (param.T, param.grad.T) if haiku else (param, param.grad)
+                    max_norm = clip * torch.maximum(unitwise_norm(w), torch.tensor(eps))
+                    g.copy_(my_clip(unitwise_norm(g), max_norm, g))
+    return apply
+
+
+@pytest.mark.parametrize(("arch", "placement"), [("ffn", "post"), ("ffn", "rezero"), ("transformer", "post"),
+                                                 ("transformer", "admin")])
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_agc_is_the_authors_adaptive_grad_clip(arch, placement, optim):
+    cfg = config(arch, norm={"placement": placement}, optim={"name": optim, "lr": 0.05, "agc": 0.01, "agc_eps": 2e-3})
+    expected = plain_run(cfg, before_step=transcribed_agc(0.01, 2e-3))
+    got = train_run(cfg).losses
+    assert got == pytest.approx(expected, rel=1e-6, abs=0)
+    unclipped = train_run(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"agc": None})}))
+    assert unclipped.losses[1:] != got[1:]  # the clipping acted
+
+
+def test_agc_leaves_the_final_layers_weight_alone():
+    from normexp.optim import AGC_SKIPPED, adaptive_clip_, agc_units
+
+    for arch in ARCHS:
+        model, task = seeded_init(config(arch))
+        loss_and_acc(model(task.x), task.y, task.positions)[0].backward()
+        names = [name for name, _ in model.named_parameters()]
+        units = agc_units(model)
+        assert dict(zip(names, units))["head.weight"] == AGC_SKIPPED and dict(zip(names, units))["head.bias"] is None
+        before = {name: p.grad.clone() for name, p in model.named_parameters()}
+        params = list(model.parameters())
+        adaptive_clip_([p.unsqueeze(0) for p in params], [p.grad.unsqueeze(0) for p in params], units,
+                       torch.tensor([1e-12]), torch.tensor([1e-3]))  # clips every unit but the skipped
+        for name, p in model.named_parameters():
+            if before[name].any():  # (a key bias's gradient can be all zeros: softmax ignores it)
+                assert torch.equal(p.grad, before[name]) == (name == "head.weight"), name
+
+
+def test_agc_on_a_transposed_layout_gives_the_same_bits():
+    """The batched engine stores some Linear weights transposed (`weight_t`); AGC reads them back in the
+    reference's layout and gives the reference's bits."""
+    from normexp.optim import adaptive_clip_
+
+    generator = torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(3, 40, 24, generator=generator), torch.randn(3, 40, 24, generator=generator)
+    factors = torch.tensor([0.01, 0.1, 1.0]), torch.tensor([1e-3, 1e-3, 1e-2])
+    plain = grad.clone()
+    adaptive_clip_([weight], [plain], [1], *factors)
+    stored_t = grad.transpose(1, 2).contiguous()  # (R, in, out), as StackedLinear's weight_t
+    adaptive_clip_([weight.transpose(1, 2).contiguous().transpose(1, 2)], [stored_t.transpose(1, 2)], [1], *factors)
+    assert torch.equal(stored_t.transpose(1, 2), plain) and not torch.equal(plain, grad)
+    alone = grad[1:2].clone()
+    adaptive_clip_([weight[1:2]], [alone], [1], factors[0][1:2], factors[1][1:2])  # a run alone: its batch's bits
+    assert torch.equal(alone, plain[1:2])
+
+
+@pytest.mark.parametrize("optim", ["adam", "adamw", "sgd"])
+def test_agc_batched_bit_for_bit(optim):
+    assert_batched_is_reference(varied([{"agc": a, "agc_eps": e} for a, e in
+                                        ((0.01, 1e-3), (0.05, 1e-2), (0.3, 1e-3), (0.001, 1e-4))], optim))
+
+
+def test_agc_eps_without_agc_and_agc_with_clip_norm_are_refused():
+    with pytest.raises(ConfigError, match=r"optim\.agc_eps: has no effect without optim\.agc"):
+        validate_run({"optim": {"agc_eps": 0.01}})
+    with pytest.raises(ConfigError, match=r"optim\.agc: and optim\.clip_norm are two ways to clip"):
+        validate_run({"optim": {"agc": 0.01, "clip_norm": 1.0}})
+    validate_run({"optim": {"agc": 0.01, "agc_eps": 0.01}})
+    sweep = build_sweep({"name": "eps", "base": {"optim": {"agc_eps": 0.01}}, "grid": {"optim.agc": [0.01, 0.1]}})
+    assert [r.optim.agc for r in sweep.runs] == [0.01, 0.1]  # the base keeps it: every run sets agc
+
+
 # ----------------------------------------------------------------------------- every control
 
 # A value of each control other than its default, and the optimizer it acts under
-CONTROLS = {"optim.clip_norm": ("adam", 1.0)}
+CONTROLS = {"optim.clip_norm": ("adam", 1.0), "optim.agc": ("sgd", 0.01)}
 
 
 @pytest.mark.parametrize("key", sorted(CONTROLS))

@@ -16,11 +16,14 @@ from normexp.config.fields import (
     NonNegFloat,
     PositiveFloat,
     _Section,
+    cross_key_error,
+    keeps_inert,
     reset_unused_keys,
 )
 
 OptimName = Literal["adam", "adamw", "sgd", "radam"]
 ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
+AGC_EPS = 1e-3  # optim.agc_eps's default: NFNets' (deepmind-research nfnets/agc_optax.py, experiment_nfnets.py)
 
 
 class OptimConfig(_Section):
@@ -33,6 +36,11 @@ class OptimConfig(_Section):
     # every optimizer: the gradients' global L2 norm clipped to at most this before each update, as
     # torch.nn.utils.clip_grad_norm_ (all gradients' norm together, 1e-6 added to it); null: no clipping
     clip_norm: PositiveFloat | None = None
+    # every optimizer: adaptive gradient clipping (Brock et al. 2021, NFNets), unit-wise: each output unit's
+    # gradient norm to at most agc * max(its weights' norm, agc_eps), the final layer's weight excepted;
+    # null: none
+    agc: PositiveFloat | None = None
+    agc_eps: PositiveFloat = AGC_EPS  # acts only with agc
 
     @model_validator(mode="after")
     def _resolve_weight_decay(self) -> OptimConfig:
@@ -42,8 +50,18 @@ class OptimConfig(_Section):
 
     @model_validator(mode="after")
     def _inert_keys_at_default(self, info: ValidationInfo) -> OptimConfig:
-        """As NormConfig's: momentum under Adam, betas and eps under SGD go back to their defaults."""
-        return reset_unused_keys(self, OPTIM_ACTS_ONLY_UNDER, info)
+        """As NormConfig's: momentum under Adam, betas and eps under SGD go back to their defaults. A key
+        that acts only where another is set is refused where it is not (a sweep's base keeps it: its grid
+        may set the other)."""
+        reset_unused_keys(self, OPTIM_ACTS_ONLY_UNDER, info)
+        if keeps_inert(info):
+            return self
+        if self.agc is None and self.agc_eps != AGC_EPS:
+            raise cross_key_error("optim.agc_eps", "has no effect without optim.agc (the clipping factor): set it")
+        if self.agc is not None and self.clip_norm is not None:
+            raise cross_key_error("optim.agc", "and optim.clip_norm are two ways to clip: set one (neither "
+                                  "source defines their order)")
+        return self
 
 
 class ScheduleConfig(_Section):
@@ -68,8 +86,8 @@ class ScheduleConfig(_Section):
 
 ADAM_FAMILY = frozenset({"adam", "adamw", "radam"})  # normexp/optim.py: the optimizers that take betas and eps
 # The optimizer's and the schedule's keys that act only under some optimizers or kinds (normexp/optim.py
-# and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay and clip_norm act
-# under all.
+# and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay, clip_norm and
+# agc act under all.
 OPTIM_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "betas": ("name", ADAM_FAMILY),
     "eps": ("name", ADAM_FAMILY),

@@ -14,7 +14,8 @@ Runs that share everything but their seed, learning rate, optimizer hyper-parame
   (`add(alpha=)`, `addcmul(value=)`), the batched step uses `addcmul` with a tensor factor, which is the
   same fused multiply-add, so every update is bit-identical to the reference's. Gradient clipping
   (`optim.clip_norm`) scales each run's gradients by its own global norm, with clip_grad_norm_'s float32
-  operations. Other optimizers
+  operations; adaptive clipping (`optim.agc`) runs the reference's own function on the stacked tensors,
+  in the reference's layout. Other optimizers
   (RAdam) batch only runs with equal optimizer and schedule settings, and step torch's own optimizer
   on the stacked tensors: its update is element-wise, so stacking changes no bit either.
 - Two things are computed run by run, because their CPU kernels do not give the same bits on a
@@ -49,6 +50,8 @@ from normexp.optim import (
     REPLAYED_OPTIMIZERS,
     SharedOptimizer,
     StackedOptimizer,
+    adaptive_clip_,
+    agc_units,
     clip_grad_norms_,
     stacked_structure,
     step_lr,
@@ -277,6 +280,7 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
         model = stack_nets(nets, len(xs[0])).to(device)
         x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
         params = list(model.parameters())
+        agc = _Agc(nets[0], model, runs) if first.optim.agc is not None else None
         replayed = first.optim.name in REPLAYED_OPTIMIZERS
         optimizer = StackedOptimizer(params, runs) if replayed else SharedOptimizer(params, runs)
         results = [RunResult(threads=threads, engine="batched", early_stop=EarlyStop.of(cfg)) for cfg in runs]
@@ -307,6 +311,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
             if step < steps:
                 if first.optim.clip_norm is not None:  # each run's global norm, as clip_grad_norm_
                     clip_grad_norms_([p.grad for p in params], totals, [cfg.optim.clip_norm for cfg in runs])
+                if agc is not None:
+                    agc.clip_()
                 optimizer.step(lrs)
                 if logged:
                     blocks.observe_update()
@@ -315,6 +321,22 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
             for r, result in enumerate(results):
                 result.blocks = blocks.rows(r)
     return share_wall_time(results, start)
+
+
+class _Agc:
+    """optim.agc on the stacked model: each parameter in the reference's layout (a `weight_t` transposed
+    back, a view), its unit from the reference's own model (`agc_units`), each run's factor and eps."""
+
+    def __init__(self, net: Net, model: nn.Module, runs: Sequence[RunConfig]) -> None:
+        self.units = agc_units(net)
+        self.params = [(param, name.endswith("weight_t")) for name, param in model.named_parameters()]
+        assert len(self.params) == len(self.units)
+        self.clip = torch.tensor([cfg.optim.agc for cfg in runs], device=self.params[0][0].device)
+        self.eps = torch.tensor([cfg.optim.agc_eps for cfg in runs], device=self.params[0][0].device)
+
+    def clip_(self) -> None:
+        layout = [(p.transpose(1, 2), p.grad.transpose(1, 2)) if t else (p, p.grad) for p, t in self.params]
+        adaptive_clip_([p for p, _ in layout], [g for _, g in layout], self.units, self.clip, self.eps)
 
 
 def _grad_norms(model: nn.Module) -> torch.Tensor:
