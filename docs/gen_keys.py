@@ -91,6 +91,10 @@ MEANINGS = {
                  "max(its weights' norm, agc_eps), the final layer's weight unclipped; unset: none; not with "
                  "clip_norm",
     "optim.agc_eps": "with `agc`: the floor of a unit's weight norm (NFNets' 1e-3)",
+    "optim.v_only_steps": "adam, adamw: Adam-2k, the first k updates move only the second moment (the step "
+                          "count advances)",
+    "optim.v0": "adam, adamw: the second moment's start: `zero` (Adam's) or `grad_sq`, the first gradient "
+                "squared (GI-Adam)",
     "schedule.kind": "the learning-rate schedule ([schedules](#schedules))",
     "schedule.warmup_steps": "linear warmup length (0 = none; must be 0 with `constant`)",
     "schedule.min_lr_ratio": "cosine's final multiplier",

@@ -123,7 +123,7 @@ REPLAYED_OPTIMIZERS = ("adam", "adamw", "sgd")  # per-run hyper-parameters insid
 def stacked_structure(optim: OptimConfig) -> tuple:
     """What the runs of one batch of the batched engine share of their optimizer (`StackedOptimizer`):
     its family, and which gradient clipping acts; its numbers vary per run."""
-    return (optim.name, optim.clip_norm is not None, optim.agc is not None)
+    return (optim.name, optim.clip_norm is not None, optim.agc is not None, optim.v_only_steps, optim.v0)
 
 
 def clip_grad_norms_(grads: Sequence[torch.Tensor], totals: torch.Tensor, max_norms: Sequence[float]) -> None:
@@ -178,6 +178,8 @@ class StackedOptimizer:
     def __init__(self, params: list[torch.Tensor], runs: Sequence[RunConfig]) -> None:
         self.params, self.name, self.steps = params, runs[0].optim.name, 0
         self.optim = [cfg.optim for cfg in runs]
+        # a batch shares these (`stacked_structure`): Adam-2k's frozen updates, GI-Adam's second moment
+        self.v_only_steps, self.v0 = runs[0].optim.v_only_steps, runs[0].optim.v0
         self.decay = any(o.weight_decay != 0 for o in self.optim)  # torch skips weight decay at 0
         self.state: list[dict[str, torch.Tensor]] = [{} for _ in params]
 
@@ -208,15 +210,24 @@ class StackedOptimizer:
         )
 
     def _adam(self, param: torch.Tensor, state: dict[str, torch.Tensor], s: RunScalars) -> None:
-        if not state:
-            state["exp_avg"] = torch.zeros_like(param)
-            state["exp_avg_sq"] = torch.zeros_like(param)
+        """torch's Adam and AdamW; optim.v_only_steps k: updates 1..k (Adam-2k's frozen ones, RAdam repo
+        nmt/my_module/adam2.py under --adam-freeze) move the second moment only, neither the first moment
+        nor the weights nor their decay, while the step count, hence both bias corrections, advances;
+        optim.v0 grad_sq: the second moment starts at the first update's gradient squared (GI-Adam)."""
         grad = param.grad
+        frozen = self.steps <= self.v_only_steps
         if self.decay and self.name == "adamw":
-            param.mul_(s("decoupled", param))  # param.mul_(1 - lr * weight_decay)
+            if not frozen:
+                param.mul_(s("decoupled", param))  # param.mul_(1 - lr * weight_decay)
         elif self.decay:
             grad = grad.addcmul(param, s("decay", param))  # grad.add(param, alpha=weight_decay)
+        if not state:
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = grad * grad if self.v0 == "grad_sq" else torch.zeros_like(param)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if frozen:
+            exp_avg_sq.mul_(s("beta2", param)).addcmul_(s("one_minus_beta2", param) * grad, grad)
+            return
         exp_avg.lerp_(grad, s("one_minus_beta1", param).expand_as(param))
         exp_avg_sq.mul_(s("beta2", param)).addcmul_(s("one_minus_beta2", param) * grad, grad)
         denom = (exp_avg_sq.sqrt() / s("bias_correction2_sqrt", param)).add_(s("eps", param))

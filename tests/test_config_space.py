@@ -87,6 +87,8 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "optim.clip_norm": _optional(_floats(-0.1, 2)),
     "optim.agc": _optional(_floats(-0.01, 0.1)),
     "optim.agc_eps": _floats(0, 1e-2),
+    "optim.v_only_steps": st.integers(-1, 3),
+    "optim.v0": st.sampled_from(["zero", "grad_sq", "ones"]),
     "schedule.kind": st.sampled_from(["constant", "linear_warmup", "inverse_sqrt", "cosine"]),
     "schedule.warmup_steps": st.integers(0, 5),
     "schedule.min_lr_ratio": _floats(0, 1),

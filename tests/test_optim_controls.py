@@ -4,6 +4,7 @@ Transformer on the reference engine, and the batched engine bit for bit with the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -215,10 +216,155 @@ def test_agc_eps_without_agc_and_agc_with_clip_norm_are_refused():
     assert [r.optim.agc for r in sweep.runs] == [0.01, 0.1]  # the base keeps it: every run sets agc
 
 
+# ----------------------------------------------------------------------------- optim.v_only_steps (Adam-2k)
+
+class Adam2(torch.optim.Optimizer):
+    """LiyuanLucasLiu/RAdam nmt/my_module/adam2.py (d9fd30a3) lines 67-152, `Adam2.step` as run with
+    `--adam-freeze k` ('adam_1k' in the optimizer's name), amsgrad and adam_no_correction1 off; the
+    deprecated `add_(scalar, tensor)` forms written as `alpha=` / `value=`."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, adam_freeze):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_freeze=adam_freeze))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad.data.float()
+                p_data_fp32 = p.data.float()
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p_data_fp32)
+                    state["exp_avg_sq"] = torch.zeros_like(p_data_fp32)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                beta1, beta2 = group["betas"]
+                state["step"] += 1
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = exp_avg_sq.sqrt().add_(group["eps"])
+                bias_correction1 = 1 - beta1 ** state["step"]
+                bias_correction2 = (1 - beta2 ** state["step"]) ** 0.5
+                step_size = group["lr"] * bias_correction2 / bias_correction1
+                if state["step"] > group["adam_freeze"]:  # 'adam_1k' in self.name
+                    if group["weight_decay"] != 0:
+                        p_data_fp32.add_(p_data_fp32, alpha=-group["weight_decay"] * group["lr"])
+                    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                    p_data_fp32.addcdiv_(exp_avg, denom, value=-step_size)
+                    p.data.copy_(p_data_fp32)
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+@pytest.mark.parametrize(("optim", "decay"), [("adam", 0.0), ("adamw", 0.05)])
+def test_v_only_steps_is_adam_2k(arch, optim, decay):
+    k, lr, betas, eps = 3, 0.02, (0.9, 0.999), 1e-8
+    cfg = config(arch, optim={"name": optim, "lr": lr, "weight_decay": decay, "v_only_steps": k},
+                 schedule={"kind": "cosine", "warmup_steps": 0})
+    got = train_run(cfg).losses
+    assert bits(got[:k + 1]) == bits([got[0]] * (k + 1))  # the first k updates leave the weights as they were
+    assert got[k + 1] != got[0]
+    expected = plain_run(cfg, lambda params: Adam2(params, lr, betas, eps, decay, adam_freeze=k))
+    # the authors' Adam2 adds eps to sqrt(v) before the bias correction (torch's Adam of 2019);
+    # normexp's Adam, torch's, to sqrt(v) / sqrt(1 - beta2^t): the same update but for eps's scale
+    assert got == pytest.approx(expected, rel=1e-4)
+    adam = train_run(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"v_only_steps": 0})}))
+    assert adam.losses[1] != got[1]
+
+
+def test_v_only_steps_freezes_the_first_moment_and_counts_the_steps():
+    """The state after the frozen updates: the first moment untouched, the second moment every gradient's,
+    the step count (bias corrections) advanced, as Adam2's `state['step']`."""
+    from normexp.optim import StackedOptimizer
+
+    cfg = config(optim={"name": "adamw", "v_only_steps": 2, "weight_decay": 0.1})
+    param = torch.nn.Parameter(torch.tensor([[1.0, -2.0, 3.0]]))
+    optimizer = StackedOptimizer([param], [cfg])
+    grads = [torch.tensor([[0.5, 0.25, -1.0]]), torch.tensor([[-0.5, 1.0, 2.0]]), torch.tensor([[1.0, 1.0, 1.0]])]
+    for grad in grads[:2]:
+        param.grad = grad
+        optimizer.step([0.01])
+    state = optimizer.state[0]
+    assert torch.equal(param.detach(), torch.tensor([[1.0, -2.0, 3.0]])) and not state["exp_avg"].any()
+    expected_v = (0.001 * grads[0] * grads[0]) * 0.999 + 0.001 * grads[1] * grads[1]
+    assert torch.allclose(state["exp_avg_sq"], expected_v, rtol=1e-6)
+    param.grad = grads[2]
+    optimizer.step([0.01])  # update 3: the first that moves, with step count 3
+    assert optimizer.steps == 3 and torch.allclose(state["exp_avg"], 0.1 * grads[2])
+    v3 = expected_v * 0.999 + 0.001 * grads[2] * grads[2]
+    decayed = torch.tensor([[1.0, -2.0, 3.0]]) * (1 - 0.01 * 0.1)
+    step = 0.01 / (1 - 0.9 ** 3) * (0.1 * grads[2]) / ((v3 / (1 - 0.999 ** 3)).sqrt() + 1e-8)
+    assert torch.allclose(param.detach(), decayed - step, rtol=1e-6)
+
+
+@pytest.mark.parametrize("optim", ["adam", "adamw"])
+def test_v_only_steps_batched_bit_for_bit(optim):
+    assert_batched_is_reference(varied([{"v_only_steps": 3}] * 4, optim))
+
+
+# ----------------------------------------------------------------------------- optim.v0 (GI-Adam)
+
+class GIAdam(torch.optim.Optimizer):
+    """dayal-kalra/why-warmup vision/mechanisms/utils/optim_utils.py (877d887f) lines 14-44, `adam_init`
+    with `grads` given: nu starts at grads ** 2, mu at zeros; update_fn's count, bias-corrected mu_hat
+    and nu_hat, -learning_rate * mu_hat / (sqrt(nu_hat) + eps); train_fcn_grads_adam_lobpcg.py lines
+    92-98: `grads` is the gradient at the initial weights (the first gradient, on a full batch)."""
+
+    def __init__(self, params, lr, betas, eps):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                state, grads = self.state[p], p.grad
+                if not state:  # init_fn: the first gradient is the one at initialisation
+                    state.update(mu=torch.zeros_like(p), nu=grads ** 2, count=0)
+                state["count"] += 1
+                count = state["count"]
+                state["mu"] = b1 * state["mu"] + (1 - b1) * grads
+                mu_hat = state["mu"] / (1 - b1 ** count)
+                state["nu"] = b2 * state["nu"] + (1 - b2) * (grads ** 2)
+                nu_hat = state["nu"] / (1 - b2 ** count)
+                p.add_(-group["lr"] * mu_hat / (torch.sqrt(nu_hat) + group["eps"]))
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+def test_v0_grad_sq_is_gi_adam(arch):
+    lr, betas, eps = 0.05, (0.9, 0.999), 1e-8
+    cfg = config(arch, optim={"name": "adam", "lr": lr, "v0": "grad_sq"}, schedule={"kind": "linear_warmup",
+                                                                                     "warmup_steps": 3})
+    got = train_run(cfg).losses
+    expected = plain_run(cfg, lambda params: GIAdam(params, lr, betas, eps))
+    assert got == pytest.approx(expected, rel=1e-5)
+    adam = train_run(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"v0": "zero"})}))
+    assert adam.losses[1] != got[1]
+
+
+def test_v0_grad_sq_shrinks_the_first_update_by_sqrt_one_minus_beta2():
+    """With v0 = g0^2 and the bias correction kept, the first update is Adam's times about
+    sqrt(1 - beta2): GI-Adam's built-in warmup."""
+    from normexp.optim import StackedOptimizer
+
+    moves = {}
+    for v0 in ("zero", "grad_sq"):
+        param = torch.nn.Parameter(torch.zeros(1, 4))
+        optimizer = StackedOptimizer([param], [config(optim={"name": "adam", "lr": 1.0, "v0": v0})])
+        param.grad = torch.tensor([[1.0, -2.0, 0.5, 4.0]])
+        optimizer.step([1.0])
+        moves[v0] = param.detach().clone()
+    assert torch.allclose(moves["grad_sq"], moves["zero"] * math.sqrt(1 - 0.999), rtol=1e-4)
+
+
+@pytest.mark.parametrize("optim", ["adam", "adamw"])
+def test_v0_batched_bit_for_bit(optim):
+    assert_batched_is_reference(varied([{"v0": "grad_sq"}] * 4, optim))
+
+
 # ----------------------------------------------------------------------------- every control
 
 # A value of each control other than its default, and the optimizer it acts under
-CONTROLS = {"optim.clip_norm": ("adam", 1.0), "optim.agc": ("sgd", 0.01)}
+CONTROLS = {"optim.clip_norm": ("adam", 1.0), "optim.agc": ("sgd", 0.01), "optim.v_only_steps": ("adam", 2),
+            "optim.v0": ("adamw", "grad_sq")}
 
 
 @pytest.mark.parametrize("key", sorted(CONTROLS))

@@ -41,6 +41,9 @@ class OptimConfig(_Section):
     # null: none
     agc: PositiveFloat | None = None
     agc_eps: PositiveFloat = AGC_EPS  # acts only with agc
+    # adam, adamw: Adam-2k (Liu et al. 2020): the first k updates move the second moment only
+    v_only_steps: int = Field(0, ge=0, le=10_000_000)
+    v0: Literal["zero", "grad_sq"] = "zero"  # adam, adamw: grad_sq starts the second moment at g0^2 (GI-Adam)
 
     @model_validator(mode="after")
     def _resolve_weight_decay(self) -> OptimConfig:
@@ -85,6 +88,7 @@ class ScheduleConfig(_Section):
 
 
 ADAM_FAMILY = frozenset({"adam", "adamw", "radam"})  # normexp/optim.py: the optimizers that take betas and eps
+ADAM = frozenset({"adam", "adamw"})  # normexp/optim.py `StackedOptimizer._adam`: Adam's own update
 # The optimizer's and the schedule's keys that act only under some optimizers or kinds (normexp/optim.py
 # and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay, clip_norm and
 # agc act under all.
@@ -92,6 +96,8 @@ OPTIM_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "betas": ("name", ADAM_FAMILY),
     "eps": ("name", ADAM_FAMILY),
     "momentum": ("name", frozenset({"sgd"})),
+    "v_only_steps": ("name", ADAM),
+    "v0": ("name", ADAM),
 }
 SCHEDULE_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "min_lr_ratio": ("kind", frozenset({"cosine"})),
