@@ -95,6 +95,8 @@ MEANINGS = {
                           "count advances)",
     "optim.v0": "adam, adamw: the second moment's start: `zero` (Adam's) or `grad_sq`, the first gradient "
                 "squared (GI-Adam)",
+    "optim.radam_variant": "radam: `torch` (torch's RAdam: momentum steps while rho_t <= 5) or `official` (the "
+                           "authors' radam.py: no update while rho_t < 5, decoupled weight decay)",
     "schedule.kind": "the learning-rate schedule ([schedules](#schedules))",
     "schedule.warmup_steps": "linear warmup length (0 = none; must be 0 with `constant`)",
     "schedule.min_lr_ratio": "cosine's final multiplier",

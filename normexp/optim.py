@@ -24,16 +24,61 @@ from normexp.config import OptimConfig, RunConfig, ScheduleConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer `cfg.name` with `cfg`'s hyper-parameters (torch's own implementations)."""
+    """The optimizer `cfg.name` with `cfg`'s hyper-parameters: torch's own implementations, and the RAdam
+    authors' under `optim.radam_variant: official`."""
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "radam" and cfg.radam_variant == "official":
+        return OfficialRAdam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "radam":
         return torch.optim.RAdam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+class OfficialRAdam(torch.optim.Optimizer):
+    """RAdam as its authors ship it: LiyuanLucasLiu/RAdam `radam/radam.py`, class `RAdam`, with its default
+    `degenerated_to_sgd=False`, op for op (the deprecated `add_(scalar, tensor)` forms as `alpha=`). Both
+    moments are updated at every step; with rho_max = 2 / (1 - beta2) - 1 and rho_t = rho_max - 2 t
+    beta2^t / (1 - beta2^t), an update is taken only where rho_t >= 5: decoupled weight decay p -= lr wd
+    p, then p -= lr r_t m / (sqrt(v) + eps) with r_t = sqrt((1 - beta2^t) (rho_t - 4) (rho_t - 2) rho_max
+    / ((rho_max - 4) (rho_max - 2) rho_t)) / (1 - beta1^t). Below it the parameter is left as it is, where
+    torch's RAdam (rho_t <= 5) steps by the bias-corrected momentum. The authors' per-step buffer caches
+    rho_t and r_t across tensors: the same numbers, computed here for each."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, state = p.grad, self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["step"] += 1
+                step = state["step"]
+                beta2_t = beta2 ** step
+                n_sma_max = 2 / (1 - beta2) - 1
+                n_sma = n_sma_max - 2 * step * beta2_t / (1 - beta2_t)
+                if n_sma < 5:  # step_size = -1: no update, no decay
+                    continue
+                step_size = math.sqrt((1 - beta2_t) * (n_sma - 4) / (n_sma_max - 4) * (n_sma - 2) / n_sma
+                                      * n_sma_max / (n_sma_max - 2)) / (1 - beta1 ** step)
+                if group["weight_decay"] != 0:
+                    p.add_(p, alpha=-group["weight_decay"] * group["lr"])
+                denom = exp_avg_sq.sqrt().add_(group["eps"])
+                p.addcdiv_(exp_avg, denom, value=-step_size * group["lr"])
 
 
 def lr_multiplier(step: int, schedule: ScheduleConfig, total_steps: int) -> float:

@@ -89,6 +89,7 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "optim.agc_eps": _floats(0, 1e-2),
     "optim.v_only_steps": st.integers(-1, 3),
     "optim.v0": st.sampled_from(["zero", "grad_sq", "ones"]),
+    "optim.radam_variant": st.sampled_from(["torch", "official", "paper"]),
     "schedule.kind": st.sampled_from(["constant", "linear_warmup", "inverse_sqrt", "cosine"]),
     "schedule.warmup_steps": st.integers(0, 5),
     "schedule.min_lr_ratio": _floats(0, 1),

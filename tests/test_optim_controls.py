@@ -360,11 +360,99 @@ def test_v0_batched_bit_for_bit(optim):
     assert_batched_is_reference(varied([{"v0": "grad_sq"}] * 4, optim))
 
 
+# ----------------------------------------------------------------------------- optim.radam_variant
+
+class AuthorsRAdam(torch.optim.Optimizer):
+    """LiyuanLucasLiu/RAdam radam/radam.py (d9fd30a3) lines 5-94, class `RAdam` with its default
+    `degenerated_to_sgd=False`, its shared 10-slot buffer included; the deprecated `add_(scalar, tensor)`
+    forms written as `alpha=` / `value=`."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, degenerated_to_sgd=False):
+        self.degenerated_to_sgd = degenerated_to_sgd
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        buffer=[[None, None, None] for _ in range(10)])
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.data.float()
+                p_data_fp32 = p.data.float()
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p_data_fp32)
+                    state["exp_avg_sq"] = torch.zeros_like(p_data_fp32)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                beta1, beta2 = group["betas"]
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                state["step"] += 1
+                buffered = group["buffer"][int(state["step"] % 10)]
+                if state["step"] == buffered[0]:
+                    n_sma, step_size = buffered[1], buffered[2]
+                else:
+                    buffered[0] = state["step"]
+                    beta2_t = beta2 ** state["step"]
+                    n_sma_max = 2 / (1 - beta2) - 1
+                    n_sma = n_sma_max - 2 * state["step"] * beta2_t / (1 - beta2_t)
+                    buffered[1] = n_sma
+                    if n_sma >= 5:
+                        step_size = math.sqrt((1 - beta2_t) * (n_sma - 4) / (n_sma_max - 4) * (n_sma - 2) / n_sma
+                                              * n_sma_max / (n_sma_max - 2)) / (1 - beta1 ** state["step"])
+                    elif self.degenerated_to_sgd:
+                        step_size = 1.0 / (1 - beta1 ** state["step"])
+                    else:
+                        step_size = -1
+                    buffered[2] = step_size
+                if n_sma >= 5:
+                    if group["weight_decay"] != 0:
+                        p_data_fp32.add_(p_data_fp32, alpha=-group["weight_decay"] * group["lr"])
+                    denom = exp_avg_sq.sqrt().add_(group["eps"])
+                    p_data_fp32.addcdiv_(exp_avg, denom, value=-step_size * group["lr"])
+                    p.data.copy_(p_data_fp32)
+                elif step_size > 0:
+                    if group["weight_decay"] != 0:
+                        p_data_fp32.add_(p_data_fp32, alpha=-group["weight_decay"] * group["lr"])
+                    p_data_fp32.add_(exp_avg, alpha=-step_size * group["lr"])
+                    p.data.copy_(p_data_fp32)
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+@pytest.mark.parametrize("decay", [0.0, 0.05])
+def test_radam_official_is_the_authors_radam(arch, decay):
+    lr, betas, eps = 0.02, (0.9, 0.999), 1e-8
+    cfg = config(arch, steps=12, optim={"name": "radam", "lr": lr, "weight_decay": decay,
+                                        "radam_variant": "official"},
+                 schedule={"kind": "linear_warmup", "warmup_steps": 3})
+    got = train_run(cfg).losses
+    assert bits(got) == bits(plain_run(cfg, lambda params: AuthorsRAdam(params, lr, betas, eps, decay)))
+    # rho_t < 5 for t <= 5 at beta2 = 0.999: the first five updates leave the weights alone
+    assert bits(got[:6]) == bits([got[0]] * 6) and got[6] != got[0]
+    torch_radam = train_run(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"radam_variant": "torch"})}))
+    assert torch_radam.losses[1] != got[1]  # torch's RAdam takes momentum steps there
+
+
+def test_torch_radam_stays_the_default():
+    cfg = config(steps=6, optim={"name": "radam", "lr": 0.02})
+    assert cfg.optim.radam_variant == "torch"
+    assert bits(train_run(cfg).losses) == bits(plain_run(cfg, lambda params: torch.optim.RAdam(params, lr=0.02)))
+
+
+def test_radam_official_batched_bit_for_bit():
+    configs = [config(optim={"name": "radam", "radam_variant": "official", "weight_decay": 0.01}, steps=10,
+                      seed=s) for s in range(3)]
+    assert_batched_is_reference(configs)
+
+
 # ----------------------------------------------------------------------------- every control
 
 # A value of each control other than its default, and the optimizer it acts under
 CONTROLS = {"optim.clip_norm": ("adam", 1.0), "optim.agc": ("sgd", 0.01), "optim.v_only_steps": ("adam", 2),
-            "optim.v0": ("adamw", "grad_sq")}
+            "optim.v0": ("adamw", "grad_sq"), "optim.radam_variant": ("radam", "official")}
 
 
 @pytest.mark.parametrize("key", sorted(CONTROLS))

@@ -44,6 +44,9 @@ class OptimConfig(_Section):
     # adam, adamw: Adam-2k (Liu et al. 2020): the first k updates move the second moment only
     v_only_steps: int = Field(0, ge=0, le=10_000_000)
     v0: Literal["zero", "grad_sq"] = "zero"  # adam, adamw: grad_sq starts the second moment at g0^2 (GI-Adam)
+    # radam: torch's RAdam (SGD with momentum while the variance is intractable, rho_t <= 5) or the
+    # authors' (LiyuanLucasLiu/RAdam radam/radam.py: no update at all while rho_t < 5)
+    radam_variant: Literal["torch", "official"] = "torch"
 
     @model_validator(mode="after")
     def _resolve_weight_decay(self) -> OptimConfig:
@@ -98,6 +101,7 @@ OPTIM_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "momentum": ("name", frozenset({"sgd"})),
     "v_only_steps": ("name", ADAM),
     "v0": ("name", ADAM),
+    "radam_variant": ("name", frozenset({"radam"})),
 }
 SCHEDULE_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "min_lr_ratio": ("kind", frozenset({"cosine"})),
