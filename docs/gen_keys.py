@@ -99,7 +99,10 @@ MEANINGS = {
                            "authors' radam.py: no update while rho_t < 5, decoupled weight decay)",
     "schedule.kind": "the learning-rate schedule ([schedules](#schedules))",
     "schedule.warmup_steps": "linear warmup length (0 = none; must be 0 with `constant`)",
-    "schedule.min_lr_ratio": "cosine's final multiplier",
+    "schedule.min_lr_ratio": "cosine's final multiplier; wsd's final_lr_factor",
+    "schedule.decay_fraction": "wsd: the last int(f * train.steps) updates decay (the authors' fract_decay)",
+    "schedule.decay_shape": "wsd: the decay's shape, as epfml/schedules-and-scaling's decay_type (`mirror_cosine` "
+                            "is their `miror_cosine`)",
     "train.steps": "optimizer steps S; losses are recorded at steps 0..S",
     "train.threads": "torch intra-op threads for the run (recorded in done.json); unset: torch's default",
     "train.stop_on_nonfinite": "stop a run at its first nan/inf loss (it is marked `diverged`)",

@@ -8,6 +8,9 @@ update 1 is the first `optimizer.step()`. With W = warmup_steps and S = total up
     linear_warmup   s / W while s < W, then 1
     inverse_sqrt    s / W while s < W, then sqrt(W / s)  (Vaswani et al. 2017, normalised to peak 1)
     cosine          s / W while s < W, then min_ratio + (1 - min_ratio) * (1 + cos(pi * (s - W) / (S - W))) / 2
+    wsd             epfml/schedules-and-scaling's wsd_schedule at i = s - 1 (`wsd_multiplier`): i / W + (1 - i / W)
+                    / 100 while i < W, 1 until the last int(f S) updates (f = decay_fraction), which decay
+                    from 1 towards min_lr_ratio in decay_shape
 
 W = 0 means no warmup (inverse_sqrt then decays as 1 / sqrt(s)). The multiplier is exactly 1.0
 whenever no warmup or decay applies, so a constant schedule leaves `optim.lr` untouched, bit for bit.
@@ -86,6 +89,8 @@ def lr_multiplier(step: int, schedule: ScheduleConfig, total_steps: int) -> floa
     warmup = schedule.warmup_steps
     if schedule.kind == "constant":
         return 1.0
+    if schedule.kind == "wsd":
+        return wsd_multiplier(step - 1, schedule, total_steps)
     if step < warmup:
         return step / warmup
     if schedule.kind == "linear_warmup":
@@ -97,6 +102,33 @@ def lr_multiplier(step: int, schedule: ScheduleConfig, total_steps: int) -> floa
     progress = min(1.0, (step - warmup) / span) if span > 0 else 1.0
     ratio = schedule.min_lr_ratio
     return ratio + (1.0 - ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+WSD_INIT_DIV = 100  # wsd's warmup starts at 1 / 100 (epfml/schedules-and-scaling main.py: init_div_factor=1e2)
+
+
+def wsd_multiplier(i: int, schedule: ScheduleConfig, n_iterations: int) -> float:
+    """Warmup-stable-decay at iteration i (0-based: update i + 1, as torch's LambdaLR steps it after each
+    update), epfml/schedules-and-scaling `src/optim/utils.py` `wsd_schedule` expression for expression, with
+    n_warmup = warmup_steps, init_div_factor = 100, fract_decay = decay_fraction, final_lr_factor =
+    min_lr_ratio and decay_type = decay_shape: the last int(fract_decay * n_iterations) iterations decay
+    from 1 towards final_lr_factor (reached at i = n_iterations, after the last update)."""
+    final, n_warmup = schedule.min_lr_ratio, schedule.warmup_steps
+    n_anneal_steps = int(schedule.decay_fraction * n_iterations)
+    n_hold = n_iterations - n_anneal_steps
+    if i < n_warmup:
+        return (i / n_warmup) + (1 - i / n_warmup) / WSD_INIT_DIV
+    if i < n_hold:
+        return 1.0
+    if i >= n_iterations:
+        return final
+    progress = (i - n_hold) / n_anneal_steps
+    linear = final + (1 - final) * (1 - progress)
+    cosine = final + (1 - final) * (1 + math.cos(math.pi * (i - n_hold) / n_anneal_steps)) * 0.5  # pi * (i - h) first
+    shapes = {"linear": linear, "exp": final ** progress, "cosine": cosine, "mirror_cosine": linear * 2 - cosine,
+              "square": final + (1 - final) * (1 - progress ** 2),
+              "sqrt": final + (1 - final) * (1 - math.sqrt(progress))}
+    return shapes[schedule.decay_shape]
 
 
 def step_lr(cfg: RunConfig, step: int) -> float:

@@ -448,6 +448,105 @@ def test_radam_official_batched_bit_for_bit():
     assert_batched_is_reference(configs)
 
 
+# ----------------------------------------------------------------------------- schedule.kind: wsd
+
+def wsd_schedule(n_iterations, final_lr_factor=0.0, n_warmup=1000, init_div_factor=100, fract_decay=0.1,
+                 decay_type="linear"):
+    """epfml/schedules-and-scaling src/optim/utils.py (17e78d60) lines 55-125, `wsd_schedule`; main.py lines
+    129-138 call it with init_div_factor=1e2 and hand it to torch's LambdaLR."""
+    n_anneal_steps = int(fract_decay * n_iterations)
+    n_hold = n_iterations - n_anneal_steps
+
+    def schedule(step):
+        if step < n_warmup:
+            return (step / n_warmup) + (1 - step / n_warmup) / init_div_factor
+        elif step < n_hold:
+            return 1.0
+        elif step < n_iterations:
+            if decay_type == "linear":
+                return final_lr_factor + (1 - final_lr_factor) * (1 - (step - n_hold) / n_anneal_steps)
+            elif decay_type == "exp":
+                return final_lr_factor ** ((step - n_hold) / n_anneal_steps)
+            elif decay_type == "cosine":
+                return final_lr_factor + (1 - final_lr_factor) * (
+                    1 + math.cos(math.pi * (step - n_hold) / n_anneal_steps)) * 0.5
+            elif decay_type == "miror_cosine":
+                cosine_value = final_lr_factor + (1 - final_lr_factor) * (
+                    1 + math.cos(math.pi * (step - n_hold) / n_anneal_steps)) * 0.5
+                linear_value = final_lr_factor + (1 - final_lr_factor) * (1 - (step - n_hold) / n_anneal_steps)
+                return linear_value * 2 - cosine_value
+            elif decay_type == "square":
+                return final_lr_factor + (1 - final_lr_factor) * (1 - ((step - n_hold) / n_anneal_steps) ** 2)
+            elif decay_type == "sqrt":
+                return final_lr_factor + (1 - final_lr_factor) * (1 - math.sqrt((step - n_hold) / n_anneal_steps))
+            raise ValueError(decay_type)
+        else:
+            return final_lr_factor
+
+    return schedule
+
+
+AUTHORS_SHAPE = {"mirror_cosine": "miror_cosine"}
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "exp", "mirror_cosine", "square", "sqrt"])
+@pytest.mark.parametrize(("steps", "warmup", "fraction", "final"), [(30, 5, 0.1, 0.0), (40, 0, 0.5, 0.1),
+                                                                    (7, 3, 0.45, 0.3), (100, 10, 1.0, 0.05)])
+def test_wsd_is_the_authors_schedule(shape, steps, warmup, fraction, final):
+    from normexp.optim import lr_multiplier
+
+    cfg = config(steps=steps, schedule={"kind": "wsd", "warmup_steps": warmup, "decay_fraction": fraction,
+                                        "decay_shape": shape, "min_lr_ratio": final})
+    authors = wsd_schedule(steps, final, warmup, 1e2, fraction, AUTHORS_SHAPE.get(shape, shape))
+    # torch's LambdaLR: the optimizer's first step uses schedule(0), each scheduler.step() moves one on
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, authors)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert [0.1 * lr_multiplier(s, cfg.schedule, steps) for s in range(1, steps + 1)] == lrs
+    assert [step_lr(cfg, step) for step in range(steps)] == [cfg.optim.lr * authors(i) for i in range(steps)]
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+def test_wsd_trains_with_the_authors_learning_rates(arch):
+    cfg = config(arch, steps=10, optim={"name": "adamw", "lr": 0.02},
+                 schedule={"kind": "wsd", "warmup_steps": 3, "decay_fraction": 0.4, "decay_shape": "cosine"})
+    authors = wsd_schedule(10, 0.0, 3, 1e2, 0.4, "cosine")
+    result = train_run(cfg)
+    assert bits(result.losses) == bits(plain_run(cfg, lr=lambda step: 0.02 * authors(step)))
+    assert result.metrics["lr"][:10] == [0.02 * authors(i) for i in range(10)]
+
+
+def test_wsd_batched_bit_for_bit_and_the_fast_engine_within_its_contract():
+    from normexp.engines.fast import train_fast
+
+    shapes = ["linear", "cosine", "sqrt", "mirror_cosine"]
+    configs = [config(steps=12, seed=i, optim={"name": "adam", "lr": [0.01, 0.003, 0.03, 0.02][i]},
+                      schedule={"kind": "wsd", "warmup_steps": i, "decay_fraction": 0.25 + 0.1 * i,
+                                "decay_shape": shape, "min_lr_ratio": 0.1 * i})
+               for i, shape in enumerate(shapes)]
+    assert_batched_is_reference(configs)
+    assert all(fast_serves(cfg) for cfg in configs)  # its schedule is step_lr's, as every engine's
+    for cfg, result in zip(configs, train_fast(configs, compile=False)):
+        expected = train_run(cfg)
+        assert result.metrics["lr"] == expected.metrics["lr"]
+        assert result.losses == pytest.approx(expected.losses, rel=2e-4, abs=2e-4)
+
+
+def test_wsd_keys_act_under_wsd_only():
+    cosine = validate_run({"schedule": {"kind": "cosine", "decay_shape": "sqrt", "decay_fraction": 0.5}})
+    assert cosine.schedule.decay_shape == "linear" and cosine.schedule.decay_fraction == 0.1
+    with pytest.raises(ConfigError, match=r"base\.schedule\.decay_shape: has no effect: only schedule\.kind wsd"):
+        build_sweep({"name": "w", "base": {"schedule": {"kind": "cosine", "decay_shape": "sqrt"}}})
+    plain = validate_run({"schedule": {"kind": "wsd"}})
+    assert run_id(plain) == run_id(validate_run({"schedule": {"kind": "wsd", "decay_fraction": 0.1,
+                                                              "decay_shape": "linear"}}))
+
+
 # ----------------------------------------------------------------------------- every control
 
 # A value of each control other than its default, and the optimizer it acts under

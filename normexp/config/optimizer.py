@@ -22,7 +22,9 @@ from normexp.config.fields import (
 )
 
 OptimName = Literal["adam", "adamw", "sgd", "radam"]
-ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
+ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine", "wsd"]
+# wsd's decay shapes: epfml/schedules-and-scaling's `wsd_schedule` decay_type (its `miror_cosine` spelled right)
+DecayShape = Literal["linear", "cosine", "exp", "mirror_cosine", "square", "sqrt"]
 AGC_EPS = 1e-3  # optim.agc_eps's default: NFNets' (deepmind-research nfnets/agc_optax.py, experiment_nfnets.py)
 
 
@@ -73,20 +75,23 @@ class OptimConfig(_Section):
 class ScheduleConfig(_Section):
     kind: ScheduleKind = "constant"
     warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: Fraction = 0.0  # cosine only
+    min_lr_ratio: Fraction = 0.0  # cosine, wsd: the multiplier the decay ends at
+    decay_fraction: Fraction = 0.1  # wsd: the last int(f * train.steps) updates decay (the authors' fract_decay)
+    decay_shape: DecayShape = "linear"  # wsd: the decay's shape
 
     @model_validator(mode="after")
     def _warmup_needs_a_schedule(self) -> ScheduleConfig:
         if self.kind == "constant" and self.warmup_steps > 0:
             raise ValueError(
                 "warmup_steps has no effect with kind 'constant': "
-                "use kind linear_warmup, inverse_sqrt or cosine"
+                "use kind linear_warmup, inverse_sqrt, cosine or wsd"
             )
         return self
 
     @model_validator(mode="after")
     def _inert_keys_at_default(self, info: ValidationInfo) -> ScheduleConfig:
-        """As NormConfig's: min_lr_ratio under any kind but cosine goes back to its default."""
+        """As NormConfig's: min_lr_ratio under any kind but cosine and wsd, decay_fraction and decay_shape
+        under any but wsd, go back to their defaults."""
         return reset_unused_keys(self, SCHEDULE_ACTS_ONLY_UNDER, info)
 
 
@@ -104,5 +109,7 @@ OPTIM_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "radam_variant": ("name", frozenset({"radam"})),
 }
 SCHEDULE_ACTS_ONLY_UNDER: ActsOnlyUnder = {
-    "min_lr_ratio": ("kind", frozenset({"cosine"})),
+    "min_lr_ratio": ("kind", frozenset({"cosine", "wsd"})),
+    "decay_fraction": ("kind", frozenset({"wsd"})),
+    "decay_shape": ("kind", frozenset({"wsd"})),
 }
