@@ -97,6 +97,8 @@ MEANINGS = {
                 "squared (GI-Adam)",
     "optim.radam_variant": "radam: `torch` (torch's RAdam: momentum steps while rho_t <= 5) or `official` (the "
                            "authors' radam.py: no update while rho_t < 5, decoupled weight decay)",
+    "optim.independent_weight_decay": "adamw: decay each update by weight_decay times the schedule's multiplier "
+                                      "(lr_t / lr), not lr_t * weight_decay (Wortsman et al. 2023)",
     "schedule.kind": "the learning-rate schedule ([schedules](#schedules))",
     "schedule.warmup_steps": "linear warmup length (0 = none; must be 0 with `constant`)",
     "schedule.min_lr_ratio": "cosine's final multiplier; wsd's final_lr_factor",

@@ -244,6 +244,14 @@ class SharedOptimizer:
 
 
 
+def _decoupled_rate(optim: OptimConfig) -> float:
+    """AdamW's weight decay per unit of learning rate: weight_decay; with optim.independent_weight_decay,
+    weight_decay / optim.lr, so that an update at lr_t decays by weight_decay * lr_t / lr, the schedule's
+    multiplier and not the lr (google-deepmind/nanodo optimizer.py: `weight_decay / peak_learning_rate`
+    handed to optax.adamw)."""
+    return optim.weight_decay / optim.lr if optim.independent_weight_decay else optim.weight_decay
+
+
 class StackedOptimizer:
     """torch's single-tensor Adam, AdamW and SGD, op for op, with per-run hyper-parameters.
 
@@ -277,7 +285,7 @@ class StackedOptimizer:
                               momentum=[o.momentum for o in optim])
         return RunScalars(
             decay=[o.weight_decay for o in optim],
-            decoupled=[1 - lr * o.weight_decay for lr, o in zip(lrs, optim)],
+            decoupled=[1 - lr * _decoupled_rate(o) for lr, o in zip(lrs, optim)],
             one_minus_beta1=[1 - o.betas[0] for o in optim],
             beta2=[o.betas[1] for o in optim],
             one_minus_beta2=[1 - o.betas[1] for o in optim],

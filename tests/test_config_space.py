@@ -90,6 +90,7 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "optim.v_only_steps": st.integers(-1, 3),
     "optim.v0": st.sampled_from(["zero", "grad_sq", "ones"]),
     "optim.radam_variant": st.sampled_from(["torch", "official", "paper"]),
+    "optim.independent_weight_decay": st.booleans(),
     "schedule.kind": st.sampled_from(["constant", "linear_warmup", "inverse_sqrt", "cosine", "wsd"]),
     "schedule.warmup_steps": st.integers(0, 5),
     "schedule.min_lr_ratio": _floats(0, 1),

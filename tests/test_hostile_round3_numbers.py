@@ -106,6 +106,7 @@ def test_the_lr_figure_draws_the_same_numbers(tmp_path):
 # A value of each optimizer- or schedule-specific key other than its default.
 OTHER_OPTIM_VALUE = {"optim.betas": [0.8, 0.99], "optim.eps": 1e-3, "optim.momentum": 0.5,
                      "optim.v_only_steps": 2, "optim.v0": "grad_sq", "optim.radam_variant": "official",
+                     "optim.independent_weight_decay": True,
                      "schedule.min_lr_ratio": 0.3, "schedule.decay_fraction": 0.5, "schedule.decay_shape": "cosine"}
 
 

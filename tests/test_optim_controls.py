@@ -547,11 +547,68 @@ def test_wsd_keys_act_under_wsd_only():
                                                               "decay_shape": "linear"}}))
 
 
+# ----------------------------------------------------------------------------- optim.independent_weight_decay
+
+def nanodo_adamw(params, c: dict) -> torch.optim.Optimizer:
+    """google-deepmind/nanodo nanodo/optimizer.py (10aefdee) lines 157-160 and 175-183: with
+    `independent_weight_decay` the decay handed to optax.adamw is `weight_decay / peak_learning_rate`, which
+    optax scales by the scheduled learning rate (lr_t * wd / peak per update); torch's AdamW applies its
+    `weight_decay` the same way, param * (1 - lr_t * weight_decay)."""
+    if c.get("independent_weight_decay", False):
+        weight_decay = c["weight_decay"] / c["peak_learning_rate"]
+    else:
+        weight_decay = c["weight_decay"]
+    return torch.optim.AdamW(params, lr=c["peak_learning_rate"], weight_decay=weight_decay)
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+def test_independent_weight_decay_is_nanodos(arch):
+    lr, decay = 0.02, 0.05
+    cfg = config(arch, optim={"name": "adamw", "lr": lr, "weight_decay": decay, "independent_weight_decay": True},
+                 schedule={"kind": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1})
+    got = train_run(cfg).losses
+    settings = {"weight_decay": decay, "peak_learning_rate": lr, "independent_weight_decay": True}
+    assert bits(got) == bits(plain_run(cfg, lambda params: nanodo_adamw(params, settings)))
+    coupled_optim = cfg.optim.model_copy(update={"independent_weight_decay": False})
+    coupled = train_run(cfg.model_copy(update={"optim": coupled_optim}))
+    assert coupled.losses[1:] != got[1:]
+    assert bits(coupled.losses) == bits(plain_run(cfg, lambda params: nanodo_adamw(
+        params, {**settings, "independent_weight_decay": False})))
+
+
+def test_independent_weight_decay_follows_the_schedule_not_the_lr():
+    """A weight with no gradient only decays: by weight_decay times the schedule's multiplier per update."""
+    from normexp.optim import StackedOptimizer
+
+    cfg = config(optim={"name": "adamw", "lr": 0.02, "weight_decay": 0.1, "independent_weight_decay": True})
+    param = torch.nn.Parameter(torch.ones(1, 3))
+    optimizer = StackedOptimizer([param], [cfg])
+    for multiplier in (0.5, 1.0):
+        param.grad = torch.zeros(1, 3)
+        before = param.detach().clone()
+        optimizer.step([0.02 * multiplier])
+        assert torch.allclose(param.detach(), before * (1 - 0.1 * multiplier), rtol=1e-6)
+
+
+def test_independent_weight_decay_batched_bit_for_bit_beside_coupled_runs():
+    assert_batched_is_reference(varied([{"independent_weight_decay": True, "weight_decay": 0.1}, {},
+                                        {"independent_weight_decay": True, "weight_decay": 1e-3},
+                                        {"weight_decay": 0.1}], "adamw"))
+
+
+def test_independent_weight_decay_without_decay_is_refused():
+    with pytest.raises(ConfigError, match=r"optim\.independent_weight_decay: has no effect with optim\.weight_decay 0"):
+        validate_run({"optim": {"name": "adamw", "weight_decay": 0.0, "independent_weight_decay": True}})
+    adam = validate_run({"optim": {"name": "adam", "independent_weight_decay": True}})
+    assert not adam.optim.independent_weight_decay  # adam's decay is L2, in the gradient: the key acts under adamw
+
+
 # ----------------------------------------------------------------------------- every control
 
 # A value of each control other than its default, and the optimizer it acts under
 CONTROLS = {"optim.clip_norm": ("adam", 1.0), "optim.agc": ("sgd", 0.01), "optim.v_only_steps": ("adam", 2),
-            "optim.v0": ("adamw", "grad_sq"), "optim.radam_variant": ("radam", "official")}
+            "optim.v0": ("adamw", "grad_sq"), "optim.radam_variant": ("radam", "official"),
+            "optim.independent_weight_decay": ("adamw", True)}
 
 
 @pytest.mark.parametrize("key", sorted(CONTROLS))

@@ -49,6 +49,9 @@ class OptimConfig(_Section):
     # radam: torch's RAdam (SGD with momentum while the variance is intractable, rho_t <= 5) or the
     # authors' (LiyuanLucasLiu/RAdam radam/radam.py: no update at all while rho_t < 5)
     radam_variant: Literal["torch", "official"] = "torch"
+    # adamw: weight decay independent of the peak lr (Wortsman et al. 2023): each update decays by
+    # weight_decay times the schedule's multiplier, lr_t / lr, not by lr_t * weight_decay
+    independent_weight_decay: bool = False
 
     @model_validator(mode="after")
     def _resolve_weight_decay(self) -> OptimConfig:
@@ -69,6 +72,8 @@ class OptimConfig(_Section):
         if self.agc is not None and self.clip_norm is not None:
             raise cross_key_error("optim.agc", "and optim.clip_norm are two ways to clip: set one (neither "
                                   "source defines their order)")
+        if self.independent_weight_decay and self.weight_decay == 0:
+            raise cross_key_error("optim.independent_weight_decay", "has no effect with optim.weight_decay 0")
         return self
 
 
@@ -107,6 +112,7 @@ OPTIM_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "v_only_steps": ("name", ADAM),
     "v0": ("name", ADAM),
     "radam_variant": ("name", frozenset({"radam"})),
+    "independent_weight_decay": ("name", frozenset({"adamw"})),
 }
 SCHEDULE_ACTS_ONLY_UNDER: ActsOnlyUnder = {
     "min_lr_ratio": ("kind", frozenset({"cosine", "wsd"})),

@@ -37,7 +37,7 @@ EAGER_FLOP_RATE = 40e9  # FLOP/s the fast engine's eager step reaches on the art
 
 # Optimizer keys the fast engine does not replay yet: a run that sets one away from its default trains on the
 # exact engines instead (`fast_serves`), as a run with train.log_blocks does.
-FAST_UNSERVED_OPTIM = ("clip_norm", "agc", "v_only_steps", "v0", "radam_variant")
+FAST_UNSERVED_OPTIM = ("clip_norm", "agc", "v_only_steps", "v0", "radam_variant", "independent_weight_decay")
 
 
 def fast_serves(cfg: RunConfig) -> bool:
