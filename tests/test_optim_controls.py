@@ -15,8 +15,8 @@ from normexp.engines.batched import plan_batches, train_batch
 from normexp.engines.common import loss_and_acc, seeded_init
 from normexp.engines.cost import fast_serves
 from normexp.engines.reference import train_run
+from normexp.folder import run_id
 from normexp.optim import build_optimizer, step_lr
-from normexp.runfolder import run_id
 
 FFN = {"model": {"depth": 3, "width": 8}, "norm": {"placement": "post"}}
 TRANSFORMER = {"model": {"arch": "transformer", "depth": 2, "width": 16, "n_heads": 2},

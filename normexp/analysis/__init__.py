@@ -3,7 +3,9 @@
 - `variants`: which runs form a variant and its label, when a run counts as trained, which engines
   trained a folder's runs;
 - `sensitivity`: LR sensitivity (Wortsman et al. 2023) per variant;
-- `gradnorm`: the per-block and per-layer gradient-norm summaries at init (Xiong et al. 2020).
+- `gradnorm`: the per-block and per-layer gradient-norm summaries at init (Xiong et al. 2020);
+- `finals`: each run's final value, trained or not, stopped early or not, and which axes are numbers (what
+  the figures and the report read of each run).
 
-Presentation (`normexp.report`, `normexp.tables`, `normexp.plot`) renders what these compute.
+Presentation (`normexp.report`, `normexp.tables`, `normexp.figures`) renders what these compute.
 """
