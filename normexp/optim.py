@@ -14,6 +14,12 @@ update 1 is the first `optimizer.step()`. With W = warmup_steps and S = total up
 
 W = 0 means no warmup (inverse_sqrt then decays as 1 / sqrt(s)). The multiplier is exactly 1.0
 whenever no warmup or decay applies, so a constant schedule leaves `optim.lr` untouched, bit for bit.
+
+The optimizer controls (docs/configs.md, "Optimizer and schedule controls"; their sources in
+docs/sources.md) live here too, each off by default: gradient clipping before the update
+(`clip_grad_norms_` for optim.clip_norm, `adaptive_clip_` for optim.agc), Adam-2k's frozen updates and
+GI-Adam's first second moment (`StackedOptimizer._adam`), AdamW's independent decay (`_decoupled_rate`),
+the RAdam authors' own class (`OfficialRAdam`).
 """
 
 from __future__ import annotations
@@ -139,6 +145,19 @@ def step_lr(cfg: RunConfig, step: int) -> float:
 # ----------------------------------------------------------------------------- gradient clipping
 
 
+def clip_grad_norms_(grads: Sequence[torch.Tensor], totals: torch.Tensor, max_norms: Sequence[float]) -> None:
+    """`torch.nn.utils.clip_grad_norm_` run by run on stacked gradients (R, ...): each run's gradients
+    times min(max_norm / (total + 1e-6), 1), with `totals` each run's global norm as clip_grad_norm_
+    computes it (`engines/batched.py` `_grad_norms`). The same float32 operations: `max_norm / tensor`
+    is `tensor.reciprocal() * max_norm` (`Tensor.__rtruediv__`), and every gradient is multiplied, by
+    1.0 where the norm is under max_norm."""
+    limit = torch.tensor(max_norms, dtype=totals.dtype, device=totals.device)
+    coef = torch.clamp((totals + 1e-6).reciprocal() * limit, max=1.0)
+    for grad in grads:
+        grad.mul_(coef.view(-1, *([1] * (grad.dim() - 1))))
+
+
+
 AGC_SKIPPED = "skipped"  # `agc_units`: a parameter AGC leaves alone
 AGC_EXCLUDED = ("head.weight",)  # the final layer's weight: NFNets do not clip the classifier ("linear")
 
@@ -194,26 +213,17 @@ def _unitwise_norm(x: torch.Tensor, unit: int | None) -> torch.Tensor:
     return x.square().sum(1 + unit, keepdim=True).sqrt()
 
 
+# ----------------------------------------------------------------------------- the exact engines' optimizers
+
+
 REPLAYED_OPTIMIZERS = ("adam", "adamw", "sgd")  # per-run hyper-parameters inside one batch
 
 
 def stacked_structure(optim: OptimConfig) -> tuple:
     """What the runs of one batch of the batched engine share of their optimizer (`StackedOptimizer`):
-    its family, and which gradient clipping acts; its numbers vary per run."""
+    its family, which gradient clipping acts, Adam-2k's k and GI-Adam's v0; its numbers (lr, betas, eps,
+    weight decay and its independence, momentum, clipping thresholds) vary per run."""
     return (optim.name, optim.clip_norm is not None, optim.agc is not None, optim.v_only_steps, optim.v0)
-
-
-def clip_grad_norms_(grads: Sequence[torch.Tensor], totals: torch.Tensor, max_norms: Sequence[float]) -> None:
-    """`torch.nn.utils.clip_grad_norm_` run by run on stacked gradients (R, ...): each run's gradients
-    times min(max_norm / (total + 1e-6), 1), with `totals` each run's global norm as clip_grad_norm_
-    computes it (`engines/batched.py` `_grad_norms`). The same float32 operations: `max_norm / tensor`
-    is `tensor.reciprocal() * max_norm` (`Tensor.__rtruediv__`), and every gradient is multiplied, by
-    1.0 where the norm is under max_norm."""
-    limit = torch.tensor(max_norms, dtype=totals.dtype, device=totals.device)
-    coef = torch.clamp((totals + 1e-6).reciprocal() * limit, max=1.0)
-    for grad in grads:
-        grad.mul_(coef.view(-1, *([1] * (grad.dim() - 1))))
-
 
 
 class RunScalars:
@@ -258,7 +268,8 @@ class StackedOptimizer:
     Scalars that torch casts to float32 become (R, 1, ...) float32 tensors; scalars that torch fuses
     into a multiply-add (`add(alpha=)`, `addcmul(value=)`) become `addcmul` with a tensor factor, the
     same fused multiply-add. Parameters are processed one stacked tensor at a time, which keeps each
-    tensor's chain of element-wise ops in cache."""
+    tensor's chain of element-wise ops in cache. Adam's controls: optim.v_only_steps and optim.v0 (shared
+    by a batch, `stacked_structure`), optim.independent_weight_decay (per run, `_decoupled_rate`)."""
 
     def __init__(self, params: list[torch.Tensor], runs: Sequence[RunConfig]) -> None:
         self.params, self.name, self.steps = params, runs[0].optim.name, 0

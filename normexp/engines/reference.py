@@ -53,14 +53,17 @@ class ReferenceOptimizer:
     update (`StackedOptimizer`, here a batch of one run) applied once to all parameters, which become
     views of one flat tensor. The update is element-wise, so the bits are torch.optim's, in about ten
     ops per step instead of ten per parameter tensor, and without importing torch.optim's compiler
-    machinery (torch._dynamo, about a second). Other optimizers (RAdam): torch's own, per tensor."""
+    machinery (torch._dynamo, about a second). Other optimizers (RAdam): torch's own, per tensor, or the
+    RAdam authors' (`OfficialRAdam`). Gradient clipping (optim.clip_norm, optim.agc) comes first."""
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig,
                  agc: list[int | str | None] | None = None) -> None:
         self.params = params
         self.clip_norm = cfg.optim.clip_norm
         self.agc = agc  # optim.agc: each parameter's unit (`agc_units`)
-        self.agc_factors = torch.tensor([cfg.optim.agc or 0.0]), torch.tensor([cfg.optim.agc_eps])
+        device = params[0].device
+        self.agc_factors = (torch.tensor([cfg.optim.agc or 0.0], device=device),
+                            torch.tensor([cfg.optim.agc_eps], device=device))
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self.replayed: StackedOptimizer | None = None
         if cfg.optim.name in REPLAYED_OPTIMIZERS:
