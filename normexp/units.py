@@ -214,19 +214,16 @@ def auto_note(choices: Sequence[Choice | str], alone: int) -> str:
 def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compile: bool | None,
                      planned: Sequence[RunConfig]) -> list[WorkUnit]:
     """The fast engine's batches of `planned` that hold a run of `runs`; each structure compiles when
-    its planned model-steps pay for it. Runs with `train.log_blocks` go to the exact engines instead:
-    blocks.csv is the reference's bits or nothing; so do runs with `train.log_sharpness` (the reference
-    measures it)."""
-    from normexp.engines.fast import compile_choice, fast_key, plan_fast
+    its planned model-steps pay for it. Runs the fast engine does not serve (`fast_serves`: with
+    `train.log_blocks`, whose blocks.csv is the reference's bits or nothing, `train.log_sharpness`, which the
+    reference measures, or an optimizer control it does not replay yet) go to the exact engines instead."""
+    from normexp.engines.fast import compile_choice, fast_key, fast_serves, plan_fast
     from normexp.folder import run_id
 
-    def exact_only(cfg: RunConfig) -> bool:
-        return cfg.train.log_blocks or cfg.train.log_sharpness is not None
-
-    logging = [cfg for cfg in runs if exact_only(cfg)]
-    exact = plan_units(logging, "batched", device, threads) if logging else []
-    wanted = {run_id(cfg) for cfg in runs if not exact_only(cfg)}
-    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if not exact_only(cfg)}.values())
+    declined = [cfg for cfg in runs if not fast_serves(cfg)]
+    exact = plan_units(declined, "batched", device, threads) if declined else []
+    wanted = {run_id(cfg) for cfg in runs if fast_serves(cfg)}
+    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if fast_serves(cfg)}.values())
     choice = compile_choice(planned, compile)
 
     def compiled(cfg: RunConfig) -> bool:

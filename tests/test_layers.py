@@ -27,8 +27,8 @@ FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}" for m in ("plan", "starts", "step", "opt
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
-                   "normexp.config.inits", "normexp.config.schema", "normexp.config.sample", "normexp.config.grid",
-                   "normexp.config",
+                   "normexp.config.fields", "normexp.config.optimizer", "normexp.config.inits",
+                   "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
                    "normexp.environment", "normexp.stopping", "normexp.blocklog"],
     # the run folder: its contract (folder/), loaded, compared, verified, merged
     "records": ["normexp.folder.layout", "normexp.folder.atomic", "normexp.folder.ids", "normexp.folder.verified",

@@ -30,6 +30,7 @@ from normexp.config.errors import (
     _loc,
     _tuple_field_at,
 )
+from normexp.config.fields import _Section, _unsigned_zero
 from normexp.config.loader import parse_yaml, read_mapping
 from normexp.config.sample import check_sample, draw_points, expand_values, sample_axes
 from normexp.config.schema import (
@@ -38,8 +39,6 @@ from normexp.config.schema import (
     RESOLVED_PER_RUN,
     ReportConfig,
     RunConfig,
-    _Section,
-    _unsigned_zero,
     flatten,
     inert_keys,
     run_keys,

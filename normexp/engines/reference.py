@@ -4,6 +4,8 @@
     for step in 0..S:
         loss = cross_entropy(model(X), y)                       # recorded: step, loss, acc, lr, grad_norm
         (loss + z_loss(model(X))).backward()                    # z term: train.z_loss > 0 only, recorded apart
+        clip_grad_norm_(params, optim.clip_norm)                 # optim.clip_norm set only
+        adaptive_clip_(params, grads, ...)                        # optim.agc set only (NFNets' AGC)
         set lr = optim.lr * lr_multiplier(step + 1); optimizer.step()   (not after step S)
 
 The loop reports each recorded step through an optional callback and returns a `RunResult`; it prints
@@ -39,7 +41,14 @@ from normexp.engines.common import (
     validate,
     z_loss,
 )
-from normexp.optim import REPLAYED_OPTIMIZERS, StackedOptimizer, build_optimizer, step_lr
+from normexp.optim import (
+    REPLAYED_OPTIMIZERS,
+    StackedOptimizer,
+    adaptive_clip_,
+    agc_units,
+    build_optimizer,
+    step_lr,
+)
 from normexp.sharpness import SecondMoment, SharpnessRecorder
 
 
@@ -48,10 +57,17 @@ class ReferenceOptimizer:
     update (`StackedOptimizer`, here a batch of one run) applied once to all parameters, which become
     views of one flat tensor. The update is element-wise, so the bits are torch.optim's, in about ten
     ops per step instead of ten per parameter tensor, and without importing torch.optim's compiler
-    machinery (torch._dynamo, about a second). Other optimizers (RAdam): torch's own, per tensor."""
+    machinery (torch._dynamo, about a second). Other optimizers (RAdam): torch's own, per tensor, or the
+    RAdam authors' (`OfficialRAdam`). Gradient clipping (optim.clip_norm, optim.agc) comes first."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig,
+                 agc: list[int | str | None] | None = None) -> None:
         self.params, self.optim = params, cfg.optim
+        self.clip_norm = cfg.optim.clip_norm
+        self.agc = agc  # optim.agc: each parameter's unit (`agc_units`)
+        device = params[0].device
+        self.agc_factors = (torch.tensor([cfg.optim.agc or 0.0], device=device),
+                            torch.tensor([cfg.optim.agc_eps], device=device))
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self.replayed: StackedOptimizer | None = None
         if cfg.optim.name in REPLAYED_OPTIMIZERS:
@@ -65,6 +81,11 @@ class ReferenceOptimizer:
             param.grad = None
 
     def step(self, lr: float) -> None:
+        if self.clip_norm is not None:  # optim.clip_norm: the definition, torch's own
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
+        if self.agc is not None:  # optim.agc: the batched engine's function, on a batch of one run
+            adaptive_clip_([p.unsqueeze(0) for p in self.params], [p.grad.unsqueeze(0) for p in self.params],
+                           self.agc, *self.agc_factors)
         if self.replayed is None:
             for group in self.torch_optimizer.param_groups:
                 group["lr"] = lr
@@ -117,7 +138,7 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         batches = (batch_order(cfg.data.n_samples, cfg.data.batch_size, cfg.seed, cfg.train.steps)
                    if cfg.data.batch_size is not None else None)
         params = list(model.parameters())
-        optimizer = ReferenceOptimizer(params, cfg)
+        optimizer = ReferenceOptimizer(params, cfg, agc_units(model) if cfg.optim.agc is not None else None)
         blocks = BlockRecorder(model, cfg.train.log_every, positions=task.positions) if cfg.train.log_blocks else None
         every = cfg.train.log_sharpness
         sharpness = SharpnessRecorder(every) if every is not None else None
