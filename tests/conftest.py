@@ -106,7 +106,7 @@ report: {steps: [0, 1, 5]}
 SPAWNS = ("subprocess", "Popen", "sys.executable", "multiprocessing", "--workers", "workers=", "--cluster",
           "LocalCluster", "ProcessPool", "PoolExecutor(", "DaskExecutor(", "make_executor(", "os.fork", "_spawn",
           "spawn(")
-EQUIVALENCE_MODULES = ("test_article", "test_batched", "test_hostile_paired", "test_hostile_pairfast")
+EQUIVALENCE_MODULES = ("test_article", "test_batched", "test_paired_runs")
 EQUIVALENCE_NAMES = ("bit_for_bit", "bits", "_equal", "agree", "identical", "same_as", "equals_")
 
 

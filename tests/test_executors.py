@@ -523,3 +523,45 @@ def test_closing_the_executor_stops_paired_runs_at_their_next_step(engine):
     executor.close()
     consumer.join(timeout=30)
     assert not consumer.is_alive() and outcome == ["stopped"] and time.perf_counter() - start < 10
+
+
+# ----------------------------------------------------------------------------- a worker that dies holding its next unit
+
+
+def seed_or_die(unit):
+    """Stands in for run_unit in a pool worker: says its unit's seed; dies on seed 1 while $SEED_OR_DIE
+    names a file that it may still create (once: `die once`), or always (`die always`)."""
+    import os
+    from pathlib import Path
+
+    from normexp.units import UnitResult
+
+    seed, flag = unit.runs[0].seed, os.environ.get("SEED_OR_DIE", "")
+    mode, _, path = flag.partition(":")
+    if seed == 1 and mode == "always":
+        os._exit(3)
+    if seed == 1 and mode == "once" and not Path(path).exists():
+        Path(path).write_text("died")
+        os._exit(3)
+    return UnitResult(unit, (), status=str(seed))
+
+
+@pytest.mark.parametrize("mode", ["once", "always"])
+def test_a_worker_that_dies_holding_the_unit_it_got_before_the_last_results_were_written(monkeypatch, tmp_path,
+                                                                                        mode):
+    """One worker: it is handed seed 1 while the consumer still holds seed 0's results, and dies on it. Seed 1
+    costs one attempt per death (retried once, then crashed); no unit is lost or reported twice."""
+    from normexp.config import RunConfig
+    from normexp.executors import PoolExecutor
+    from normexp.units import WorkUnit
+
+    units = [WorkUnit((RunConfig(seed=s).model_dump(mode="json"),), engine="reference", device="cpu", threads=1)
+             for s in range(3)]
+    monkeypatch.setenv("SEED_OR_DIE", f"{mode}:{tmp_path / 'died'}")
+    monkeypatch.setattr("normexp.executors.run_unit", seed_or_die)
+    pool = PoolExecutor(1)
+    try:
+        got = sorted((r.unit.runs[0].seed, r.status) for r in pool.run(units))
+    finally:
+        pool.close()
+    assert got == [(0, "0"), (1, "1" if mode == "once" else "crashed"), (2, "2")]
