@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -69,6 +70,47 @@ def fresh_copy(pristine: Path, tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "copy" / "sweep.yaml", tmp_path / "copy" / "out"
 
 
+def write_curves(folder: Path, runs: list[tuple], engine: str = "reference") -> Path:
+    """A sweep folder written through the store: (placement, lr, seed, losses, status[, warmup]) per run,
+    each run's `losses` its whole curve (one recorded step each)."""
+    from normexp.config import RunConfig, build_sweep
+    from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
+
+    def axis(i: int, default: object = None) -> list:
+        return list(dict.fromkeys(r[i] if len(r) > i else default for r in runs))
+
+    steps = max(len(r[3]) for r in runs) - 1
+    sweep = build_sweep({"name": "curves", "base": {"schedule": {"kind": "linear_warmup"},
+                                                     "train": {"steps": steps, "stop_on_nonfinite": False}},
+                         "grid": {"norm.placement": axis(0), "optim.lr": axis(1),
+                                  "schedule.warmup_steps": axis(5, 0)}, "seeds": axis(2)})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for placement, lr, seed, losses, status, *warmup in runs:
+        cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
+                                        "schedule": {"kind": "linear_warmup", "warmup_steps": (warmup or [0])[0]},
+                                        "train": {"steps": steps, "stop_on_nonfinite": False}})
+        n = len(losses)
+        metrics = {"step": list(range(n)), "loss": list(losses), "acc": [0.1] * n, "lr": [lr] * n,
+                   "grad_norm": [1.0] * n}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, status, 0.1, 1, engine, "cpu"))
+    return folder
+
+
+NAN, INF = math.nan, math.inf
+DIVERGING = [  # curves that end in nan or inf after finite steps, one that recovers after a nan
+    ("pre", 0.001, 0, [2.3, 1.0, 0.5, 0.4], "completed"),
+    ("pre", 0.01, 0, [2.3, 0.6, 0.2, 0.1], "completed"),
+    ("pre", 0.1, 0, [2.3, 1.1, 0.9, NAN], "diverged"),  # GroupBy.last() read 0.9
+    ("pre", 0.001, 1, [2.2, 1.2, 0.6, 0.5], "completed"),
+    ("pre", 0.01, 1, [2.2, 0.7, 0.3, 0.2], "completed"),
+    ("pre", 0.1, 1, [2.2, 0.4, INF, NAN], "diverged"),
+    ("none", 0.001, 0, [2.0, 1.9, 1.8, 1.7], "completed"),
+    ("none", 0.01, 0, [2.0, 0.3, NAN, NAN], "diverged"),
+    ("none", 0.1, 0, [2.0, NAN, 0.05, 0.05], "diverged"),  # met a nan, then finite again: still diverged
+]
+
+
 @pytest.fixture
 def write_yaml(tmp_path: Path):
     """Write a YAML string to a file under tmp_path and return its path."""
@@ -93,6 +135,24 @@ grid:
 seeds: [0, 1]
 report: {steps: [0, 1, 5]}
 """
+
+TINY = "name: t\nbase: {model: {depth: 2, width: 8}, train: {steps: 3}}\n"  # one run of 3 steps
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """(config, out) of TINY over two placements and two seeds, trained once per module: a folder that the
+    commands read or are misused on."""
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    runner = CliRunner()
+    folder = tmp_path_factory.mktemp("finished")
+    config = folder / "t.yaml"
+    config.write_text(TINY + "grid: {norm.placement: [post, pre]}\nseeds: [0, 1]\n")
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(folder / "out"), "-q"]).exit_code == 0
+    return config, folder / "out"
 
 
 # ----------------------------------------------------------------------------- the test layers
