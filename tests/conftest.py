@@ -157,52 +157,11 @@ def finished(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- the test layers
 #
-# `pytest -m "not process and not equivalence and not slow"` is the unit layer (seconds). A test is
-# tagged `process` where it (or a helper of its module that it calls) starts a process: a subprocess,
-# a worker pool (--workers, workers=), a Dask cluster; `equivalence` where it trains runs to compare
-# engines, the article's code or processes bit for bit. Tags are found from the test's source, so a
-# new test lands in its layer without anyone remembering to tag it.
-
-SPAWNS = ("subprocess", "Popen", "sys.executable", "multiprocessing", "--workers", "workers=", "--cluster",
-          "LocalCluster", "ProcessPool", "PoolExecutor(", "DaskExecutor(", "make_executor(", "os.fork", "_spawn",
-          "spawn(")
-EQUIVALENCE_MODULES = ("test_article", "test_batched", "test_paired_runs")
-EQUIVALENCE_NAMES = ("bit_for_bit", "bits", "_equal", "agree", "identical", "same_as", "equals_")
-
-
-def _source(obj: object) -> str:
-    import inspect
-
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
-
-
-def _spawns(function, module, depth: int = 2) -> bool:
-    """Whether `function`'s source starts a process, or a function of its module it names does."""
-    source = _source(function)
-    if any(token in source for token in SPAWNS):
-        return True
-    if depth == 0:
-        return False
-    code = getattr(function, "__code__", None)
-    names = code.co_names if code is not None else ()
-    return any(callable(helper := getattr(module, name, None)) and getattr(helper, "__module__", "") ==
-               module.__name__ and _spawns(helper, module, depth - 1) for name in names)
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        function, module = getattr(item, "function", None), getattr(item, "module", None)
-        if function is None or module is None:
-            continue
-        if _spawns(function, module):
-            item.add_marker(pytest.mark.process)
-        name = module.__name__.rsplit(".", 1)[-1]
-        if name in EQUIVALENCE_MODULES or any(token in item.name for token in EQUIVALENCE_NAMES):
-            item.add_marker(pytest.mark.equivalence)
+# Each test module declares the layer of its tests: `pytestmark = pytest.mark.process` for all of them, or
+# `@pytest.mark.process` / `@pytest.mark.equivalence` on one (the markers are described in pyproject.toml).
+# `process`: the test, or a fixture it uses, starts a process (a subprocess, a worker pool, a Dask cluster);
+# `equivalence`: it trains runs to compare engines, processes or the article's code bit for bit. A new test
+# that starts a process says so itself: nothing is guessed from its source.
 
 
 @pytest.fixture

@@ -215,12 +215,14 @@ def assert_blocks_match_reference(configs):
         assert exact(result.metrics) == exact(expected.metrics)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS)
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "rmsnorm_torch", "scalenorm"])
 def test_batched_blocks_are_the_references_bits(placement, kind):
     assert_blocks_match_reference([logging(c, 2) for c in runs(placement, kind, n=3, steps=6)])
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("optim", ["adamw", "sgd", "radam"])
 def test_batched_blocks_bit_for_bit_for_each_optimizer(optim):
     configs = [logging(c) for c in runs("post", "rmsnorm_llama", optim, n=3, steps=5)]
@@ -236,6 +238,7 @@ def test_batched_blocks_of_a_diverging_run(stop):
     assert_blocks_match_reference(configs)
 
 
+@pytest.mark.equivalence
 def test_article_model_blocks_bit_for_bit():
     configs = [logging(RunConfig.model_validate({"norm": {"placement": p}, "train": {"steps": 10}, "seed": s}), 3)
                for p in ("post", "pre") for s in (0, 1)]
@@ -271,6 +274,7 @@ def test_sweep_writes_blocks_csv_only_for_runs_that_log(write_yaml, tmp_path):
     pd.testing.assert_frame_equal(one, reread)
 
 
+@pytest.mark.equivalence
 def test_blocks_csv_round_trips_the_engines_bits(write_yaml, tmp_path):
     out = tmp_path / "out"
     path = write_yaml(SMALL_SWEEP.replace("train: {steps: 5}", "train: {steps: 5, log_blocks: true}"))
@@ -387,6 +391,7 @@ def test_cross_entropy_is_what_the_rows_were_taken_from():
     assert rows[(rows.step == 0) & (rows.block == 3)].fc2_grad.item() == expected
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_worker_processes_write_the_same_blocks_csv(write_yaml, tmp_path):
     """blocks.csv travels back from a worker process with the metrics: the same bytes as in process."""
@@ -434,6 +439,7 @@ def _ffn_placements() -> list[str]:
     return [p for p in get_args(Placement) if p != "b2t"]  # b2t needs the Transformer's two sublayers
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("placement", _ffn_placements())
 def test_log_blocks_works_on_every_placement_and_both_exact_engines_agree(placement):
     from normexp.engines.reference import train_run

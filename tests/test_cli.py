@@ -186,6 +186,7 @@ def test_bad_options_exit_2(write_yaml, tmp_path):
     assert normexp("sweep", tmp_path / "missing.yaml").exit_code == 2
 
 
+@pytest.mark.process
 def test_python_dash_m_and_help_are_instant():
     """`python -m normexp --help` works and never imports torch or pandas."""
     code = ("import sys, runpy; sys.argv = ['normexp', '--help']\n"
@@ -196,6 +197,7 @@ def test_python_dash_m_and_help_are_instant():
     assert "sweep" in result.stdout and "report" in result.stdout
 
 
+@pytest.mark.process
 def test_python_dash_m_runs_the_sweep(write_yaml, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "normexp", "sweep", str(write_yaml(SMALL_SWEEP)),

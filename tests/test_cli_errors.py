@@ -27,6 +27,7 @@ def test_malformed_cluster_addresses_are_refused(write_yaml, tmp_path, address):
     assert "Traceback" not in result.output and not out.exists()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("address", ["local:0", "local:-1"])
 def test_a_cluster_of_no_workers_is_refused_at_once(write_yaml, tmp_path, address):
     out = tmp_path / "out"

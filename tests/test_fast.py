@@ -88,6 +88,7 @@ def test_every_norm_kind_through_the_models_own_norms(kind):
     assert_close_to_reference(runs("pre", kind, n=2, steps=6, width=16))
 
 
+@pytest.mark.equivalence
 def test_same_sweep_twice_same_bits():
     configs = runs("post", "layernorm", "adamw", n=4, steps=10)
     first, second = train_fast(configs, compile=False), train_fast(configs, compile=False)

@@ -80,6 +80,7 @@ def torch_steps(name: str, settings_: list[dict], params: list[torch.Tensor],
     return result
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 @settings(max_examples=40, deadline=None)
 @given(settings_=st.lists(run_settings, min_size=1, max_size=9), seed=st.integers(0, 2**16))
@@ -97,6 +98,7 @@ def test_stretch_and_scratch_adam_agree_and_equal_torch_per_run(name, settings_,
         torch.testing.assert_close(b, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("max_stretches", [0, 10**6])
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 @settings(max_examples=25, deadline=None)

@@ -92,6 +92,7 @@ def browser() -> str | None:
     return next((path for path in map(shutil.which, BROWSERS) if path), None)
 
 
+@pytest.mark.process
 def test_the_page_loads_in_a_headless_browser_with_every_figure_decoded(page):
     chromium = browser()
     if chromium is None:

@@ -193,6 +193,7 @@ seeds: [SEEDS]
 """
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("scopes, seeds, steps", [
     ("head", "0", 4),
     pytest.param("head, full", "0, 1", 8, marks=pytest.mark.slow),

@@ -27,6 +27,9 @@ from normexp.results import load_summary
 from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
 from normexp.units import plan_units
 
+pytestmark = pytest.mark.equivalence  # paired runs against runs one after another, bit for bit
+
+
 # ----------------------------------------------------------------------------- reference runs
 
 
@@ -77,6 +80,7 @@ print(json.dumps([train_run(RunConfig.model_validate(c)).metrics for c in json.l
 """
 
 
+@pytest.mark.process
 def test_paired_runs_of_mixed_thread_counts_and_optimizers_give_the_bits_of_a_fresh_process_one_by_one():
     """Each thread count's runs, and RAdam's lazy torch.optim import in two threads at once: bits equal
     those of the runs one after another, in a fresh process. Runs whose `train.threads` differ are not

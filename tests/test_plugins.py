@@ -166,6 +166,7 @@ def test_a_placement_or_kind_that_draws_random_numbers_is_refused(package):
         seeded_init(configs(kind="usernorms:DrawingNorm")[0])
 
 
+@pytest.mark.process
 def test_a_sweep_of_it_from_the_command_line(package, tmp_path):
     """From outside: PYTHONPATH names the user's package; sweep, report and verify work as for any run."""
     (tmp_path / "own.yaml").write_text(

@@ -71,6 +71,8 @@ def clean_run(tmp_path_factory) -> tuple[Path, Path]:
     return config, folder / "out"
 
 
+@pytest.mark.process
+@pytest.mark.equivalence
 @pytest.mark.parametrize("engine", ["reference", "batched"])
 def test_sigkill_then_resume_equals_a_clean_run(clean_run, tmp_path, engine):
     config, clean_out = clean_run
@@ -91,6 +93,7 @@ def test_sigkill_then_resume_equals_a_clean_run(clean_run, tmp_path, engine):
     assert not list(out.glob("**/.*.tmp-*"))  # no temporary file left behind
 
 
+@pytest.mark.process
 def test_sigint_keeps_finished_runs_and_says_how_to_resume(clean_run, tmp_path):
     config, clean_out = clean_run
     out = tmp_path / "out"
@@ -109,6 +112,7 @@ def test_sigint_keeps_finished_runs_and_says_how_to_resume(clean_run, tmp_path):
     assert losses_by_run(out) == losses_by_run(clean_out)
 
 
+@pytest.mark.process
 def test_second_sweep_into_a_busy_folder_fails_at_once(clean_run, tmp_path):
     config, clean_out = clean_run
     out = tmp_path / "out"
@@ -353,6 +357,7 @@ def seed_after(unit):
     return UnitResult(unit, (), status=str(unit.runs[0].seed))
 
 
+@pytest.mark.process
 def test_units_a_pool_finished_but_never_yielded_when_the_sweep_stopped_are_unreported_not_lost(monkeypatch):
     """The consumer stops (Ctrl-C while it writes seed 0's results) after the pool handed that worker its next
     unit: seed 2 finishes meanwhile, as does seed 1 on the other worker. Both are trained runs the sweep never
@@ -377,6 +382,7 @@ def test_units_a_pool_finished_but_never_yielded_when_the_sweep_stopped_are_unre
         pool.close()
 
 
+@pytest.mark.process
 def test_a_ctrl_c_while_a_pool_sweep_writes_records_the_units_its_workers_finished_meanwhile(monkeypatch, tmp_path):
     """The sweep end to end (--workers 2, the reference engine): Ctrl-C while the first unit's run is written;
     the worker handed its next unit meanwhile, and the other worker, finish theirs. Every run that trained is

@@ -112,6 +112,7 @@ def test_a_large_grids_dry_run_summarises_each_axis_counts_done_runs_and_estimat
     assert len(lines) == 4 and {p.name for p in out.iterdir()} == {first}
 
 
+@pytest.mark.process
 def test_a_compiled_fast_sweep_on_several_cores_trains_in_one_single_threaded_worker_per_core(monkeypatch):
     from types import SimpleNamespace
 
@@ -137,6 +138,7 @@ def test_a_compiled_fast_sweep_on_several_cores_trains_in_one_single_threaded_wo
     assert fast_pool(big, fast) == 0
 
 
+@pytest.mark.process
 def test_a_pool_sweep_is_decided_without_torch_and_leaves_its_import_for_after_its_workers_start():
     """The coordinator of a compiled fast sweep decides on its pool (`fast_pool`) and loads what it needs
     (`commands/sweep._import_engines`) without importing torch, so its workers start first and import theirs meanwhile;

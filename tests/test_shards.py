@@ -100,6 +100,7 @@ def test_any_count_of_shards_is_dealt_in_bounded_time_as_the_scan_deals_it():
     assert time.perf_counter() - start < 5
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("engine", ["batched", pytest.param("fast", marks=pytest.mark.slow)])  # fast: ~20 s
 def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_bit(tmp_path, engine):
     sweep = _sweep()
@@ -114,6 +115,8 @@ def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_
     assert again.copied == [] and again.kept == len(shard_runs(sweep.runs, "batched", 0, 3))
 
 
+@pytest.mark.process
+@pytest.mark.equivalence
 @pytest.mark.slow  # three processes, each loading torch: 35 s on two busy cores
 def test_three_shards_at_once_into_one_folder_equal_the_unsharded_sweep_bit_for_bit(tmp_path, write_yaml):
     config = write_yaml(SHARDED)

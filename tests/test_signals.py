@@ -124,6 +124,7 @@ def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, signum: int, stder
         pass
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
     out = tmp_path / "out"
@@ -135,6 +136,7 @@ def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
     assert f"{done_count(out)} of {RUNS} runs finished" in stderr
 
 
+@pytest.mark.process
 def test_sigterm_stops_the_workers_too(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -145,6 +147,7 @@ def test_sigterm_stops_the_workers_too(config, tmp_path):
     assert_no_process_left(proc.pid)
 
 
+@pytest.mark.process
 def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -158,6 +161,7 @@ def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path):
     assert_no_process_left(proc.pid)
 
 
+@pytest.mark.process
 def test_workers_die_with_a_killed_coordinator(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -168,6 +172,7 @@ def test_workers_die_with_a_killed_coordinator(config, tmp_path):
     assert_no_process_left(proc.pid)  # workers and the resource tracker: none under PID 1
 
 
+@pytest.mark.process
 def test_a_dying_worker_costs_only_its_own_unit(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -203,6 +208,7 @@ sys.meta_path.insert(0, Swallow())
 """
 
 
+@pytest.mark.process
 def test_ctrl_c_while_torch_loads_is_never_swallowed(config, tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -215,6 +221,7 @@ def test_ctrl_c_while_torch_loads_is_never_swallowed(config, tmp_path):
     assert done_count(out) == 0
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
     pytest.importorskip("distributed")
@@ -227,6 +234,7 @@ def test_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
     assert_no_process_left(proc.pid, timeout=60)
 
 
+@pytest.mark.process
 def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -237,6 +245,7 @@ def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path):
     assert_no_process_left(proc.pid)
 
 
+@pytest.mark.process
 def test_a_terminals_ctrl_c_while_workers_start_is_one_line(config, tmp_path):
     """A terminal's Ctrl-C as the first `--workers` process appears, and moments later while the workers
     load normexp: the sweep's own lines and exit 130 (or 0, had it finished), never a worker's traceback
@@ -256,6 +265,7 @@ def test_a_terminals_ctrl_c_while_workers_start_is_one_line(config, tmp_path):
         assert_no_process_left(proc.pid)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_terminals_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
     pytest.importorskip("distributed")
@@ -269,6 +279,7 @@ def test_a_terminals_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path)
     assert_no_process_left(proc.pid, timeout=60)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_ctrl_c_while_a_local_dask_cluster_starts(config, tmp_path):
     pytest.importorskip("distributed")
@@ -289,6 +300,7 @@ def _commands() -> list[list[str]]:
     return ([[str(script)]] if script.exists() else []) + [[sys.executable, "-m", "normexp"]]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", _commands(), ids=lambda c: "python-m" if len(c) > 1 else "script")
 def test_ctrl_c_while_the_cli_loads_is_one_line(config, tmp_path, command):
     """Ctrl-C at any moment of start-up (typer, rich, pydantic, then torch): exit 130 and no traceback.
@@ -309,6 +321,7 @@ def test_ctrl_c_while_the_cli_loads_is_one_line(config, tmp_path, command):
         assert len(stderr.strip().splitlines()) <= 3, (delay, stderr)
 
 
+@pytest.mark.process
 def test_the_command_reads_no_file_before_its_ctrl_c_handler():
     """What normexp/__main__.py imports at its top is what the interpreter loaded at start-up (a
     builtin such as `_signal`, or `os`): a Ctrl-C before the handler goes in can only land in Python's
@@ -356,6 +369,7 @@ def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_pl
     assert outcome.statuses == {run_id(cfg): "completed"}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_make_studies_stops_cleanly_and_resumes_what_it_kept(tmp_path, signum):
     """`make studies` (one worker per core) under a terminal's Ctrl-C or a SIGTERM to its whole process
@@ -377,6 +391,7 @@ def test_make_studies_stops_cleanly_and_resumes_what_it_kept(tmp_path, signum):
         pass
 
 
+@pytest.mark.process
 def test_make_studies_ctrl_c_while_it_loads_and_a_bad_out_are_one_line(tmp_path):
     """`python -m normexp.studies`: a Ctrl-C while its modules load (pandas, pydantic) ends it with one
     line and 130, not a KeyboardInterrupt traceback; an --out that is a file, or a study folder that
@@ -432,6 +447,7 @@ SIGNAL_IN_TORCH_IMPORT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 def test_a_stop_signal_while_a_pool_sweeps_coordinator_imports_torch_stops_it_writing_nothing(write_yaml, tmp_path):
     """A SIGTERM (or Ctrl-C) that arrives while the coordinator of a pool sweep imports torch stops the sweep:
     exit 143, nothing written, no worker left. Raised as KeyboardInterrupt inside torch's import, it vanished

@@ -158,6 +158,7 @@ def test_each_binding_a_replay_calls_is_its_operator(op):
         assert torch.equal(a, b)
 
 
+@pytest.mark.process
 def test_recording_a_structure_does_not_load_the_compiler():
     """A process's first run of a structure records its construction under a dispatch mode; torch wraps a
     mode's handler to keep torch.compile out of it, importing the compiler (~1 s in each sweep worker) unless

@@ -70,6 +70,7 @@ def test_only_the_named_studies_run_and_have_their_folders_checked(studies, tmp_
     assert (out / "REPORT.md").read_text() == report  # refused before the first study ran
 
 
+@pytest.mark.process
 def test_python_dash_m_normexp_studies_is_the_same_command(tmp_path):
     """One command line: the module's --list, --help and usage errors are `normexp studies`' own."""
     for args, code in ((["--list", "depth"], 0), (["--help"], 0), (["nosuch"], 2), (["--no-such-option"], 2)):

@@ -137,6 +137,7 @@ def _whole(text: str, cells) -> None:
     assert not missing, (missing, text)
 
 
+@pytest.mark.process
 def test_report_tables_through_a_pipe_keep_every_cell_whole(wide):
     from normexp.analysis.sensitivity import build_sensitivity
     from normexp.report import _pivot_cells, build_pivot, build_report, grid_cells
@@ -158,6 +159,7 @@ def test_report_tables_through_a_pipe_keep_every_cell_whole(wide):
                                                                for c in r)])
 
 
+@pytest.mark.process
 def test_dry_run_and_verify_through_a_pipe_keep_ids_and_paths_whole(wide, tmp_path):
     (tmp_path / "wide.yaml").write_text(WIDE_SWEEP)
     text = _piped("sweep", str(tmp_path / "wide.yaml"), "--dry-run")
@@ -176,6 +178,7 @@ def test_dry_run_and_verify_through_a_pipe_keep_ids_and_paths_whole(wide, tmp_pa
         shutil.rmtree(stray)
 
 
+@pytest.mark.process
 def test_diagnostics_tables_through_a_pipe_keep_every_cell_whole(tmp_path):
     from normexp.diagnostics import norm_properties
 

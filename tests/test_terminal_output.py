@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.process  # each test runs `python -m normexp` (its module's folder too)
+
 ELLIPSIS = "…"
 
 
