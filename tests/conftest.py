@@ -164,15 +164,34 @@ def finished(tmp_path_factory):
 # that starts a process says so itself: nothing is guessed from its source.
 
 
-@pytest.fixture
-def fresh_fast_engine():
-    """The fast engine's process-wide caches emptied before the test and again after it, as a fresh process
-    starts: its compiled steps and refusals (`compiled.reset_cache`), the structures it met and the starts it
-    kept (`starts.reset`). A test that stands a fake in for the compiler leaves no step of it behind."""
-    from normexp.engines.fast import compiled, starts
+# ----------------------------------------------------------------------------- process-wide caches
+#
+# Each is forgotten through the public function of the module that owns it. A module not imported yet
+# holds nothing, and is not imported here: most tests never load an engine.
+PROCESS_CACHES = (
+    ("normexp.engines.fast.compiled", "reset_cache"),  # the compiled steps kept, and the steps refused
+    ("normexp.engines.fast.starts", "reset"),  # the structures met and the starts kept
+    ("normexp.engines.fast.aot", "reset"),  # the digest of normexp's source that names a step package
+    ("normexp.registry", "reset"),  # the users' placements and norm kinds looked up
+    ("normexp.folder.verified", "reset"),  # checks_version, which a .verified.json holds for
+)
 
-    compiled.reset_cache()
-    starts.reset()
+
+def reset_process_caches() -> None:
+    """Empty every cache of PROCESS_CACHES, as a fresh process starts."""
+    for name, function in PROCESS_CACHES:
+        module = sys.modules.get(name)
+        if module is not None:
+            getattr(module, function)()
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_caches():
+    """Every test starts from the caches a fresh process starts from, and leaves none of its own behind: a
+    fake compiler's steps, a user's plugin, the starts of its structures. Kept: what no test can make
+    differ and what would cost seconds to measure again, the batched engine's stacking probe per shape and
+    thread count (`batched.stacks_exactly`), a result's provenance (git is asked once), and the memos of
+    pure functions of frozen config sections (`config.section_cache`)."""
+    reset_process_caches()
     yield
-    compiled.reset_cache()
-    starts.reset()
+    reset_process_caches()

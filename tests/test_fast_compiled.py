@@ -42,7 +42,7 @@ def no_fused_compile(*args, **kwargs):
 
 
 @pytest.mark.parametrize("other", [{"optim": "sgd"}, {"optim": "radam"}])
-def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(monkeypatch, other, fresh_fast_engine):
+def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(monkeypatch, other):
     """A compile that fails for the Adam step (its update inside) refuses that step, not the gradient step
     SGD and RAdam runs of the same model compile: those were compiled once and stay compiled, so their
     bits do not depend on whether an Adam batch of the structure trained earlier in the process (a resumed
@@ -72,7 +72,7 @@ def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(mo
     assert len(fresh_calls) == 1, "the gradient step was refused with the Adam step"
 
 
-def test_a_run_that_raises_in_a_compiled_batch_is_not_blamed_on_the_compiler(monkeypatch, fresh_fast_engine):
+def test_a_run_that_raises_in_a_compiled_batch_is_not_blamed_on_the_compiler(monkeypatch):
     """A run whose own training raises (here its initialisation) fails its batch as it does uncompiled
     (`run_unit` retries the batch run by run): no 'compiling the step failed' warning, and the structure's
     later batches in the process still train compiled (before, one bad run refused the compiled step for
@@ -115,8 +115,7 @@ def packaged(monkeypatch, tmp_path):
 @pytest.mark.parametrize("structure", [{"model": {"depth": 2, "width": 8}}, TRANSFORMER], ids=["ffn", "transformer"])
 @pytest.mark.parametrize("optim", ["adam", "sgd"])
 def test_a_compiled_step_that_fails_in_a_batch_that_made_no_model_falls_back_to_one(monkeypatch, tmp_path,
-                                                                                       structure, optim,
-                                                                                       fresh_fast_engine):
+                                                                                       structure, optim):
     """A later batch of a compiled structure makes no model (its step is compiled already) unless it has a
     held-out split; when the compiled step raises in the middle of it, `train_fast` trains the batch again
     uncompiled, which needs the model: it gets its own, and the numbers are the eager ones."""
@@ -148,8 +147,7 @@ def test_a_compiled_step_that_fails_in_a_batch_that_made_no_model_falls_back_to_
     assert [repr(r.metrics) for r in results] == [repr(r.metrics) for r in train_fast(later, compile=False)]
 
 
-def test_what_making_the_batchs_model_raises_fails_the_batch_and_is_no_compile_failure(monkeypatch, tmp_path,
-                                                                                       fresh_fast_engine):
+def test_what_making_the_batchs_model_raises_fails_the_batch_and_is_no_compile_failure(monkeypatch, tmp_path):
     """`CompileFailed`: what a run raises outside the compiled step is not wrapped. The batch's model, made
     lazily since 788d925 and first needed inside the compile, is part of the batch's start: an error there
     (a MemoryError) fails the batch as it does uncompiled, with no "compiling the step failed" and without
@@ -204,13 +202,12 @@ class ScaledNorm(nn.Module):
 def _fresh_process(*modules: str) -> None:
     """What a later process starts from: nothing compiled or imported of the user's."""
     compiling.reset_cache()
-    registry.load_plugin.cache_clear()
+    registry.reset()
     for name in modules:
         sys.modules.pop(name, None)
 
 
-def test_a_vouched_package_is_checked_again_when_a_module_its_plugin_imports_changed(monkeypatch, tmp_path,
-                                                                                     fresh_fast_engine):
+def test_a_vouched_package_is_checked_again_when_a_module_its_plugin_imports_changed(monkeypatch, tmp_path):
     """A package's name covers a plugin's own module file, not what that module imports: the check against
     the eager step covered the rest (aot._plugin_digests). A package vouched for by its bytes alone skipped
     that check in a later process, which then trained the old helper's step: losses of another model,

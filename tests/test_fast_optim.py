@@ -170,8 +170,7 @@ def stopped_at_once(optim: str, n: int = 3) -> list[RunConfig]:
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_a_batch_stopped_early_makes_the_numbers_of_the_steps_it_runs_not_of_its_whole_budget(compiled, monkeypatch,
-                                                                                            fresh_fast_engine):
+def test_a_batch_stopped_early_makes_the_numbers_of_the_steps_it_runs_not_of_its_whole_budget(compiled, monkeypatch):
     """train.stop_when is for a large step budget cut short. A batch stopped at step 0 made every step's
     learning rates (`step_lr`, steps x runs calls) and, compiled with Adam, every update's numbers
     (`adam_hypers`, one (9, 16) tensor a step) at its start: with 10^6 steps seconds and hundreds of MB

@@ -192,8 +192,7 @@ def test_config_yaml_written_a_section_at_a_time_is_safe_dump_byte_for_byte():
 
 
 @pytest.mark.slow
-def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_across_batches(tmp_path, monkeypatch,
-                                                                                             fresh_fast_engine):
+def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_across_batches(tmp_path, monkeypatch):
     """The real compiler (AOTInductor): the compiled step within rounding of the eager one; later batches
     reuse it in memory, and a later process loads its package from disk, bit for bit the same runs."""
     from normexp.config import RunConfig

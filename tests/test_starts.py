@@ -106,7 +106,7 @@ def assert_built_each_time(monkeypatch, alter) -> list[int]:
     return built
 
 
-def test_a_construction_that_reads_a_value_back_is_built_each_time(monkeypatch, fresh_fast_engine):
+def test_a_construction_that_reads_a_value_back_is_built_each_time(monkeypatch):
     """A model whose construction branches on a drawn value (an operation that returns no tensor) could
     make other operations for another seed: such a structure is never replayed, and each run is built."""
 
@@ -175,7 +175,7 @@ def _toy(seed: int, **sections: dict) -> RunConfig:
     return validate_run({"model": {"depth": 2, "width": 8}, **sections, "seed": seed})
 
 
-def test_a_seed_met_again_starts_from_its_kept_replay_with_the_generator_where_seeded_init_leaves_it(fresh_fast_engine):
+def test_a_seed_met_again_starts_from_its_kept_replay_with_the_generator_where_seeded_init_leaves_it():
     """The runs of a grid that share a structure and a seed share one replayed start (`starts.Starts`): asked
     again, in any order and with other learning rates, each seed's start is seeded_init's, the very tensors
     kept the first time, and the global generator is left where seeded_init leaves it."""
@@ -190,7 +190,7 @@ def test_a_seed_met_again_starts_from_its_kept_replay_with_the_generator_where_s
         assert torch.equal(after, torch.rand(3))
 
 
-def test_the_kept_starts_are_the_last_structures_and_fit_the_budget(fresh_fast_engine):
+def test_the_kept_starts_are_the_last_structures_and_fit_the_budget():
     """A new structure empties the store; a full one keeps what it has and replays the rest."""
     measure = starts.reset()
     starts.seeded_start(_toy(99))  # records the structure (its first run is built, not kept)
@@ -224,7 +224,7 @@ READS = {  # each reads the drawn weight back, without `.item()` or a comparison
 
 
 @pytest.mark.parametrize("read", list(READS))
-def test_a_construction_reading_values_back_without_item_is_built_not_replayed(monkeypatch, read, fresh_fast_engine):
+def test_a_construction_reading_values_back_without_item_is_built_not_replayed(monkeypatch, read):
     """A model whose construction scales a weight by a value read from the drawn weights: each seed's
     scale is its own, so a recording of the first seed's construction replays the wrong scale for the
     others. Such a structure must be built for each run, as `.item()` already makes it."""
@@ -253,7 +253,7 @@ class Measured:
 '''
 
 
-def test_a_users_placement_that_measures_its_branch_starts_as_seeded_init(tmp_path, monkeypatch, fresh_fast_engine):
+def test_a_users_placement_that_measures_its_branch_starts_as_seeded_init(tmp_path, monkeypatch):
     """docs/extending.md: a placement's build() may read the block it is given (its branch is drawn by
     then). One that reads the branch's weights through `.tolist()` starts each run as seeded_init does
     (the reference engine's start), not from the first seed's gain."""
@@ -266,7 +266,7 @@ def test_a_users_placement_that_measures_its_branch_starts_as_seeded_init(tmp_pa
         assert _equal_start(cfg, starts.seeded_start(cfg)), cfg.seed
 
 
-def test_after_a_structures_first_run_the_generator_is_where_seeded_init_leaves_it(fresh_fast_engine):
+def test_after_a_structures_first_run_the_generator_is_where_seeded_init_leaves_it():
     """A seed met again is checked for this above; the first run of a structure (built, then recorded and
     replayed once for the check) must leave the global generator after the task's draws too, as
     seeded_init does, not after the model's only."""
@@ -306,7 +306,7 @@ def test_a_replayed_start_and_the_generator_after_it_do_not_depend_on_the_genera
     assert torch.equal(task.x, want.x) and torch.equal(task.y, want.y)
 
 
-def test_a_construction_drawing_from_its_own_generator_is_built_each_time(monkeypatch, fresh_fast_engine):
+def test_a_construction_drawing_from_its_own_generator_is_built_each_time(monkeypatch):
     """`starts._seed` seeds the CPU generator alone; a construction that draws from another generator (here
     its own, seeded alike for every run) fails `_record`'s check, whose replay is seeded the same way, so its
     structure is built, never replayed from a generator left where the check left it."""
@@ -332,7 +332,7 @@ def _storages(tensors: object) -> dict[int, int]:
             for t in tensors if isinstance(t, torch.Tensor)}
 
 
-def test_a_batch_shares_no_storage_with_a_kept_start(fresh_fast_engine):
+def test_a_batch_shares_no_storage_with_a_kept_start():
     """stack_runs hands the batch copies of every kept tensor, the answer positions included (`.to("cpu")`
     of a CPU tensor is that tensor): a write into the batch (the compiled Adam step updates in place) can
     never reach the start that later runs of the same seed are given."""
@@ -345,7 +345,7 @@ def test_a_batch_shares_no_storage_with_a_kept_start(fresh_fast_engine):
     assert not set(_storages(kept)) & set(_storages(held))
 
 
-def test_the_budget_counts_the_storage_a_kept_start_holds_each_once(fresh_fast_engine):
+def test_the_budget_counts_the_storage_a_kept_start_holds_each_once():
     """A sequence task's inputs are views of its drawn sequences (x = train[:, :-1]; modular_add's two
     splits are views of one tensor): what a kept start holds alive is the storages, each counted once, and
     that is what the budget bounds."""
@@ -358,7 +358,7 @@ def test_the_budget_counts_the_storage_a_kept_start_holds_each_once(fresh_fast_e
     assert store.size == held
 
 
-def test_two_threads_replaying_one_seed_at_once_keep_it_once(monkeypatch, fresh_fast_engine):
+def test_two_threads_replaying_one_seed_at_once_keep_it_once(monkeypatch):
     """Two batches of one structure trained in two threads (the paired thread executor) miss the same
     seed together: the store keeps one start for it and counts its bytes once."""
     store = starts.reset()
