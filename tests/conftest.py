@@ -160,8 +160,9 @@ def finished(tmp_path_factory):
 # Each test module declares the layer of its tests: `pytestmark = pytest.mark.process` for all of them, or
 # `@pytest.mark.process` / `@pytest.mark.equivalence` on one (the markers are described in pyproject.toml).
 # `process`: the test, or a fixture it uses, starts a process (a subprocess, a worker pool, a Dask cluster);
-# `equivalence`: it trains runs to compare engines, processes or the article's code bit for bit. A new test
-# that starts a process says so itself: nothing is guessed from its source.
+# `equivalence`: it trains runs to compare engines (bit for bit, or the fast engine within its contract),
+# processes or the article's code. A new test that starts a process says so itself: nothing is guessed from
+# its source.
 
 
 # ----------------------------------------------------------------------------- process-wide caches

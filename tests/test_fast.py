@@ -470,6 +470,7 @@ def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(
     compiling.reset_cache()  # as a second process: the package loaded, unchecked, the same bits
     assert [repr(r.metrics) for r in train_fast(configs, compile=True)] == [repr(r.metrics) for r in compiled]
 
+@pytest.mark.equivalence
 def test_stable_grid_contract_fast_is_as_close_as_the_reference_to_itself():
     """Pre-LN runs: the reference does not move when its rows are summed in another order, so neither may fast."""
     configs = [with_threads(c, 2) for c in stable_grid(4, steps=15, depth=6, width=16)]
@@ -512,6 +513,7 @@ def contract_broken(grid, fast_results):
     return {kind: (f[kind], s[kind]) for kind in CONTRACT_KINDS if not contract_holds(f[kind], s[kind])}
 
 
+@pytest.mark.equivalence
 def test_small_chaotic_grid_contract_holds_per_kind_where_the_thread_count_moves_nothing(small_chaotic_grid):
     configs, reference, s = small_chaotic_grid
     fast_results = run_fast(configs)
@@ -524,6 +526,7 @@ def test_small_chaotic_grid_contract_holds_per_kind_where_the_thread_count_moves
     assert f.cells_off > 0 and s["rmsnorm"].cells_off > 0
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("error", [1.02, 0.98])
 def test_small_chaotic_grid_contract_catches_a_learning_rate_two_percent_off(small_chaotic_grid, error, monkeypatch):
     """The contract discriminates: a fast engine whose learning rates are 2% off breaks it."""
