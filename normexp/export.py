@@ -18,12 +18,14 @@ run's wall times come from its done.json's modification time): the same bytes.
 MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store, which
 MLflow 3 keeps in maintenance mode and allows here): experiment = the sweep's name (or `--experiment`), one MLflow
 run per normexp run, named by its run id. Params: the flattened config (`optim.lr`, ...; null as "None"),
-metrics: the same names as TensorBoard's with their step, tags: `normexp.run_id`, `normexp.sweep`,
-`normexp.engine`, `normexp.status`, `normexp.trained`, `normexp.threads`, `normexp.device`,
-`normexp.config_hash`, `normexp.done_checksum` and `normexp.provenance.*` (commit, CPU, torch build,
-command). Re-exporting is idempotent: a run already exported with the same done.json checksum and verdict is
-left as it is; one whose result changed (a --force rerun) or whose verdict did (another report.trained_below)
-is deleted in MLflow and exported again. MLflow's SQL
+metrics: the same names as TensorBoard's with their step, tags: `normexp.run_id`, `normexp.folder` (the
+folder's absolute path), `normexp.sweep`, `normexp.engine`, `normexp.status`, `normexp.trained`,
+`normexp.threads`, `normexp.device`, `normexp.config_hash`, `normexp.done_checksum` and
+`normexp.provenance.*` (commit, CPU, torch build, command). Re-exporting is idempotent, keyed by folder and
+run id: a run this folder exported with the same done.json checksum and verdict is left as it is; one whose
+result changed (a --force rerun) or whose verdict did (another report.trained_below) is deleted in MLflow
+and exported again, and named. Another folder's MLflow runs are never touched (an earlier release's, which
+carry no folder tag, only adopted where their done.json checksum is this run's). MLflow's SQL
 store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
 """
 
@@ -35,7 +37,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,29 @@ class ExportedRun:
         return {**series, **{f"final/{name}": [(last, value)] for name, value in self.final().items()}}
 
 
+@dataclass
+class ExportResult:
+    """What an export did: the run ids exported now, how many were there already unchanged, the earlier
+    exports it replaced (run id -> why), and the ids of the folder's runs not exported (missing, failed
+    or corrupt)."""
+
+    exported: list[str]
+    kept: int = 0
+    replaced: dict[str, str] = field(default_factory=dict)
+    left: list[str] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        """The lines that name what the export replaced (none where it replaced nothing)."""
+        if not self.replaced:
+            return []
+        return [f"replaced this folder's earlier export of {_count(self.replaced)}: "
+                + ", ".join(f"{rid} ({why})" for rid, why in self.replaced.items())]
+
+
+def _count(ids: Any) -> str:
+    return f"{len(ids)} run{'s' if len(ids) != 1 else ''}"
+
+
 def _columns(path: Path) -> list[dict[str, float]]:
     with open(path, encoding="utf-8", newline="") as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
@@ -94,18 +119,26 @@ def _columns(path: Path) -> list[dict[str, float]]:
 def read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
     """The sweep's name and every run of `run_dir` verified finished, in the folder's order. A user's
     placement or kind is read as written, never imported."""
+    name, runs, _ = read_folder(run_dir)
+    return name, runs
+
+
+def read_folder(run_dir: Path) -> tuple[str, list[ExportedRun], list[str]]:
+    """`read_runs`, and the ids of the folder's runs that are not verified finished (missing, failed,
+    corrupt)."""
     with references_unchecked():
-        return _read_runs(run_dir)
+        sweep = read_sweep(run_dir)
+        return (sweep.name, *_read_runs(run_dir, folder_runs(run_dir, sweep)))
 
 
-def _read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
-    sweep = read_sweep(run_dir)
+def _read_runs(run_dir: Path, configs: list[RunConfig]) -> tuple[list[ExportedRun], list[str]]:
     rule = trained_rule(run_dir)  # summary.csv's: each run is judged as its `trained` column judges it
-    runs = []
-    for cfg in folder_runs(run_dir, sweep):
+    runs, left = [], []
+    for cfg in configs:
         rid = run_id(cfg)
         state = inspect_run(run_dir / rid, cfg)
         if not state.finished:
+            left.append(rid)
             continue
         rows = _columns(run_dir / rid / METRICS_FILE)
         metrics = {name: [row[name] for row in rows] for name in (rows[0] if rows else {"step": 0})}
@@ -114,7 +147,7 @@ def _read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
         runs.append(ExportedRun(rid, cfg, state.done or {}, metrics, blocks,
                                 os.stat(run_dir / rid / DONE_FILE).st_mtime, hashlib.sha256(done_bytes).hexdigest(),
                                 rule if rule is not None else trained_threshold(chance_classes(cfg))))
-    return sweep.name, runs
+    return runs, left
 
 
 def _missing(target: str, package: str) -> ConfigError:
@@ -142,9 +175,9 @@ def varying_first(runs: list[ExportedRun]) -> list[str]:
 # ----------------------------------------------------------------------------- TensorBoard
 
 
-def to_tensorboard(run_dir: Path, out_dir: Path) -> list[str]:
-    """Write the TensorBoard export of `run_dir` into `out_dir` (see the module docstring); the run ids."""
-    _, runs = read_runs(Path(run_dir))
+def to_tensorboard(run_dir: Path, out_dir: Path) -> ExportResult:
+    """Write the TensorBoard export of `run_dir` into `out_dir` (see the module docstring); what it did."""
+    _, runs, left = read_folder(Path(run_dir))
     try:
         from tensorboard.compat.proto.event_pb2 import Event  # noqa: F401 - checks the package is there
     except ImportError:
@@ -163,7 +196,7 @@ def to_tensorboard(run_dir: Path, out_dir: Path) -> list[str]:
             events += [(step, _scalar(name, value)) for step, value in points]
         events.sort(key=lambda e: e[0])  # by step, each scalar's points in order
         _write_events(out_dir / run.run_id / EVENTS_FILE, run.time_s, events)
-    return [r.run_id for r in runs]
+    return ExportResult([r.run_id for r in runs], left=left)
 
 
 def _hparam_kinds(runs: list[ExportedRun], keys: list[str]) -> dict[str, str]:
@@ -252,16 +285,20 @@ def _write_events(path: Path, time_s: float, events: list[tuple[int, Any]]) -> N
 MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call (params: 100)
 
 
-def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> tuple[list[str], int]:
-    """Export `run_dir` into the MLflow tracking store at `uri` (see the module docstring). Returns the
-    run ids exported now and how many were already there, unchanged."""
-    name, runs = read_runs(Path(run_dir))
+def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> ExportResult:
+    """Export `run_dir` into the MLflow tracking store at `uri` (see the module docstring)."""
+    name, runs, left = read_folder(Path(run_dir))
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise _missing("mlflow", "mlflow (or mlflow-skinny)") from None
+    done = ExportResult([], left=left)
     with _file_store_allowed(uri):
-        return _export_mlflow(MlflowClient(tracking_uri=uri), name, runs, experiment)
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment or name)
+        exp_id = found.experiment_id if found is not None else client.create_experiment(experiment or name)
+        _export_mlflow(client, exp_id, str(Path(run_dir).resolve()), name, runs, done)
+    return done
 
 
 @contextlib.contextmanager
@@ -279,37 +316,60 @@ def _file_store_allowed(uri: str) -> Iterator[None]:
             os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
 
 
-def _export_mlflow(client, name: str, runs: list[ExportedRun], experiment: str | None) -> tuple[list[str], int]:
+def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[ExportedRun], done: ExportResult) -> None:
+    """Export `runs` of the folder `folder` into the experiment `exp_id`, filling `done` as it goes. An
+    earlier export of this folder's run whose result or verdict changed is replaced; another folder's
+    runs are never touched."""
     from mlflow.entities import Metric, Param, RunTag
 
-    found = client.get_experiment_by_name(experiment or name)
-    exp_id = found.experiment_id if found is not None else client.create_experiment(experiment or name)
-    exported, kept = [], 0
+    keys = varying_first(runs)
     for run in runs:
-        checksum = run.checksum
-        earlier = client.search_runs([exp_id], f"tags.`normexp.run_id` = '{run.run_id}'")
-        if any(r.data.tags.get("normexp.done_checksum") == checksum
-               and r.data.tags.get("normexp.trained") == str(run.trained).lower() for r in earlier):
-            kept += 1
+        trained = str(run.trained).lower()
+        earlier = _earlier(client, exp_id, folder, run.run_id)
+        same = [r for r in earlier if r.data.tags.get(DONE_TAG) == run.checksum
+                and r.data.tags.get("normexp.trained") == trained]
+        if same:
+            if FOLDER_TAG not in same[0].data.tags:  # an export of an earlier release, of this very result
+                client.set_tag(same[0].info.run_id, FOLDER_TAG, folder)
+            for old in earlier:
+                if old is not same[0] and FOLDER_TAG in old.data.tags:
+                    client.delete_run(old.info.run_id)
+            done.kept += 1
             continue
-        for old in earlier:  # the run's result changed since: its old MLflow run goes
-            client.delete_run(old.info.run_id)
+        for old in earlier:
+            if FOLDER_TAG in old.data.tags:  # this folder's own: replaced (an earlier release's is left alone)
+                client.delete_run(old.info.run_id)
+                done.replaced.setdefault(run.run_id, _why(old, run.checksum))
         time_ms = int(run.time_s * 1000)
         created = client.create_run(exp_id, start_time=time_ms - int(1000 * float(run.done.get("wall_s", 0))),
                                     tags={"mlflow.runName": run.run_id}, run_name=run.run_id)
         rid = created.info.run_id
         flat = flatten(run.cfg)
-        params = [Param(k, str(_hparam_value(flat[k]))) for k in varying_first(runs)]
+        params = [Param(k, str(_hparam_value(flat[k]))) for k in keys]
         metrics = [Metric(key, float(value), time_ms, step) for key, points in run.scalars().items()
                    for step, value in points]
         for i in range(0, len(params), 100):
             client.log_batch(rid, params=params[i:i + 100])
         for i in range(0, len(metrics), MLFLOW_BATCH):
             client.log_batch(rid, metrics=metrics[i:i + MLFLOW_BATCH])
-        client.log_batch(rid, tags=[RunTag(k, v) for k, v in _tags(run, name, checksum).items()])
+        tags = {**_tags(run, name, run.checksum), FOLDER_TAG: folder}
+        client.log_batch(rid, tags=[RunTag(k, v) for k, v in tags.items()])
         client.set_terminated(rid, "FINISHED", end_time=time_ms)
-        exported.append(run.run_id)
-    return exported, kept
+        done.exported.append(run.run_id)
+
+
+RUN_TAG, FOLDER_TAG, DONE_TAG = "normexp.run_id", "normexp.folder", "normexp.done_checksum"
+
+
+def _earlier(client, exp_id: str, folder: str, rid: str) -> list:
+    """The experiment's MLflow runs of the run `rid` exported from `folder`, and those an earlier release
+    exported (no folder tag: whose folder is not known)."""
+    found = client.search_runs([exp_id], f"tags.`{RUN_TAG}` = '{rid}'", max_results=1000)
+    return [r for r in found if r.data.tags.get(FOLDER_TAG, folder) == folder]
+
+
+def _why(old, checksum: str) -> str:
+    return "its result changed" if old.data.tags.get(DONE_TAG) != checksum else "its verdict changed"
 
 
 def _tags(run: ExportedRun, sweep: str, checksum: str) -> dict[str, str]:

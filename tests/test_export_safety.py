@@ -1,0 +1,100 @@
+"""`normexp export` where things go wrong: two folders of one sweep exported into one MLflow experiment.
+What another folder exported is never touched, and what is replaced is named."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp.cli import app
+from normexp.config import build_sweep, parse_yaml
+from normexp.runfolder import METRICS_FILE
+from normexp.store import FinishedRun, write_run
+from normexp.sweep import SweepOptions, run_sweep
+
+runner = CliRunner()
+
+TINY = """\
+name: tiny
+base:
+  model: {depth: 2, width: 8}
+  data: {n_samples: 16}
+  optim: {name: sgd}
+  train: {steps: 4, threads: 1}
+grid:
+  norm.placement: [pre, post]
+  optim.lr: [0.1, 0.01]
+"""
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "tiny"
+    run_sweep(build_sweep(parse_yaml(TINY)), out, SweepOptions(engine="batched"))
+    return out
+
+
+@pytest.fixture
+def folder(pristine, tmp_path) -> Path:
+    shutil.copytree(pristine, tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+@pytest.fixture
+def mlflow_client(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the file store here (export sets it)
+    uri = (tmp_path / "mlruns").as_uri()
+    return uri, MlflowClient(tracking_uri=uri)
+
+
+def _runs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if (p / "done.json").is_file())
+
+
+def _rerun(run: Path, shift: float) -> None:
+    """Rewrite a run folder as a --force rerun with another result would (its loss shifted)."""
+    cfg = build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0]
+    with open(run / METRICS_FILE) as f:
+        header, *lines = f.read().split()
+    columns = header.split(",")
+    rows = [dict(zip(columns, line.split(","))) for line in lines]
+    metrics = {c: [int(r[c]) if c == "step" else float(r[c]) + (shift if c == "loss" else 0) for r in rows]
+               for c in columns}
+    write_run(run, cfg, FinishedRun(metrics, "completed", 0.1, 1, "batched", "cpu"))
+
+
+def _exported(client) -> list:
+    experiment = client.get_experiment_by_name("tiny")
+    return client.search_runs([experiment.experiment_id], max_results=1000)
+
+
+def test_an_export_never_deletes_another_folders_mlflow_runs(folder, tmp_path, mlflow_client):
+    """The README's runs/warmup, then runs/seeds, of one sweep name and overlapping run ids: the second
+    export deleted every run of the first whose result differed. Idempotence is per folder and run."""
+    uri, client = mlflow_client
+    other = tmp_path / "seeds"
+    shutil.copytree(folder, other)
+    changed = _runs(other)[0]
+    _rerun(changed, 1.0)
+    assert runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"]).exit_code == 0
+    first = {r.info.run_id: r.data.tags["normexp.done_checksum"] for r in _exported(client)}
+    result = runner.invoke(app, ["export", str(other), uri, "--to", "mlflow"])
+    assert result.exit_code == 0 and "4 runs exported" in result.output and "replaced" not in result.output
+    found = _exported(client)
+    assert first.items() <= {r.info.run_id: r.data.tags["normexp.done_checksum"] for r in found}.items()
+    assert sorted(r.data.tags["normexp.folder"] for r in found) == sorted([str(folder.resolve())] * 4
+                                                                          + [str(other.resolve())] * 4)
+    again = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])  # each folder: its own runs
+    assert "0 runs exported" in again.output and "4 already there" in again.output, again.output
+    _rerun(changed, 2.0)
+    result = runner.invoke(app, ["export", str(other), uri, "--to", "mlflow"])
+    assert "1 run exported" in result.output and "3 already there" in result.output, result.output
+    assert f"replaced this folder's earlier export of 1 run: {changed.name} (its result changed)" in result.output
+    found = _exported(client)
+    assert len(found) == 8 and first.keys() <= {r.info.run_id for r in found}
