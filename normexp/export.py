@@ -23,10 +23,11 @@ folder's absolute path), `normexp.sweep`, `normexp.engine`, `normexp.status`, `n
 `normexp.threads`, `normexp.device`, `normexp.config_hash`, `normexp.done_checksum` and
 `normexp.provenance.*` (commit, CPU, torch build, command). Re-exporting is idempotent, keyed by folder and
 run id: a run this folder exported with the same done.json checksum and verdict is left as it is; one whose
-result changed (a --force rerun) or whose verdict did (another report.trained_below) is deleted in MLflow
-and exported again, and named. Another folder's MLflow runs are never touched (an earlier release's, which
-carry no folder tag, only adopted where their done.json checksum is this run's). MLflow's SQL
-store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
+result changed (a --force rerun), whose verdict did (another report.trained_below), or that an interrupted
+export left unfinished (a run is marked FINISHED last) is deleted in MLflow and exported again, and named.
+A stop signal ends an export at once, in one line. Another folder's MLflow runs are never touched (an
+earlier release's, which carry no folder tag, only adopted where their done.json checksum is this run's).
+MLflow's SQL store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ import csv
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from normexp import stopping
 from normexp.config import ConfigError, RunConfig, chance_classes, flatten, trained_threshold
 from normexp.registry import references_unchecked
 from normexp.runfolder import BLOCKS_FILE, DONE_FILE, METRICS_FILE, inspect_run, run_id
@@ -293,7 +296,7 @@ def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> ExportR
     except ImportError:
         raise _missing("mlflow", "mlflow (or mlflow-skinny)") from None
     done = ExportResult([], left=left)
-    with _file_store_allowed(uri):
+    with _file_store_allowed(uri), _stopped_says(done, len(runs)):
         client = MlflowClient(tracking_uri=uri)
         found = client.get_experiment_by_name(experiment or name)
         exp_id = found.experiment_id if found is not None else client.create_experiment(experiment or name)
@@ -316,17 +319,39 @@ def _file_store_allowed(uri: str) -> Iterator[None]:
             os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
 
 
+@contextlib.contextmanager
+def _stopped_says(done: ExportResult, total: int) -> Iterator[None]:
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) during the export ends it at once, saying how far it got
+    and that the same command finishes it: the MLflow run it was writing is left unfinished, and the
+    next export replaces it. (In the main thread only, which alone runs signal handlers.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        os.write(2, (f"{stopping.signal_name(signum)}: export stopped after {len(done.exported) + done.kept} of "
+                     f"{total} runs; the same command finishes it (a run left half-written is replaced)\n").encode())
+        os._exit(128 + signum)
+
+    previous = stopping.on_stop_signals(stop)
+    try:
+        yield
+    finally:
+        stopping.on_stop_signals(previous)
+
+
 def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[ExportedRun], done: ExportResult) -> None:
-    """Export `runs` of the folder `folder` into the experiment `exp_id`, filling `done` as it goes. An
-    earlier export of this folder's run whose result or verdict changed is replaced; another folder's
-    runs are never touched."""
+    """Export `runs` of the folder `folder` into the experiment `exp_id`, filling `done` as it goes. Each
+    MLflow run is tagged with its folder and run id from its creation, and marked FINISHED last: an
+    earlier export of this folder's run that is unfinished (interrupted), or whose result or verdict
+    changed, is replaced; another folder's runs are never touched."""
     from mlflow.entities import Metric, Param, RunTag
 
     keys = varying_first(runs)
     for run in runs:
         trained = str(run.trained).lower()
         earlier = _earlier(client, exp_id, folder, run.run_id)
-        same = [r for r in earlier if r.data.tags.get(DONE_TAG) == run.checksum
+        same = [r for r in earlier if r.info.status == "FINISHED" and r.data.tags.get(DONE_TAG) == run.checksum
                 and r.data.tags.get("normexp.trained") == trained]
         if same:
             if FOLDER_TAG not in same[0].data.tags:  # an export of an earlier release, of this very result
@@ -342,7 +367,8 @@ def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[Expor
                 done.replaced.setdefault(run.run_id, _why(old, run.checksum))
         time_ms = int(run.time_s * 1000)
         created = client.create_run(exp_id, start_time=time_ms - int(1000 * float(run.done.get("wall_s", 0))),
-                                    tags={"mlflow.runName": run.run_id}, run_name=run.run_id)
+                                    tags={"mlflow.runName": run.run_id, RUN_TAG: run.run_id, FOLDER_TAG: folder},
+                                    run_name=run.run_id)
         rid = created.info.run_id
         flat = flatten(run.cfg)
         params = [Param(k, str(_hparam_value(flat[k]))) for k in keys]
@@ -352,9 +378,8 @@ def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[Expor
             client.log_batch(rid, params=params[i:i + 100])
         for i in range(0, len(metrics), MLFLOW_BATCH):
             client.log_batch(rid, metrics=metrics[i:i + MLFLOW_BATCH])
-        tags = {**_tags(run, name, run.checksum), FOLDER_TAG: folder}
-        client.log_batch(rid, tags=[RunTag(k, v) for k, v in tags.items()])
-        client.set_terminated(rid, "FINISHED", end_time=time_ms)
+        client.log_batch(rid, tags=[RunTag(k, v) for k, v in _tags(run, name, run.checksum).items()])
+        client.set_terminated(rid, "FINISHED", end_time=time_ms)  # last: a run not FINISHED is half-made
         done.exported.append(run.run_id)
 
 
@@ -369,7 +394,9 @@ def _earlier(client, exp_id: str, folder: str, rid: str) -> list:
 
 
 def _why(old, checksum: str) -> str:
-    return "its result changed" if old.data.tags.get(DONE_TAG) != checksum else "its verdict changed"
+    if old.info.status != "FINISHED" or DONE_TAG not in old.data.tags:
+        return "left unfinished by an interrupted export"
+    return "its result changed" if old.data.tags[DONE_TAG] != checksum else "its verdict changed"
 
 
 def _tags(run: ExportedRun, sweep: str, checksum: str) -> dict[str, str]:

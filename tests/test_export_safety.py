@@ -1,12 +1,18 @@
-"""`normexp export` where things go wrong: two folders of one sweep exported into one MLflow experiment.
-What another folder exported is never touched, and what is replaced is named."""
+"""`normexp export` where things go wrong: two folders of one sweep exported into one MLflow experiment,
+an export stopped half-way. What another folder exported is never touched, and what is replaced is named."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from typer.testing import CliRunner
 
 from normexp.cli import app
@@ -98,3 +104,37 @@ def test_an_export_never_deletes_another_folders_mlflow_runs(folder, tmp_path, m
     assert f"replaced this folder's earlier export of 1 run: {changed.name} (its result changed)" in result.output
     found = _exported(client)
     assert len(found) == 8 and first.keys() <= {r.info.run_id for r in found}
+
+
+def test_an_export_stopped_half_way_is_finished_by_the_next(folder, tmp_path, mlflow_client):
+    """A stop signal while an MLflow run is written left it orphaned (no normexp tag, never removed). Now
+    the export stops in one line, and the next one replaces the half-made run and names it."""
+    uri, client = mlflow_client
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from mlflow.tracking import MlflowClient
+        calls = []
+        real = MlflowClient.log_batch
+        def log_batch(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 5:  # the second run's params are in, its metrics are not
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(self, *args, **kwargs)
+        MlflowClient.log_batch = log_batch
+        sys.argv = ["normexp", "export", {str(folder)!r}, {uri!r}, "--to", "mlflow"]
+        from normexp.__main__ import main
+        main()
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "interrupted: export stopped after 1 of 4 runs; the same command finishes it (a run left half-written "
+        "is replaced)"], done.stderr
+    assert len(_exported(client)) == 2  # the first run, and the half-made second
+    result = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
+    assert "3 runs exported" in result.output and "1 already there" in result.output, result.output
+    assert "(left unfinished by an interrupted export)" in result.output
+    found = _exported(client)
+    assert len(found) == 4 and {r.info.status for r in found} == {"FINISHED"}
+    assert sorted(r.data.tags["normexp.run_id"] for r in found) == [r.name for r in _runs(folder)]
