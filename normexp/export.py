@@ -25,7 +25,8 @@ folder's absolute path), `normexp.sweep`, `normexp.engine`, `normexp.status`, `n
 run id: a run this folder exported with the same done.json checksum and verdict is left as it is; one whose
 result changed (a --force rerun), whose verdict did (another report.trained_below), or that an interrupted
 export left unfinished (a run is marked FINISHED last) is deleted in MLflow and exported again, and named.
-A stop signal ends an export at once, in one line. Another folder's MLflow runs are never touched (an
+A stop signal ends an export at once, in one line. An unreachable tracking server fails after 3 tries of
+at most 20 s each (HTTP_LIMITS), in one line. Another folder's MLflow runs are never touched (an
 earlier release's, which carry no folder tag, only adopted where their done.json checksum is this run's).
 MLflow's SQL store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
 """
@@ -288,19 +289,32 @@ def _write_events(path: Path, time_s: float, events: list[tuple[int, Any]]) -> N
 MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call (params: 100)
 
 
+# MLflow's HTTP client retries a request 7 times over about 4 minutes, each try waiting up to 120 s: an
+# export to a tracking server that is down or unreachable fails, here, after 3 tries of at most 20 s each
+# and 1 + 2 s of backoff (a closed port: about 3 s). A variable the user set is theirs, and kept.
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
 def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> ExportResult:
-    """Export `run_dir` into the MLflow tracking store at `uri` (see the module docstring)."""
+    """Export `run_dir` into the MLflow tracking store at `uri` (see the module docstring). ConfigError,
+    in one line, where the store cannot be reached or refuses the export."""
     name, runs, left = read_folder(Path(run_dir))
     try:
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise _missing("mlflow", "mlflow (or mlflow-skinny)") from None
+    folder = str(Path(run_dir).resolve())
     done = ExportResult([], left=left)
-    with _file_store_allowed(uri), _stopped_says(done, len(runs)):
-        client = MlflowClient(tracking_uri=uri)
-        found = client.get_experiment_by_name(experiment or name)
-        exp_id = found.experiment_id if found is not None else client.create_experiment(experiment or name)
-        _export_mlflow(client, exp_id, str(Path(run_dir).resolve()), name, runs, done)
+    with _file_store_allowed(uri), _environ(HTTP_LIMITS), _stopped_says(done, len(runs)):
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            found = client.get_experiment_by_name(experiment or name)
+            exp_id = found.experiment_id if found is not None else client.create_experiment(experiment or name)
+            _export_mlflow(client, exp_id, folder, name, runs, done)
+        except MlflowException as exc:
+            raise ConfigError(_mlflow_problem(uri, exc, done)) from None
     return done
 
 
@@ -309,14 +323,20 @@ def _file_store_allowed(uri: str) -> Iterator[None]:
     """MLflow 3 refuses a local file store (`file:` or a path) unless MLFLOW_ALLOW_FILE_STORE is set: asked
     for by name here, it is allowed while the export runs."""
     local = uri.startswith("file:") or "://" not in uri
-    before = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
-    if local and before is None:
-        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    with _environ({"MLFLOW_ALLOW_FILE_STORE": "true"} if local else {}):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set each of `values` that the environment does not already set, for the block."""
+    added = [key for key in values if key not in os.environ]
+    os.environ.update({key: values[key] for key in added})
     try:
         yield
     finally:
-        if local and before is None:
-            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+        for key in added:
+            os.environ.pop(key, None)
 
 
 @contextlib.contextmanager
@@ -338,6 +358,23 @@ def _stopped_says(done: ExportResult, total: int) -> Iterator[None]:
         yield
     finally:
         stopping.on_stop_signals(previous)
+
+
+def _mlflow_problem(uri: str, exc: Exception, done: ExportResult) -> str:
+    """One line for an error MLflow raised: an unreachable server, or the store's own message."""
+    text = " ".join(str(getattr(exc, "message", exc)).split())
+    if "Max retries exceeded" in text or "Failed to establish a new connection" in text or "timed out" in text:
+        retries, timeout = (os.environ.get(key, HTTP_LIMITS[key]) for key in
+                            ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"))
+        tries = int(retries) + 1 if retries.strip().isdigit() else f"1 + {retries}"
+        reason = ("connection refused" if "refused" in text.lower() else "timed out" if "timed out" in text
+                  else "no connection")
+        text = (f"cannot reach the tracking server ({reason}; {tries} tries of at most {timeout} s each: "
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES and MLFLOW_HTTP_REQUEST_TIMEOUT to change)")
+    elif len(text) > 300:
+        text = text[:300] + " ..."
+    so_far = f"; {_count(done.exported)} exported before it" if done.exported else ""
+    return f"MLflow at {uri}: {text}{so_far}"
 
 
 def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[ExportedRun], done: ExportResult) -> None:

@@ -1,14 +1,17 @@
 """`normexp export` where things go wrong: two folders of one sweep exported into one MLflow experiment,
-an export stopped half-way. What another folder exported is never touched, and what is replaced is named."""
+an export stopped half-way, a tracking server that is down. What another folder exported is never
+touched, what is replaced is named, and a refusal is one line, exit 2."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +141,22 @@ def test_an_export_stopped_half_way_is_finished_by_the_next(folder, tmp_path, ml
     found = _exported(client)
     assert len(found) == 4 and {r.info.status for r in found} == {"FINISHED"}
     assert sorted(r.data.tags["normexp.run_id"] for r in found) == [r.name for r in _runs(folder)]
+
+
+def test_an_unreachable_tracking_server_is_one_line_in_bounded_time(folder, monkeypatch):
+    """A closed port: 4 minutes of MLflow's retries, then a 452-line traceback. Now 3 tries (about 3 s for
+    a refused connection) and one line, exit 2."""
+    pytest.importorskip("mlflow")
+    for name in ("MAX_RETRIES", "BACKOFF_FACTOR", "TIMEOUT"):
+        monkeypatch.delenv(f"MLFLOW_HTTP_REQUEST_{name}", raising=False)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    result = runner.invoke(app, ["export", str(folder), f"http://127.0.0.1:{port}", "--to", "mlflow"])
+    assert time.monotonic() - start < 60  # MLflow's own retries: ~4 minutes
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"error: MLflow at http://127.0.0.1:{port}: cannot reach the tracking server (connection refused; 3 tries "
+        "of at most 20 s each: MLFLOW_HTTP_REQUEST_MAX_RETRIES and MLFLOW_HTTP_REQUEST_TIMEOUT to change)"]
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # set for the export only
