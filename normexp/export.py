@@ -15,20 +15,21 @@ config key, the varying ones first, against the `final/` metrics), each run stat
 dashboard shows the grid's axes against final loss and trained. A re-export rewrites the same files (each
 run's wall times come from its done.json's modification time): the same bytes.
 
-MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store, which
-MLflow 3 keeps in maintenance mode and allows here): experiment = the sweep's name (or `--experiment`), one MLflow
-run per normexp run, named by its run id. Params: the flattened config (`optim.lr`, ...; null as "None"),
-metrics: the same names as TensorBoard's with their step, tags: `normexp.run_id`, `normexp.folder` (the
-folder's absolute path), `normexp.sweep`, `normexp.engine`, `normexp.status`, `normexp.trained`,
-`normexp.threads`, `normexp.device`, `normexp.config_hash`, `normexp.done_checksum` and
-`normexp.provenance.*` (commit, CPU, torch build, command). Re-exporting is idempotent, keyed by folder and
-run id: a run this folder exported with the same done.json checksum and verdict is left as it is; one whose
-result changed (a --force rerun), whose verdict did (another report.trained_below), or that an interrupted
-export left unfinished (a run is marked FINISHED last) is deleted in MLflow and exported again, and named.
-A stop signal ends an export at once, in one line. An unreachable tracking server fails after 3 tries of
-at most 20 s each (HTTP_LIMITS), in one line. Another folder's MLflow runs are never touched (an
-earlier release's, which carry no folder tag, only adopted where their done.json checksum is this run's).
-MLflow's SQL store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
+MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store, which MLflow 3
+keeps in maintenance mode and allows here): experiment = the sweep's name (or `--experiment`; a deleted one is
+refused, not restored), one MLflow run per normexp run, named by its run id. Params: the flattened config
+(`optim.lr`, ...; null as "None"), metrics: the same names as TensorBoard's with their step, tags:
+`normexp.run_id`, `normexp.folder` (the folder's absolute path), `normexp.sweep`, `normexp.engine`,
+`normexp.status`, `normexp.trained`, `normexp.threads`, `normexp.device`, `normexp.config_hash`,
+`normexp.done_checksum` and `normexp.provenance.*` (commit, CPU, torch build, command). Re-exporting is
+idempotent, keyed by folder and run id: a run this folder exported with the same done.json checksum and
+verdict is left as it is; one whose result changed (a --force rerun), whose verdict did (another
+report.trained_below), or that an interrupted export left unfinished (a run is marked FINISHED last) is
+deleted in MLflow and exported again, and named. A stop signal ends an export at once, in one line. An
+unreachable tracking server fails after 3 tries of at most 20 s each (HTTP_LIMITS), in one line. Another
+folder's MLflow runs are never touched (an earlier release's, which carry no folder tag, only adopted where
+their done.json checksum is this run's). MLflow's SQL store keeps +-inf as +-1.79e308 (its documented limit);
+NaN stays NaN.
 """
 
 from __future__ import annotations
@@ -310,9 +311,7 @@ def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> ExportR
     with _file_store_allowed(uri), _environ(HTTP_LIMITS), _stopped_says(done, len(runs)):
         try:
             client = MlflowClient(tracking_uri=uri)
-            found = client.get_experiment_by_name(experiment or name)
-            exp_id = found.experiment_id if found is not None else client.create_experiment(experiment or name)
-            _export_mlflow(client, exp_id, folder, name, runs, done)
+            _export_mlflow(client, _experiment_id(client, experiment or name, uri), folder, name, runs, done)
         except MlflowException as exc:
             raise ConfigError(_mlflow_problem(uri, exc, done)) from None
     return done
@@ -375,6 +374,19 @@ def _mlflow_problem(uri: str, exc: Exception, done: ExportResult) -> str:
         text = text[:300] + " ..."
     so_far = f"; {_count(done.exported)} exported before it" if done.exported else ""
     return f"MLflow at {uri}: {text}{so_far}"
+
+
+def _experiment_id(client, name: str, uri: str) -> str:
+    """The experiment's id, made if it does not exist. A deleted one is not restored behind its owner's
+    back: ConfigError, saying how to restore it or choose another."""
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        return client.create_experiment(name)
+    if found.lifecycle_stage != "active":
+        raise ConfigError(f"MLflow at {uri}: experiment {name!r} (id {found.experiment_id}) is deleted; restore it "
+                          f"(mlflow experiments restore --experiment-id {found.experiment_id}) or export into "
+                          "another with --experiment NAME")
+    return found.experiment_id
 
 
 def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[ExportedRun], done: ExportResult) -> None:

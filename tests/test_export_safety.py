@@ -1,6 +1,6 @@
 """`normexp export` where things go wrong: two folders of one sweep exported into one MLflow experiment,
-an export stopped half-way, a tracking server that is down. What another folder exported is never
-touched, what is replaced is named, and a refusal is one line, exit 2."""
+an export stopped half-way, a tracking server that is down, a deleted experiment. What another folder
+exported is never touched, what is replaced is named, and a refusal is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -160,3 +160,18 @@ def test_an_unreachable_tracking_server_is_one_line_in_bounded_time(folder, monk
         f"error: MLflow at http://127.0.0.1:{port}: cannot reach the tracking server (connection refused; 3 tries "
         "of at most 20 s each: MLFLOW_HTTP_REQUEST_MAX_RETRIES and MLFLOW_HTTP_REQUEST_TIMEOUT to change)"]
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # set for the export only
+
+
+def test_a_deleted_experiment_is_one_line_and_not_restored(folder, mlflow_client):
+    uri, client = mlflow_client
+    assert runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"]).exit_code == 0
+    experiment = client.get_experiment_by_name("tiny")
+    client.delete_experiment(experiment.experiment_id)
+    result = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert f"experiment 'tiny' (id {experiment.experiment_id}) is deleted" in result.output
+    assert f"mlflow experiments restore --experiment-id {experiment.experiment_id}" in result.output
+    assert client.get_experiment(experiment.experiment_id).lifecycle_stage == "deleted"
+    other = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow", "--experiment", "tiny2"])
+    assert other.exit_code == 0 and "4 runs exported" in other.output
