@@ -30,6 +30,9 @@ unreachable tracking server fails after 3 tries of at most 20 s each (HTTP_LIMIT
 folder's MLflow runs are never touched (an earlier release's, which carry no folder tag, only adopted where
 their done.json checksum is this run's). MLflow's SQL store keeps +-inf as +-1.79e308 (its documented limit);
 NaN stays NaN.
+
+A folder whose runs name a plug-in (a user's placement or kind) that cannot be imported here is refused
+before anything is written, naming the runs.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from typing import Any
 
 from normexp import stopping
 from normexp.config import ConfigError, RunConfig, chance_classes, flatten, trained_threshold
-from normexp.registry import references_unchecked
+from normexp.registry import PluginError, is_plugin, load_plugin, references_unchecked
 from normexp.runfolder import BLOCKS_FILE, DONE_FILE, METRICS_FILE, inspect_run, run_id
 from normexp.store import folder_runs, read_sweep, trained_rule
 
@@ -130,10 +133,37 @@ def read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
 
 def read_folder(run_dir: Path) -> tuple[str, list[ExportedRun], list[str]]:
     """`read_runs`, and the ids of the folder's runs that are not verified finished (missing, failed,
-    corrupt)."""
+    corrupt). ConfigError, before anything is written, where runs name a placement or kind of a
+    plug-in that cannot be imported here (`plugin_problems`)."""
     with references_unchecked():
         sweep = read_sweep(run_dir)
-        return (sweep.name, *_read_runs(run_dir, folder_runs(run_dir, sweep)))
+        configs = folder_runs(run_dir, sweep)
+    problems = plugin_problems(configs)
+    if problems:
+        raise ConfigError(f"{run_dir}: not exported, nothing written: " + "; ".join(problems)
+                          + "; install the plug-in's package (on PYTHONPATH) and export again")
+    with references_unchecked():
+        return (sweep.name, *_read_runs(run_dir, configs))
+
+
+def plugin_problems(configs: list[RunConfig]) -> list[str]:
+    """Per plug-in (a user's placement or kind, by reference) that cannot be imported here: which runs
+    name it and why. An export names each run's placement and kind as they trained; one whose code is
+    not here cannot be told from a typo, nor exported as what it is."""
+    users: dict[str, list[str]] = {}
+    for cfg in configs:
+        for ref in dict.fromkeys((cfg.norm.placement, cfg.norm.kind)):
+            if is_plugin(ref):
+                users.setdefault(ref, []).append(run_id(cfg))
+    problems = []
+    for ref, ids in users.items():
+        try:
+            load_plugin(ref)
+        except PluginError as exc:
+            shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+            problems.append(f"{_count(ids)} ({shown}) use{'s' if len(ids) == 1 else ''} the plug-in {ref}, "
+                            f"which is not installed ({exc})")
+    return problems
 
 
 def _read_runs(run_dir: Path, configs: list[RunConfig]) -> tuple[list[ExportedRun], list[str]]:

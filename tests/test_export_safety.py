@@ -1,6 +1,7 @@
 """`normexp export` where things go wrong: two folders of one sweep exported into one MLflow experiment,
-an export stopped half-way, a tracking server that is down, a deleted experiment. What another folder
-exported is never touched, what is replaced is named, and a refusal is one line, exit 2."""
+an export stopped half-way, a tracking server that is down, a deleted experiment, a plug-in that is not
+installed. What another folder exported is never touched, what is replaced is named, and a refusal is
+one line, exit 2, before anything is written."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
+from normexp.registry import load_plugin
 from normexp.runfolder import METRICS_FILE
 from normexp.store import FinishedRun, write_run
 from normexp.sweep import SweepOptions, run_sweep
@@ -175,3 +177,43 @@ def test_a_deleted_experiment_is_one_line_and_not_restored(folder, mlflow_client
     assert client.get_experiment(experiment.experiment_id).lifecycle_stage == "deleted"
     other = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow", "--experiment", "tiny2"])
     assert other.exit_code == 0 and "4 runs exported" in other.output
+
+
+PLUGIN = '''
+class Halfway:
+    stackable = True
+
+    @staticmethod
+    def build(block, norm):
+        block.norm = norm()
+
+    @staticmethod
+    def forward(block, x):
+        return x + block.norm(x + block.branch(x)) / 2
+'''
+
+
+@pytest.mark.parametrize("target", ["tensorboard", "mlflow"])
+def test_runs_of_a_plugin_not_installed_are_named_before_anything_is_written(tmp_path, monkeypatch, target):
+    """It exported everything, then failed with exit 2 and a sweep.yaml that 'cannot be read back'."""
+    pytest.importorskip(target)
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "exportnorms.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(package))
+    out = tmp_path / "plug"
+    run_sweep(build_sweep(parse_yaml(TINY.replace("[pre, post]", "[pre, 'exportnorms:Halfway']"))), out,
+              SweepOptions(engine="batched"))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(package)])
+    monkeypatch.delitem(sys.modules, "exportnorms")
+    load_plugin.cache_clear()
+    dest = tmp_path / "dest"
+    result = runner.invoke(app, ["export", str(out), str(dest) if target == "tensorboard" else dest.as_uri(),
+                                 "--to", target])
+    load_plugin.cache_clear()
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    plugged = sorted(r.name for r in _runs(out) if r.name.startswith("ext_"))
+    assert len(plugged) == 2 and all(rid in result.output for rid in plugged)
+    assert not any(r.name in result.output for r in _runs(out) if r.name not in plugged)
+    assert "exportnorms:Halfway, which is not installed" in result.output and "nothing written" in result.output
+    assert not dest.exists()
