@@ -828,6 +828,8 @@ def export(
     _check_choice("--to", to, TARGETS)
     if not dest.strip():  # an empty DEST would mean the current folder (or MLflow's ./mlruns)
         raise fail("DEST: empty; name a log folder (--to tensorboard) or a tracking URI (--to mlflow)")
+    if experiment is not None and to != "mlflow":
+        raise fail("--experiment: only --to mlflow has experiments (a TensorBoard log folder is DEST)")
     try:
         if to == "tensorboard":
             done = to_tensorboard(run_dir, Path(dest))

@@ -330,6 +330,9 @@ HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACK
 def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> ExportResult:
     """Export `run_dir` into the MLflow tracking store at `uri` (see the module docstring). ConfigError,
     in one line, where the store cannot be reached or refuses the export."""
+    if experiment is not None and not experiment.strip():
+        raise ConfigError("--experiment: empty; name an MLflow experiment, or leave the option out for the "
+                          "sweep's name")
     name, runs, left = read_folder(Path(run_dir))
     try:
         from mlflow.exceptions import MlflowException

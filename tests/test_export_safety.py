@@ -217,3 +217,15 @@ def test_runs_of_a_plugin_not_installed_are_named_before_anything_is_written(tmp
     assert not any(r.name in result.output for r in _runs(out) if r.name not in plugged)
     assert "exportnorms:Halfway, which is not installed" in result.output and "nothing written" in result.output
     assert not dest.exists()
+
+
+def test_experiment_is_refused_where_it_means_nothing_or_is_empty(folder, tmp_path):
+    """--experiment was ignored for TensorBoard, and '' silently meant the sweep's name for MLflow."""
+    result = runner.invoke(app, ["export", str(folder), str(tmp_path / "tb"), "--experiment", "x"])
+    assert result.exit_code == 2 and "--experiment: only --to mlflow" in result.output
+    assert not (tmp_path / "tb").exists()
+    for empty in ("", " "):
+        result = runner.invoke(app, ["export", str(folder), (tmp_path / "ml").as_uri(), "--to", "mlflow",
+                                     "--experiment", empty])
+        assert result.exit_code == 2 and "--experiment: empty" in result.output, result.output
+        assert not (tmp_path / "ml").exists()
