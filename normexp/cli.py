@@ -842,7 +842,7 @@ def export(
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"{dest}: cannot write {exc.filename}: {exc.strerror}") from None
-    for line in done.notes():
+    for line in done.notes(run_dir):
         out.print(line, soft_wrap=True)
     if done.left:  # as report does: what exists went out; the runs that did not are named, exit 1
         err.print(f"{_plural(len(done.left), 'run')} of the sweep not exported: missing, failed or corrupt "

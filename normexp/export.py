@@ -28,7 +28,8 @@ report.trained_below), or that an interrupted export left unfinished (a run is m
 deleted in MLflow and exported again, and named. A stop signal ends an export at once, in one line. An
 unreachable tracking server fails after 3 tries of at most 20 s each (HTTP_LIMITS), in one line. Another
 folder's MLflow runs are never touched (an earlier release's, which carry no folder tag, only adopted where
-their done.json checksum is this run's). MLflow's SQL store keeps +-inf as +-1.79e308 (its documented limit);
+their done.json checksum is this run's). A run exported before that no longer verifies has its export removed
+(TensorBoard: its event file), and named. MLflow's SQL store keeps +-inf as +-1.79e308 (its documented limit);
 NaN stays NaN.
 
 A folder whose runs name a plug-in (a user's placement or kind) that cannot be imported here is refused
@@ -42,6 +43,7 @@ import csv
 import hashlib
 import json
 import os
+import shlex
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -99,20 +101,26 @@ class ExportedRun:
 @dataclass
 class ExportResult:
     """What an export did: the run ids exported now, how many were there already unchanged, the earlier
-    exports it replaced (run id -> why), and the ids of the folder's runs not exported (missing, failed
-    or corrupt)."""
+    exports it replaced (run id -> why) and those it removed because their run no longer verifies, and
+    the ids of the folder's runs not exported (missing, failed or corrupt)."""
 
     exported: list[str]
     kept: int = 0
     replaced: dict[str, str] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
 
-    def notes(self) -> list[str]:
-        """The lines that name what the export replaced (none where it replaced nothing)."""
-        if not self.replaced:
-            return []
-        return [f"replaced this folder's earlier export of {_count(self.replaced)}: "
-                + ", ".join(f"{rid} ({why})" for rid, why in self.replaced.items())]
+    def notes(self, run_dir: Path) -> list[str]:
+        """The lines that name what the export replaced or removed (none where it did neither)."""
+        lines = []
+        if self.replaced:
+            lines.append(f"replaced this folder's earlier export of {_count(self.replaced)}: "
+                         + ", ".join(f"{rid} ({why})" for rid, why in self.replaced.items()))
+        if self.dropped:
+            lines.append(f"removed this folder's earlier export of {_count(self.dropped)} that no longer "
+                         f"verif{'ies' if len(self.dropped) == 1 else 'y'}: {', '.join(self.dropped)} "
+                         f"(normexp verify {shlex.quote(str(run_dir))})")
+        return lines
 
 
 def _count(ids: Any) -> str:
@@ -211,7 +219,8 @@ def varying_first(runs: list[ExportedRun]) -> list[str]:
 
 
 def to_tensorboard(run_dir: Path, out_dir: Path) -> ExportResult:
-    """Write the TensorBoard export of `run_dir` into `out_dir` (see the module docstring); what it did."""
+    """Write the TensorBoard export of `run_dir` into `out_dir` (see the module docstring). The event file
+    an earlier export wrote for a run that no longer verifies is removed."""
     _, runs, left = read_folder(Path(run_dir))
     try:
         from tensorboard.compat.proto.event_pb2 import Event  # noqa: F401 - checks the package is there
@@ -231,7 +240,15 @@ def to_tensorboard(run_dir: Path, out_dir: Path) -> ExportResult:
             events += [(step, _scalar(name, value)) for step, value in points]
         events.sort(key=lambda e: e[0])  # by step, each scalar's points in order
         _write_events(out_dir / run.run_id / EVENTS_FILE, run.time_s, events)
-    return ExportResult([r.run_id for r in runs], left=left)
+    dropped = []
+    for rid in left:  # exported before, and no longer verified finished: its copy goes, the folder is its truth
+        stale = out_dir / rid / EVENTS_FILE
+        if stale.is_file():
+            stale.unlink()
+            with contextlib.suppress(OSError):
+                (out_dir / rid).rmdir()  # only if nothing of the user's is in it
+            dropped.append(rid)
+    return ExportResult([r.run_id for r in runs], dropped=dropped, left=left)
 
 
 def _hparam_kinds(runs: list[ExportedRun], keys: list[str]) -> dict[str, str]:
@@ -344,7 +361,7 @@ def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> ExportR
     with _file_store_allowed(uri), _environ(HTTP_LIMITS), _stopped_says(done, len(runs)):
         try:
             client = MlflowClient(tracking_uri=uri)
-            _export_mlflow(client, _experiment_id(client, experiment or name, uri), folder, name, runs, done)
+            _export_mlflow(client, _experiment_id(client, experiment or name, uri), folder, name, runs, left, done)
         except MlflowException as exc:
             raise ConfigError(_mlflow_problem(uri, exc, done)) from None
     return done
@@ -422,7 +439,8 @@ def _experiment_id(client, name: str, uri: str) -> str:
     return found.experiment_id
 
 
-def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[ExportedRun], done: ExportResult) -> None:
+def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[ExportedRun], left: list[str],
+                   done: ExportResult) -> None:
     """Export `runs` of the folder `folder` into the experiment `exp_id`, filling `done` as it goes. Each
     MLflow run is tagged with its folder and run id from its creation, and marked FINISHED last: an
     earlier export of this folder's run that is unfinished (interrupted), or whose result or verdict
@@ -463,6 +481,12 @@ def _export_mlflow(client, exp_id: str, folder: str, name: str, runs: list[Expor
         client.log_batch(rid, tags=[RunTag(k, v) for k, v in _tags(run, name, run.checksum).items()])
         client.set_terminated(rid, "FINISHED", end_time=time_ms)  # last: a run not FINISHED is half-made
         done.exported.append(run.run_id)
+    for rid in left:  # exported before, and no longer verified finished: its copy goes
+        stale = [r for r in _earlier(client, exp_id, folder, rid) if FOLDER_TAG in r.data.tags]
+        for old in stale:
+            client.delete_run(old.info.run_id)
+        if stale:
+            done.dropped.append(rid)
 
 
 RUN_TAG, FOLDER_TAG, DONE_TAG = "normexp.run_id", "normexp.folder", "normexp.done_checksum"

@@ -1,7 +1,7 @@
 """`normexp export` where things go wrong: two folders of one sweep exported into one MLflow experiment,
 an export stopped half-way, a tracking server that is down, a deleted experiment, a plug-in that is not
-installed. What another folder exported is never touched, what is replaced is named, and a refusal is
-one line, exit 2, before anything is written."""
+installed, a run that no longer verifies. What another folder exported is never touched, what is replaced
+or removed is named, and every refusal is one line, exit 2, before anything is written."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
 from normexp.registry import load_plugin
-from normexp.runfolder import METRICS_FILE
+from normexp.runfolder import METRICS_FILE, read_json
 from normexp.store import FinishedRun, write_run
 from normexp.sweep import SweepOptions, run_sweep
 
@@ -229,3 +229,41 @@ def test_experiment_is_refused_where_it_means_nothing_or_is_empty(folder, tmp_pa
                                      "--experiment", empty])
         assert result.exit_code == 2 and "--experiment: empty" in result.output, result.output
         assert not (tmp_path / "ml").exists()
+
+
+def _damage(run: Path) -> None:
+    data = bytearray((run / METRICS_FILE).read_bytes())
+    data[-3] = ord("7") if data[-3] != ord("7") else ord("3")
+    (run / METRICS_FILE).write_bytes(bytes(data))
+
+
+def test_a_run_that_no_longer_verifies_loses_its_tensorboard_copy(folder, tmp_path):
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+    assert runner.invoke(app, ["export", str(folder), str(tb)]).exit_code == 0
+    damaged = _runs(folder)[1]
+    _damage(damaged)
+    (tb / "notes.txt").write_text("the user's")
+    result = runner.invoke(app, ["export", str(folder), str(tb)])
+    assert result.exit_code == 1 and "3 runs exported" in result.output
+    assert (f"removed this folder's earlier export of 1 run that no longer verifies: {damaged.name}"
+            in result.output), result.output
+    assert not (tb / damaged.name).exists() and (tb / "notes.txt").is_file()
+    assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == [r.name for r in _runs(folder) if r != damaged]
+
+
+def test_a_run_that_no_longer_verifies_loses_its_mlflow_copy_of_this_folder_only(folder, tmp_path, mlflow_client):
+    uri, client = mlflow_client
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    for source in (folder, other):
+        assert runner.invoke(app, ["export", str(source), uri, "--to", "mlflow"]).exit_code == 0
+    damaged = _runs(folder)[2]
+    _damage(damaged)
+    assert read_json(damaged / "done.json")  # the marker is there; the files it vouches for are not
+    result = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
+    assert result.exit_code == 1 and "0 runs exported" in result.output and "3 already there" in result.output
+    assert f"no longer verifies: {damaged.name}" in result.output, result.output
+    left = [(r.data.tags["normexp.folder"], r.data.tags["normexp.run_id"]) for r in _exported(client)]
+    assert (str(folder.resolve()), damaged.name) not in left and (str(other.resolve()), damaged.name) in left
+    assert len(left) == 7
