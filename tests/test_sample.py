@@ -39,6 +39,20 @@ def test_linspace_keeps_ints_when_both_ends_are_ints():
     assert expand_range("linspace(0.0, 1.0, 3)", "k") == [0.0, 0.5, 1.0]
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("linspace(1e308, -1e308, 3)", [1e308, 0.0, -1e308]),
+    ("linspace(-1e308, 1e308, 5)", [-1e308, -5e307, 0.0, 5e307, 1e308]),
+    ("linspace(-1.7e308, 1.7e308, 2)", [-1.7e308, 1.7e308]),
+])
+def test_linspace_between_huge_ends_stays_finite(text, expected):
+    """b - a overflowed: linspace(1e308, -1e308, 3) had -inf in the middle, and the error named -inf."""
+    got = expand_range(text, "k")
+    assert got == expected and all(math.isfinite(v) for v in got)
+    with pytest.raises(ConfigError, match=r"^grid.optim.lr: must be > 0") as refused:
+        sweep(grid={"optim.lr": text})
+    assert "inf" not in str(refused.value)  # a value the range holds, never one it does not
+
+
 def test_ranges_in_the_grid_and_in_set_give_the_same_runs():
     in_file = sweep(grid={"optim.lr": "logspace(1e-3, 1e-1, 3)", "schedule.warmup_steps": "linspace(0, 2, 3)"})
     on_line = build_sweep({"name": "s", "base": BASE},

@@ -88,8 +88,10 @@ def expand_range(text: str, where: str) -> list[int | float]:
                               f"got {args[0].strip()}, {args[1].strip()}")
         la, lb = math.log10(a), math.log10(b)
         values: list[int | float] = [_round(10 ** (la + (lb - la) * i / (n - 1)), 12) for i in range(n)]
-    else:
+    elif math.isfinite(float(b) - float(a)):
         values = [_round(a + (b - a) * i / (n - 1), 12) for i in range(n)]
+    else:  # b - a overflows (linspace(1e308, -1e308, 3)): weigh the ends, each term finite
+        values = [_round(a * ((n - 1 - i) / (n - 1)) + b * (i / (n - 1)), 12) for i in range(n)]
     if isinstance(a, int) and isinstance(b, int) and all(float(v).is_integer() for v in values):
         values = [int(v) for v in values]  # logspace(2, 64, 6): depths 2, 4, ..., 64, not 4.0
     values[0], values[-1] = a, b
