@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -62,6 +63,23 @@ def test_ranges_in_the_grid_and_in_set_give_the_same_runs():
     assert in_file.grid["optim.lr"] == [1e-3, 0.01, 0.1]  # sweep.yaml records the values
     # a range among listed values is spliced in
     assert parse_set("optim.lr=0.5,logspace(1e-3,1e-1,3)")[1] == [0.5, 1e-3, 0.01, 0.1]
+
+
+def test_the_docs_range_among_listed_values_works_in_a_yaml_flow_list():
+    """docs/configs.md's `schedule.warmup_steps: [0, linspace(10, 100, 4)]` failed: YAML's flow list cuts a
+    plain scalar at each comma ([0, 'linspace(10', 100, '4)']), and the error named 'linspace(10'."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "configs.md").read_text()
+    line = next(x for x in docs.splitlines() if "[0, linspace(10, 100, 4)]" in x)
+    key, _, comment = line.partition("#")
+    text = f"name: s\nbase: {{schedule: {{kind: linear_warmup}}}}\ngrid:\n{key}\n"
+    s = build_sweep(parse_yaml(text))
+    expected = [int(v) for v in comment.split(",")]  # what the docs' comment says
+    assert s.grid["schedule.warmup_steps"] == expected == [0, 10, 40, 70, 100]
+    assert values(s, "schedule.warmup_steps") == expected
+    spliced = build_sweep(parse_yaml("name: s\ngrid:\n  optim.lr: [0.5, logspace(1.0e-3, 1e-1, 3), 0.7]\n"))
+    assert spliced.grid["optim.lr"] == [0.5, 1e-3, 0.01, 0.1, 0.7]
+    with pytest.raises(ConfigError, match=r"^grid.optim.lr: 'linspace\(1, 2' .*no closing parenthesis"):
+        build_sweep(parse_yaml("name: s\ngrid:\n  optim.lr: [0.5, linspace(1, 2]\n"))
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -13,6 +13,9 @@ axes, seeded, so that the same file always gives the same runs.
       optim.beta2: {uniform: [0.9, 0.999]}
       norm.placement: {choice: [pre, post]}
 
+A range may stand among listed values, also in YAML's flow list (`[0, linspace(10, 100, 4)]`, which YAML
+cuts at the range's commas: joined again here).
+
 `logspace` takes the two end VALUES (numpy's `geomspace`), not exponents as `numpy.logspace` does.
 Values are rounded to 12 significant digits (so `logspace(1e-4, 1e-1, 4)` is 1e-4, 1e-3, 1e-2, 1e-1, not
 0.0010000000000000002); the ends are exactly a and b. Between two integers, either gives integers where
@@ -102,9 +105,36 @@ def expand_values(values: Any, where: str) -> Any:
     """A grid axis with its ranges expanded: `logspace(...)` alone, or as items of a list (spliced in)."""
     if is_range(values):
         return expand_range(values, where)
+    if isinstance(values, list):
+        values = _rejoined(values, where)
     if isinstance(values, list) and any(is_range(v) for v in values):
         return [x for v in values for x in (expand_range(v, where) if is_range(v) else [v])]
     return values
+
+
+OPENED = re.compile(r"\s*(?:logspace|linspace)\s*\([^()]*")  # a range cut at its first comma
+
+
+def _rejoined(values: list[Any], where: str) -> list[Any]:
+    """`values` with each range that YAML's flow list cut at its commas joined again: `[0, linspace(10,
+    100, 4)]` reads as [0, 'linspace(10', 100, '4)'] (a plain scalar in brackets ends at a comma)."""
+    joined: list[Any] = []
+    pieces: list[str] | None = None
+    for value in values:
+        if pieces is None:
+            if isinstance(value, str) and OPENED.fullmatch(value):
+                pieces = [value]
+            else:
+                joined.append(value)
+            continue
+        pieces.append(value if isinstance(value, str) else str(value))
+        if ")" in pieces[-1]:
+            joined.append(",".join(pieces))
+            pieces = None
+    if pieces is not None:
+        raise ConfigError(f"{where}: {_brief(', '.join(pieces))} is not logspace(a, b, n) or linspace(a, b, n): "
+                          "no closing parenthesis")
+    return joined
 
 
 # ----------------------------------------------------------------------------- the sample: section
