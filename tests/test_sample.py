@@ -159,6 +159,44 @@ def test_bad_sample_sections_name_the_key(section, message):
         sweep(sample=section)
 
 
+def test_many_draws_of_few_runs_cost_the_distinct_runs_and_past_the_limit_nothing(monkeypatch):
+    """`n: 1000000` over one `choice` axis: minutes at 100% CPU in `validate`, resolving a run per draw.
+    Now a draw of values drawn before is not resolved again, and an n past the run limit is refused before
+    any point is drawn."""
+    import normexp.config.sample as sample
+    from normexp.config import RunConfig
+
+    real, resolved = RunConfig.model_validate, []
+    monkeypatch.setattr(RunConfig, "model_validate", staticmethod(lambda data, *a, **k: (resolved.append(1),
+                                                                                         real(data, *a, **k))[1]))
+    drawn = sample._unit_points
+    draws = []
+    monkeypatch.setattr(sample, "_unit_points", lambda n, *a: (draws.append(n), drawn(n, *a))[1])
+    s = build_sweep({"name": "s", "base": BASE, "grid": {"optim.lr": [0.1, 0.01]}, "seeds": [0, 1],
+                     "sample": {"n": 100_000, "norm.placement": {"choice": ["pre", "post"]}}})
+    assert draws == [100_000] and len(s.runs) == 8
+    assert len(resolved) <= 8  # 2 lrs x 2 placements (and the base): not 200,000
+    with pytest.raises(ConfigError, match=r"^sample.n: must be an integer from 1 to 100000"):
+        build_sweep({"name": "s", "base": BASE, "sample": {"n": 100_001, "norm.placement": {"choice": ["pre"]}}})
+    assert draws == [100_000]  # refused before drawing
+
+
+def test_repeated_draws_give_the_runs_every_draw_resolved_would():
+    """The same runs, in the same order, as resolving each (grid point, draw, seed) and keeping the first."""
+    section = {"n": 40, "seed": 5, "norm.placement": {"choice": ["pre", "post", "peri"]},
+               "schedule.warmup_steps": {"uniform": [0, 3]}}
+    s = build_sweep({"name": "s", "base": BASE, "grid": {"optim.lr": [0.1, 0.01]}, "seeds": [2, 1],
+                     "sample": section})
+    expected = {}
+    for lr in (0.1, 0.01):
+        for point in s.sample["points"]:
+            for seed in (2, 1):
+                cfg = build_sweep({"name": "s", "base": BASE, "grid": {"optim.lr": [lr], **{
+                    k: [v] for k, v in point.items()}}, "seeds": [seed]}).runs[0]
+                expected.setdefault(run_id(cfg), None)
+    assert [run_id(c) for c in s.runs] == list(expected) and len(expected) == 2 * 3 * 4 * 2
+
+
 def test_a_key_both_sampled_and_in_the_grid_is_refused():
     with pytest.raises(ConfigError, match=r"sample.optim.lr: also a grid axis"):
         sweep(grid={"optim.lr": [0.1]}, sample={"n": 2, "optim.lr": {"uniform": [0.1, 1]}})

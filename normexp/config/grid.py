@@ -187,8 +187,12 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
     base_data = _open_mapping(base, _open_keys(sweep_file.base), "python")
     runs: dict[RunConfig, None] = {}  # insertion-ordered set: a repeated grid value runs once
     keys, resolved = list(sweep_file.grid), 0
+    fresh = _first_draws(points)  # a point drawn again adds no run: the work is bounded by the distinct points
     for combo in itertools.product(*sweep_file.grid.values()):
-        for point in points:
+        for point, new in zip(points, fresh):
+            if not new:  # its runs are in `runs` already
+                resolved += len(seeds)
+                continue
             data = {section: dict(values) for section, values in base_data.items()}
             for key, value in [*zip(keys, combo), *point.items()]:
                 _set_dotted(data, key, value)
@@ -203,6 +207,18 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
                 if len(runs) > max_runs:
                     raise TooManyRuns(total, max_runs, distinct=len(runs) == resolved)
     return list(runs)
+
+
+def _first_draws(points: Sequence[dict[str, Any]]) -> list[bool]:
+    """Per point, whether it is the first draw of its values (a `choice` axis of 2 values drawn 100,000
+    times has 2 first draws)."""
+    seen: set[str] = set()
+    first = []
+    for point in points:
+        key = json.dumps(point, sort_keys=True, default=repr)
+        first.append(key not in seen)
+        seen.add(key)
+    return first
 
 
 def _sampled_named(error: ConfigError, point: dict[str, Any]) -> ConfigError:

@@ -43,7 +43,10 @@ RANGE = re.compile(r"\s*(?P<fn>logspace|linspace)\s*\((?P<args>[^()]*)\)\s*")
 DISTRIBUTIONS = ("loguniform", "uniform", "choice")
 METHODS = ("random", "sobol")
 SAMPLE_OPTIONS = ("n", "seed", "method", "points", "axes")
-MAX_SAMPLES = 1_000_000
+MAX_SAMPLES = 1_000_000  # a range's n
+# A sample's n (or its listed points): at most the default run limit (grid.DEFAULT_MAX_RUNS). More points
+# make more runs than the limit allows, or repeat runs already drawn: refused before any is drawn.
+MAX_POINTS = 100_000
 
 
 def _number(text: str, where: str) -> int | float:
@@ -156,16 +159,16 @@ def check_sample(section: Any) -> tuple[int, int, str, dict[str, tuple[str, list
         raise ConfigError(f"sample.axes: must be a mapping of keys to distributions, got {_brief(section['axes'])}")
     n, seed, method = section.get("n"), section.get("seed", 0), section.get("method", "random")
     points = section.get("points")
-    if points is not None and (not isinstance(points, list) or not points or len(points) > MAX_SAMPLES):
-        raise ConfigError(f"sample.points: must be a list of 1 to {MAX_SAMPLES} points (each a mapping of the "
-                          f"sampled keys), got {_brief(points)}")
+    if points is not None and (not isinstance(points, list) or not points or len(points) > MAX_POINTS):
+        raise ConfigError(f"sample.points: must be a list of 1 to {MAX_POINTS} points (each a mapping of the "
+                          f"sampled keys), got {_brief(points) if not isinstance(points, list) else len(points)}")
     if points is not None and n is not None and n != len(points):
         raise ConfigError(f"sample.n: {_brief(n)}, but sample.points lists {len(points)} points; give one of them "
                           "(or both, equal)")
     if points is None:
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
-            raise ConfigError(f"sample.n: must be an integer from 1 to {MAX_SAMPLES} (the points drawn), "
-                              f"got {_brief(n)}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_POINTS:
+            raise ConfigError(f"sample.n: must be an integer from 1 to {MAX_POINTS} (the points drawn; the run "
+                              f"limit), got {_brief(n)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ConfigError(f"sample.seed: must be an integer from 0 to 2**32 - 1, got {_brief(seed)}")
     if method not in METHODS:
