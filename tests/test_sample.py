@@ -197,6 +197,30 @@ def test_repeated_draws_give_the_runs_every_draw_resolved_would():
     assert [run_id(c) for c in s.runs] == list(expected) and len(expected) == 2 * 3 * 4 * 2
 
 
+@pytest.mark.parametrize(("base", "key", "spec"), [
+    ({"optim": {"name": "adam"}}, "optim.momentum", {"uniform": [0.5, 0.99]}),
+    ({"norm": {"placement": "pre"}}, "norm.mixln_fraction", {"uniform": [0.1, 0.9]}),
+    ({"schedule": {"kind": "linear_warmup"}}, "schedule.min_lr_ratio", {"choice": [0.1, 0.2]}),
+    ({"model": {"arch": "transformer"}, "data": {"task": "copy"}}, "model.qk_norm_scope", {"choice": ["head", "full"]}),
+])
+def test_a_sampled_key_no_run_uses_is_refused_by_the_grids_rule(base, key, spec):
+    """A sample over optim.momentum under Adam drew 8 values that all went back to the default: 1 run, no
+    word. It is refused as the same grid axis is, in the same words."""
+    values = spec.get("choice") or spec["uniform"]
+    with pytest.raises(ConfigError) as as_grid:
+        build_sweep({"name": "s", "base": base, "grid": {key: values}})
+    with pytest.raises(ConfigError) as as_sample:
+        build_sweep({"name": "s", "base": base, "sample": {"n": 8, key: spec}})
+    assert str(as_sample.value) == str(as_grid.value).replace(f"grid.{key}", f"sample.{key}")
+    assert str(as_sample.value).startswith(f"sample.{key}: has no effect: only ")
+
+
+def test_a_sampled_key_some_run_uses_is_kept():
+    s = build_sweep({"name": "s", "base": BASE, "grid": {"optim.name": ["sgd", "adam"]},
+                     "sample": {"n": 4, "optim.momentum": {"uniform": [0.5, 0.99]}}})
+    assert len(s.runs) == 5  # 4 sgd runs, one per momentum; the adam runs are one
+
+
 def test_a_key_both_sampled_and_in_the_grid_is_refused():
     with pytest.raises(ConfigError, match=r"sample.optim.lr: also a grid axis"):
         sweep(grid={"optim.lr": [0.1]}, sample={"n": 2, "optim.lr": {"uniform": [0.1, 1]}})

@@ -329,31 +329,39 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
     sample, points = _sample_points(sweep_file.sample, sweep_file.grid) if sweep_file.sample is not None \
         else (None, [{}])
     runs = _expand(sweep_file, base, seeds, max_runs, points)
-    _refuse_unused_keys(base, sweep_file.grid, runs)
+    _refuse_unused_keys(base, sweep_file.grid, runs, {key: [p[key] for p in points] for key in sample_axes(sample)}
+                        if sample else None)
     open_keys = _open_keys(sweep_file.base)
     return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs, open_keys,
                  sweep_file.notes, tuple(sweep_file.tags), sample)
 
 
-def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Sequence[RunConfig]) -> None:
+def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Sequence[RunConfig],
+                        sampled: dict[str, list[Any]] | None = None) -> None:
     """A key of ACTS_ONLY_UNDER_BY_SECTION set away from its default where no run of the sweep uses it
-    is a mistake (it would change nothing): refused, naming where it was set."""
+    is a mistake (it would change nothing): refused, naming where it was set (a grid axis, a sampled
+    axis with the values it drew, or the base)."""
+    axes = {**{key: ("grid", values) for key, values in grid.items()},
+            **{key: ("sample", values) for key, values in (sampled or {}).items()}}
+
+    def set_in(dotted: str, default: Any, in_base: Any) -> list[str]:
+        where, values = axes.get(dotted, ("", []))
+        found = [f"{where}.{dotted}"] if any(not _same_value(v, default) for v in values) else []
+        if dotted not in axes and not _same_value(in_base, default):
+            found.append(f"base.{dotted}")
+        return found
+
     for section, table in ACTS_ONLY_UNDER_BY_SECTION.items():
         for key, (decider, where) in table.items():
-            dotted = f"{section}.{key}"
             default = _unsigned_zero(type(getattr(base, section)).model_fields[key].default)
-            set_in = [f"grid.{dotted}"] if any(not _same_value(v, default) for v in grid.get(dotted, [])) else []
-            if dotted not in grid and not _same_value(getattr(getattr(base, section), key), default):
-                set_in.append(f"base.{dotted}")
-            if set_in and all(key in inert_keys(getattr(run, section)) for run in runs):
-                raise ConfigError(f"{set_in[0]}: has no effect: only {section}.{decider} "
+            found = set_in(f"{section}.{key}", default, getattr(getattr(base, section), key))
+            if found and all(key in inert_keys(getattr(run, section)) for run in runs):
+                raise ConfigError(f"{found[0]}: has no effect: only {section}.{decider} "
                                   f"{' or '.join(sorted(where))} uses it, and no run of this sweep has that {decider}")
-    scope, default = "model.qk_norm_scope", type(base.model).model_fields["qk_norm_scope"].default
-    set_in = [f"grid.{scope}"] if any(v != default for v in grid.get(scope, [])) else []
-    if scope not in grid and base.model.qk_norm_scope != default:
-        set_in.append(f"base.{scope}")
-    if set_in and not any(run.model.qk_norm for run in runs):  # each run resets it: one run without qk-norm
-        raise ConfigError(f"{set_in[0]}: has no effect: only model.qk_norm true uses it, and no run of this "
+    scope = "model.qk_norm_scope"
+    found = set_in(scope, type(base.model).model_fields["qk_norm_scope"].default, base.model.qk_norm_scope)
+    if found and not any(run.model.qk_norm for run in runs):  # each run resets it: one run without qk-norm
+        raise ConfigError(f"{found[0]}: has no effect: only model.qk_norm true uses it, and no run of this "
                           "sweep has qk-norm (set model.qk_norm: true)")
 
 
