@@ -104,8 +104,8 @@ def submit(argv: Sequence[str], settings: ArraySettings, logs: Path, launcher: s
     """Submit the array (slurm) or run it here (local, waiting for every task); returns submitit's jobs."""
     submitit = _submitit()
     task = ShardTask(argv, settings.shards)
-    if launcher == "local":
-        executor = submitit.LocalExecutor(folder=logs / "%j")
+    if launcher == "local":  # its controller makes the folder as given: a "%j" in it would stay a literal folder
+        executor = submitit.LocalExecutor(folder=logs)
         executor.update_parameters(timeout_min=settings.time_min)
     else:
         executor = submitit.SlurmExecutor(folder=logs / "%j", max_num_timeout=100)
