@@ -187,7 +187,7 @@ def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int]) -> None:
 def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engine: str, force: bool,
             launcher: str | None, dry_run: bool, settings, logs: Path | None) -> None:
     """`sweep --launcher`: submit (or show, with --dry-run) the job array of `settings.shards` shards."""
-    from normexp.launch import LAUNCHERS, sbatch_script, submit, task_argv
+    from normexp.launch import LAUNCHERS, run_local, sbatch_script, submit, task_argv
 
     if launcher is None or not settings.shards:
         raise fail("--launcher and --shards go together: e.g. --launcher slurm --shards 8")
@@ -203,7 +203,10 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
             if launcher == "slurm":
                 out.print("\n" + sbatch_script(argv, settings, logs))
             return
-        jobs = submit(argv, settings, logs, launcher)
+        if launcher == "local":
+            done = run_local(argv, settings, logs, target, spec.runs, lambda line: err.print(line, soft_wrap=True))
+        else:
+            jobs = submit(argv, settings, logs)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or a local task failed
@@ -212,9 +215,14 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
     if launcher == "slurm":
         out.print(f"submitted job array {jobs[0].job_id.split('_')[0]} ({settings.shards} tasks) into {target}; "
                   f"logs in {logs}; `normexp report {target}` when it is done")
-    else:
-        out.print(f"{settings.shards} shards ran into {target}")
-        _print_report(target)
+        return
+    if done.stopped is not None:  # as a sweep stopped so says: what is kept, and the command that resumes
+        resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
+        err.print(f"{stopping.signal_name(done.stopped)}: the array's tasks stopped; {done.finished} of {done.total} "
+                  f"runs finished and kept in {target}.\nResume with: {resume}", soft_wrap=True)
+        raise typer.Exit(128 + done.stopped)
+    out.print(f"{settings.shards} shards ran into {target}")
+    _print_report(target)
 
 
 def _say_if_output_lost(outcome: SweepOutcome | None, target: Path) -> None:
