@@ -209,7 +209,7 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
             jobs = submit(argv, settings, logs)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or a local task failed
+    except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or the local executor could not start
         last = (str(exc).strip().splitlines() or [""])[-1]
         raise fail(f"--launcher {launcher}: {type(exc).__name__}: {last}") from None
     if launcher == "slurm":
@@ -223,6 +223,12 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
         raise typer.Exit(128 + done.stopped)
     out.print(f"{settings.shards} shards ran into {target}")
     _print_report(target)
+    for line in done.problems():
+        err.print(line, soft_wrap=True)
+    if not done.ok:  # failed runs (or tasks): the sweep's exit code for them
+        err.print(f"{done.finished} of {done.total} runs finished, {_plural(len(done.failed), 'run')} failed "
+                  f"(normexp verify {shlex.quote(str(target))})", soft_wrap=True)
+        raise typer.Exit(Exit.FAILED)
 
 
 def _say_if_output_lost(outcome: SweepOutcome | None, target: Path) -> None:

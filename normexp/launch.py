@@ -12,7 +12,7 @@ of the whole path without Slurm). Each shard runs in a
 session of its own, and submitit's controllers and tasks ignore Ctrl-C and SIGHUP, so that a stop signal
 (Ctrl-C, SIGTERM, SIGHUP, `timeout`), whether it reaches this process alone or its whole process group,
 is handled here once: each shard is stopped cleanly (SIGTERM), and the controllers end with them; a
-second signal kills every process of the array at once (`run_local`).
+second signal kills every process of the array at once (`run_local`). Its result names the failed runs.
 
 The submitit extra: `pip install 'normexp[slurm]'`.
 """
@@ -145,12 +145,26 @@ def submit(argv: Sequence[str], settings: ArraySettings, logs: Path) -> list:
 
 @dataclass
 class LocalArray:
-    """How `--launcher local`'s array ended: the stop signal that stopped it (None: it ran to its end), and
-    how many of the sweep's runs were finished once it ended."""
+    """How `--launcher local`'s array ended: each shard's normexp exit code (0, or 1: some run failed), the
+    tasks that failed (shard -> why, with its log), the stop signal that stopped it (None: it ran to its
+    end), and the sweep's runs by state once it ended."""
 
+    codes: dict[int, int] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
     stopped: int | None = None
     finished: int = 0
     total: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # run id -> its error (failed.json)
+
+    @property
+    def ok(self) -> bool:
+        return self.stopped is None and not self.errors and not self.failed and all(c == 0 for c in self.codes.values())
+
+    def problems(self) -> list[str]:
+        """One line per failed run (its error's last line) and per failed task (why, and its log)."""
+        lines = [f"failed: {rid}: {error}" for rid, error in self.failed.items()]
+        lines += [f"shard {index}: {why}" for index, why in sorted(self.errors.items())]
+        return lines
 
 
 def run_local(argv: Sequence[str], settings: ArraySettings, logs: Path, target: Path, runs: Sequence[RunConfig],
@@ -175,10 +189,30 @@ def run_local(argv: Sequence[str], settings: ArraySettings, logs: Path, target: 
             time.sleep(0.1)
         result.stopped = received[0] if received else None
     if result.stopped is None:
-        for job in jobs:
-            job.result()  # a failed task raises
-    result.finished = sum(inspect_run(Path(target) / run_id(cfg), cfg).finished for cfg in runs)
+        for index, job in enumerate(jobs):
+            try:
+                result.codes[index] = int(job.result())
+            except Exception as exc:  # noqa: BLE001 - submitit's FailedJobError (the task's traceback) and kin
+                last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].strip()
+                result.errors[index] = f"{last} (log: {job.paths.stderr})"
+    result.finished, result.failed = folder_state(target, runs)
     return result
+
+
+def folder_state(target: Path, runs: Sequence[RunConfig]) -> tuple[int, dict[str, str]]:
+    """How many of `runs` are finished in `target`, and the failed ones with their error's last line."""
+    finished, failed = 0, {}
+    for cfg in runs:
+        state = inspect_run(Path(target) / run_id(cfg), cfg)
+        if state.finished:
+            finished += 1
+        elif state.kind == "failed":
+            error = str((state.failed or {}).get("error") or "no error recorded")
+            failed[run_id(cfg)] = (error.strip().splitlines() or [""])[-1]
+    return finished, failed
+
+
+
 
 
 @contextlib.contextmanager

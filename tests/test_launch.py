@@ -1,5 +1,6 @@
-"""`sweep --launcher local` (normexp/launch.py) under stop signals. Real processes: the sweep in a session
-of its own, its array's processes found afterwards by the folder their command lines name."""
+"""`sweep --launcher local` (normexp/launch.py) under stop signals and failed runs. Real processes: the
+sweep in a session of its own, its array's processes found afterwards by the folder their command lines
+name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import done_markers
+from conftest import REPO, done_markers
 
 pytest.importorskip("submitit")
 
@@ -119,3 +120,35 @@ def test_a_second_signal_kills_the_array_at_once(tmp_path):
     assert proc.returncode == 143 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "terminated (SIGTERM) again: killed the array's tasks"
     wait_for(lambda: array_processes(tmp_path) == [], "the array's processes to end", 10)
+
+
+FAILING = '''
+class Boom:
+    stackable = True
+
+    @staticmethod
+    def build(block, norm):
+        block.norm = norm()
+
+    @staticmethod
+    def forward(block, x):
+        raise RuntimeError("boom: this placement always fails")
+'''
+
+
+def test_failed_runs_give_the_sweeps_exit_code_and_are_named(tmp_path):
+    """It exited 0 when runs failed, a failed task's error being only a log path."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "boomnorms.py").write_text(FAILING)
+    config = tmp_path / "boom.yaml"
+    config.write_text("name: boom\nbase: {model: {depth: 2, width: 8}, data: {n_samples: 16}, train: {steps: 4}}\n"
+                      "grid: {norm.placement: [pre, 'boomnorms:Boom']}\nseeds: [0, 1]\n")
+    proc = launch(config, tmp_path / "out", env={"PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path / "pkg")])})
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    failed = sorted(p.name for p in (tmp_path / "out").iterdir() if (p / "failed.json").is_file())
+    assert len(failed) == 2 and "2 shards ran into" in stdout
+    for rid in failed:
+        assert f"failed: {rid}: RuntimeError: boom: this placement always fails" in stderr, stderr
+    assert "2 of 4 runs finished, 2 runs failed" in stderr and "Traceback" not in stderr
+    assert array_processes(tmp_path) == []
