@@ -3,12 +3,13 @@ array runs `normexp sweep CONFIG ... --shard I/N` (normexp/shard.py) into the sw
 
 Each task runs the same command line as an unsharded sweep, plus `--shard`, in this Python (an absolute
 path: the venv the sweep was submitted from), so that nothing depends on the node's working directory.
-A task is checkpointable: when Slurm preempts it or its time runs out, submitit (signalled
-`--signal=USR2@90`) requeues it, and the requeued task resumes the shard (its finished runs are
-kept and skipped: a run is the unit of work lost).
+A task is checkpointable: when Slurm preempts it or its time runs out, Slurm signals every process of the
+job (`--signal=USR2@90`); the shard's normexp ignores SIGUSR2, and submitit's handler in the task calls
+`ShardTask.checkpoint`, which stops the shard cleanly (SIGTERM: its finished runs are kept, its summary
+written) before submitit requeues the task, which resumes the shard (a run is the unit of work lost).
 
 `--launcher local` runs the array on this machine with submitit's LocalExecutor and waits for it (a test
-of the whole path without Slurm). Each shard runs in a
+of the whole path without Slurm; its `--time` requeues through the same checkpoint). Each shard runs in a
 session of its own, and submitit's controllers and tasks ignore Ctrl-C and SIGHUP, so that a stop signal
 (Ctrl-C, SIGTERM, SIGHUP, `timeout`), whether it reaches this process alone or its whole process group,
 is handled here once: each shard is stopped cleanly (SIGTERM), and the controllers end with them; a
@@ -20,6 +21,7 @@ The submitit extra: `pip install 'normexp[slurm]'`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shlex
 import signal
@@ -88,24 +90,51 @@ class ShardTask:
             try:
                 code = child.wait()
             except BaseException:  # submitit's requeue (SystemExit from its signal handler), or a crash
-                child.kill()
+                _stop(child, signal.SIGKILL)
                 raise
         if code not in (0, 1):  # 1: some run failed, recorded in the folder; anything else: the task failed
             raise RuntimeError(f"shard {index}/{self.shards}: normexp exited with {code}")
         return code
 
     def checkpoint(self, index: int):  # noqa: ANN201 - a submitit DelayedSubmission
-        """Preempted or out of time: resubmit the same task; it resumes the shard from its folder."""
+        """Preempted or out of time (submitit's SIGUSR2 handler): stop the shard cleanly, then resubmit the
+        same task; it resumes the shard from its folder."""
         from submitit.helpers import DelayedSubmission
 
+        if self._child is not None:
+            _stop(self._child, signal.SIGTERM)
         return DelayedSubmission(self, index)
 
 
 def _shard_signals() -> None:
-    """In the shard's process, before normexp starts: Ctrl-C and SIGHUP as a terminal gives them (ignored
-    by the submitit processes that started it)."""
+    """In the shard's process, before normexp starts: SIGUSR2 (Slurm's warning to every process of the job)
+    is the task's to act on, not a death; Ctrl-C and SIGHUP as a terminal gives them (ignored by the
+    submitit processes that started it)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _stop(child: subprocess.Popen, signum: int, grace: float = STOP_GRACE_S) -> None:
+    """Signal `child` and wait until it has exited (SIGKILL past `grace`), without reaping it: the frame that
+    started it may be waiting for it (a signal handler runs inside that wait)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child.pid, signum)
+    deadline = time.monotonic() + grace
+    while _running(child.pid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
+            deadline = math.inf
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether the child `pid` has not exited (a zombie has), leaving it to be reaped by its waiter."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:  # reaped already
+        return False
 
 
 def _submitit():
@@ -210,9 +239,6 @@ def folder_state(target: Path, runs: Sequence[RunConfig]) -> tuple[int, dict[str
             error = str((state.failed or {}).get("error") or "no error recorded")
             failed[run_id(cfg)] = (error.strip().splitlines() or [""])[-1]
     return finished, failed
-
-
-
 
 
 @contextlib.contextmanager

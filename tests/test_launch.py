@@ -1,6 +1,6 @@
-"""`sweep --launcher local` (normexp/launch.py) under stop signals and failed runs. Real processes: the
-sweep in a session of its own, its array's processes found afterwards by the folder their command lines
-name."""
+"""`sweep --launcher local` (normexp/launch.py) under stop signals and failed runs, and the checkpoint that
+submitit's requeue under `--launcher slurm` relies on. Real processes: the sweep in a session of its own,
+its array's processes found afterwards by the folder their command lines name."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -152,3 +153,50 @@ def test_failed_runs_give_the_sweeps_exit_code_and_are_named(tmp_path):
         assert f"failed: {rid}: RuntimeError: boom: this placement always fails" in stderr, stderr
     assert "2 of 4 runs finished, 2 runs failed" in stderr and "Traceback" not in stderr
     assert array_processes(tmp_path) == []
+
+
+def test_the_slurm_checkpoint_stops_the_shard_cleanly_and_requeues_it_as_itself(tmp_path):
+    """Slurm's --signal=USR2@90 reaches every process of the job. The shard's normexp died of it (no handler:
+    SIGUSR2 terminates), its run in progress and summary lost, and submitit's handler in the task then
+    killed it anyway. Now the shard ignores SIGUSR2 and the task's checkpoint stops it with SIGTERM (a clean
+    stop: finished runs kept), then submitit requeues the same task, which resumes the shard."""
+    config = tmp_path / "arr.yaml"
+    config.write_text(SWEEP)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    logs.mkdir()
+    script = textwrap.dedent(f"""
+        import os, signal, threading, time
+        from pathlib import Path
+        os.environ.update(SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_JOB_ID="7", SUBMITIT_LOCAL_NTASKS="1",
+                          SUBMITIT_LOCAL_GLOBALID="0", SUBMITIT_LOCAL_LOCALID="0", SUBMITIT_FOLDER={str(logs)!r})
+        from submitit.core import job_environment, utils
+        from normexp.launch import ShardTask, task_argv
+
+        task = ShardTask(task_argv(Path({str(config)!r}), [], Path({str(out)!r}), "reference"), 2)
+        delayed = utils.DelayedSubmission(task, 0)
+        delayed.set_timeout(1, 3)
+        env = job_environment.JobEnvironment()
+        env._handle_signals(env.paths, delayed)  # what submitit's _submit does before running the task
+
+        def slurm_warns():
+            while len(list(Path({str(out)!r}).glob("*/done.json"))) < 2:
+                time.sleep(0.05)
+            os.kill(task._child.pid, signal.SIGUSR2)  # every process of the job
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+        threading.Thread(target=slurm_warns, daemon=True).start()
+        delayed.result()
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 144, done.stderr  # LocalJobEnvironment's requeue: the same code Slurm's sees
+    kept = len(done_markers(out))
+    assert f"terminated (SIGTERM): {kept} of 8 runs finished and kept in {out}" in done.stderr, done.stderr
+    assert array_processes(tmp_path) == []
+    from submitit.core import utils
+
+    again = utils.DelayedSubmission.load(logs / "7_submitted.pkl")
+    assert type(again.function).__name__ == "ShardTask" and again.args == (0,)
+    assert again.function.command(0)[-2:] == ["--shard", "0/2"]
+    assert again.result() == 0  # the requeued task resumes the shard and finishes it
+    assert len(done_markers(out)) == 8 > kept
