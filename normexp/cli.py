@@ -836,7 +836,8 @@ def export(
                                                           "name].")] = None,
 ) -> None:
     """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
-    from normexp.export import TARGETS, to_mlflow, to_tensorboard
+    from normexp.export import TARGETS, to_tensorboard
+    from normexp.export_mlflow import to_mlflow
     from normexp.runfolder import StoreError
 
     _check_choice("--to", to, TARGETS)

@@ -166,7 +166,7 @@ def test_a_changed_run_replaces_its_mlflow_run(folder, tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    from normexp.export import to_mlflow
+    from normexp.export_mlflow import to_mlflow
 
     copy = tmp_path / "tiny"
     shutil.copytree(folder, copy)

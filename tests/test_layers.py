@@ -33,7 +33,7 @@ LAYERS = {
                 "normexp.engines.auto", "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.htmlpage",
-                     "normexp.progress", "normexp.export"],
+                     "normexp.progress", "normexp.export", "normexp.export_mlflow"],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
@@ -41,7 +41,7 @@ ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engi
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
             "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
             "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", "normexp.export",
-            "normexp.merge", "normexp.config.sample")
+            "normexp.export_mlflow", "normexp.merge", "normexp.config.sample")
 
 
 def module_name(path: Path) -> str:
