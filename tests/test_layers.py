@@ -44,7 +44,7 @@ LAYERS = {
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
-                     "normexp.export", *FIGURES],
+                     "normexp.export", "normexp.export_mlflow", *FIGURES],
     # the shipped studies: verdicts < figures < run; __main__ is `python -m normexp.studies`
     "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.figures", "normexp.studies.run",
                 "normexp.studies.__main__"],
@@ -61,7 +61,7 @@ NO_TORCH = ("normexp.config", "normexp.engines.cost", FAST_DOOR, f"{FAST_DOOR}.p
             "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
             "normexp.analysis.finals", "normexp.analysis.anova", *FIGURES,
             "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage",
-            "normexp.export", "normexp.merge", "normexp.config.sample")
+            "normexp.export", "normexp.export_mlflow", "normexp.merge", "normexp.config.sample")
 
 
 def module_name(path: Path) -> str:

@@ -269,6 +269,7 @@ def test_the_local_launcher_runs_the_array_with_submitit(tmp_path, write_yaml):
     run_sweep(load_sweep(config), tmp_path / "full", SweepOptions(engine="batched"))
     assert _metrics(tmp_path / "o") == _metrics(tmp_path / "full")
     assert len(list((tmp_path / "o" / ".submitit").rglob("*_result.pkl"))) == 2
+    assert not [p for p in (tmp_path / "o" / ".submitit").rglob("*") if "%" in p.name]  # a literal %j folder was left
 
 
 def test_merge_refuses_a_folder_of_the_users_that_holds_a_summary_csv(tmp_path):

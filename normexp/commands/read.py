@@ -291,30 +291,31 @@ def export(
                                                           "name].")] = None,
 ) -> None:
     """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
-    from normexp.export import TARGETS, to_mlflow, to_tensorboard
+    from normexp.export import TARGETS, to_tensorboard
+    from normexp.export_mlflow import to_mlflow
     from normexp.folder import StoreError
 
     check_choice("--to", to, TARGETS)
     if not dest.strip():  # an empty DEST would mean the current folder (or MLflow's ./mlruns)
         raise fail("DEST: empty; name a log folder (--to tensorboard) or a tracking URI (--to mlflow)")
-    from normexp.folder import folder_runs, read_sweep
-
+    if experiment is not None and to != "mlflow":
+        raise fail("--experiment: only --to mlflow has experiments (a TensorBoard log folder is DEST)")
     try:
-        kept = 0
         if to == "tensorboard":
-            ids = to_tensorboard(run_dir, Path(dest))
-            out.print(f"{plural(len(ids), 'run')} exported to {dest} · tensorboard --logdir {dest}")
+            done = to_tensorboard(run_dir, Path(dest))
+            out.print(f"{plural(len(done.exported), 'run')} exported to {dest} · tensorboard --logdir {dest}")
         else:
-            ids, kept = to_mlflow(run_dir, dest, experiment)
-            out.print(f"{plural(len(ids), 'run')} exported to {dest}, {kept} already there · "
+            done = to_mlflow(run_dir, dest, experiment)
+            out.print(f"{plural(len(done.exported), 'run')} exported to {dest}, {done.kept} already there · "
                       f"mlflow ui --backend-store-uri {dest}")
-        left = len(folder_runs(run_dir, read_sweep(run_dir))) - len(ids) - kept
     except (ConfigError, StoreError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"{dest}: cannot write {exc.filename}: {exc.strerror}") from None
-    if left > 0:  # as report does: what exists went out; the runs that did not are named, exit 1
-        err.print(f"{plural(left, 'run')} of the sweep not exported: missing, failed or corrupt "
+    for line in done.notes(run_dir):
+        out.print(line, soft_wrap=True)
+    if done.left:  # as report does: what exists went out; the runs that did not are named, exit 1
+        err.print(f"{plural(len(done.left), 'run')} of the sweep not exported: missing, failed or corrupt "
                   f"(normexp verify {shlex.quote(str(run_dir))})", soft_wrap=True)
         raise typer.Exit(Exit.FAILED)
 

@@ -149,7 +149,7 @@ def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int]) -> None:
 def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engine: str, force: bool,
             launcher: str | None, dry_run: bool, settings, logs: Path | None) -> None:
     """`sweep --launcher`: submit (or show, with --dry-run) the job array of `settings.shards` shards."""
-    from normexp.launch import LAUNCHERS, sbatch_script, submit, task_argv
+    from normexp.launch import LAUNCHERS, run_local, sbatch_script, submit, task_argv
 
     if launcher is None or not settings.shards:
         raise fail("--launcher and --shards go together: e.g. --launcher slurm --shards 8")
@@ -165,18 +165,32 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
             if launcher == "slurm":
                 out.print("\n" + sbatch_script(argv, settings, logs))
             return
-        jobs = submit(argv, settings, logs, launcher)
+        if launcher == "local":
+            done = run_local(argv, settings, logs, target, spec.runs, lambda line: err.print(line, soft_wrap=True))
+        else:
+            jobs = submit(argv, settings, logs)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or a local task failed
+    except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or the local executor could not start
         last = (str(exc).strip().splitlines() or [""])[-1]
         raise fail(f"--launcher {launcher}: {type(exc).__name__}: {last}") from None
     if launcher == "slurm":
         out.print(f"submitted job array {jobs[0].job_id.split('_')[0]} ({settings.shards} tasks) into {target}; "
                   f"logs in {logs}; `normexp report {target}` when it is done")
-    else:
-        out.print(f"{settings.shards} shards ran into {target}")
-        _print_report(target)
+        return
+    if done.stopped is not None:  # as a sweep stopped so says: what is kept, and the command that resumes
+        resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
+        err.print(f"{stopping.signal_name(done.stopped)}: the array's tasks stopped; {done.finished} of {done.total} "
+                  f"runs finished and kept in {target}.\nResume with: {resume}", soft_wrap=True)
+        raise typer.Exit(128 + done.stopped)
+    out.print(f"{settings.shards} shards ran into {target}")
+    _print_report(target)
+    for line in done.problems():
+        err.print(line, soft_wrap=True)
+    if not done.ok:  # failed runs (or tasks): the sweep's exit code for them
+        err.print(f"{done.finished} of {done.total} runs finished, {plural(len(done.failed), 'run')} failed "
+                  f"(normexp verify {shlex.quote(str(target))})", soft_wrap=True)
+        raise typer.Exit(Exit.FAILED)
 
 
 def _say_if_output_lost(outcome: SweepOutcome | None, target: Path) -> None:
