@@ -80,6 +80,9 @@ class ShardTask:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_child": None}  # the running shard stays with the process that started it
 
+    def __setstate__(self, state: dict) -> None:  # a task pickled by an earlier normexp has neither attribute
+        self.__dict__.update({"own_session": False, **state, "_child": None})
+
     def command(self, index: int) -> list[str]:
         return [sys.executable, "-m", "normexp", *self.argv, "--shard", f"{index}/{self.shards}"]
 

@@ -256,6 +256,12 @@ def test_a_shard_task_is_requeued_as_itself():
     task = ShardTask(["sweep", "x.yaml"], 4)
     again = task.checkpoint(2)
     assert again.function is task and again.args == (2,)
+    import pickle
+
+    old = pickle.loads(pickle.dumps(task))
+    del old.__dict__["own_session"], old.__dict__["_child"]  # as a task an earlier normexp pickled
+    revived = pickle.loads(pickle.dumps(old))
+    assert (revived.own_session, revived._child, revived.argv) == (False, None, task.argv)
     assert task.command(2)[-2:] == ["--shard", "2/4"] and task.command(2)[0] == sys.executable
 
 
