@@ -17,6 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
 FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves", "normexp.figures.phase",
            "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm"]
+PAGE = ["normexp.page", "normexp.page.document", "normexp.page.data", "normexp.page.tables", "normexp.page.report",
+        "normexp.page.markdown"]
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
@@ -26,7 +28,8 @@ LAYERS = {
     "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
                 "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
-                 "normexp.analysis.gradnorm", "normexp.analysis.finals"],  # pure numbers: pandas and statistics
+                 "normexp.analysis.gradnorm", "normexp.analysis.finals",
+                 "normexp.analysis.anova"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
@@ -35,14 +38,15 @@ LAYERS = {
                 "normexp.engines.auto", "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
-                     "normexp.export", *FIGURES],
+                     "normexp.export", *FIGURES, *PAGE],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
             "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.analysis.finals", *FIGURES,
-            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage",
+            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", *PAGE,
+            "normexp.analysis.anova",
             "normexp.export", "normexp.merge", "normexp.config.sample")
 
 
