@@ -330,3 +330,25 @@ def test_at_1400_px_the_last_step_and_trained_are_in_view(browser, page):
     assert scrolled <= width  # no horizontal scrolling
     assert heads[-2][0] == "step 30" and heads[-1][0] == "trained"
     assert all(right <= width for _, right in heads)
+
+
+def test_past_what_a_chart_can_show_it_aggregates_and_says_so():
+    """Nothing sampled: 3,000 runs draw 300 lines of seed means, and 300 variants 10 curves pooled over the
+    key of most values, each chart saying so; every run stays in the means."""
+    import itertools
+
+    import pandas as pd
+
+    from normexp.page import data
+
+    rows = [{"run_id": f"r{a}-{b}-{s}", "a": float(a), "b": b, "seed": s, "status": "completed", "step": step,
+             "loss": 1.0 + a + b / 10 + s / 100 + 1 / (1 + step)}
+            for a, b, s in itertools.product(range(30), range(10), range(10)) for step in (0, 1)]
+    tidy = pd.DataFrame(rows)
+    finals = tidy[tidy["step"] == 1].assign(final=lambda t: t["loss"])
+    lines = data.parallel_data(finals, ["a", "b"], "loss")
+    assert (lines["runs"], lines["lines"]) == (3000, 300) and "one line per configuration" in lines["note"]
+    assert len(lines["color"]) == 300
+    curves = data.curves_data(tidy.assign(**{"model.n_classes": 10}), ["a", "b"], "loss", None)
+    assert len(curves["lines"]) == 10 and curves["pooled"].startswith("each curve pools its runs over a (30 values)")
+    assert {line["runs"] for line in curves["lines"]} == {300} and curves["lines"][0]["n"] == [300, 300]

@@ -34,7 +34,7 @@ from normexp.results import Folder, ResultsError, as_folder, check_metric, varyi
 
 COLUMNS = ("term", "df", "sum_sq", "mean_sq", "F", "p", "share")
 RESIDUAL = "Residual"
-MAX_DESIGN_COST = 2e10  # runs x model columns^2 of an unbalanced grid's least squares (seconds, not hours)
+MAX_DESIGN_COST = 2e10  # cells x model columns^2 x fits of an unbalanced grid's least squares (seconds, not hours)
 MAX_LEVELS = 30  # a factor with more values than this is no grid axis (a sampled search): no ANOVA
 
 
@@ -86,9 +86,9 @@ def anova(frame: pd.DataFrame, factors: Sequence[str], metric: str) -> Anova:
     if balanced:  # orthogonal terms: each one's sum of squares from the means, in time linear in the runs
         rows, residual = _balanced(y, codes, levels, terms)
     else:
-        if _design_cost(len(y), levels, terms) > MAX_DESIGN_COST:
-            raise ValueError(f"unbalanced grid of {len(y)} runs and {_columns_count(levels, terms)} model columns: "
-                             "too large for an exact least-squares ANOVA here")
+        if _design_cost(int((counts > 0).sum()), levels, terms) > MAX_DESIGN_COST:
+            raise ValueError(f"unbalanced grid of {int((counts > 0).sum())} cells and {_columns_count(levels, terms)} "
+                             "model columns: too large for an exact least-squares ANOVA here")
         rows, residual = _type2(y, codes, levels, terms, notes)
     total = float(((y - y.mean()) ** 2).sum()) if len(y) else math.nan
     table = _table(rows, residual, total, notes)
@@ -241,13 +241,13 @@ def _columns_count(levels: dict[str, list], terms: list[tuple[str, ...]]) -> int
     return 1 + sum(math.prod(len(levels[key]) - 1 for key in term) for term in terms)
 
 
-def _design_cost(runs: int, levels: dict[str, list], terms: list[tuple[str, ...]]) -> float:
-    return float(runs) * _columns_count(levels, terms) ** 2 * (2 * len(terms) + 1)
+def _design_cost(cells: int, levels: dict[str, list], terms: list[tuple[str, ...]]) -> float:
+    return float(cells) * _columns_count(levels, terms) ** 2 * (2 * len(terms) + 1)
 
 
-def _fit(y: np.ndarray, parts: list[np.ndarray]) -> tuple[float, int]:
-    """The residual sum of squares and the rank of the least-squares fit on an intercept and `parts`."""
-    x = np.hstack([np.ones((len(y), 1)), *parts])
+def _fit(y: np.ndarray, parts: list[np.ndarray], intercept: np.ndarray) -> tuple[float, int]:
+    """The residual sum of squares and the rank of the least-squares fit on `intercept` and `parts`."""
+    x = np.hstack([intercept[:, None], *parts])
     coef, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
     residual = y - x @ coef
     return float(residual @ residual), int(rank)
@@ -255,13 +255,33 @@ def _fit(y: np.ndarray, parts: list[np.ndarray]) -> tuple[float, int]:
 
 def _type2(y: np.ndarray, codes: dict[str, np.ndarray], levels: dict[str, list],
            terms: list[tuple[str, ...]], notes: list[str]) -> tuple[list[tuple], tuple[float, int]]:
-    columns = {term: _columns(term, codes, levels) for term in terms}
-    full_ss, full_rank = _fit(y, [columns[term] for term in terms])
+    """Type II sums of squares by least squares. Every model here is a function of a run's cell (its
+    factors' levels), so each fit is made on one row per non-empty cell, its mean, weighted by the square
+    root of its runs: the same residuals as on every run, less the spread within the cells, which no
+    model explains and which is added back to the residual (10,240 runs of 512 cells: 20x fewer rows)."""
+    keys = list(dict.fromkeys(key for term in terms for key in term))
+    if keys:
+        flat = np.ravel_multi_index(tuple(codes[k] for k in keys), tuple(len(levels[k]) for k in keys))
+        _, first, inverse, counts = np.unique(flat, return_index=True, return_inverse=True, return_counts=True)
+    else:
+        first, inverse, counts = np.zeros(1, dtype=int), np.zeros(len(y), dtype=int), np.array([len(y)])
+    means = np.bincount(inverse, weights=y) / counts
+    within = float(((y - means[inverse]) ** 2).sum())
+    weight = np.sqrt(counts)
+    cells = {k: codes[k][first] for k in keys}
+    columns = {term: _columns(term, cells, levels) * weight[:, None] for term in terms}
+    target = means * weight
+
+    def fit(parts: list[np.ndarray]) -> tuple[float, int]:
+        return _fit(target, parts, weight)
+
+    full_ss, full_rank = fit([columns[term] for term in terms])
+    full_ss += within
     rows = []
     for term in terms:
         others = [other for other in terms if not set(term) <= set(other)]
-        without_ss, without_rank = _fit(y, [columns[other] for other in others])
-        with_ss, with_rank = _fit(y, [columns[other] for other in others] + [columns[term]])
+        without_ss, without_rank = fit([columns[other] for other in others])
+        with_ss, with_rank = fit([columns[other] for other in others] + [columns[term]])
         df = with_rank - without_rank
         if df == 0:
             notes.append(f"{term_name(term)} cannot be estimated: the grid has no runs that separate it "

@@ -25,6 +25,7 @@ from normexp.analysis.variants import axis_label, chance_levels, is_null, traine
 
 MAX_LINES = 24  # curves in one chart; more variants: the keys with the most values are pooled
 MAX_PANELS = 12  # phase-diagram panels; more: pooled likewise
+MAX_PARALLEL = 2000  # parallel-coordinate lines; more runs: one line per configuration (its seeds' mean)
 DIGITS = 6
 LOSSES = ("loss", "val_loss")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
@@ -277,7 +278,19 @@ def _scatter_panel(group: pd.DataFrame, x_key: str, y_key: str, log: bool) -> di
 def parallel_data(table: pd.DataFrame, keys: Sequence[str], metric: str) -> dict:
     """One line per run over the grid's axes (`keys`) and its final `metric`, coloured by that value: a
     number axis on a log scale where its values span more than 20x (ticks at its values), any other axis
-    by its values in order; a diverged run sits above the highest value, on a tick of its own."""
+    by its values in order; a diverged run sits above the highest value, on a tick of its own. Past
+    MAX_PARALLEL runs (WebGL drawn in software, as in a headless browser, takes seconds per thousand
+    lines), one line per configuration, the mean over its seeds (a configuration whose every seed
+    diverged: diverged), pooling keys as the curves do if that is still too many; `note` says so."""
+    runs, note = len(table), ""
+    if runs > MAX_PARALLEL:
+        kept, pooled = pooled_keys(table, keys, MAX_PARALLEL)
+        table = (table.groupby(kept, sort=False, dropna=False)["final"].mean().reset_index() if kept
+                 else pd.DataFrame({"final": [table["final"].mean()]}))
+        keys = kept
+        over = "its seeds" + (f" and {', '.join(axis_label(k) for k in pooled)}" if pooled else "")
+        note = (f"one line per configuration, the mean final {metric} over {over} ({len(table)} lines for "
+                f"{runs} runs: more than {MAX_PARALLEL} lines would take seconds to draw)")
     dimensions = []
     for key in keys:
         column = table[key]
@@ -308,7 +321,7 @@ def parallel_data(table: pd.DataFrame, keys: Sequence[str], metric: str) -> dict
                                                                       else []),
                        "range": numbers([low, top])})
     return {"dimensions": dimensions, "color": numbers(shown.fillna(top)), "log": log,
-            "cmin": rounded(low), "cmax": rounded(top), "runs": len(table)}
+            "cmin": rounded(low), "cmax": rounded(top), "runs": runs, "lines": len(table), "note": note}
 
 
 def _tick(value: float, log: bool) -> str:

@@ -89,10 +89,12 @@ def report_page(report: Report, folder: Folder, only_last: bool = False) -> str:
     if keys:
         parallel = parallel_data(finals, distinct_keys(summary, keys)[0], metric)
         data["parallel"] = {**parallel, "label": f"final {label}", "accuracy": metric.endswith("acc")}
+        each = (f"One line per finished run (all {parallel['runs']})" if not parallel["note"] else
+                "One line per configuration")
         parts += ['<h2 id="parallel">Parallel coordinates</h2>',
-                  f'<p class="lede">One line per finished run (all {parallel["runs"]}), across the grid\'s axes to '
-                  f"its final {html.escape(label)}, coloured by it; a diverged run sits on the top tick. Drag along "
-                  "an axis to keep a range, click outside it to clear.</p>",
+                  f'<p class="lede">{each}, across the grid\'s axes to its final {html.escape(label)}, coloured by '
+                  "it; a diverged run sits on the top tick. Drag along an axis to keep a range, click outside it "
+                  "to clear.</p>", *_pooled({"pooled": parallel["note"]}),
                   '<div id="parallel-chart" class="parallel"></div>']
 
     parts += ['<h2 id="runs">Runs</h2>', _run_tools(), '<div id="runs-box">',

@@ -14,6 +14,7 @@ from normexp.analysis.variants import axis_label, is_null, value_label
 from normexp.report import Report, grid_cells, spread_steps
 from normexp.results import FINISHED
 
+TALL = 24  # rows of the step table past which it scrolls in a box of its own
 STEP_COLUMNS = 7  # step columns of a transposed table shown at once (first and last always): fits 1,400 px
 
 
@@ -48,7 +49,9 @@ def step_table(report: Report, table_id: str = "steps") -> str:
               f"{len(report.steps)} steps</button> <span class=aside>{len(folded)} steps between are folded "
               "away, so that the last step and the trained count fit the page</span>" if folded else "")
     table = f"<table{attrs}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-    return f'<div class="scroll">{table}</div>{button}'
+    tall = len(rows) > TALL  # hundreds of variants: the table scrolls in its own box, the charts stay near
+    note = (f' <span class=aside>{len(rows)} rows: the table scrolls within its box</span>' if tall else "")
+    return f'<div class="scroll{" tall" if tall else ""}">{table}</div>{button}{note}'
 
 
 def run_rows(summary: pd.DataFrame, finals: pd.DataFrame, keys: Sequence[str], metric: str) -> str:
@@ -56,7 +59,7 @@ def run_rows(summary: pd.DataFrame, finals: pd.DataFrame, keys: Sequence[str], m
     (exact, in data-v), trained, last step and whether it stopped early; a run with no verified result
     says so in its status and has no numbers. A row's class says what it is, for the quick filters:
     t trained, n not trained, d diverged, e stopped early, m missing, failed or corrupt."""
-    by_id = finals.set_index("run_id") if len(finals) else finals
+    by_id = finals.set_index("run_id")[["final", "trained", "stopped", "step"]].to_dict("index") if len(finals) else {}
     header = ["run", *(axis_label(k) for k in keys), "seed", "status", f"final {metric}", "trained", "last step",
               "stopped early"]
     types = ["text", *("num" if _numeric(summary[k]) else "text" for k in keys), "num", "text", "num", "text", "num",
@@ -68,9 +71,9 @@ def run_rows(summary: pd.DataFrame, finals: pd.DataFrame, keys: Sequence[str], m
     for record in summary[read].to_dict("records"):
         run, status = str(record["run_id"]), str(record["status"])
         cells = [run, *(value_label(k, record[k]) for k in keys), str(record["seed"]), status]
-        if status in FINISHED and run in by_id.index:
-            final, trained = by_id.at[run, "final"], bool(by_id.at[run, "trained"])
-            stopped, last = bool(by_id.at[run, "stopped"]), int(by_id.at[run, "step"])
+        if status in FINISHED and run in by_id:
+            one = by_id[run]
+            final, trained, stopped, last = one["final"], bool(one["trained"]), bool(one["stopped"]), int(one["step"])
             value = "" if is_null(final) else repr(float(final))
             shown = "diverged" if status == "diverged" else "—" if not value else f"{float(final):.4g}"
             cells += [f'<td data-v="{value}">{shown}', "yes" if trained else "no", str(last),
