@@ -216,7 +216,7 @@ def test_the_phase_diagram_follows_the_metric(tf, tmp_path):
 
     tidy = load_metrics(tf, all_config=True)
     fig = phase_figure(tidy, "optim.lr", "schedule.warmup_steps", "val_acc")
-    assert "held-out accuracy" in fig.get_suptitle()
+    assert "held-out accuracy" in " ".join(fig.get_suptitle().split())
     bar = [ax for ax in fig.axes if "held-out accuracy" in ax.get_ylabel()]
     assert bar, [ax.get_ylabel() for ax in fig.axes]
     finals = tidy.sort_values("step").groupby("run_id").tail(1)

@@ -24,6 +24,8 @@ FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves"
 FAST_DOOR = "normexp.engines.fast"
 FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}" for m in ("plan", "starts", "step", "optim", "aot", "compiled", "train"))]
 
+PAGE = ["normexp.page", "normexp.page.document", "normexp.page.data", "normexp.page.tables", "normexp.page.report",
+        "normexp.page.markdown"]
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
@@ -44,7 +46,7 @@ LAYERS = {
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
-                     "normexp.export", "normexp.export_mlflow", *FIGURES],
+                     "normexp.export", "normexp.export_mlflow", *FIGURES, *PAGE],
     # the shipped studies: verdicts < figures < run; __main__ is `python -m normexp.studies`
     "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.figures", "normexp.studies.run",
                 "normexp.studies.__main__"],
@@ -60,7 +62,7 @@ ENGINES = ("normexp.engines.reference", "normexp.engines.batched", *FAST)
 NO_TORCH = ("normexp.config", "normexp.engines.cost", FAST_DOOR, f"{FAST_DOOR}.plan", "normexp.analysis",
             "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
             "normexp.analysis.finals", "normexp.analysis.anova", *FIGURES,
-            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage",
+            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", *PAGE,
             "normexp.export", "normexp.export_mlflow", "normexp.merge", "normexp.config.sample")
 
 

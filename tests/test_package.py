@@ -20,6 +20,7 @@ def test_studies_run_from_a_wheel_installed_outside_the_checkout(tmp_path):
     shipped = zipfile.ZipFile(wheel).namelist()
     for config in (REPO / "configs").rglob("*.yaml"):
         assert f"normexp/configs/{config.relative_to(REPO / 'configs').as_posix()}" in shipped
+    assert {"normexp/page/page.js", "normexp/page/page.css"} <= set(shipped)  # the report page's script and style
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(site),
                     str(wheel)], check=True, capture_output=True)
     env = {**os.environ, "PYTHONPATH": str(site)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pandas as pd
 
 from normexp.config import key_label, trained_threshold
@@ -167,6 +168,30 @@ def mixed_note(summary: pd.DataFrame) -> str:
 def is_null(value: object) -> bool:
     """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def distinct_keys(frame: pd.DataFrame, keys: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """`keys` less those that vary together with another (the same partition of `frame`'s rows: the sweep of
+    folders compared side by side, each at its own depth), so that a figure or a model shows each
+    difference once; and for each key kept, the keys it stands for. A config key is kept over `sweep`
+    (it names what differs), else the first listed."""
+    order = sorted(keys, key=lambda k: k == "sweep")  # stable: config keys first, `sweep` last
+    codes = {k: frame[k].astype(str).factorize()[0] for k in order}
+    kept: list[str] = []
+    aliases: dict[str, list[str]] = {}
+    for key in order:
+        twin = next((k for k in kept if _same_partition(codes[k], codes[key])), None)
+        if twin is None:
+            kept.append(key)
+        else:
+            aliases.setdefault(twin, []).append(key)
+    return [k for k in keys if k in kept], aliases
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two codings of the same rows group them alike (a one-to-one map between their values)."""
+    pairs = set(zip(a.tolist(), b.tolist()))
+    return len(pairs) == len(set(a.tolist())) == len(set(b.tolist()))
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
