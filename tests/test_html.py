@@ -352,3 +352,24 @@ def test_past_what_a_chart_can_show_it_aggregates_and_says_so():
     curves = data.curves_data(tidy.assign(**{"model.n_classes": 10}), ["a", "b"], "loss", None)
     assert len(curves["lines"]) == 10 and curves["pooled"].startswith("each curve pools its runs over a (30 values)")
     assert {line["runs"] for line in curves["lines"]} == {300} and curves["lines"][0]["n"] == [300, 300]
+
+
+def test_report_html_without_o_writes_beside_the_runs_and_prints_no_html(folder):
+    written = folder / "report.html"
+    written.unlink(missing_ok=True)
+    result = invoke("report", str(folder), "--format", "html")
+    assert result.exit_code == 0, result.output
+    assert "<html" not in result.output.lower() and f"wrote {written}" in " ".join(result.output.split())
+    assert written.read_text(encoding="utf-8").lstrip().lower().startswith("<!doctype html")
+
+
+def test_report_anova_csv_is_what_mattered_in_its_columns(folder):
+    from normexp.analysis.anova import COLUMNS, what_mattered
+    from normexp.tables import anova_to_csv
+
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["report", str(folder), "--anova", "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == anova_to_csv(what_mattered(folder))
+    assert result.stdout.splitlines()[0].split(",") == list(COLUMNS)
+    refused = invoke("report", str(folder), "--anova", "--pivot", "norm.placement,seed")
+    assert refused.exit_code == 2 and "--anova and --pivot" in refused.output

@@ -45,7 +45,7 @@ LAYERS = {
     "engines": ["normexp.engines.reference", "normexp.engines.batched", *FAST, "normexp.engines.auto",
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
-    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
+    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.progress",
                      "normexp.export", "normexp.export_mlflow", *FIGURES, *PAGE],
     # the shipped studies: verdicts < figures < run; __main__ is `python -m normexp.studies`
     "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.figures", "normexp.studies.run",
@@ -62,7 +62,7 @@ ENGINES = ("normexp.engines.reference", "normexp.engines.batched", *FAST)
 NO_TORCH = ("normexp.config", "normexp.engines.cost", FAST_DOOR, f"{FAST_DOOR}.plan", "normexp.analysis",
             "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
             "normexp.analysis.finals", "normexp.analysis.anova", *FIGURES,
-            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", *PAGE,
+            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", *PAGE,
             "normexp.export", "normexp.export_mlflow", "normexp.merge", "normexp.config.sample")
 
 

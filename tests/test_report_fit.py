@@ -85,3 +85,14 @@ def test_a_sampled_pivot_lists_its_rows_by_value(tmp_path):
     pivot = build_pivot(tmp_path / "s", "optim.lr", "norm.placement")
     rows = list(pivot.panels[0][1].index)
     assert len(rows) == 6 and rows == sorted(rows)
+
+
+def test_plot_help_lists_every_block_metric():
+    """`plot --help` names every per-block metric a figure can draw (attn_logit_max was missing)."""
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+    from normexp.figures import BLOCK_METRIC_LABELS
+
+    text = " ".join(CliRunner().invoke(app, ["plot", "--help"], env={"COLUMNS": "200"}).output.split())
+    assert [name for name in BLOCK_METRIC_LABELS if name not in text] == []

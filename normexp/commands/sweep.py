@@ -353,11 +353,14 @@ def _minutes(seconds: float) -> str:
 
 
 def _print_report(run_dir: Path) -> None:
-    from normexp.report import build_report, to_rich
+    """The table of the grid the sweep ran (`sweep_report`: its own runs, whatever else the folder holds),
+    fitted to the terminal's width on a terminal."""
+    from normexp.report import fit_report, sweep_report, to_rich
     from normexp.results import ResultsError
 
     try:
-        show(to_rich(build_report(run_dir)))
+        table = sweep_report(run_dir)
+        show(to_rich(fit_report(table, out.width) if out.is_terminal else table))
     except ResultsError as exc:
         err.print(str(exc))
 

@@ -182,7 +182,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
               f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
     report.write_text(header + "\n".join(sections))
     log(f"wrote {report}")
-    from normexp.htmlpage import markdown_page  # the same report as one page to send: figures inline
+    from normexp.page import markdown_page  # the same report as one page to send: figures inline
 
     page = out / "REPORT.html"
     page.write_text(markdown_page(report.read_text(), out), encoding="utf-8")
