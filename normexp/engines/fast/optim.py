@@ -11,6 +11,7 @@ from typing import TypeVar
 import torch
 
 from normexp.config import OptimConfig
+from normexp.optim import clip_grad_norms_, decoupled_rate
 
 MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, and a scratch pass is cheaper
 AHEAD = 64  # steps whose learning rates (and compiled Adam numbers) a batch makes at once: `MadeAhead`
@@ -53,12 +54,18 @@ class FastOptimizer:
     would be short (more than MAX_STRETCHES), it instead runs once per stretch of equal betas and eps
     with learning rate 1, writing the update direction -m_hat / (sqrt(v_hat) + eps) into a scratch
     tensor, and each run's learning rate multiplies that afterwards. Weight decay is applied outside
-    the kernel (L2 into the gradient, or AdamW's decoupled shrink). State starts at zero, which equals
-    torch's first-step initialisation. A frozen run (`live` False) gets a zero gradient and a zero
-    learning rate: its parameters stay as they are."""
+    the kernel (L2 into the gradient, or AdamW's decoupled shrink, at `decoupled_rate`: per run
+    optim.independent_weight_decay). State starts at zero, which equals torch's first-step
+    initialisation. A frozen run (`live` False) gets a zero gradient and a zero learning rate: its
+    parameters stay as they are.
+
+    The controls of normexp/optim.py, as the exact engines apply them: optim.clip_norm clips each run's
+    gradients by its own global norm and threshold (`clip_grad_norms_`) before the update (a batch's runs
+    all clip or none: `fast_key`)."""
 
     def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor]) -> None:
         self.name, self.optims, self.params, self.t = name, list(optims), params, 0
+        self.clip_norms = [o.clip_norm for o in optims] if optims[0].clip_norm is not None else None
         self.decay = any(o.weight_decay != 0 for o in optims)  # torch skips weight decay at 0
         self.kernel_hypers = [(tuple(o.betas), o.eps) for o in optims]  # what the fused kernel takes as one
         slots = ("momentum",) if name == "sgd" else ("exp_avg", "exp_avg_sq")
@@ -74,6 +81,9 @@ class FastOptimizer:
     def step(self, grads: list[torch.Tensor], lrs: Sequence[float], live: Sequence[bool]) -> None:
         """One update: run r steps with learning rate lrs[r] if live[r]."""
         self.t += 1
+        if self.clip_norms is not None:  # before the frozen runs' gradients are zeroed: each run's own norm
+            with torch.no_grad():
+                clip_grad_norms_(grads, run_norms(grads), self.clip_norms)
         if not all(live):
             alive = self.per_run([float(a) for a in live])
             grads = [torch.where(a > 0, g, 0.0) for g, a in zip(grads, alive)]
@@ -89,8 +99,9 @@ class FastOptimizer:
                 self._sgd(grads, lrs)
 
     def _adam(self, grads: list[torch.Tensor], lrs: Sequence[float]) -> None:
-        if self.decay and self.name == "adamw":  # decoupled: param * (1 - lr * weight_decay)
-            torch._foreach_mul_(self.params, self.per_run([1 - lr * o.weight_decay for lr, o in zip(lrs, self.optims)]))
+        if self.decay and self.name == "adamw":  # decoupled: param * (1 - lr * weight_decay), or weight_decay / lr
+            shrink = [1 - lr * decoupled_rate(o) for lr, o in zip(lrs, self.optims)]
+            torch._foreach_mul_(self.params, self.per_run(shrink))
         self._step.fill_(self.t)
         moments = (self.state["exp_avg"], self.state["exp_avg_sq"])
         each_lr = stretches([(*hypers, lr) for hypers, lr in zip(self.kernel_hypers, lrs)])
@@ -138,6 +149,13 @@ class FastOptimizer:
         torch._foreach_addcmul_(self.params, momentum, self.per_run([-lr for lr in lrs]))
 
 
+def run_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each run's global gradient L2 norm (R,) over its stacked gradients (R, ...), as clip_grad_norm_ takes
+    it: each tensor's norm, then the norm of those."""
+    per_tensor = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)
+
+
 def stretches(keys: Sequence[Hashable]) -> list[tuple[int, int, Hashable]]:
     """Maximal stretches [start, stop) of consecutive runs with equal keys: (start, stop, key)."""
     found: list[tuple[int, int, Hashable]] = []
@@ -166,12 +184,12 @@ def adam_hypers(optims: Sequence[OptimConfig], name: str, t: int, lrs: Sequence[
     """`adam_update`'s per-run numbers for update `t` (1, 2, ...) at learning rates `lrs`: a (len(HYPERS), R)
     tensor. Bias corrections, step sizes and 1 - beta are computed in double, as torch computes them (1 - beta2
     in float32 is 1e-5 off at beta2 = 0.999);
-    AdamW's decay is decoupled (param * (1 - lr * weight_decay)), Adam's is L2 (grad + weight_decay * param)."""
+    AdamW's decay is decoupled (param * (1 - lr * decoupled_rate)), Adam's is L2 (grad + weight_decay * param)."""
     decoupled = name == "adamw"
     rows = []
     for o, lr, alive in zip(optims, lrs, live):
         beta1, beta2 = o.betas
-        rows.append((lr / (1 - beta1**t), 1 - lr * o.weight_decay if decoupled else 1.0,
+        rows.append((lr / (1 - beta1**t), 1 - lr * decoupled_rate(o) if decoupled else 1.0,
                      0.0 if decoupled else o.weight_decay, 1 - beta1, beta2, 1 - beta2, o.eps, math.sqrt(1 - beta2**t),
                      float(alive)))
     return torch.tensor(rows, dtype=torch.float32).t().contiguous()

@@ -1,0 +1,86 @@
+"""The optimizer controls of normexp/optim.py (issue 43) on the fast engine: each run of a batch, with its own
+value of a control, within the fast engine's contract of the reference (docs/fast-contract.md: on a stable
+grid, every loss within rounding of the reference's), FFN and Transformer."""
+
+from __future__ import annotations
+
+import pytest
+
+from normexp.config import RunConfig, validate_run
+from normexp.engines.fast import fast_key, fast_serves, plan_fast, train_fast
+from normexp.engines.reference import train_run
+
+FFN = {"model": {"depth": 3, "width": 8}, "norm": {"placement": "pre"}}
+TRANSFORMER = {"model": {"arch": "transformer", "depth": 2, "width": 16, "n_heads": 2},
+               "norm": {"placement": "pre"}, "data": {"task": "copy", "n_samples": 32, "n_val": 16}}
+ARCHS = {"ffn": FFN, "transformer": TRANSFORMER}
+TOL = 2e-4  # tests/test_fast.py's `assert_close_to_reference`: a stable grid, every loss within rounding
+
+
+def grid(arch: str, optim: str, controls: list[dict], steps: int = 10) -> list[RunConfig]:
+    """One run per entry of `controls` (optim keys), each with its own seed, lr, betas and weight decay."""
+    runs = []
+    for i, values in enumerate(controls):
+        data = {key: dict(value) for key, value in ARCHS[arch].items()}
+        data["optim"] = {"name": optim, "lr": [0.01, 0.003, 0.03, 0.02][i % 4],
+                         "weight_decay": [0.1, 0.01, 0.1, 0.05][i % 4],
+                         "betas": [[0.9, 0.999], [0.8, 0.99], [0.9, 0.98], [0.0, 0.999]][i % 4], **values}
+        if optim == "sgd":
+            del data["optim"]["betas"]
+        data["schedule"] = {"kind": "linear_warmup", "warmup_steps": [0, 3, 2, 0][i % 4]}
+        runs.append(validate_run({**data, "train": {"steps": steps}, "seed": 3 + i}))
+    return runs
+
+
+def assert_within_contract(configs: list[RunConfig]) -> list[list[float]]:
+    """The configs train as one fast batch, each run's learning rates the reference's and its losses within
+    TOL of them. Returns the reference's losses."""
+    assert all(fast_serves(cfg) for cfg in configs)
+    assert [len(batch) for batch in plan_fast(configs)] == [len(configs)]  # one batch: the values vary per run
+    expected = []
+    for cfg, result in zip(configs, train_fast(configs, compile=False)):
+        reference = train_run(cfg)
+        assert result.engine == "fast" and result.status == reference.status
+        assert result.metrics["lr"] == reference.metrics["lr"]
+        assert result.losses == pytest.approx(reference.losses, rel=TOL, abs=TOL), cfg.optim
+        expected.append(reference.losses)
+    return expected
+
+
+def assert_acts(configs: list[RunConfig], expected: list[list[float]], key: str, default: object) -> None:
+    """The control moves each of these runs' losses beyond the contract's tolerance: the check above
+    would see a run trained without it, or with another run's value."""
+    for cfg, losses in zip(configs, expected):
+        plain = train_run(cfg.model_copy(update={"optim": cfg.optim.model_copy(update={key: default})}))
+        assert plain.losses != pytest.approx(losses, rel=TOL, abs=TOL), cfg.optim
+
+
+# ----------------------------------------------------------------------------- optim.clip_norm
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+@pytest.mark.parametrize("optim", ["adam", "sgd"])
+def test_clip_norm_each_run_clipped_by_its_own_global_norm_and_threshold(arch, optim):
+    thresholds = [0.05, 0.2, 0.02, 0.1]
+    configs = grid(arch, optim, [{"clip_norm": c} for c in thresholds])
+    expected = assert_within_contract(configs)
+    assert_acts(configs, expected, "clip_norm", None)
+
+
+def test_clipped_and_unclipped_runs_train_in_separate_fast_batches():
+    clipped = grid("ffn", "adam", [{"clip_norm": 0.1}] * 2)
+    plain = grid("ffn", "adam", [{}] * 2)
+    assert fast_key(clipped[0]) == fast_key(clipped[1].model_copy(update={"optim": clipped[0].optim}))
+    assert len(plan_fast([*clipped, *plain])) == 2
+
+
+# ----------------------------------------------------------------------------- optim.independent_weight_decay
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+def test_independent_weight_decay_per_run_beside_coupled_runs(arch):
+    independent = {"independent_weight_decay": True, "weight_decay": 0.5}  # 0.5 / lr: 17 to 170 per unit of lr
+    configs = grid(arch, "adamw", [independent, {"weight_decay": 0.5}, independent, {}])
+    assert len({fast_key(cfg) for cfg in configs}) == 1
+    expected = assert_within_contract(configs)
+    assert_acts(configs[::2], expected[::2], "independent_weight_decay", False)
