@@ -84,3 +84,30 @@ def test_independent_weight_decay_per_run_beside_coupled_runs(arch):
     assert len({fast_key(cfg) for cfg in configs}) == 1
     expected = assert_within_contract(configs)
     assert_acts(configs[::2], expected[::2], "independent_weight_decay", False)
+
+
+# ----------------------------------------------------------------------------- optim.v_only_steps, optim.v0
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+@pytest.mark.parametrize("optim", ["adam", "adamw"])
+def test_v_only_steps_freezes_each_runs_first_moment_and_weights_for_k_updates(arch, optim):
+    configs = grid(arch, optim, [{"v_only_steps": 3}] * 4)
+    expected = assert_within_contract(configs)
+    assert all(losses[:4] == [losses[0]] * 4 for losses in expected)  # the weights stand still for 3 updates
+    assert_acts(configs, expected, "v_only_steps", 0)
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+@pytest.mark.parametrize("optim", ["adam", "adamw"])
+def test_v0_grad_sq_starts_each_runs_second_moment_at_its_own_first_gradient(arch, optim):
+    configs = grid(arch, optim, [{"v0": "grad_sq"}] * 4)
+    expected = assert_within_contract(configs)
+    assert_acts(configs, expected, "v0", "zero")
+
+
+def test_v_only_steps_and_v0_together_and_apart_train_in_batches_of_their_own():
+    kinds = [{"v_only_steps": 2}, {"v0": "grad_sq"}, {"v_only_steps": 2, "v0": "grad_sq"}, {}]
+    configs = [cfg for values in kinds for cfg in grid("ffn", "adam", [values] * 2)]
+    assert sorted(len(batch) for batch in plan_fast(configs)) == [2, 2, 2, 2]
+    assert_within_contract(configs[4:6])

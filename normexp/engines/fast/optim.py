@@ -61,11 +61,14 @@ class FastOptimizer:
 
     The controls of normexp/optim.py, as the exact engines apply them: optim.clip_norm clips each run's
     gradients by its own global norm and threshold (`clip_grad_norms_`) before the update (a batch's runs
-    all clip or none: `fast_key`)."""
+    all clip or none: `fast_key`); Adam's optim.v_only_steps k (Adam-2k: updates 1..k move the second
+    moment only, while the step count, hence both bias corrections, advances) and optim.v0 grad_sq (GI-Adam:
+    the second moment starts at the first update's gradient squared), both shared by a batch."""
 
     def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor]) -> None:
         self.name, self.optims, self.params, self.t = name, list(optims), params, 0
         self.clip_norms = [o.clip_norm for o in optims] if optims[0].clip_norm is not None else None
+        self.v_only_steps, self.v0 = optims[0].v_only_steps, optims[0].v0  # a batch shares them: `fast_key`
         self.decay = any(o.weight_decay != 0 for o in optims)  # torch skips weight decay at 0
         self.kernel_hypers = [(tuple(o.betas), o.eps) for o in optims]  # what the fused kernel takes as one
         slots = ("momentum",) if name == "sgd" else ("exp_avg", "exp_avg_sq")
@@ -99,6 +102,15 @@ class FastOptimizer:
                 self._sgd(grads, lrs)
 
     def _adam(self, grads: list[torch.Tensor], lrs: Sequence[float]) -> None:
+        exp_avg_sq = self.state["exp_avg_sq"]
+        if self.t == 1 and self.v0 == "grad_sq":  # GI-Adam: v0 = g0^2, so the first update's v is g0^2 too
+            for v, grad in zip(exp_avg_sq, grads):
+                v.copy_(grad * grad)
+        if self.t <= self.v_only_steps:  # Adam-2k's frozen update: v = beta2 v + (1 - beta2) g^2, nothing else
+            torch._foreach_mul_(exp_avg_sq, self.per_run([o.betas[1] for o in self.optims]))
+            weighted = torch._foreach_mul(grads, self.per_run([1 - o.betas[1] for o in self.optims]))
+            torch._foreach_addcmul_(exp_avg_sq, weighted, grads)
+            return
         if self.decay and self.name == "adamw":  # decoupled: param * (1 - lr * weight_decay), or weight_decay / lr
             shrink = [1 - lr * decoupled_rate(o) for lr, o in zip(lrs, self.optims)]
             torch._foreach_mul_(self.params, self.per_run(shrink))
