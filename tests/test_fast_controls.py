@@ -111,3 +111,16 @@ def test_v_only_steps_and_v0_together_and_apart_train_in_batches_of_their_own():
     configs = [cfg for values in kinds for cfg in grid("ffn", "adam", [values] * 2)]
     assert sorted(len(batch) for batch in plan_fast(configs)) == [2, 2, 2, 2]
     assert_within_contract(configs[4:6])
+
+
+# ----------------------------------------------------------------------------- optim.agc
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_agc_clips_each_runs_units_by_its_own_factor_and_eps(arch, optim):
+    factors = [{"agc": 0.01}, {"agc": 0.003, "agc_eps": 0.01}, {"agc": 0.02}, {"agc": 0.005, "agc_eps": 0.1}]
+    configs = grid(arch, optim, factors)
+    assert len({fast_key(cfg) for cfg in configs}) == 1
+    expected = assert_within_contract(configs)
+    assert_acts(configs, expected, "agc", None)

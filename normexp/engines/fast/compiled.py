@@ -113,11 +113,11 @@ def compiled_structure(cfg: RunConfig) -> tuple:
 def fuses(cfg: RunConfig) -> bool:
     """Whether the compiled step of `cfg`'s runs carries their update (`adam_update`): Adam and AdamW
     (optim.independent_weight_decay is a number of `adam_hypers`), not with a control that acts between the
-    gradient and the update or changes the update's form (optim.clip_norm, optim.v_only_steps, optim.v0: the
-    compiled gradient step, then `FastOptimizer`)."""
+    gradient and the update or changes the update's form (optim.clip_norm, optim.agc, optim.v_only_steps,
+    optim.v0: the compiled gradient step, then `FastOptimizer`)."""
     optim = cfg.optim
-    return (optim.name in FUSED_OPTIMIZERS and optim.clip_norm is None and optim.v_only_steps == 0
-            and optim.v0 == "zero")
+    return (optim.name in FUSED_OPTIMIZERS and optim.clip_norm is None and optim.agc is None
+            and optim.v_only_steps == 0 and optim.v0 == "zero")
 
 
 def _step_key(cfg: RunConfig, batch: Batch) -> tuple:

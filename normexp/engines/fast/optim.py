@@ -11,7 +11,7 @@ from typing import TypeVar
 import torch
 
 from normexp.config import OptimConfig
-from normexp.optim import clip_grad_norms_, decoupled_rate
+from normexp.optim import adaptive_clip_, clip_grad_norms_, decoupled_rate
 
 MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, and a scratch pass is cheaper
 AHEAD = 64  # steps whose learning rates (and compiled Adam numbers) a batch makes at once: `MadeAhead`
@@ -61,13 +61,19 @@ class FastOptimizer:
 
     The controls of normexp/optim.py, as the exact engines apply them: optim.clip_norm clips each run's
     gradients by its own global norm and threshold (`clip_grad_norms_`) before the update (a batch's runs
-    all clip or none: `fast_key`); Adam's optim.v_only_steps k (Adam-2k: updates 1..k move the second
-    moment only, while the step count, hence both bias corrections, advances) and optim.v0 grad_sq (GI-Adam:
-    the second moment starts at the first update's gradient squared), both shared by a batch."""
+    all clip or none: `fast_key`), optim.agc each run's units by its own factor and eps (`adaptive_clip_`;
+    `agc_units` are the reference model's units of each parameter, in `params`' order); Adam's
+    optim.v_only_steps k (Adam-2k: updates 1..k move the second moment only, while the step count, hence
+    both bias corrections, advances) and optim.v0 grad_sq (GI-Adam: the second moment starts at the first
+    update's gradient squared), both shared by a batch."""
 
-    def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor]) -> None:
+    def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor],
+                 agc_units: Sequence[int | str | None] | None = None) -> None:
         self.name, self.optims, self.params, self.t = name, list(optims), params, 0
         self.clip_norms = [o.clip_norm for o in optims] if optims[0].clip_norm is not None else None
+        self.agc_units = agc_units if optims[0].agc is not None else None
+        if optims[0].agc is not None and agc_units is None:
+            raise ValueError("optim.agc: FastOptimizer needs each parameter's unit (agc_units)")
         self.v_only_steps, self.v0 = optims[0].v_only_steps, optims[0].v0  # a batch shares them: `fast_key`
         self.decay = any(o.weight_decay != 0 for o in optims)  # torch skips weight decay at 0
         self.kernel_hypers = [(tuple(o.betas), o.eps) for o in optims]  # what the fused kernel takes as one
@@ -76,9 +82,13 @@ class FastOptimizer:
         self.direction: list[torch.Tensor] | None = None  # Adam's scratch, made when first needed
         self._step = torch.zeros((), dtype=torch.float32, device=params[0].device)  # the fused kernel's t
 
+    def values(self, values: Sequence[float]) -> torch.Tensor:
+        """Per-run values as one float32 (R,) tensor on the parameters' device."""
+        return torch.tensor(values, dtype=torch.float32, device=self._step.device)
+
     def per_run(self, values: Sequence[float]) -> list[torch.Tensor]:
         """(R,) values as one (R, 1, ...) view per parameter."""
-        tensor = torch.tensor(values, dtype=torch.float32, device=self._step.device)
+        tensor = self.values(values)
         return [tensor.view(-1, *([1] * (p.dim() - 1))) for p in self.params]
 
     def step(self, grads: list[torch.Tensor], lrs: Sequence[float], live: Sequence[bool]) -> None:
@@ -87,6 +97,9 @@ class FastOptimizer:
         if self.clip_norms is not None:  # before the frozen runs' gradients are zeroed: each run's own norm
             with torch.no_grad():
                 clip_grad_norms_(grads, run_norms(grads), self.clip_norms)
+        if self.agc_units is not None:
+            adaptive_clip_(self.params, grads, self.agc_units, self.values([o.agc for o in self.optims]),
+                           self.values([o.agc_eps for o in self.optims]))
         if not all(live):
             alive = self.per_run([float(a) for a in live])
             grads = [torch.where(a > 0, g, 0.0) for g, a in zip(grads, alive)]
