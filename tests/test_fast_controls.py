@@ -124,3 +124,19 @@ def test_agc_clips_each_runs_units_by_its_own_factor_and_eps(arch, optim):
     assert len({fast_key(cfg) for cfg in configs}) == 1
     expected = assert_within_contract(configs)
     assert_acts(configs, expected, "agc", None)
+
+
+# ----------------------------------------------------------------------------- optim.radam_variant
+
+
+@pytest.mark.parametrize("arch", ["ffn", "transformer"])
+def test_radam_official_skips_each_runs_early_updates(arch):
+    configs = grid(arch, "radam", [{"radam_variant": "official"}] * 4, steps=8)
+    expected = assert_within_contract(configs)
+    assert all(losses[:6] == [losses[0]] * 6 for losses in expected)  # rho_t < 5 for t <= 5 at these beta2
+    assert_acts(configs, expected, "radam_variant", "torch")
+
+
+def test_radam_variants_train_in_batches_of_their_own():
+    configs = [*grid("ffn", "radam", [{"radam_variant": "official"}] * 2), *grid("ffn", "radam", [{}] * 2)]
+    assert len(plan_fast(configs)) == 2

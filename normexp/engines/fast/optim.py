@@ -65,7 +65,8 @@ class FastOptimizer:
     `agc_units` are the reference model's units of each parameter, in `params`' order); Adam's
     optim.v_only_steps k (Adam-2k: updates 1..k move the second moment only, while the step count, hence
     both bias corrections, advances) and optim.v0 grad_sq (GI-Adam: the second moment starts at the first
-    update's gradient squared), both shared by a batch."""
+    update's gradient squared), both shared by a batch; RAdam's optim.radam_variant official (the authors'
+    radam.py, `OfficialRAdam`: no update at all while rho_t < 5, decay decoupled and only with an update)."""
 
     def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor],
                  agc_units: Sequence[int | str | None] | None = None) -> None:
@@ -75,6 +76,7 @@ class FastOptimizer:
         if optims[0].agc is not None and agc_units is None:
             raise ValueError("optim.agc: FastOptimizer needs each parameter's unit (agc_units)")
         self.v_only_steps, self.v0 = optims[0].v_only_steps, optims[0].v0  # a batch shares them: `fast_key`
+        self.official = name == "radam" and optims[0].radam_variant == "official"  # and this
         self.decay = any(o.weight_decay != 0 for o in optims)  # torch skips weight decay at 0
         self.kernel_hypers = [(tuple(o.betas), o.eps) for o in optims]  # what the fused kernel takes as one
         slots = ("momentum",) if name == "sgd" else ("exp_avg", "exp_avg_sq")
@@ -105,7 +107,7 @@ class FastOptimizer:
             grads = [torch.where(a > 0, g, 0.0) for g, a in zip(grads, alive)]
             lrs = [lr if a else 0.0 for lr, a in zip(lrs, live)]
         with torch.no_grad():
-            if self.decay and self.name != "adamw":  # L2: grad + weight_decay * param
+            if self.decay and self.name != "adamw" and not self.official:  # L2: grad + weight_decay * param
                 torch._foreach_addcmul_(grads, self.params, self.per_run([o.weight_decay for o in self.optims]))
             if self.name in ("adam", "adamw"):
                 self._adam(grads, lrs)
@@ -156,7 +158,10 @@ class FastOptimizer:
         torch._foreach_addcmul_(exp_avg, grads, self.per_run([1 - x.betas[0] for x in o]))
         torch._foreach_mul_(exp_avg_sq, self.per_run([x.betas[1] for x in o]))
         torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(grads, self.per_run([1 - x.betas[1] for x in o])), grads)
-        rect, plain = zip(*(radam_rectification(x.betas[1], t) for x in o))
+        rect, plain = zip(*(radam_rectification(x.betas[1], t, self.official) for x in o))
+        if self.official and self.decay:  # the authors' decoupled decay, only where they update
+            shrink = [1 - lr * x.weight_decay if r else 1.0 for lr, r, x in zip(lrs, rect, o)]
+            torch._foreach_mul_(self.params, self.per_run(shrink))
         # adaptive = rect * sqrt(1 - beta2^t) / (sqrt(v) + eps) once rectified, else 1 (plain momentum)
         adaptive = torch._foreach_sqrt(exp_avg_sq)
         torch._foreach_add_(adaptive, self.per_run([x.eps for x in o]))
@@ -192,14 +197,16 @@ def stretches(keys: Sequence[Hashable]) -> list[tuple[int, int, Hashable]]:
     return found
 
 
-def radam_rectification(beta2: float, t: int) -> tuple[float, float]:
+def radam_rectification(beta2: float, t: int, official: bool = False) -> tuple[float, float]:
     """RAdam's (rect, plain) at update t (Liu et al. 2020, as torch computes it): the adaptive step
-    weighted by `rect` once the variance is tractable (rho_t > 5), else the plain momentum step."""
+    weighted by `rect` once the variance is tractable (rho_t > 5), else the plain momentum step; with
+    `official` (optim.radam_variant, `OfficialRAdam`: the authors' radam.py) rectified where rho_t >= 5 and
+    else no step at all, (0, 0)."""
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * t * beta2**t / (1 - beta2**t)
-    if rho_t > 5.0:
+    if rho_t > 5.0 or (official and rho_t >= 5.0):
         return math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)), 0.0
-    return 0.0, 1.0
+    return 0.0, 0.0 if official else 1.0
 
 HYPERS = ("step_size", "decay", "l2", "1-beta1", "beta2", "1-beta2", "eps", "bias_correction2_sqrt", "live")  # its rows
 

@@ -25,7 +25,7 @@ EAGER_FLOP_RATE = 40e9  # FLOP/s the fast engine's eager step reaches on the art
 
 # Optimizer keys the fast engine does not replay yet: a run that sets one away from its default trains on the
 # exact engines instead (`fast_serves`), as a run with train.log_blocks does.
-FAST_UNSERVED_OPTIM = ("radam_variant",)
+FAST_UNSERVED_OPTIM: tuple[str, ...] = ()
 
 
 def fast_serves(cfg: RunConfig) -> bool:
@@ -48,8 +48,9 @@ def fast_key(cfg: RunConfig) -> tuple:
 def optim_structure(optim: OptimConfig) -> tuple:
     """What a fast batch's runs share of their optimizer: its family, whether clipping by the global norm
     acts (its threshold is per run), whether AGC acts (its factor and eps are per run), Adam-2k's k and
-    GI-Adam's v0."""
-    return (optim.name, optim.clip_norm is not None, optim.agc is not None, optim.v_only_steps, optim.v0)
+    GI-Adam's v0, RAdam's variant."""
+    return (optim.name, optim.clip_norm is not None, optim.agc is not None, optim.v_only_steps, optim.v0,
+            optim.radam_variant)
 
 
 def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,
