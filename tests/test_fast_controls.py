@@ -140,3 +140,23 @@ def test_radam_official_skips_each_runs_early_updates(arch):
 def test_radam_variants_train_in_batches_of_their_own():
     configs = [*grid("ffn", "radam", [{"radam_variant": "official"}] * 2), *grid("ffn", "radam", [{}] * 2)]
     assert len(plan_fast(configs)) == 2
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+@pytest.mark.slow
+def test_compiled_steps_with_controls_stay_within_the_contract(tmp_path, monkeypatch, fresh_fast_engine):
+    """A compiled batch with clip_norm compiles its gradient step only (the update eager, after the clipping);
+    AdamW's independent decay stays inside the compiled update (`adam_hypers`). Both within the contract."""
+    from normexp.engines.fast import compiled as compiling
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    clipped = grid("ffn", "adam", [{"clip_norm": c} for c in (0.05, 0.2)], steps=6)
+    independent = grid("ffn", "adamw", [{"independent_weight_decay": True, "weight_decay": 0.5}, {}], steps=6)
+    for configs in (clipped, independent):
+        for cfg, result in zip(configs, train_fast(configs, compile=True)):
+            assert result.losses == pytest.approx(train_run(cfg).losses, rel=TOL, abs=TOL), cfg.optim
+    fused = sorted(key[len(compiling.compiled_structure(clipped[0])) - 1] for key in compiling.kept_steps())
+    assert fused == [False, True]  # the clipped step without its update, the independent one with it
