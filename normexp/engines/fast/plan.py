@@ -25,7 +25,7 @@ EAGER_FLOP_RATE = 40e9  # FLOP/s the fast engine's eager step reaches on the art
 
 # Optimizer keys the fast engine does not replay yet: a run that sets one away from its default trains on the
 # exact engines instead (`fast_serves`), as a run with train.log_blocks does.
-FAST_UNSERVED_OPTIM = ("clip_norm", "agc", "v_only_steps", "v0", "radam_variant", "independent_weight_decay")
+FAST_UNSERVED_OPTIM: tuple[str, ...] = ()
 
 
 def fast_serves(cfg: RunConfig) -> bool:
@@ -39,8 +39,18 @@ def fast_serves(cfg: RunConfig) -> bool:
 
 def fast_key(cfg: RunConfig) -> tuple:
     """Runs with equal keys train in one batch of the fast engine: same model, norm, data, steps and optimizer
-    family; seeds, learning rates, optimizer hyper-parameters and schedules vary per run."""
-    return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
+    family and the optimizer's controls that shape its step (`optim_structure`); seeds, learning rates,
+    optimizer hyper-parameters (clipping thresholds, independent weight decay among them) and schedules vary
+    per run."""
+    return (cfg.model, cfg.norm, cfg.data, optim_structure(cfg.optim), cfg.train)
+
+
+def optim_structure(optim: OptimConfig) -> tuple:
+    """What a fast batch's runs share of their optimizer: its family, whether clipping by the global norm
+    acts (its threshold is per run), whether AGC acts (its factor and eps are per run), Adam-2k's k and
+    GI-Adam's v0, RAdam's variant."""
+    return (optim.name, optim.clip_norm is not None, optim.agc is not None, optim.v_only_steps, optim.v0,
+            optim.radam_variant)
 
 
 def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,
