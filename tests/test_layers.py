@@ -18,7 +18,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
 FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves", "normexp.figures.phase",
-           "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm"]
+           "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm",
+           "normexp.figures.sharpness"]
 
 # The fast engine, behind one door (its package): what no module outside it imports but the door
 FAST_DOOR = "normexp.engines.fast"
