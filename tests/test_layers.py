@@ -47,7 +47,8 @@ LAYERS = {
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
                      "normexp.export", "normexp.export_mlflow", *FIGURES],
     # the shipped studies: verdicts < figures < run; __main__ is `python -m normexp.studies`
-    "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.figures", "normexp.studies.run",
+    "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.explanations",
+                "normexp.studies.figures", "normexp.studies.run",
                 "normexp.studies.__main__"],
     "commands": ["normexp.commands", "normexp.commands.console", "normexp.commands.sweep", "normexp.commands.read",
                  "normexp.commands.tools", "normexp.cli", "normexp.__main__"],
