@@ -83,6 +83,12 @@ def test_findings_and_text_follow_the_numbers(data):
     if warm:
         assert ("kept lambda_max under 2/lr" in text) == (not any(warm))
     assert ("Every failing run without warmup crossed one." in text) == all(base)
+    ok_cells = [crossed[key] for key, v in
+                ((k, all(g["trained"])) for k, g in summary.groupby(["sweep", "optim.lr"])) if v]
+    if ok_cells:
+        assert f"So did {sum(ok_cells)} of the {len(ok_cells)} measured cells whose every seed trained" in text
+    if "warmup" in rescues and not rescues["warmup"]:
+        assert "warmup rescues no failing lr here" in text
 
 
 def test_a_cell_with_one_untrained_seed_is_not_rescued():
@@ -96,5 +102,5 @@ def test_a_cell_with_one_untrained_seed_is_not_rescued():
     assert found.rescues == {"clip": [], "warmup": [0.01]}
     text = explanations_text(found)
     assert "warmup rescues it at lr 0.01." in text and "No rescue at any failing lr: clip." in text
-    assert "sharpness unmeasured" in text
+    assert "sharpness unmeasured" in text and "So did" not in text
     assert "| clip | 1/2 · 1 |" in explanations_table(summary)  # the mean of 0.01 and 2.0, 3 digits

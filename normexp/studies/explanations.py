@@ -77,6 +77,13 @@ class Findings:
         cells = [self.crossed.get(("warmup", lr)) for lr in self.rescues.get("warmup", [])]
         return None if not cells or None in cells else not any(cells)
 
+    def trained_crossing(self) -> tuple[int, int]:
+        """(cells whose every seed trained and that crossed a threshold, such cells measured)."""
+        cells = [self.crossed.get((row, rate)) for row, by_lr in self.trained.items()
+                 for rate, ok in by_lr.items() if ok]
+        measured = [c for c in cells if c is not None]
+        return sum(measured), len(measured)
+
     def unrescued_cross(self) -> bool | None:
         """Whether every failing baseline cell crossed a threshold (None: no failing cell, or unmeasured)."""
         cells = [self.crossed.get((BASELINE, lr)) for lr in self.failing]
@@ -137,14 +144,22 @@ def explanations_text(found: Findings) -> str:
     if cross is not None:
         parts.append("Every failing run without warmup crossed one." if cross else
                      "Not every failing run without warmup crossed one at the measured steps.")
+    also = found.trained_crossing()
+    if also[1]:
+        parts.append(f"So did {also[0]} of the {also[1]} measured cells whose every seed trained"
+                     f"{': crossing alone does not mark a failure here' if also[0] else ''}.")
     families = sorted({FAMILIES[row] for row in rescuing if row in FAMILIES})
     missing = sorted({FAMILIES[row] for row in found.rescues if row in FAMILIES} - set(families))
     sharp = below is True and cross is True
+    if "warmup" in found.rescues and not found.rescues["warmup"]:
+        why = "; the sharpness account of warmup is not tested: warmup rescues no failing lr here"
+    elif below is None or cross is None:
+        why = "; the sharpness account cannot be judged (sharpness unmeasured where needed)"
+    else:
+        why = "" if sharp else "; nor the sharpness account as measured (see the sentences above)"
     parts.append(f"The toy supports: {', '.join(families) if families else 'none of the controls'}"
                  f"{'; and the sharpness (edge-of-stability) account of warmup' if sharp else ''}. "
-                 f"It does not support: {', '.join(missing) if missing else 'no family is left out'}"
-                 f"{'' if sharp else '; nor the sharpness account as measured (see the two sentences above)'}"
-                 f"{'' if below is not None and cross is not None else ' (sharpness unmeasured where needed)'}.")
+                 f"It does not support: {', '.join(missing) if missing else 'no family is left out'}{why}.")
     return " ".join(parts)
 
 
