@@ -11,6 +11,7 @@ yet, SGD) or inf (lr 0) is not drawn.
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -45,7 +46,7 @@ def sharpness_figure(tidy: pd.DataFrame, keys: list[str]) -> Figure:
                 drawn |= _line(ax, run["step"], run[value], colour, "-", value_label if i == 0 else None)
                 drawn |= _line(ax, run["step"], run[threshold], colour, "--", threshold_label if i == 0 else None,
                                alpha=0.6)
-        ax.set_title(f"{label} (n={group['run_id'].nunique()})", fontsize="small")
+        ax.set_title(textwrap.fill(f"{label} (n={group['run_id'].nunique()})", 48), fontsize="small")
         ax.set_xlabel("optimizer step")
         ax.grid(True, which="both", alpha=0.3)
         if drawn:
@@ -70,12 +71,14 @@ def _line(ax, steps: pd.Series, values: pd.Series, colour: str, style: str, labe
     return True
 
 
-def save_sharpness_plot(source: str | Path | Folder, output: str | Path | None = None) -> Path:
-    """Write `sharpness_figure` of a sweep folder's sharpness.csv files (default: FOLDER/sharpness.png)."""
+def save_sharpness_plot(source: str | Path | Folder, output: str | Path | None = None,
+                        keys: list[str] | None = None) -> Path:
+    """Write `sharpness_figure` of a sweep folder's sharpness.csv files (default: FOLDER/sharpness.png), one
+    panel per value of `keys` (default: every key that varies among them but the seed)."""
     folder = as_folder(source)
     output = Path(output) if output else folder.path / "sharpness.png"
     tidy = folder.sharpness(all_config=True)
-    keys = [k for k in varying_keys(tidy) if k != "seed"]
+    keys = keys if keys is not None else [k for k in varying_keys(tidy) if k != "seed"]
     fig = sharpness_figure(tidy, keys)
     fig.savefig(output, dpi=110)
     plt.close(fig)

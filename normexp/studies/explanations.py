@@ -142,8 +142,9 @@ def explanations_text(found: Findings) -> str:
                      "(2+2b1)/((1-b1) lr) at every measured step." if below else
                      "Warmup's rescued runs crossed a stability threshold at some measured step.")
     if cross is not None:
-        parts.append("Every failing run without warmup crossed one." if cross else
-                     "Not every failing run without warmup crossed one at the measured steps.")
+        parts.append("Every failing run without warmup crossed a stability threshold at some measured step."
+                     if cross else
+                     "Not every failing run without warmup crossed a stability threshold at the measured steps.")
     also = found.trained_crossing()
     if also[1]:
         parts.append(f"So did {also[0]} of the {also[1]} measured cells whose every seed trained"

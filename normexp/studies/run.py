@@ -79,7 +79,7 @@ def _explanations(out: Path, quick: bool) -> tuple[Folder, int, list[str], str]:
     summary = _judged(folder)
     paths = [final_loss_by_row(summary, run_dir / "final_loss.png", folder.trained_rule())]
     if folder.has_sharpness():
-        paths.append(save_sharpness_plot(folder, run_dir / "sharpness.png"))
+        paths.append(save_sharpness_plot(folder, run_dir / "sharpness.png", ["sweep", "optim.lr"]))
     return folder, resumed, [str(p.relative_to(out)) for p in paths], explanations_table(summary)
 
 
