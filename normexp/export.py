@@ -28,6 +28,7 @@ import contextlib
 import csv
 import hashlib
 import json
+import math
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from normexp.folder import (
     BLOCKS_FILE,
     DONE_FILE,
     METRICS_FILE,
+    SHARPNESS_FILE,
     folder_runs,
     inspect_run,
     read_sweep,
@@ -64,6 +66,7 @@ class ExportedRun:
     time_s: float  # done.json's modification time: the run's wall time in the exports
     checksum: str  # sha256 of done.json's bytes (which vouch for the other files): changes with the result
     threshold: float  # the folder's trained rule for this run (report.trained_below, else ln(C)/10)
+    sharpness: list[dict[str, float]] | None = None  # sharpness.csv's rows
 
     @property
     def trained(self) -> bool:
@@ -85,6 +88,10 @@ class ExportedRun:
             for column, value in row.items():
                 if column not in ("step", "block"):
                     series.setdefault(f"blocks/{column}/{int(row['block']):02d}", []).append((int(row["step"]), value))
+        for row in self.sharpness or []:  # nan (no preconditioned value at step 0, SGD) and inf (lr 0) left out
+            for column, value in row.items():
+                if column != "step" and math.isfinite(value):
+                    series.setdefault(f"sharpness/{column}", []).append((int(row["step"]), value))
         last = steps[-1] if steps else 0
         return {**series, **{f"final/{name}": [(last, value)] for name, value in self.final().items()}}
 
@@ -176,11 +183,12 @@ def _read_runs(run_dir: Path, configs: list[RunConfig]) -> tuple[list[ExportedRu
             continue
         rows = _columns(run_dir / rid / METRICS_FILE)
         metrics = {name: [row[name] for row in rows] for name in (rows[0] if rows else {"step": 0})}
-        blocks = _columns(run_dir / rid / BLOCKS_FILE) if (run_dir / rid / BLOCKS_FILE).is_file() else None
+        blocks, sharpness = (_columns(run_dir / rid / name) if (run_dir / rid / name).is_file() else None
+                             for name in (BLOCKS_FILE, SHARPNESS_FILE))
         done_bytes = (run_dir / rid / DONE_FILE).read_bytes()
         runs.append(ExportedRun(rid, cfg, state.done or {}, metrics, blocks,
                                 os.stat(run_dir / rid / DONE_FILE).st_mtime, hashlib.sha256(done_bytes).hexdigest(),
-                                rule if rule is not None else trained_threshold(chance_classes(cfg))))
+                                rule if rule is not None else trained_threshold(chance_classes(cfg)), sharpness))
     return runs, left
 
 

@@ -4,6 +4,7 @@
     df = load_metrics("runs/warmup")          # one row per run and recorded step
     df.groupby(["norm.placement", "norm.kind", "step"]).loss.mean()
     blocks = load_blocks("runs/blocks")       # one row per run, logged step and block (train.log_blocks)
+    sharp = load_sharpness("runs/sharp")      # one row per run and measured step (train.log_sharpness)
 
 Floats are read with round-trip precision, so losses compare bit for bit with the training run.
 This module imports pandas but never torch.
@@ -33,6 +34,7 @@ from normexp.folder import (
     BLOCKS_FILE,
     FINISHED_STATUSES,
     METRICS_FILE,
+    SHARPNESS_FILE,
     RunState,
     StoreError,
     cached_statuses,
@@ -84,6 +86,17 @@ class Folder:
         if key not in self._tables:
             self._tables[key] = _blocks(self.path, self.summary, all_config)
         return _copy(self._tables[key])
+
+    def sharpness(self, all_config: bool = False) -> pd.DataFrame:
+        """`load_sharpness` of this folder (a copy)."""
+        key = (SHARPNESS_FILE, all_config, False)
+        if key not in self._tables:
+            self._tables[key] = _sharpness(self.path, self.summary, all_config)
+        return _copy(self._tables[key])
+
+    def has_sharpness(self) -> bool:
+        """Whether any finished run of this folder measured sharpness (train.log_sharpness)."""
+        return not _sharpness_runs(self.summary).empty
 
     def trained_rule(self, trained_below: float | None = None) -> float | None:
         """The trained rule a command judges by: `trained_below` (--trained-below) where given, else the
@@ -222,6 +235,30 @@ def _blocks(run_dir: Path, summary: pd.DataFrame, all_config: bool) -> pd.DataFr
         if not (Path(run_dir) / run / BLOCKS_FILE).is_file():
             raise ResultsError(f"{run_dir}/{run}: {BLOCKS_FILE} is missing; rerun the sweep with --force")
     return _attach(run_dir, summary, finished, BLOCKS_FILE, all_config)
+
+
+def load_sharpness(run_dir: str | Path | Folder, all_config: bool = False) -> pd.DataFrame:
+    """Every finished run's sharpness.csv (runs with `train.log_sharpness`), tidy like `load_metrics`: one
+    row per (run, measured step) with the same config columns, then step, lambda_max, precond_lambda_max,
+    lr, threshold_gd, threshold_adam (see normexp/sharpness.py; nan and inf read back as floats)."""
+    return as_folder(run_dir).sharpness(all_config)
+
+
+def _sharpness_runs(summary: pd.DataFrame) -> pd.DataFrame:
+    finished = finished_runs(summary)
+    if "train.log_sharpness" not in finished:  # a folder written before sharpness was measured
+        return finished.iloc[:0]
+    return finished[pd.to_numeric(finished["train.log_sharpness"], errors="coerce").notna()]
+
+
+def _sharpness(run_dir: Path, summary: pd.DataFrame, all_config: bool) -> pd.DataFrame:
+    finished = _sharpness_runs(summary)
+    if finished.empty:
+        raise ResultsError(f"{run_dir}: no finished run measured sharpness (set train.log_sharpness: K)")
+    for run in finished["run_id"]:
+        if not (Path(run_dir) / run / SHARPNESS_FILE).is_file():
+            raise ResultsError(f"{run_dir}/{run}: {SHARPNESS_FILE} is missing; rerun the sweep with --force")
+    return _attach(run_dir, summary, finished, SHARPNESS_FILE, all_config)
 
 
 def check_metric(tidy: pd.DataFrame, metric: str) -> None:

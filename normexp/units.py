@@ -320,7 +320,7 @@ def _run_alone(runs: Sequence[RunConfig], device: str, stop: threading.Event | N
 
 def _finished(result: Any, device: str) -> FinishedRun:
     return FinishedRun(result.metrics, result.status, result.wall_s, result.threads, result.engine, device,
-                       result.blocks, result.stopped_at, result.stop_reason)
+                       result.blocks, result.stopped_at, result.stop_reason, result.sharpness)
 
 
 

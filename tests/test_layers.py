@@ -18,7 +18,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
 FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves", "normexp.figures.phase",
-           "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm"]
+           "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm",
+           "normexp.figures.sharpness"]
 
 # The fast engine, behind one door (its package): what no module outside it imports but the door
 FAST_DOOR = "normexp.engines.fast"
@@ -48,7 +49,8 @@ LAYERS = {
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.progress",
                      "normexp.export", "normexp.export_mlflow", *FIGURES, *PAGE],
     # the shipped studies: verdicts < figures < run; __main__ is `python -m normexp.studies`
-    "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.figures", "normexp.studies.run",
+    "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.explanations",
+                "normexp.studies.figures", "normexp.studies.run",
                 "normexp.studies.__main__"],
     "commands": ["normexp.commands", "normexp.commands.console", "normexp.commands.sweep", "normexp.commands.read",
                  "normexp.commands.tools", "normexp.cli", "normexp.__main__"],

@@ -232,6 +232,9 @@ def plot(
         "-o", "--output", help="Figure file, .png | .pdf | .svg [default: RUN_DIR/<metric>.<format>].")] = None,
     metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
     blocks: Annotated[bool, typer.Option("--blocks", help="Per-block dynamics of runs with train.log_blocks.")] = False,
+    sharpness: Annotated[bool, typer.Option(
+        "--sharpness", help="Only the sharpness figure of runs with train.log_sharpness (drawn with the others "
+                            "by default where runs measured it).")] = False,
     block_metric: Annotated[str | None, typer.Option(
         help="With --blocks: fc1_grad | fc2_grad | fc1_update | fc2_update | stream_rms | norm_rms | norm_out_rms; "
              "a Transformer's also attn_logit_max | attn_entropy | log_z [default: fc2_update].")] = None,
@@ -250,8 +253,9 @@ def plot(
 ) -> None:
     """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary.
     With --blocks: per variant, a heatmap of one per-block quantity over (block, step) and its first,
-    middle and last block over steps."""
-    from normexp.figures import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
+    middle and last block over steps. With --sharpness (and after the others where runs measured it):
+    per variant, lambda_max and Adam's preconditioned one against their thresholds."""
+    from normexp.figures import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots, save_sharpness_plot
     from normexp.results import ResultsError
 
     if metric is not None:
@@ -267,20 +271,27 @@ def plot(
         raise fail(f"-o {output}: the file name must end in .png, .pdf or .svg")
     if output is not None and fmt is not None and output.suffix.lower() != f".{fmt}":
         raise fail(f"-o {output} and --format {fmt}: the file name must end in .{fmt}")
-    if blocks and (row or col or hue):
-        raise fail("--row, --col, --hue: not with --blocks (its panels are fixed: placements across)")
+    if blocks and sharpness:
+        raise fail("--blocks and --sharpness: one at a time")
+    if (blocks or sharpness) and (row or col or hue):
+        raise fail(f"--row, --col, --hue: not with --{'blocks' if blocks else 'sharpness'} (its panels are fixed)")
     facets = {name: listed(f"--{name}", value) for name, value in (("row", row), ("col", col), ("hue", hue))}
     folder = _load_folder(run_dirs)
     if output is None and len(run_dirs) > 1:  # into the first folder, named so that no sweep's own figure is replaced
-        name = f"blocks-{block_metric or 'fc2_update'}" if blocks else metric or folder.sweep.report.metric
+        name = f"blocks-{block_metric or 'fc2_update'}" if blocks else "sharpness" if sharpness else \
+            metric or folder.sweep.report.metric
         output = run_dirs[0] / f"compare-{name}.{'png' if blocks else fmt or 'png'}"
     try:
         if blocks:
             if output is None and fmt is not None:
                 output = folder.path / f"blocks-{block_metric or 'fc2_update'}.{fmt}"
             paths = [save_blocks_plot(folder, output, block_metric or "fc2_update")]
+        elif sharpness:
+            paths = [save_sharpness_plot(folder, output or folder.path / f"sharpness.{fmt or 'png'}")]
         else:
             paths = save_plots(folder, output, metric, fmt, dpi, trained_below=trained_below, **facets)
+            if output is None and folder.has_sharpness():
+                paths.append(save_sharpness_plot(folder, folder.path / f"sharpness.{fmt or 'png'}"))
     except ResultsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:

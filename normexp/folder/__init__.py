@@ -26,6 +26,7 @@ from normexp.folder.layout import (
     HISTORY_FILE,
     IN_THE_WAY_REMEDY,
     METRICS_FILE,
+    SHARPNESS_FILE,
     SUMMARY_FILE,
     SWEEP_FILE,
     VOUCHED_FILES,
@@ -68,7 +69,7 @@ from normexp.folder.write import (
 
 __all__ = [
     "BLOCKS_FILE", "CONFIG_FILE", "DONE_FILE", "FAILED_FILE", "FINISHED_STATUSES", "HISTORY_FILE",
-    "IN_THE_WAY_REMEDY", "METRICS_FILE", "SUMMARY_FILE", "SWEEP_FILE", "VOUCHED_FILES",
+    "IN_THE_WAY_REMEDY", "METRICS_FILE", "SHARPNESS_FILE", "SUMMARY_FILE", "SWEEP_FILE", "VOUCHED_FILES",
     "FinishedRun", "InTheWay", "RunState", "StoreError", "SweepLock",
     "append_history", "atomic_write", "cached_statuses", "folder_run_ids", "folder_runs", "folder_writes",
     "foreign_entries", "in_the_way", "inspect_run", "is_run_id", "lock_owner", "not_normexp_s", "other_threads",
