@@ -3,6 +3,7 @@ argument shapes other tools taught their users."""
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 import normexp
@@ -30,3 +31,40 @@ def test_h_is_help_on_every_command():
 def test_show_completion_prints_a_bash_script():
     result = runner.invoke(app, ["--show-completion", "bash"], prog_name="normexp")
     assert result.exit_code == 0 and "_NORMEXP_COMPLETE" in result.stdout and "complete " in result.stdout
+
+
+# (the name typed, where, the hint): the names other tools use, as --set keys, grid keys and nested keys
+ALIASED = [
+    ("--set", "learning_rate", "optim.lr"), ("--set", "lr", "optim.lr"),
+    ("--set", "warmup", "schedule.warmup_steps"), ("--set", "norm.type", "norm.kind"),
+    ("--set", "norm.position", "norm.placement"), ("--set", "batch_size", "data.batch_size"),
+    ("--set", "optim.learning_rate", "optim.lr"), ("grid", "lr", "optim.lr"),
+    ("base", "optim: {learning_rate: 0.1}", "base.optim.learning_rate: unknown key (did you mean 'lr'?)"),
+    ("base", "norm: {type: rmsnorm}", "base.norm.type: unknown key (did you mean 'kind'?)"),
+    ("base", "norm: {position: pre}", "base.norm.position: unknown key (did you mean 'placement'?)"),
+    ("base", "learning_rate: 0.1", "base.learning_rate: unknown key (did you mean 'optim.lr'?)"),
+    ("base", "train: {seed: 3}", "base.train.seed: unknown key (did you mean 'seeds'?)"),
+]
+
+
+@pytest.mark.parametrize(("where", "name", "hint"), ALIASED)
+def test_did_you_mean_knows_the_names_ml_users_type(where, name, hint, tmp_path):
+    path = tmp_path / "s.yaml"
+    if where == "--set":
+        path.write_text("name: t\n")
+        result, expected = normexp_cli("validate", path, "--set", f"{name}=0.1"), \
+            f"--set {name}: unknown key (did you mean '{hint}'?)"
+    elif where == "grid":
+        path.write_text(f"name: t\ngrid: {{{name}: [0.1]}}\n")
+        result, expected = normexp_cli("validate", path), f"grid.{name}: unknown key (did you mean '{hint}'?)"
+    else:
+        path.write_text(f"name: t\nbase: {{{name}}}\n")
+        result, expected = normexp_cli("validate", path), hint
+    assert result.exit_code == 2 and expected in result.output, result.output
+
+
+def test_seed_is_sent_to_the_seeds_list(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: t\n")
+    result = normexp_cli("validate", path, "--set", "seed=1")
+    assert result.exit_code == 2 and "'seeds' list (or --set seeds=0,1,2)" in result.output
