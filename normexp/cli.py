@@ -15,7 +15,7 @@ import typer
 
 from normexp import output
 from normexp.commands import read, sweep, tools
-from normexp.commands.console import Exit, SectionedCommand, fail
+from normexp.commands.console import Exit, OverridingCommand, SectionedCommand, fail
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -25,13 +25,13 @@ app = typer.Typer(
     help="Where and which normalization makes a deep residual network trainable without warmup.",
 )
 # registered in the order `normexp --help` lists them
-app.command(cls=SectionedCommand)(sweep.sweep)  # --help in sections
+app.command(cls=SectionedCommand)(sweep.sweep)  # --help in sections; key=value hinted
 app.command()(read.report)
 app.command()(read.plot)
 app.command()(read.verify)
-app.command()(tools.gradnorm)
+app.command(cls=OverridingCommand)(tools.gradnorm)
 app.command()(tools.studies)
-app.command()(sweep.validate)
+app.command(cls=OverridingCommand)(sweep.validate)
 app.command()(read.export)
 app.command()(read.merge)
 app.command()(tools.doctor)

@@ -68,3 +68,14 @@ def test_seed_is_sent_to_the_seeds_list(tmp_path):
     path.write_text("name: t\n")
     result = normexp_cli("validate", path, "--set", "seed=1")
     assert result.exit_code == 2 and "'seeds' list (or --set seeds=0,1,2)" in result.output
+
+
+@pytest.mark.parametrize("command", ["sweep", "validate"])
+def test_hydra_style_argument_is_answered_with_set(command, tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: t\n")
+    result = normexp_cli(command, path, "--set", "train.steps=2", "optim.lr=0.1", "+model.depth=3")
+    assert result.exit_code == 2
+    assert "did you mean `--set optim.lr=0.1 --set model.depth=3`?" in result.output
+    plain = normexp_cli(command, path, "extra")
+    assert plain.exit_code == 2 and "--set" not in plain.output
