@@ -79,3 +79,16 @@ def test_hydra_style_argument_is_answered_with_set(command, tmp_path):
     assert "did you mean `--set optim.lr=0.1 --set model.depth=3`?" in result.output
     plain = normexp_cli(command, path, "extra")
     assert plain.exit_code == 2 and "--set" not in plain.output
+
+
+@pytest.mark.parametrize(("text", "hint"), [
+    ("name: t\nmodel: {depth: 3}\n", "model: unknown key (did you mean 'base.model'?"),
+    ("name: t\noptim: {lr: 0.1}\n", "optim: unknown key (did you mean 'base.optim'?"),
+    ("name: t\ngrid: {optim.lr: 0.1}\n", "grid.optim.lr: must be a list of the axis's values, e.g. [0.1], got 0.1"),
+    ("name: t\nseeds: 3\n", "seeds: must be a list of seeds, e.g. [3], got 3"),
+])
+def test_yaml_shape_mistakes_get_a_hint(text, hint, tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    result = normexp_cli("validate", path)
+    assert result.exit_code == 2 and hint in result.output, result.output
