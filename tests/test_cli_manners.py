@@ -92,3 +92,15 @@ def test_yaml_shape_mistakes_get_a_hint(text, hint, tmp_path):
     path.write_text(text)
     result = normexp_cli("validate", path)
     assert result.exit_code == 2 and hint in result.output, result.output
+
+
+def test_shipped_configs_are_named_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name, shipped in (("warmup", "configs/warmup.yaml"), ("depth.yaml", "configs/studies/depth.yaml")):
+        result = normexp_cli("validate", name)
+        assert result.exit_code == 0, result.output
+        assert "using the config shipped with normexp" in result.output and shipped in result.output
+    (tmp_path / "warmup").write_text("name: mine\n")  # a file of that name here is the one meant
+    result = normexp_cli("validate", "warmup")
+    assert result.exit_code == 0 and "sweep 'mine'" in result.output and "shipped" not in result.output
+    assert normexp_cli("validate", "nosuch").exit_code == 2

@@ -48,6 +48,20 @@ def fail(message: str, code: int = Exit.USAGE) -> typer.Exit:
     return typer.Exit(code)
 
 
+def config_file(config: Path) -> Path:
+    """The sweep file CONFIG names: the path itself, or where no such file is, the one shipped with
+    normexp of that name (`normexp sweep warmup`: normexp/configs/warmup.yaml), said on stderr."""
+    if config.exists() or len(config.parts) != 1:
+        return config
+    from normexp.config import packaged_config
+
+    shipped = packaged_config(config.name)
+    if shipped is None:
+        return config
+    err.print(f"{config}: no such file here; using the config shipped with normexp, {shipped}")
+    return shipped
+
+
 def load(config: Path, overrides: list[str], max_runs: int | None = None) -> Sweep:
     """Load a sweep; `max_runs` is given by the commands that have a --max-runs option."""
     try:

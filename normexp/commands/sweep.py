@@ -18,6 +18,7 @@ from normexp import output, stopping
 from normexp.commands.console import (
     Exit,
     check_choice,
+    config_file,
     err,
     fail,
     load,
@@ -34,7 +35,8 @@ ENGINE, WHERE, ARRAY = "Engine", "Where it runs", "Job array (--launcher slurm |
 
 
 def sweep(
-    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file (see configs/).")],
+    config: Annotated[Path, typer.Argument(
+        metavar="CONFIG", help="Sweep YAML file, or the name of one shipped (warmup, depth, ...).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
     out_dir: Annotated[str | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded grid; run nothing.")] = False,
@@ -83,6 +85,7 @@ def sweep(
         help="--launcher: submitit's folder [default: OUT/.submitit].", rich_help_panel=ARRAY)] = None,
 ) -> None:
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
+    config = config_file(config)
     spec = load(config, set_ or [], max_runs)
     if launcher is not None or shards is not None:
         from normexp.launch import ArraySettings
@@ -378,6 +381,7 @@ def validate(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
 ) -> None:
     """Check a sweep file (and --set values) without running anything."""
+    config = config_file(config)
     spec = load(config, set_ or [])
     out.print(f"{config}: ok · sweep '{spec.name}' · {plural(len(spec.runs), 'run')}")
 
