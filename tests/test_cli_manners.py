@@ -4,6 +4,7 @@ argument shapes other tools taught their users."""
 from __future__ import annotations
 
 import pytest
+from conftest import SMALL_SWEEP
 from typer.testing import CliRunner
 
 import normexp
@@ -104,3 +105,19 @@ def test_shipped_configs_are_named_from_anywhere(tmp_path, monkeypatch):
     result = normexp_cli("validate", "warmup")
     assert result.exit_code == 0 and "sweep 'mine'" in result.output and "shipped" not in result.output
     assert normexp_cli("validate", "nosuch").exit_code == 2
+
+
+def test_a_comparison_figure_goes_to_the_current_folder_not_into_an_input(write_yaml, tmp_path, monkeypatch):
+    config = write_yaml(SMALL_SWEEP.replace("seeds: [0, 1]", "seeds: [0]"))
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders:
+        assert normexp_cli("sweep", config, "--out", folder, "-q").exit_code == 0
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    result = normexp_cli("plot", *folders, "--dpi", "30")
+    assert result.exit_code == 0, result.output
+    assert "wrote compare-loss.png" in result.output and (here / "compare-loss.png").is_file()
+    assert not [path for folder in folders for path in folder.glob("compare-*")]
+    named = normexp_cli("plot", *folders, "-o", tmp_path / "mine.png", "--dpi", "30")
+    assert named.exit_code == 0 and (tmp_path / "mine.png").is_file()
