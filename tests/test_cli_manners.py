@@ -121,3 +121,27 @@ def test_a_comparison_figure_goes_to_the_current_folder_not_into_an_input(write_
     assert not [path for folder in folders for path in folder.glob("compare-*")]
     named = normexp_cli("plot", *folders, "-o", tmp_path / "mine.png", "--dpi", "30")
     assert named.exit_code == 0 and (tmp_path / "mine.png").is_file()
+
+
+def test_the_readmes_interrupted_sweep_exits_as_it_shows(write_yaml, tmp_path):
+    """The README's stop-and-resume example, its `timeout` prefix as printed (a shorter wait): `echo $?`
+    prints what the README shows."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    if shutil.which("timeout") is None:
+        pytest.skip("needs coreutils' timeout")
+    readme = (REPO / "README.md").read_text()
+    example = re.search(r"\$ (timeout [^\n]*?) normexp sweep .*?\$ echo \$\?\n(\d+)\n", readme, re.S)
+    assert example, "the README's stop-and-resume example"
+    prefix, shown = example.group(1).split(), int(example.group(2))
+    prefix[-1] = "4"  # seconds: too few to finish
+    config = write_yaml(SMALL_SWEEP.replace("steps: 5", "steps: 100000"))
+    done = subprocess.run([*prefix, sys.executable, "-m", "normexp", "sweep", str(config), "--out",
+                           str(tmp_path / "out"), "--engine", "reference"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == shown == 130, done.stderr
