@@ -145,3 +145,26 @@ def test_the_readmes_interrupted_sweep_exits_as_it_shows(write_yaml, tmp_path):
                            str(tmp_path / "out"), "--engine", "reference"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == shown == 130, done.stderr
+
+
+def test_verify_suggests_what_mends_the_folder(write_yaml, tmp_path):
+    """An interrupted sweep's folder (runs missing): verify says to rerun the sweep, not --fix (which has
+    nothing to do there); the command it names mends it. A corrupt run: --fix, then the rerun."""
+    import shlex
+    import shutil
+
+    out = tmp_path / "out"
+    assert normexp_cli("sweep", write_yaml(SMALL_SWEEP), "--out", out, "-q").exit_code == 0
+    runs = sorted(p for p in out.iterdir() if (p / "done.json").exists())
+    for run in runs[:3]:  # as a sweep stopped by Ctrl-C leaves it: runs never started
+        shutil.rmtree(run)
+    result = normexp_cli("verify", out)
+    last = result.output.strip().splitlines()[-1]
+    assert result.exit_code == 1 and "--fix" not in last and "problems found: rerun the sweep (" in last, last
+    command = shlex.split(last.split("(", 1)[1].rstrip(")"))
+    assert command[:2] == ["normexp", "sweep"]
+    assert normexp_cli(*command[1:], "-q").exit_code == 0
+    assert normexp_cli("verify", out).exit_code == 0
+    (runs[0] / "metrics.csv").write_text("step,loss\n0,1.0\n")  # corrupt: --fix removes it, the rerun redoes it
+    last = normexp_cli("verify", out).output.strip().splitlines()[-1]
+    assert f"normexp verify {out} --fix, then rerun the sweep (" in last, last
