@@ -168,3 +168,20 @@ def test_verify_suggests_what_mends_the_folder(write_yaml, tmp_path):
     (runs[0] / "metrics.csv").write_text("step,loss\n0,1.0\n")  # corrupt: --fix removes it, the rerun redoes it
     last = normexp_cli("verify", out).output.strip().splitlines()[-1]
     assert f"normexp verify {out} --fix, then rerun the sweep (" in last, last
+
+
+def test_report_calls_the_runs_of_a_sweep_still_writing_pending(write_yaml, tmp_path):
+    import shutil
+
+    from normexp.folder import SweepLock
+
+    out = tmp_path / "out"
+    assert normexp_cli("sweep", write_yaml(SMALL_SWEEP), "--out", out, "-q").exit_code == 0
+    shutil.rmtree(sorted(p for p in out.iterdir() if (p / "done.json").exists())[0])  # not yet written
+    with SweepLock(out):  # as the sweep writing it holds it
+        result = normexp_cli("report", out)
+    assert result.exit_code == 1
+    assert "pending, the sweep is still writing" in result.output and "(pending)" in result.output
+    assert "normexp verify" not in result.output and "missing, failed or corrupt" not in result.output
+    result = normexp_cli("report", out)  # the sweep gone: a run missing, and verify to say more
+    assert result.exit_code == 1 and "missing, failed or corrupt" in result.output and "normexp verify" in result.output
