@@ -3,6 +3,9 @@ argument shapes other tools taught their users."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 from conftest import SMALL_SWEEP
 from typer.testing import CliRunner
@@ -185,3 +188,19 @@ def test_report_calls_the_runs_of_a_sweep_still_writing_pending(write_yaml, tmp_
     assert "normexp verify" not in result.output and "missing, failed or corrupt" not in result.output
     result = normexp_cli("report", out)  # the sweep gone: a run missing, and verify to say more
     assert result.exit_code == 1 and "missing, failed or corrupt" in result.output and "normexp verify" in result.output
+
+
+def test_engine_fast_says_which_engine_trains_what_it_does_not_serve(write_yaml, tmp_path):
+    config = write_yaml(SMALL_SWEEP.replace("train: {steps: 5}", "train: {steps: 5, log_blocks: true}"))
+    dry = normexp_cli("sweep", config, "--engine", "fast", "--dry-run", "--out", tmp_path / "dry")
+    line = "--engine fast: 8 of 8 runs set train.log_blocks, which the fast engine does not serve: they train on " \
+           "the exact engines instead"
+    assert dry.exit_code == 0 and line in dry.output, dry.output
+    fast, reference = re.search(r"estimated ~(\S+ \S+) on --engine fast, ~(\S+ \S+) on --engine reference",
+                                dry.output).groups()
+    assert fast == reference  # the exact engines' time, not the fast engine's
+    ran = normexp_cli("sweep", config, "--engine", "fast", "--out", tmp_path / "out")
+    assert ran.exit_code == 0 and line in ran.output
+    assert "fast" not in {json.loads(p.read_text())["engine"] for p in (tmp_path / "out").glob("*/done.json")}
+    plain = normexp_cli("sweep", write_yaml(SMALL_SWEEP), "--engine", "fast", "--dry-run", "--out", tmp_path / "p")
+    assert plain.exit_code == 0 and "does not serve" not in plain.output
