@@ -39,6 +39,7 @@ from normexp.folder import (
     StoreError,
     cached_statuses,
     folder_run_ids,
+    lock_owner,
     read_sweep,
     rows_csv,
     summary_rows,
@@ -192,6 +193,11 @@ def missing_note(summary: pd.DataFrame, run_dir: str | Path) -> str:
     folders = summary.attrs.get("folders")  # several sweeps (normexp.compare): the folders that hold them
     where = ([folders[name] for name in dict.fromkeys(rid.split("/", 1)[0] for rid in missing) if name in folders]
              if folders else [str(run_dir)])
+    writing = [path for path in where if lock_owner(Path(path)) is not None]
+    if writing:  # its runs are pending, not lost; verify would refuse the folder while the sweep holds it
+        named = [entry.replace(" (missing)", " (pending)") for entry in named]
+        return (f"{len(missing)} {runs} not counted yet: pending, the sweep is still writing "
+                f"{', '.join(writing)}: {', '.join(named)}{more}{why} (report again when it has finished)")
     verify = ", ".join(f"normexp verify {shlex.quote(path)}" for path in where)
     return f"{len(missing)} {runs} missing, failed or corrupt, not counted: {', '.join(named)}{more}{why} ({verify})"
 

@@ -287,9 +287,7 @@ def verification_to_rich(result):  # result: normexp.verify.Verification -> rich
         parts.append(Text("clean" + (" after the fixes above" if result.fixed and rows else ""), style="bold"))
     else:
         left = f"{result.remaining} problem{'s' if result.remaining != 1 else ''}"
-        hint = (f"rerun the sweep (normexp sweep {result.out_dir / 'sweep.yaml'} --out {result.out_dir})"
-                if result.fixed else f"normexp verify {result.out_dir} --fix")
-        parts.append(Text(f"{left} {'left' if result.fixed else 'found'}: {hint}", style="bold"))
+        parts.append(Text(f"{left} {'left' if result.fixed else 'found'}: {result.next_step}", style="bold"))
     return Group(*parts)
 
 

@@ -93,6 +93,20 @@ class Verification:
     def clean(self) -> bool:
         return self.remaining == 0
 
+    @property
+    def next_step(self) -> str:
+        """What mends the problems left: `--fix` where it has something to do, then (or else) rerunning the
+        sweep, which redoes the runs missing, failed or removed."""
+        rerun = f"rerun the sweep (normexp sweep {self.out_dir / 'sweep.yaml'} --out {self.out_dir})"
+        problems = [f for f in self.findings if f.severity == "problem"]
+        redo = any(REDO in f.remedy for f in problems)
+        # a rerun rewrites summary.csv too: --fix is for what a rerun leaves (strays, corrupt runs, ...)
+        mendable = not self.fixed and any("--fix" in f.remedy and not (redo and f.path == SUMMARY_FILE)
+                                          for f in problems)
+        if not mendable:
+            return rerun
+        return f"normexp verify {self.out_dir} --fix" + (f", then {rerun}" if redo else "")
+
 
 def verify_sweep(out_dir: str | Path, fix: bool = False) -> Verification:
     """Check `out_dir` (see the module docstring); with `fix`, repair what can be. StoreError if the

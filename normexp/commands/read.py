@@ -229,7 +229,8 @@ def plot(
         metavar="RUN_DIR...", help="A sweep's output folder; several: compared side by side (a `sweep` key).",
         parser=folder_argument)],
     output: Annotated[Path | None, typer.Option(
-        "-o", "--output", help="Figure file, .png | .pdf | .svg [default: RUN_DIR/<metric>.<format>].")] = None,
+        "-o", "--output", help="Figure file, .png | .pdf | .svg [default: RUN_DIR/<metric>.<format>; several "
+                               "RUN_DIRs: ./compare-<metric>.<format>].")] = None,
     metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
     blocks: Annotated[bool, typer.Option("--blocks", help="Per-block dynamics of runs with train.log_blocks.")] = False,
     sharpness: Annotated[bool, typer.Option(
@@ -277,10 +278,10 @@ def plot(
         raise fail(f"--row, --col, --hue: not with --{'blocks' if blocks else 'sharpness'} (its panels are fixed)")
     facets = {name: listed(f"--{name}", value) for name, value in (("row", row), ("col", col), ("hue", hue))}
     folder = _load_folder(run_dirs)
-    if output is None and len(run_dirs) > 1:  # into the first folder, named so that no sweep's own figure is replaced
+    if output is None and len(run_dirs) > 1:  # a comparison belongs to no one folder: into the current one
         name = f"blocks-{block_metric or 'fc2_update'}" if blocks else "sharpness" if sharpness else \
             metric or folder.sweep.report.metric
-        output = run_dirs[0] / f"compare-{name}.{'png' if blocks else fmt or 'png'}"
+        output = Path(f"compare-{name}.{'png' if blocks else fmt or 'png'}")
     try:
         if blocks:
             if output is None and fmt is not None:

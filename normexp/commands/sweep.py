@@ -18,6 +18,7 @@ from normexp import output, stopping
 from normexp.commands.console import (
     Exit,
     check_choice,
+    config_file,
     err,
     fail,
     load,
@@ -34,7 +35,8 @@ ENGINE, WHERE, ARRAY = "Engine", "Where it runs", "Job array (--launcher slurm |
 
 
 def sweep(
-    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file (see configs/).")],
+    config: Annotated[Path, typer.Argument(
+        metavar="CONFIG", help="Sweep YAML file, or the name of one shipped (warmup, depth, ...).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
     out_dir: Annotated[str | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded grid; run nothing.")] = False,
@@ -83,6 +85,7 @@ def sweep(
         help="--launcher: submitit's folder [default: OUT/.submitit].", rich_help_panel=ARRAY)] = None,
 ) -> None:
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
+    config = config_file(config)
     spec = load(config, set_ or [], max_runs)
     if launcher is not None or shards is not None:
         from normexp.launch import ArraySettings
@@ -117,6 +120,8 @@ def sweep(
         with contextlib.suppress(output.OutputLost):
             if not quiet and out_dir is None:  # the default folder, said before anything is written to it
                 out.print(f"writing to {target} (the default for sweep '{spec.name}'; --out DIR to choose)")
+            if not quiet and engine == "fast" and fast_declined(spec.runs):
+                out.print(fast_declined(spec.runs))
         outcome = _run(spec, target, options, quiet, _invocation(config))
         with contextlib.suppress(output.OutputLost):
             _print_outcome(outcome, target, quiet)
@@ -343,9 +348,32 @@ def _print_grid(spec: Sweep, target: Path, engine: str) -> None:
     folder = str(target)  # os.path, not pathlib: 10,000 runs
     todo = [cfg for rid, cfg in zip(ids, spec.runs) if not os.path.isfile(os.path.join(folder, rid, "done.json"))]
     done = len(ids) - len(todo)  # a done.json present; `normexp verify` checks what it says
-    estimate = ", ".join(f"~{_minutes(estimated_seconds(todo, e))} on --engine {e}" for e in ("fast", "reference"))
+    from normexp.engines.fast import fast_serves
+
+    served = [cfg for cfg in todo if fast_serves(cfg)]  # the rest train on the exact engines under --engine fast
+    fast = estimated_seconds(served, "fast") + estimated_seconds([c for c in todo if not fast_serves(c)], "batched")
+    reference = estimated_seconds(todo, "reference")
+    estimate = f"~{_minutes(fast)} on --engine fast, ~{_minutes(reference)} on --engine reference"
     out.print(f"{done} already done, {len(todo)} to run in {target}; estimated {estimate} "
               f"(from the runs' FLOPs at rates measured on 2 CPU cores: docs/performance.md)", markup=False)
+    note = fast_declined(spec.runs)
+    if note and engine == "fast":
+        out.print(note, markup=False)
+
+
+def fast_declined(runs: list) -> str:
+    """What `--engine fast` does with the runs it does not serve (`fast_serves`), in one line, or ""."""
+    from collections import Counter
+
+    from normexp.engines.fast import fast_unserved
+
+    unserved = [fast_unserved(cfg) for cfg in runs]
+    declined = sum(map(bool, unserved))
+    if not declined:
+        return ""
+    keys = ", ".join(key for key, _ in Counter(key for keys in unserved for key in keys).most_common())
+    return (f"--engine fast: {declined} of {plural(len(runs), 'run')} set {keys}, which the fast engine does not "
+            "serve: they train on the exact engines instead (batched where they batch, else the reference)")
 
 
 def _minutes(seconds: float) -> str:
@@ -381,6 +409,7 @@ def validate(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
 ) -> None:
     """Check a sweep file (and --set values) without running anything."""
+    config = config_file(config)
     spec = load(config, set_ or [])
     out.print(f"{config}: ok · sweep '{spec.name}' · {plural(len(spec.runs), 'run')}")
 

@@ -21,7 +21,15 @@ Import from `normexp.config`: the names below are its interface.
 
 from normexp.config.errors import MAX_ERROR_LINES, ConfigError, TooManyRuns
 from normexp.config.grid import DEFAULT_MAX_RUNS, Sweep, SweepFile, build_sweep, load_sweep, parse_set
-from normexp.config.loader import MAX_YAML_NODES, SYMLINK_LOOP, is_symlink_loop, parse_yaml, read_mapping
+from normexp.config.loader import (
+    MAX_YAML_NODES,
+    PACKAGED_CONFIGS,
+    SYMLINK_LOOP,
+    is_symlink_loop,
+    packaged_config,
+    parse_yaml,
+    read_mapping,
+)
 from normexp.config.optimizer import OptimName, ScheduleKind
 from normexp.config.schema import (
     ACTS_ONLY_UNDER,
@@ -67,12 +75,13 @@ from normexp.config.schema import (
 __all__ = [
     "ACTS_ONLY_UNDER", "ACTS_ONLY_UNDER_BY_SECTION", "ARCH_ONLY", "DEFAULT_MAX_RUNS", "DEFAULT_SEQ_LEN",
     "GENERIC_LEAVES", "MAX_ERROR_LINES", "MAX_YAML_NODES", "METRICS", "METRIC_COLUMNS", "SEQUENCE_TASKS",
-    "STOP_REASONS",
+    "PACKAGED_CONFIGS", "STOP_REASONS",
     "SYMLINK_LOOP", "TRAINED_FRACTION", "VAL_COLUMNS", "Z_LOSS_COLUMN", "Arch", "ConfigError", "DataConfig",
     "Init", "Metric",
     "ModelConfig", "NormConfig", "NormKind", "OptimConfig", "OptimName", "Placement", "ReportConfig",
     "RunConfig", "ScheduleConfig", "ScheduleKind", "Sweep", "SweepFile", "TaskName", "TooManyRuns",
     "TrainConfig", "arch_problem", "chance_classes", "build_sweep", "flatten", "inert_keys", "is_symlink_loop",
-    "key_label", "load_run_config", "load_sweep", "mixln_post_count", "parse_set", "parse_yaml", "read_mapping",
+    "key_label", "load_run_config", "load_sweep", "mixln_post_count", "packaged_config", "parse_set", "parse_yaml",
+    "read_mapping",
     "run_keys", "section_cache", "sequence_shape", "trained_threshold", "validate_run",
 ]

@@ -25,7 +25,6 @@ from normexp.config.errors import (
     _describe,
     _error_lines,
     _errors,
-    _format_errors,
     _key_path,
     _loc,
     _tuple_field_at,
@@ -290,6 +289,20 @@ def _blame(loc: Sequence[Any], combo: dict[str, Any]) -> str:
     return _key_path("base", loc)
 
 
+def _sweep_file_problem(err: dict) -> str:
+    """What is wrong at one place of a sweep file, with a hint for the shape mistakes YAML invites: a
+    run's section at the top (`model:` belongs under `base:`), one value where a list is expected."""
+    loc, value = err["loc"], err.get("input")
+    if err["type"] == "extra_forbidden" and len(loc) == 1 and loc[0] in RunConfig.model_fields:
+        return f"unknown key (did you mean 'base.{loc[0]}'? a run's settings go under base:)"
+    if err["type"] == "list_type" and loc[0] == "grid" and len(loc) == 2:
+        return (f"must be a list of the axis's values, e.g. [{_brief(value)}], got {_brief(value)} "
+                "(a value every run shares goes under base:)")
+    if err["type"] == "list_type" and tuple(loc) == ("seeds",):
+        return f"must be a list of seeds, e.g. [{_brief(value)}], got {_brief(value)}"
+    return _describe(err, SweepFile)
+
+
 def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:
     """Validate a sweep mapping, apply `--set` overrides, and expand it into runs."""
     data = dict(data)
@@ -312,7 +325,8 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
     try:
         sweep_file = SweepFile.model_validate(data)
     except ValidationError as exc:
-        raise _format_errors(exc, SweepFile, "") from None
+        raise _error_lines([f"{_key_path('', _loc(err))}: {_sweep_file_problem(err)}"
+                            for err in _errors(exc, SweepFile)]) from None
     for key, values in sweep_file.grid.items():
         _check_grid_key(key, f"grid.{key}")
         if not values:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
-from normexp.config import Sweep, load_sweep
+from normexp.config import PACKAGED_CONFIGS, Sweep, load_sweep
 from normexp.executors import usable_cores
 from normexp.folder import StoreError, lock_owner
 from normexp.report import build_report, to_markdown
@@ -38,7 +38,7 @@ from normexp.studies.verdicts import (
 from normexp.sweep import SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data: a checkout's configs/ links here
+CONFIGS = PACKAGED_CONFIGS
 
 # The speed table's big shape: the article's hidden size 4096 over 8 x 512 tokens (its (64, 512, 4096)
 # takes 8x longer; `normexp norms bench` and `make bench` time that one).

@@ -32,9 +32,15 @@ def fast_serves(cfg: RunConfig) -> bool:
     """Whether the fast engine trains `cfg` as the exact engines define it: not with train.log_blocks
     (blocks.csv is the reference's bits or nothing), nor train.log_sharpness (the reference measures it), nor
     with an optimizer key of FAST_UNSERVED_OPTIM set."""
+    return not fast_unserved(cfg)
+
+
+def fast_unserved(cfg: RunConfig) -> list[str]:
+    """The keys set in `cfg` that the fast engine does not serve (see `fast_serves`), e.g. ['train.log_blocks']."""
     defaults = OptimConfig.model_fields
-    return (not cfg.train.log_blocks and cfg.train.log_sharpness is None
-            and all(getattr(cfg.optim, key) == defaults[key].default for key in FAST_UNSERVED_OPTIM))
+    return ([*(["train.log_blocks"] if cfg.train.log_blocks else []),
+             *(["train.log_sharpness"] if cfg.train.log_sharpness is not None else []),
+             *(f"optim.{key}" for key in FAST_UNSERVED_OPTIM if getattr(cfg.optim, key) != defaults[key].default)])
 
 
 def fast_key(cfg: RunConfig) -> tuple:
