@@ -101,8 +101,8 @@ STOPPED_LISTED = 3  # runs named one by one in the early-stopping note; more are
 def stopped_note(summary: pd.DataFrame) -> str:
     """A line on the finished runs that train.stop_when stopped early ("Stopped early (train.stop_when):
     post-layernorm-s0-... at step 12 (trained)", or per reason "5 trained, at steps 12 to 30"), or "" where
-    none did (or the folder predates the stopped_at column). They record no step after theirs: a later
-    cell's mean leaves them out."""
+    none did (or the folder predates the stopped_at column). They record no step after theirs; a per-step
+    mean holds each at its last value (`finals.hold_stopped`), unless it diverged."""
     finished = finished_runs(summary)
     if "stopped_at" not in finished or finished.empty:
         return ""
@@ -121,7 +121,7 @@ def stopped_note(summary: pd.DataFrame) -> str:
             parts.append(f"{len(group)} {why}, at {steps}")
     runs = "run" if len(finished) == 1 else "runs"
     return (f"Stopped early (train.stop_when), {len(stopped)} of {len(finished)} {runs}: {'; '.join(parts)}; "
-            "a cell after a run's stop leaves it out.")
+            "each per-step mean holds a stopped run at its last value (a diverged stop counts as diverged).")
 
 
 def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
