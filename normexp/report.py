@@ -76,8 +76,8 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
 
 
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
-                "or are missing (named below). A run that ended before a step (a shorter train.steps) counts in no cell "
-                "past its last step; a run that train.stop_when stopped early (and did not diverge) is not among "
+                "or are missing (named below). A run that ended before a step (a shorter train.steps) counts in no "
+                "cell past its last step; a run that train.stop_when stopped early (and did not diverge) is not among "
                 "them: it holds its last value in every later cell of its train.steps.")
 
 
