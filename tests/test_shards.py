@@ -287,3 +287,27 @@ def test_merge_refuses_a_folder_of_the_users_that_holds_a_summary_csv(tmp_path):
     result = runner.invoke(app, ["merge", str(out), str(tmp_path / "a")])
     assert result.exit_code == 2 and "not a sweep folder normexp wrote" in result.output, result.output
     assert [p.name for p in out.iterdir()] == ["summary.csv"] and (out / "summary.csv").read_text() == "mine,1\n"
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "local"])
+def test_the_arrays_tasks_run_with_the_options_the_command_gave(tmp_path, write_yaml, launcher):
+    """--launcher dropped --device, --compile/--no-compile, --workers, --cluster and --max-runs from the
+    tasks it started: each task ran on the defaults. The task's command line carries them."""
+    pytest.importorskip("submitit")
+    config = write_yaml(SHARDED)
+    given = ["--engine", "fast", "--device", "cuda", "--no-compile", "--workers", "3", "--cluster", "local:2",
+             "--max-runs", "500", "--fail-fast"]
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", launcher,
+                                 "--shards", "2", *given, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    task = " ".join(result.output.split()).split("task I running: ")[1]
+    for option in (" ".join(given[i:i + 2]) for i in (0, 2, 5, 7, 9)):
+        assert option in task, (option, task)
+    assert "--no-compile" in task and "--fail-fast" in task
+    plain = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", launcher,
+                                "--shards", "2", "--dry-run"])
+    task = " ".join(plain.output.split()).split("task I running: ")[1]
+    assert not any(o in task for o in ("--device", "compile", "--workers", "--cluster", "--max-runs", "--fail"))
+    bad = runner.invoke(app, ["sweep", str(config), "--launcher", launcher, "--shards", "2", "--compile",
+                              "--engine", "batched", "--dry-run"])
+    assert bad.exit_code == 2 and "--compile" in bad.output, bad.output
