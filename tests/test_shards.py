@@ -311,3 +311,31 @@ def test_the_arrays_tasks_run_with_the_options_the_command_gave(tmp_path, write_
     bad = runner.invoke(app, ["sweep", str(config), "--launcher", launcher, "--shards", "2", "--compile",
                               "--engine", "batched", "--dry-run"])
     assert bad.exit_code == 2 and "--compile" in bad.output, bad.output
+
+
+WIDE = """\
+name: wide
+base: {model: {depth: 2, width: 8}, train: {steps: 3}}
+grid: {optim.lr: [0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008]}
+seeds: [0, 1, 2, 3, 4, 5, 6, 7]
+"""
+
+
+@pytest.mark.parametrize("compile_", [True, None])
+def test_a_compiled_fast_sweep_is_dealt_out_by_its_compiled_batches(tmp_path, write_yaml, monkeypatch, compile_):
+    """--shard dealt a compiled fast sweep out by 64-run uncompiled batches, though it trains 8-run compiled
+    ones: 64 runs of one structure went to shard 0 and nothing to the other 7. Dealt by the batches it
+    trains, each of 8 shards gets one compiled batch (with --compile, and where the sweep chooses to compile)."""
+    from normexp.engines.fast import plan
+    from normexp.engines.fast.plan import COMPILED_CHUNK
+
+    monkeypatch.setattr(plan, "should_compile", lambda cfg, steps: True)  # the automatic choice: compile
+    runs = build_sweep(parse_yaml(WIDE)).runs
+    shards = [shard_runs(runs, "fast", i, 8, compile=compile_) for i in range(8)]
+    assert [len(s) for s in shards] == [COMPILED_CHUNK] * 8
+    assert sorted(run_id(c) for s in shards for c in s) == sorted(run_id(c) for c in runs)
+    assert [len(shard_runs(runs, "fast", i, 8, compile=False)) for i in range(8)] == [64] + [0] * 7  # 64-run batch
+    config = write_yaml(WIDE)
+    flags = ["--compile"] if compile_ else []
+    shown = runner.invoke(app, ["sweep", str(config), "--engine", "fast", *flags, "--shard", "3/8", "--dry-run"])
+    assert shown.exit_code == 0 and "shard 3/8 trains 8 runs of the 64" in shown.output, shown.output

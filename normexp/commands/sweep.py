@@ -108,7 +108,7 @@ def sweep(
     if dry_run:
         _print_grid(spec, target, engine)
         if shard_of is not None:
-            _print_shard(spec, engine, shard_of)
+            _print_shard(spec, engine, shard_of, compile_)
         return
     if device == "cuda":
         _require_cuda()
@@ -139,11 +139,11 @@ def _shard(value: str | None) -> tuple[int, int] | None:
         raise fail(str(exc)) from None
 
 
-def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int]) -> None:
+def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int], compile_: bool | None = None) -> None:
     from normexp.folder import run_id
     from normexp.shard import shard_runs
 
-    runs = shard_runs(spec.runs, engine, *shard)
+    runs = shard_runs(spec.runs, engine, *shard, compile=compile_)
     out.print(f"shard {shard[0]}/{shard[1]} trains {plural(len(runs), 'run')} of the {len(spec.runs)}: "
               + " ".join(run_id(cfg) for cfg in runs))
 
