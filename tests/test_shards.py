@@ -339,3 +339,30 @@ def test_a_compiled_fast_sweep_is_dealt_out_by_its_compiled_batches(tmp_path, wr
     flags = ["--compile"] if compile_ else []
     shown = runner.invoke(app, ["sweep", str(config), "--engine", "fast", *flags, "--shard", "3/8", "--dry-run"])
     assert shown.exit_code == 0 and "shard 3/8 trains 8 runs of the 64" in shown.output, shown.output
+
+
+def test_a_resumed_or_sharded_fast_sweep_keeps_the_unsharded_bits(tmp_path):
+    """The fast engine's bits depend on the order of the runs in a batch (docs/fast-contract.md). What that
+    implies: a resumed sweep trains each batch with a run to redo whole, in the planned order, and records
+    only those runs; shards (one folder, or merged) train whole batches of the unsharded plan. Either way
+    metrics.csv is the unsharded sweep's, byte for byte."""
+    import shutil
+
+    sweep = _sweep()
+    options = {"engine": "fast", "compile": False}
+    run_sweep(sweep, tmp_path / "full", SweepOptions(**options))
+    full = _metrics(tmp_path / "full")
+    assert len(full) == len(sweep.runs)
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    batches = plan_units(sweep.runs, "fast", "cpu", 1, False, sweep.runs)
+    assert len(batches) > 1
+    for unit in batches[:2]:  # the last run of two batches lost: each batch retrained whole, in its order
+        shutil.rmtree(tmp_path / "resumed" / run_id(unit.runs[-1]))
+    outcome = run_sweep(sweep, tmp_path / "resumed", SweepOptions(**options))
+    assert outcome.total == len(sweep.runs) and _metrics(tmp_path / "resumed") == full
+    for i in range(3):
+        run_sweep(sweep, tmp_path / "one", SweepOptions(**options, shard=(i, 3)))
+        run_sweep(sweep, tmp_path / f"s{i}", SweepOptions(**options, shard=(i, 3)))
+    assert _metrics(tmp_path / "one") == full
+    merge_folders(tmp_path / "merged", [tmp_path / f"s{i}" for i in range(3)])
+    assert _metrics(tmp_path / "merged") == full
