@@ -276,3 +276,18 @@ def test_a_per_step_mean_holds_a_stopped_run_at_its_last_value(tmp_path):
     assert list(line.get_ydata()) == pytest.approx([held[s] for s in range(5)])
     result = CliRunner().invoke(app, ["report", str(out)])
     assert result.exit_code == 0 and "(2 of 4)" not in result.output, result.output
+
+
+def test_a_trained_stop_under_its_own_stop_below_is_not_called_trained_when_the_rule_says_not(tmp_path):
+    """`stop_when: trained` with a stop_below above the trained rule's threshold: the report said a run
+    stopped "(trained)" beside a verdict that it did not train. The stop is named by the condition it met."""
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: {model: {depth: 2, width: 8}, optim: {lr: 0.01}, train: {steps: 12, "
+                     "stop_when: trained, stop_below: 2.45, stop_patience: 1}}\nseeds: [0]\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["sweep", str(sweep), "--out", str(out)]).exit_code == 0
+    summary = load_summary(out)
+    assert summary["stopped_at"].notna().all() and not summary["trained"].astype(bool).any()
+    said = " ".join(CliRunner().invoke(app, ["report", str(out)]).output.split())
+    assert "(trained)" not in said and "loss < 2.45 (train.stop_below), not trained by the trained rule" in said, said
+    assert "Did not train" in said

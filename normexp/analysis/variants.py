@@ -98,6 +98,19 @@ ENGINES_LISTED = 6
 STOPPED_LISTED = 3  # runs named one by one in the early-stopping note; more are counted per reason
 
 
+def _trained_stop(row: pd.Series) -> str:
+    """A `stop_when: trained` stop in words: "trained" under the trained rule's own threshold; under a
+    train.stop_below of its own, the condition it met ("loss < 1 (train.stop_below)"), and, where the
+    trained rule judges the run not trained, that too: the stop and the verdict never contradict."""
+    below = row.get("train.stop_below")
+    if below is None or is_null(below):
+        return "trained"
+    text = f"loss < {float(below):g} (train.stop_below)"
+    if "trained" in row and str(row["trained"]).strip().lower() in ("false", "0", "0.0"):
+        text += ", not trained by the trained rule"
+    return text
+
+
 def stopped_note(summary: pd.DataFrame) -> str:
     """A line on the finished runs that train.stop_when stopped early ("Stopped early (train.stop_when):
     post-layernorm-s0-... at step 12 (trained)", or per reason "5 trained, at steps 12 to 30"), or "" where
@@ -111,6 +124,7 @@ def stopped_note(summary: pd.DataFrame) -> str:
     if stopped.empty:
         return ""
     reason = stopped["train.stop_when"].astype(str) if "train.stop_when" in stopped else pd.Series("?", stopped.index)
+    reason = reason.where(reason != "trained", [_trained_stop(row) for _, row in stopped.iterrows()])
     if len(stopped) <= STOPPED_LISTED:
         parts = [f"{rid} at step {step} ({why})" for rid, step, why in zip(stopped["run_id"], stopped["at"], reason)]
     else:
