@@ -366,3 +366,22 @@ def test_every_instabilities_sentence_follows_from_its_numbers(inputs):
             if sentence.startswith(lead):
                 named = sentence[len(lead):].split(")")[0].split(", but")[0].split(", ")
                 assert set(named) <= reached, sentence
+
+
+@pytest.mark.parametrize(("metric", "hint"), [("z_loss", "Transformer runs with train.z_loss above 0 only"),
+                                              ("val_loss", "sequence tasks only")])
+def test_a_metric_ffn_runs_do_not_record_gets_its_own_hint(tmp_path, metric, hint):
+    """`report --metric z_loss` on FFN runs said "(val_loss and val_acc: sequence tasks only)": a hint about
+    other columns. Each metric's refusal names the runs that record it."""
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: {model: {depth: 2, width: 4}, train: {steps: 1}}\nseeds: [0]\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["sweep", str(sweep), "--out", str(out), "-q"]).exit_code == 0
+    said = CliRunner().invoke(app, ["report", str(out), "--metric", metric])
+    text = " ".join(said.output.split())
+    assert said.exit_code == 2 and f"--metric {metric}: not recorded by these runs" in text and hint in text, text
+    assert (metric == "z_loss") != ("val_loss and val_acc" in text)
