@@ -148,12 +148,26 @@ def _submitit():
     return submitit
 
 
-def task_argv(config: Path, overrides: Sequence[str], out_dir: Path, engine: str, force: bool = False) -> list[str]:
-    """The `normexp sweep` arguments every task runs (absolute paths)."""
+def task_argv(config: Path, overrides: Sequence[str], out_dir: Path, engine: str, force: bool = False,
+              options: Sequence[str] = ()) -> list[str]:
+    """The `normexp sweep` arguments every task runs (absolute paths); `options`: the sweep's other options
+    as given (`sweep_options`: --device, --compile, --workers, --cluster, --max-runs, --fail-fast), so
+    that each task runs as the command asked."""
     argv = ["sweep", str(Path(config).resolve()), "--out", str(Path(out_dir).resolve()), "--engine", engine]
     for option in overrides:
         argv += ["--set", option]
-    return argv + (["--force"] if force else [])
+    return argv + (["--force"] if force else []) + list(options)
+
+
+def sweep_options(device: str = "cpu", compile_: bool | None = None, workers: int | None = None,
+                  cluster: str | None = None, max_runs: int | None = None, fail_fast: bool = False) -> list[str]:
+    """The `normexp sweep` options a task passes on, those not at their defaults (None: unset)."""
+    argv = [] if device == "cpu" else ["--device", device]
+    argv += [] if compile_ is None else ["--compile" if compile_ else "--no-compile"]
+    argv += [] if workers is None else ["--workers", str(workers)]
+    argv += [] if cluster is None else ["--cluster", cluster]
+    argv += [] if max_runs is None else ["--max-runs", str(max_runs)]
+    return argv + (["--fail-fast"] if fail_fast else [])
 
 
 def sbatch_script(argv: Sequence[str], settings: ArraySettings, logs: Path) -> str:

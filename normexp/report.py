@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from normexp.analysis.finals import LIMIT, TRAINED, variant_finals
+from normexp.analysis.finals import LIMIT, TRAINED, hold_stopped, variant_finals
 from normexp.analysis.variants import (
     CHOICE_KEYS,
     PLACEMENT_LABELS,
@@ -76,8 +76,9 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
 
 
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
-                "or are missing (named below). A run that ended before a step (a shorter train.steps, or stopped "
-                "early by train.stop_when) counts in no cell past its last step.")
+                "or are missing (named below). A run that ended before a step (a shorter train.steps) counts in no "
+                "cell past its last step; a run that train.stop_when stopped early (and did not diverge) is not among "
+                "them: it holds its last value in every later cell of its train.steps.")
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
     folder = as_folder(source)
     run_dir, section = folder.path, folder.sweep.report
     summary = folder.view(only_last)
-    tidy = folder.metrics(all_config=True, only_last=only_last)
+    tidy = hold_stopped(folder.metrics(all_config=True, only_last=only_last))  # a stopped run holds its value
     varying = [k for k in varying_keys(summary) if k != "seed"]
     if by:
         keys = list(by)

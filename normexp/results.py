@@ -267,10 +267,16 @@ def _sharpness(run_dir: Path, summary: pd.DataFrame, all_config: bool) -> pd.Dat
     return _attach(run_dir, summary, finished, SHARPNESS_FILE, all_config)
 
 
+METRIC_RECORDED_BY = {"val_loss": "val_loss and val_acc: sequence tasks only",
+                      "val_acc": "val_loss and val_acc: sequence tasks only",
+                      "z_loss": "z_loss: Transformer runs with train.z_loss above 0 only"}  # which runs record it
+
+
 def check_metric(tidy: pd.DataFrame, metric: str) -> None:
-    """Refuse a metric the runs did not record (the held-out columns exist for sequence tasks only)."""
+    """Refuse a metric the runs did not record, saying which runs record it (METRIC_RECORDED_BY)."""
     if metric not in tidy:
-        raise ResultsError(f"--metric {metric}: not recorded by these runs (val_loss and val_acc: sequence tasks only)")
+        why = METRIC_RECORDED_BY.get(metric)
+        raise ResultsError(f"--metric {metric}: not recorded by these runs" + (f" ({why})" if why else ""))
 
 
 def _attach(run_dir: str | Path, summary: pd.DataFrame, finished: pd.DataFrame, file: str,

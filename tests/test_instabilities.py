@@ -306,3 +306,82 @@ def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract(fresh_fa
     for column in ("loss", "acc", "val_loss", "z_loss"):
         assert fast.metrics[column] == pytest.approx(reference.metrics[column], abs=1e-4), column
     assert fast.metrics["grad_norm"] == pytest.approx(reference.metrics["grad_norm"], rel=1e-4)
+
+
+# ---- the verdict's sentences against its inputs, over synthetic frames (not one fixture) ----
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_DESIGNS = [("post", "layernorm"), ("pre", "layernorm"), ("pre", "rmsnorm")]
+_PEAKS = st.one_of(st.floats(0.5, 20.0), st.floats(49.9, 50.1), st.floats(1e3, 2e5))
+
+
+@st.composite
+def _verdict_inputs(draw):
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    designs = draw(st.lists(st.sampled_from(_DESIGNS), min_size=1, max_size=3, unique=True))
+    lrs, seeds = [0.001, 0.01, 0.1], draw(st.integers(1, 2))
+    rows, sens = [], {}
+    for placement, kind in designs:
+        for qk, z in ((False, 0.0), (True, 0.0), (False, 1e-4)):
+            for lr in lrs:
+                for seed in range(seeds):
+                    rows.append({"norm.placement": placement, "norm.kind": kind, "model.qk_norm": qk,
+                                 "train.z_loss": z, "optim.lr": lr, "seed": seed, "logit_peak": draw(_PEAKS),
+                                 "log_z_peak": draw(st.floats(0.0, 30.0))})
+            sensitivity = draw(st.one_of(st.just(math.nan), st.floats(0.0, 2.0)))
+            sens[(placement, kind, qk, z)] = SimpleNamespace(
+                sensitivity=sensitivity, spread=draw(st.one_of(st.just(math.nan), st.floats(0.0, 0.3))),
+                best_loss=draw(st.sampled_from([0.05, 0.2, 2.5])))
+    return pd.DataFrame(rows), sens
+
+
+@settings(max_examples=150, deadline=None)
+@given(_verdict_inputs())
+def test_every_instabilities_sentence_follows_from_its_numbers(inputs):
+    """Item: "No design's attention logits reach 50" was printed beside peaks of 1.1e5 when every design
+    whose logits grew never trained. Each claim about the 50 limit must agree with the peaks (seeds' mean
+    without qk-norm) the verdict itself is given."""
+    from normexp.analysis.variants import variant_label
+    from normexp.studies.verdicts import LOGIT_LIMIT, instabilities_text
+
+    runs, sens = inputs
+    said = instabilities_text(runs, sens, threshold=0.23, diverged=0)
+    off = runs[~runs["model.qk_norm"] & (runs["train.z_loss"] == 0.0)]
+    mean = off.groupby(["norm.placement", "norm.kind", "optim.lr"])["logit_peak"].mean()
+    reached = {variant_label({"norm.placement": p, "norm.kind": k})
+               for (p, k), peaks in mean.groupby(level=[0, 1]) if (peaks >= LOGIT_LIMIT).any()}
+    labels = {variant_label({"norm.placement": p, "norm.kind": k}) for p, k in zip(runs["norm.placement"],
+                                                                                    runs["norm.kind"])}
+    assert ("No design's attention logits reach" in said) == (not reached), said
+    for label in labels:
+        section = next(part for part in said.split(". ") if part.startswith(label + ":"))
+        if "under 50 at every lr" in section or "at least 50 from lr" in section:
+            assert ("at least 50 from lr" in section) == (label in reached), section
+    for sentence in said.split(". "):
+        for lead in ("Where the attention logits grow (", "The attention logits reach 50 in "):
+            if sentence.startswith(lead):
+                named = sentence[len(lead):].split(")")[0].split(", but")[0].split(", ")
+                assert set(named) <= reached, sentence
+
+
+@pytest.mark.parametrize(("metric", "hint"), [("z_loss", "Transformer runs with train.z_loss above 0 only"),
+                                              ("val_loss", "sequence tasks only")])
+def test_a_metric_ffn_runs_do_not_record_gets_its_own_hint(tmp_path, metric, hint):
+    """`report --metric z_loss` on FFN runs said "(val_loss and val_acc: sequence tasks only)": a hint about
+    other columns. Each metric's refusal names the runs that record it."""
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: {model: {depth: 2, width: 4}, train: {steps: 1}}\nseeds: [0]\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["sweep", str(sweep), "--out", str(out), "-q"]).exit_code == 0
+    said = CliRunner().invoke(app, ["report", str(out), "--metric", metric])
+    text = " ".join(said.output.split())
+    assert said.exit_code == 2 and f"--metric {metric}: not recorded by these runs" in text and hint in text, text
+    assert (metric == "z_loss") != ("val_loss and val_acc" in text)

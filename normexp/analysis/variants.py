@@ -99,11 +99,24 @@ ENGINES_LISTED = 6
 STOPPED_LISTED = 3  # runs named one by one in the early-stopping note; more are counted per reason
 
 
+def _trained_stop(row: pd.Series) -> str:
+    """A `stop_when: trained` stop in words: "trained" under the trained rule's own threshold; under a
+    train.stop_below of its own, the condition it met ("loss < 1 (train.stop_below)"), and, where the
+    trained rule judges the run not trained, that too: the stop and the verdict never contradict."""
+    below = row.get("train.stop_below")
+    if below is None or is_null(below):
+        return "trained"
+    text = f"loss < {float(below):g} (train.stop_below)"
+    if "trained" in row and str(row["trained"]).strip().lower() in ("false", "0", "0.0"):
+        text += ", not trained by the trained rule"
+    return text
+
+
 def stopped_note(summary: pd.DataFrame) -> str:
     """A line on the finished runs that train.stop_when stopped early ("Stopped early (train.stop_when):
     post-layernorm-s0-... at step 12 (trained)", or per reason "5 trained, at steps 12 to 30"), or "" where
-    none did (or the folder predates the stopped_at column). They record no step after theirs: a later
-    cell's mean leaves them out."""
+    none did (or the folder predates the stopped_at column). They record no step after theirs; a per-step
+    mean holds each at its last value (`finals.hold_stopped`), unless it diverged."""
     finished = finished_runs(summary)
     if "stopped_at" not in finished or finished.empty:
         return ""
@@ -112,6 +125,7 @@ def stopped_note(summary: pd.DataFrame) -> str:
     if stopped.empty:
         return ""
     reason = stopped["train.stop_when"].astype(str) if "train.stop_when" in stopped else pd.Series("?", stopped.index)
+    reason = reason.where(reason != "trained", [_trained_stop(row) for _, row in stopped.iterrows()])
     if len(stopped) <= STOPPED_LISTED:
         parts = [f"{rid} at step {step} ({why})" for rid, step, why in zip(stopped["run_id"], stopped["at"], reason)]
     else:
@@ -122,7 +136,7 @@ def stopped_note(summary: pd.DataFrame) -> str:
             parts.append(f"{len(group)} {why}, at {steps}")
     runs = "run" if len(finished) == 1 else "runs"
     return (f"Stopped early (train.stop_when), {len(stopped)} of {len(finished)} {runs}: {'; '.join(parts)}; "
-            "a cell after a run's stop leaves it out.")
+            "each per-step mean holds a stopped run at its last value (a diverged stop counts as diverged).")
 
 
 def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:

@@ -308,9 +308,19 @@ FIGURE_FORMATS = ("png", "pdf", "svg")
 def _exit_if_runs_missing(folder: Folder, shown: bool) -> None:
     """Runs of the sweep missing, failed or corrupt: what exists was printed; name them (unless the
     output did) and exit 1, so that a script notices."""
+    from normexp.folder import HISTORY_DAMAGE_EFFECT, HISTORY_FILE, history_damage
     from normexp.results import missing_note
 
+    damage = False
+    for _, one in getattr(folder, "folders", None) or [("", folder)]:  # each folder of a comparison
+        lines = history_damage(one.path)
+        if lines:  # an invocation it lost: its unfinished runs would be missing, uncounted
+            err.print(f"{one.path / HISTORY_FILE}: damaged ({'; '.join(lines)}): {HISTORY_DAMAGE_EFFECT}",
+                      soft_wrap=True)
+            damage = True
     note = missing_note(folder.summary, folder.path)
+    if damage and not note:
+        raise typer.Exit(Exit.FAILED)
     if note:
         if not shown:
             err.print(note, soft_wrap=True)

@@ -87,17 +87,6 @@ def sweep(
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
     config = config_file(config)
     spec = load(config, set_ or [], max_runs)
-    if launcher is not None or shards is not None:
-        from normexp.launch import ArraySettings
-
-        if shard is not None:
-            raise fail("--shard: each task of --launcher's array takes its own; give one or the other")
-        _check_slurm_words(partition=partition, account=account, qos=qos, mem=mem)
-        _launch(config, set_ or [], spec, out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
-                ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
-                              tuple(setup or ())), logs)
-        return
-    shard_of = _shard(shard)
     check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
     if compile_ is not None and engine != "fast":
         flag = "--compile" if compile_ else "--no-compile"
@@ -105,11 +94,24 @@ def sweep(
     check_choice("--device", device, ("cpu", "cuda"))
     if cluster is not None:
         _check_cluster(cluster)
+    if launcher is not None or shards is not None:
+        from normexp.launch import ArraySettings, sweep_options
+
+        if shard is not None:
+            raise fail("--shard: each task of --launcher's array takes its own; give one or the other")
+        _check_slurm_words(partition=partition, account=account, qos=qos, mem=mem)
+        passed = tuple(sweep_options(device, compile_, workers, cluster,  # each task runs as this command asked
+                                     None if max_runs == DEFAULT_MAX_RUNS else max_runs, fail_fast))
+        _launch(config, set_ or [], spec, out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
+                ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
+                              tuple(setup or ())), logs, passed)
+        return
+    shard_of = _shard(shard)
     target = out_folder(out_dir, spec.name)
     if dry_run:
         _print_grid(spec, target, engine)
         if shard_of is not None:
-            _print_shard(spec, engine, shard_of)
+            _print_shard(spec, engine, shard_of, compile_)
         return
     if device == "cuda":
         _require_cuda()
@@ -142,17 +144,17 @@ def _shard(value: str | None) -> tuple[int, int] | None:
         raise fail(str(exc)) from None
 
 
-def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int]) -> None:
+def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int], compile_: bool | None = None) -> None:
     from normexp.folder import run_id
     from normexp.shard import shard_runs
 
-    runs = shard_runs(spec.runs, engine, *shard)
+    runs = shard_runs(spec.runs, engine, *shard, compile=compile_)
     out.print(f"shard {shard[0]}/{shard[1]} trains {plural(len(runs), 'run')} of the {len(spec.runs)}: "
               + " ".join(run_id(cfg) for cfg in runs))
 
 
 def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engine: str, force: bool,
-            launcher: str | None, dry_run: bool, settings, logs: Path | None) -> None:
+            launcher: str | None, dry_run: bool, settings, logs: Path | None, passed: tuple[str, ...] = ()) -> None:
     """`sweep --launcher`: submit (or show, with --dry-run) the job array of `settings.shards` shards."""
     from normexp.launch import LAUNCHERS, run_local, sbatch_script, submit, task_argv
 
@@ -160,7 +162,7 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
         raise fail("--launcher and --shards go together: e.g. --launcher slurm --shards 8")
     check_choice("--launcher", launcher, LAUNCHERS)
     check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
-    argv = task_argv(config, overrides, target, engine, force)
+    argv = task_argv(config, overrides, target, engine, force, passed)
     logs = (logs or target / ".submitit").resolve()
     try:
         if dry_run:

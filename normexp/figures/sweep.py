@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from normexp.analysis.finals import is_sampled, numeric_axes
+from normexp.analysis.finals import hold_stopped, is_sampled, numeric_axes
 from normexp.analysis.sensitivity import LR_KEY, MIN_LRS, lr_table
 from normexp.analysis.variants import distinct_keys, engine_note
 from normexp.figures.curves import curves_figure, lr_figure
@@ -54,7 +54,8 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
     keys, _ = distinct_keys(summary, [k for k in varying_keys(summary) if k != "seed"])
     facets = choose_facets(keys, row, col, hue, value_counts(summary, keys))
     note = "\n".join(filter(None, [engine_note(summary, keys), missing_note(summary, run_dir)]))
-    figures = [("", curves_figure(tidy, keys, metric, facets=facets, trained_below=rule), note)]
+    curves = curves_figure(hold_stopped(tidy), keys, metric, facets=facets, trained_below=rule)  # stopped: held
+    figures = [("", curves, note)]
     axes = numeric_axes(summary)
     sampled_lr = any(is_sampled(finished_runs(summary), LR_KEY, k) for k in axes if k != LR_KEY)
     if LR_KEY in summary and summary[LR_KEY].nunique() >= MIN_LRS and not sampled_lr:  # else: the scatter

@@ -344,41 +344,70 @@ def instabilities_verdict(source: Path | Folder) -> str:
     for row in build_sensitivity(folder):
         v = {key: row.values.get(key, fixed[key]) for key in INSTABILITY_KEYS}
         sens[(v["norm.placement"], v["norm.kind"], flag(v["model.qk_norm"]), float(v["train.z_loss"]))] = row
-    seeds = runs["seed"].nunique()
     summary = _finished_summary(folder)
     threshold = float(thresholds(summary, folder.trained_rule()).iloc[0])  # the folder's trained rule
+    diverged = int((summary["status"] == "diverged").sum())
+    return instabilities_text(runs, sens, threshold, diverged)
+
+
+def _peak_text(value: float) -> str:
+    """A logit peak as the verdict prints it: 3 significant digits, more where those would round it across
+    LOGIT_LIMIT (49.96 is not printed "50" beside "under 50")."""
+    text = f"{value:.3g}"
+    if math.isfinite(value) and (float(text) >= LOGIT_LIMIT) != (value >= LOGIT_LIMIT):
+        text = repr(float(value))
+    return text
+
+
+def instabilities_text(runs: pd.DataFrame, sens: dict, threshold: float, diverged: int) -> str:
+    """The instabilities verdict from its inputs: `runs` (instability_runs' rows), `sens` (Sensitivity rows
+    keyed by (placement, kind, qk_norm, z_loss)), the folder's trained threshold and its diverged count.
+    Every sentence follows from the numbers printed beside it."""
+    seeds = runs["seed"].nunique()
     cells = runs.groupby([*INSTABILITY_KEYS, "optim.lr"])[["logit_peak", "log_z_peak"]].mean()
     designs = list(dict.fromkeys((p, k) for p, k, _, _ in sens))
     z_on = max((z for *_, z in sens), default=0.0)
-    parts, grows, helped = [], [], []
+    parts, grows, helped, reached, untallied = [], [], [], [], []
     for placement, kind in designs:
         label = variant_label({"norm.placement": placement, "norm.kind": kind})
         off, on = sens.get((placement, kind, False, 0.0)), sens.get((placement, kind, True, 0.0))
-        if off is None or on is None or math.isnan(off.sensitivity) or math.isnan(on.sensitivity):
-            parts.append(f"{label}: no LR sensitivity with and without qk-norm (an lr has no finished run)")
-            continue
-        peak = cells.loc[(placement, kind, False, 0.0), "logit_peak"]
+        key = (placement, kind, False, 0.0)
+        peak = cells.loc[key, "logit_peak"] if key in cells.index.droplevel("optim.lr") else pd.Series(dtype=float)
         grown = [lr for lr, g in peak.items() if g >= LOGIT_LIMIT]
+        if grown:
+            reached.append(label)
+        by_lr = ", ".join(_peak_text(p) for p in peak)
+        if off is None or on is None or math.isnan(off.sensitivity) or math.isnan(on.sensitivity):
+            parts.append(f"{label}: no LR sensitivity with and without qk-norm (an lr has no finished run)"
+                         + (f"; without qk-norm its largest attention logit peaks at {by_lr} over the lrs"
+                            if by_lr else ""))
+            if grown:
+                untallied.append(label)
+            continue
         qk_peak = cells.loc[(placement, kind, True, 0.0), "logit_peak"]
         effect = _compare(off, on)
         where = (f"at least {LOGIT_LIMIT:g} from lr {min(grown):g} up" if grown
                  else f"under {LOGIT_LIMIT:g} at every lr")
-        by_lr = ", ".join(f"{p:.3g}" for p in peak)
         text = (f"{label}: without qk-norm its largest attention logit peaks at {by_lr} over the lrs ({where}); "
-                f"with qk-norm at {', '.join(f'{p:.3g}' for p in qk_peak)}; qk-norm {effect} its LR sensitivity "
+                f"with qk-norm at {', '.join(_peak_text(p) for p in qk_peak)}; qk-norm {effect} its LR sensitivity "
                 f"({off.sensitivity:.3f} -> {on.sensitivity:.3f})")
         parts.append(text)
         if min(off.best_loss, on.best_loss) >= threshold:  # a design that never trains: its sensitivity is no evidence
             parts[-1] += (f" (it trains at no lr of the grid, l* {min(off.best_loss, on.best_loss):.2f}: a design "
                           "that never trains, left out of the tally below)")
+            if grown:
+                untallied.append(label)
             continue
         if grown:
             grows.append(label)
             if effect == "lowers":
                 helped.append(label)
-    if not grows:
+    if not reached:
         qk = (f"No design's attention logits reach {LOGIT_LIMIT:g} at any learning rate here: the toy does not "
               "reach the regime of the paper's attention-logit growth, so it cannot test qk-norm's fix")
+    elif not grows:
+        qk = (f"The attention logits reach {LOGIT_LIMIT:g} in {', '.join(reached)}, but only in designs that "
+              "never train or lack an LR sensitivity here, so this grid cannot test qk-norm's fix")
     elif len(helped) == len(grows):
         qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity in every "
               "design: the paper's trend reproduces here")
@@ -416,9 +445,11 @@ def instabilities_verdict(source: Path | Folder) -> str:
                      if z_tamed else "; it does not lower the peak |log Z| by 10% for any design."))
     else:
         z_text = "The grid has no z-loss axis, or no sensitivity to compare it on."
+    if grows and untallied:
+        qk += (f" (the logits also reach {LOGIT_LIMIT:g} in {', '.join(untallied)}, left out: no LR sensitivity "
+               "to judge there)")
     if seeds < 2:
         qk += " (one seed: no change is judged against seed noise)"
-    diverged = int((summary["status"] == "diverged").sum())
     return (". ".join(parts) + f". {qk}. {z_text} ({len(runs)} runs, {seeds} seed{'s' if seeds > 1 else ''} per "
             f"cell, {diverged} diverged: a diverged run counts at its loss at init in the sensitivity, and "
             "up to its last finite logged step in the logit peaks.)")
