@@ -22,9 +22,9 @@ WIDTH, HEADS = 8, 2
 
 
 def tiny(placement: str = "pre", kind: str = "layernorm", qk: bool = True, scope: str = "head", z: float = 1e-2,
-         steps: int = 3, **train) -> RunConfig:
+         steps: int = 3, qk_eps: float | None = None, **train) -> RunConfig:
     return validate_run({"model": {"arch": "transformer", "depth": 2, "width": WIDTH, "n_heads": HEADS,
-                                   "qk_norm": qk, "qk_norm_scope": scope},
+                                   "qk_norm": qk, "qk_norm_scope": scope, "qk_norm_eps": qk_eps},
                          "norm": {"placement": placement, "kind": kind},
                          "data": {"task": "assoc_recall", "seq_len": 8, "n_samples": 16, "n_val": 8},
                          "optim": {"lr": 0.03}, "train": {"steps": steps, "z_loss": z, **train}})
@@ -38,7 +38,8 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.7 + (1.0 if param.dim() == 1 else 0.0))
 
 
-def transcribed_attention(attn: CausalSelfAttention, x: torch.Tensor, scope: str, kind: str) -> torch.Tensor:
+def transcribed_attention(attn: CausalSelfAttention, x: torch.Tensor, scope: str, kind: str,
+                          eps: float = 1e-5) -> torch.Tensor:
     """Causal multi-head attention with qk-norm written from the papers, in plain torch ops on attn's weights."""
     n, t, d = x.shape
     hd = d // HEADS
@@ -48,8 +49,8 @@ def transcribed_attention(attn: CausalSelfAttention, x: torch.Tensor, scope: str
         if kind == "layernorm":  # (y - mean) / sqrt(var + eps) * g over the last axis, no bias: flax's
             # MultiHeadDotProductAttention(normalize_qk=True), `LayerNorm(name='query_ln', use_bias=False)`
             mean, var = y.mean(-1, keepdim=True), y.var(-1, unbiased=False, keepdim=True)
-            return (y - mean) / torch.sqrt(var + 1e-5) * module.weight
-        return y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * module.weight  # rmsnorm
+            return (y - mean) / torch.sqrt(var + eps) * module.weight
+        return y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + eps) * module.weight  # rmsnorm
 
     if scope == "full":
         q, k = norm(q, attn.q_norm), norm(k, attn.k_norm)
@@ -78,6 +79,27 @@ def test_qk_norm_attention_is_the_transcription(scope, kind):
     assert not torch.allclose(plain(x), attn(x), atol=1e-3)  # the norms do act
 
 
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_the_qk_norm_epsilon_is_its_own_key(kind):
+    """model.qk_norm_eps (flax's LayerNorm: 1e-6) sets the qk norms' epsilon alone; the block norms keep norm.eps.
+    A large epsilon makes the difference visible on queries of unit scale."""
+    cfg = tiny(kind=kind, qk_eps=0.5)
+    attn = CausalSelfAttention(WIDTH, HEADS, cfg.model, cfg.norm)
+    _randomise(attn, 5)
+    x = torch.randn(2, 4, WIDTH, generator=torch.Generator().manual_seed(6)) * 0.3
+    torch.testing.assert_close(attn(x), transcribed_attention(attn, x, "head", kind, eps=0.5), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(attn(x), transcribed_attention(attn, x, "head", kind), atol=1e-4)
+    model = Transformer(cfg.model, cfg.norm, cfg.data)
+    eps = {name: m.eps for name, m in model.named_modules() if hasattr(m, "eps")}
+    qk = {name for name in eps if name.endswith(("q_norm", "k_norm"))}
+    assert len(qk) == 4 and {eps[n] for n in qk} == {0.5} and {eps[n] for n in set(eps) - qk} == {1e-5}
+
+
+def test_a_derf_qk_norm_keeps_its_bias_as_the_docs_say():
+    attn = CausalSelfAttention(WIDTH, HEADS, tiny(kind="derf").model, tiny(kind="derf").norm)
+    assert {name for name, _ in attn.q_norm.named_parameters()} == {"alpha", "shift", "weight", "bias"}
+
+
 def test_a_dyt_qk_norm_has_no_bias_either():
     attn = CausalSelfAttention(WIDTH, HEADS, tiny(kind="dyt").model, tiny(kind="dyt").norm)
     assert not any("bias" in name for name, _ in attn.q_norm.named_parameters())
@@ -98,9 +120,21 @@ def test_the_default_keys_keep_every_run_id_and_the_scope_is_inert_without_qk_no
     base = {"model": {"arch": "transformer", "width": 8, "n_heads": 2}, "data": {"task": "copy"}}
     plain = RunConfig.model_validate(base)
     for extra in ({"model": {**base["model"], "qk_norm": False}}, {"model": {**base["model"], "qk_norm_scope": "full"}},
-                  {"train": {"z_loss": 0.0}}):
+                  {"model": {**base["model"], "qk_norm_eps": 1e-6}}, {"train": {"z_loss": 0.0}}):
         assert run_id(RunConfig.model_validate({**base, **extra})) == run_id(plain)
     assert run_id(RunConfig.model_validate({**base, "train": {"z_loss": 1e-4}})) != run_id(plain)
+    qk = {**base, "model": {**base["model"], "qk_norm": True}}
+    unset = run_id(RunConfig.model_validate(qk))
+    assert run_id(RunConfig.model_validate({**qk, "model": {**qk["model"], "qk_norm_eps": None}})) == unset
+    assert run_id(RunConfig.model_validate({**qk, "model": {**qk["model"], "qk_norm_eps": 1e-6}})) != unset
+
+
+@pytest.mark.parametrize("key", ["qk_norm_scope", "qk_norm_eps"])
+def test_a_qk_norm_epsilon_no_run_uses_is_refused_naming_the_key(key):
+    text = "name: s\nbase:\n  model: {arch: transformer, width: 8, n_heads: 2}\n  data: {task: copy}\n"
+    value = "full" if key == "qk_norm_scope" else "1e-6"
+    with pytest.raises(ConfigError, match=f"model.{key}: has no effect"):
+        build_sweep(parse_yaml(text), [f"model.{key}={value}"])
 
 
 @pytest.mark.parametrize("where", ["grid:\n  model.qk_norm_scope: [head, full]", "SET"])
