@@ -263,13 +263,13 @@ seeds: [0, 1]
 """
 
 
-def study_folder(tmp_path, peak, final_loss):
+def study_folder(tmp_path, peak, final_loss, text: str = STUDY):
     """A study folder written through the store (no training): each run's largest attention logit is 3 at
     step 0 and peak(cfg) at step 1, its losses [2.7, final_loss(cfg)]."""
     from normexp.blocklog import TRANSFORMER_BLOCK_COLUMNS
     from normexp.folder import FinishedRun, atomic_write, write_run, write_summary
 
-    sweep = build_sweep(parse_yaml(STUDY))
+    sweep = build_sweep(parse_yaml(text))
     out = tmp_path / sweep.name
     out.mkdir(parents=True)
     atomic_write(out / "sweep.yaml", sweep.to_yaml())
@@ -293,7 +293,7 @@ def test_the_instabilities_verdict_says_the_papers_trend_reproduces_only_when_th
         return 2.5 if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 0.05
 
     said = instabilities_verdict(study_folder(tmp_path / "a", grows, qk_rescues))
-    assert "at least 50 from lr 0.1 up" in said and "qk-norm lowers its LR sensitivity" in said
+    assert "at least 50 and 2x its step-0 value at lr 0.1" in said and "qk-norm lowers its LR sensitivity" in said
     assert "the paper's trend reproduces here" in said
     assert "moves no design's sensitivity beyond the seed spread" in said  # the z-loss changed no loss
     said = instabilities_verdict(study_folder(tmp_path / "b", grows, lambda cfg: 2.5 if cfg.optim.lr == 0.1 else 0.05))
@@ -340,3 +340,42 @@ def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract(fresh_fa
     for column in ("loss", "acc", "val_loss", "z_loss"):
         assert fast.metrics[column] == pytest.approx(reference.metrics[column], abs=1e-4), column
     assert fast.metrics["grad_norm"] == pytest.approx(reference.metrics["grad_norm"], rel=1e-4)
+
+
+def test_one_seed_claims_nothing_beyond_the_spread_and_says_what_it_cannot_conclude(tmp_path):
+    from normexp.studies.verdicts import instabilities_verdict
+
+    def grows(cfg):
+        return 500.0 if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 10.0
+
+    def z_moves(cfg):  # the z-loss and qk-norm each change the losses: with one seed, no change is judged
+        return (2.5 if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 0.05) + (0.3 if cfg.train.z_loss else 0.0)
+
+    said = instabilities_verdict(study_folder(tmp_path, grows, z_moves, STUDY.replace("seeds: [0, 1]", "seeds: [0]")))
+    assert "beyond the seed spread for" not in said and "lowers its LR sensitivity" not in said
+    assert "one seed cannot tell whether qk-norm's change" in said
+    assert "cannot tell whether the z-loss moves any design's sensitivity beyond the seed spread" in said
+    assert "This grid cannot conclude whether any change is beyond the seed spread (one seed" in said
+    assert "how the LR sensitivity moves with width (1 width;" in said
+
+
+def test_logits_large_from_init_do_not_count_as_growth(tmp_path):
+    from normexp.studies.verdicts import instabilities_verdict
+
+    said = instabilities_verdict(study_folder(tmp_path, lambda cfg: 4.0, lambda cfg: 0.05))  # step 0: 3
+    assert "No design's attention logits grow to 50" in said
+
+
+def test_the_width_axis_tests_the_papers_claim(tmp_path):
+    """Without qk-norm the sensitivity grows with width (lr 0.1 fails more the wider), with it it stays flat."""
+    from normexp.studies.verdicts import instabilities_verdict
+
+    text = STUDY.replace("grid:\n", "grid:\n  model.width: [4, 8, 16]\n").replace("width: 8, ", "")
+    bad = {4: 0.3, 8: 1.0, 16: 2.5}
+
+    def loss(cfg):
+        return bad[cfg.model.width] if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 0.05 + 0.001 * cfg.seed
+
+    said = instabilities_verdict(study_folder(tmp_path, lambda cfg: 10.0, loss, text))
+    assert "Across widths 4, 8, 16" in said and "(grows), with" in said and "(stays flat)" in said
+    assert "holds for Pre-LN" in said and "with width" not in said.split("This grid cannot conclude")[-1]
