@@ -379,3 +379,16 @@ def test_the_width_axis_tests_the_papers_claim(tmp_path):
     said = instabilities_verdict(study_folder(tmp_path, lambda cfg: 10.0, loss, text))
     assert "Across widths 4, 8, 16" in said and "(grows), with" in said and "(stays flat)" in said
     assert "holds for Pre-LN" in said and "with width" not in said.split("This grid cannot conclude")[-1]
+
+
+def test_the_figures_draw_a_line_per_width_and_the_heat_maps_at_the_nearest_lr(tmp_path):
+    """A grid without lr 0.1 exactly still gets its heat maps (at the nearest lr, the widest width)."""
+    from normexp.results import load_folder
+    from normexp.studies.figures import instabilities_figures
+
+    text = (STUDY.replace("grid:\n", "grid:\n  model.width: [4, 8]\n").replace("width: 8, ", "")
+            .replace("[0.001, 0.01, 0.1]", "[0.001, 0.01, 0.0948683298051]"))
+    folder = load_folder(study_folder(tmp_path, lambda cfg: 10.0, lambda cfg: 0.05 * cfg.model.width, text))
+    paths = instabilities_figures(folder)
+    assert [p.name for p in paths] == ["final_loss-lr.png", "blocks-attn_logit_max.png", "blocks-attn_entropy.png",
+                                       "blocks-log_z.png"]
