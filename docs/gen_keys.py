@@ -41,9 +41,11 @@ MEANINGS = {
                      "product (Wortsman et al. 2023's qk-layernorm; [Transformer](transformer.md#qk-norm-and-z-loss))",
     "model.qk_norm_scope": "with `qk_norm`: `head` per head over width / n_heads features (ViT-22B, Wortsman, "
                            "Gemma); `full` over the whole projection before the heads split (OLMo 2)",
+    "model.qk_norm_eps": "with `qk_norm`: the qk norms' epsilon (kinds with one); unset: `norm.eps` (flax's "
+                         "LayerNorm, the paper's qk-layernorm: 1e-6)",
     "norm.placement": "where the norm goes ([placements](#placements-and-kinds)); `b2t` is transformer only",
     "norm.kind": "which norm ([kinds](#placements-and-kinds))",
-    "norm.eps": "epsilon of every norm",
+    "norm.eps": "epsilon of every norm (the qk norms: `model.qk_norm_eps` where set)",
     "norm.peri_input_norm": "peri: the extra norm on the model input (off: Peri == Sandwich)",
     "norm.mixln_fraction": "mixln: the first floor(f * N) blocks are Post-LN, the rest Pre-LN",
     "norm.deepnorm_alpha": "deepnorm: the residual multiplier; unset: M^(1/4) for M residual sublayers (FFN toy: "

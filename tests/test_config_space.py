@@ -51,6 +51,7 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "model.n_heads": st.integers(0, 5),
     "model.qk_norm": st.booleans(),
     "model.qk_norm_scope": st.sampled_from(["head", "full", "all"]),
+    "model.qk_norm_eps": _optional(_floats(-1e-6, 1e-4)),
     "norm.placement": st.sampled_from([*get_args(Placement), "skipinit"]),  # skipinit: rezero's alias
     "norm.kind": st.sampled_from(get_args(NormKind)),
     "norm.eps": _floats(1e-8, 1e-2),
@@ -181,6 +182,9 @@ def _unused_anywhere(base: dict, grid: dict, runs: list[RunConfig]) -> None:
     scopes = grid.get("model.qk_norm_scope", [base.get("model", {}).get("qk_norm_scope", "head")])
     if any(scope != "head" for scope in scopes) and not any(r.model.qk_norm for r in runs):
         raise ConfigError("qk_norm_scope")  # set where no run has qk-norm
+    epsilons = grid.get("model.qk_norm_eps", [base.get("model", {}).get("qk_norm_eps")])
+    if any(eps is not None for eps in epsilons) and not any(r.model.qk_norm for r in runs):
+        raise ConfigError("qk_norm_eps")  # set where no run has qk-norm
 
 
 def _split(raw: str) -> list[str]:

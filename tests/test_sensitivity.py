@@ -12,7 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from normexp.analysis.sensitivity import build_sensitivity, clipped_final, variant_sensitivity
+from normexp.analysis.sensitivity import (
+    CANNOT_TELL,
+    Sensitivity,
+    arm_change,
+    build_sensitivity,
+    clipped_final,
+    judge,
+    variant_sensitivity,
+)
 from normexp.cli import app
 from normexp.config import RunConfig, build_sweep
 from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
@@ -198,3 +206,62 @@ def test_a_variant_whose_key_is_unset_counts_no_run_missing(tmp_path):
     rows = build_sensitivity(out)
     assert [(r.runs, r.missing) for r in rows] == [(6, 0), (6, 0)]
     assert "| null |" in pivot_to_markdown(build_pivot(out, "norm.deepnorm_alpha", "optim.lr"))
+
+
+# ----------------------------------------------------------------------------- two arms: both readings
+
+def _arm(losses: dict[tuple[int, float], float]) -> pd.DataFrame:
+    """An arm's rows of `lr_table`: (seed, lr) -> clipped final loss."""
+    return pd.DataFrame([{"seed": s, "optim.lr": lr, "clipped": c} for (s, lr), c in losses.items()])
+
+
+def _row(frame: pd.DataFrame) -> Sensitivity:
+    sens, spread, best_lr, best = variant_sensitivity(frame, LRS)
+    return Sensitivity("arm", {}, sens, spread, best_lr, best, len(LRS), len(LRS), frame["seed"].nunique(),
+                       len(frame), 0, 0)
+
+
+LOSSES = st.floats(0.01, 3.0, allow_nan=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.data())
+def test_both_readings_are_the_recomputed_formulas_and_one_seed_cannot_tell(n_seeds, data):
+    """shared: mean over lrs of each arm's seed-mean loss minus the best seed-mean loss of BOTH arms,
+    recomputed here from the frame; own: the paper's per-arm formula. One seed: no judgement."""
+    arms = [{(s, lr): data.draw(LOSSES) for s in range(n_seeds) for lr in LRS} for _ in range(2)]
+    frames = [_arm(a) for a in arms]
+    change = arm_change(*(_row(f) for f in frames))
+    means = [[sum(a[(s, lr)] for s in range(n_seeds)) / n_seeds for lr in LRS] for a in arms]
+    shared_best = min(min(m) for m in means)
+    for i, m in enumerate(means):
+        assert change.shared[i] == pytest.approx(sum(x - shared_best for x in m) / len(LRS), abs=1e-9)
+        assert change.own[i] == pytest.approx(sum(x - min(m) for x in m) / len(LRS), abs=1e-9)
+    assert (change.effect == CANNOT_TELL) == (n_seeds < 2) == (change.own_effect == CANNOT_TELL)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(LOSSES, min_size=3, max_size=3), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3),
+       st.floats(0.0, 0.05))
+def test_a_rescue_at_every_lr_never_reads_as_a_rise_on_the_shared_reading(before, gains, jitter):
+    """An intervention that lowers the loss at every lr (qk-norm rescuing Peri-DyT) can raise the
+    own-best sensitivity, never the shared one."""
+    arms = []
+    for shift in (0.0, 1.0):
+        losses = {}
+        for seed, noise in ((0, 0.0), (1, jitter)):
+            for lr, b, g in zip(LRS, before, gains):
+                losses[(seed, lr)] = max(b - shift * (g + 0.01), 0.001) + noise
+        arms.append(_row(_arm(losses)))
+    change = arm_change(*arms)
+    assert change.shared[1] <= change.shared[0] + 1e-12
+    assert change.effect != "raises"
+
+
+def test_a_rescue_that_raises_the_own_best_reading_is_said_both_ways():
+    """Peri-DyT's case in miniature: qk-norm lowers the loss everywhere, most at one lr."""
+    before = _arm({(s, lr): 0.55 + 0.001 * s for s in (0, 1) for lr in LRS})
+    after = _arm({(s, lr): (0.06 if lr == 0.01 else 0.5) + 0.001 * s for s in (0, 1) for lr in LRS})
+    change = arm_change(_row(before), _row(after))
+    assert change.own_effect == "raises" and change.effect == "lowers"
+    assert judge(1.0, 0.5, 0.1, seeds=1) == CANNOT_TELL and judge(1.0, 0.5, math.nan, seeds=3) == CANNOT_TELL

@@ -343,9 +343,9 @@ def _print_grid(spec: Sweep, target: Path, engine: str) -> None:
     else:
         out.print(f"{spec.name}: {plural(len(spec.runs), 'run')}", markup=False)
         for key in keys:
-            values = list(dict.fromkeys(flat[key] for flat in flats))
-            shown = ", ".join(map(str, values)) if len(values) <= 8 else \
-                f"{', '.join(map(str, values[:3]))}, ..., {', '.join(map(str, values[-2:]))}"
+            values = list(dict.fromkeys(str(flat[key]) for flat in flats))  # str: a list value (optim.betas)
+            shown = ", ".join(values) if len(values) <= 8 else \
+                f"{', '.join(values[:3])}, ..., {', '.join(values[-2:])}"
             out.print(f"  {key}: {plural(len(values), 'value')} ({shown})", markup=False)
     folder = str(target)  # os.path, not pathlib: 10,000 runs
     todo = [cfg for rid, cfg in zip(ids, spec.runs) if not os.path.isfile(os.path.join(folder, rid, "done.json"))]

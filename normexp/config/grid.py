@@ -371,11 +371,11 @@ def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Seque
             if found and all(key in inert_keys(getattr(run, section)) for run in runs):
                 raise ConfigError(f"{found[0]}: has no effect: only {section}.{decider} "
                                   f"{' or '.join(sorted(where))} uses it, and no run of this sweep has that {decider}")
-    scope = "model.qk_norm_scope"
-    found = set_in(scope, type(base.model).model_fields["qk_norm_scope"].default, base.model.qk_norm_scope)
-    if found and not any(run.model.qk_norm for run in runs):  # each run resets it: one run without qk-norm
-        raise ConfigError(f"{found[0]}: has no effect: only model.qk_norm true uses it, and no run of this "
-                          "sweep has qk-norm (set model.qk_norm: true)")
+    for key in ("qk_norm_scope", "qk_norm_eps"):
+        found = set_in(f"model.{key}", type(base.model).model_fields[key].default, getattr(base.model, key))
+        if found and not any(run.model.qk_norm for run in runs):  # each run resets it: one run without qk-norm
+            raise ConfigError(f"{found[0]}: has no effect: only model.qk_norm true uses it, and no run of this "
+                              "sweep has qk-norm (set model.qk_norm: true)")
 
 
 def _same_value(value: Any, default: Any) -> bool:

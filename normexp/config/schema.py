@@ -92,6 +92,9 @@ class ModelConfig(_Section):
     # split (OLMo 2's q_norm / k_norm)
     qk_norm: bool = False
     qk_norm_scope: Literal["head", "full"] = "head"
+    # the qk norms' epsilon (kinds with one: LayerNorm, the RMSNorms); None: norm.eps, as every other norm.
+    # Wortsman et al.'s qk-layernorm is flax's LayerNorm, whose epsilon is 1e-6
+    qk_norm_eps: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _heads_divide_width(self, info: ValidationInfo) -> ModelConfig:
@@ -99,6 +102,7 @@ class ModelConfig(_Section):
             raise cross_key_error("model.n_heads", f"must divide model.width {self.width}, got {self.n_heads}")
         if not self.qk_norm and not (info.context or {}).get("keep_inert"):  # inert without qk_norm: one id
             object.__setattr__(self, "qk_norm_scope", type(self).model_fields["qk_norm_scope"].default)
+            object.__setattr__(self, "qk_norm_eps", None)
         return self
 
 

@@ -210,8 +210,9 @@ def answer_logits(logits: torch.Tensor, positions: torch.Tensor | None) -> torch
 
 def z_loss(logits: torch.Tensor, positions: torch.Tensor | None, coef: float) -> torch.Tensor:
     """`train.z_loss`'s term, coef * mean(log(Z)^2) over the tokens the loss reads, Z = sum(exp(logits)) the
-    softmax normaliser (PaLM; t5x losses.py `cross_entropy_with_logits`; OLMo train.py `cross_entropy_loss`,
-    whose mean over tokens this is)."""
+    softmax normaliser (PaLM; t5x losses.py `cross_entropy_with_logits`; OLMo train.py `cross_entropy_loss`'s
+    `logits.logsumexp(-1).pow(2)`). The mean over the tokens read is the one OLMo's trainer takes; OLMo's
+    `cross_entropy_loss` itself, with reduction "mean", zeroes the ignored positions and divides by all of them."""
     return coef * answer_logits(logits, positions).logsumexp(-1).pow(2).mean()
 
 

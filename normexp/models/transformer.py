@@ -22,8 +22,10 @@
   identity module (`CausalSelfAttention.logits`) that block logging hooks (normexp/blocklog.py).
 - qk-norm (`model.qk_norm`, Wortsman et al. 2023's qk-layernorm, after Dehghani et al. 2023's ViT-22B):
   queries and keys are normalised with the run's norm kind (LayerNorm as in the paper, RMSNorm as in
-  OLMo 2 and Gemma 3) before their dot product, with a gain and no bias (ViT-22B's flax LayerNorm has
-  `use_bias=False`; a DyT qk-norm likewise drops its bias). `model.qk_norm_scope: head` (the default): per head,
+  OLMo 2 and Gemma 3) before their dot product, with a gain and no bias for LayerNorm (ViT-22B's flax
+  LayerNorm has `use_bias=False`) and DyT (it likewise drops its bias); any other kind with a bias (Derf)
+  keeps it. `model.qk_norm_eps` (None: `norm.eps`) is their epsilon (flax's LayerNorm: 1e-6).
+  `model.qk_norm_scope: head` (the default): per head,
   over its d / n_heads features, one norm for queries and one for keys shared by every head (ViT-22B,
   Wortsman, Gemma); `full`: over all d features of the projection before it splits into heads (OLMo 2,
   allenai/OLMo olmo/model.py `q_norm` / `k_norm`). The norms draw nothing: every weight is the same as
@@ -62,11 +64,14 @@ from normexp.models.norms import make_norm
 EMBEDDING_STD = 0.02  # GPT-2's embedding init
 
 
-def qk_norm(features: int, norm: NormConfig) -> nn.Module:
-    """One of qk-norm's two norms: the run's norm kind over `features`, but without a bias where the kind
-    has one (LayerNorm, DyT): ViT-22B's and Wortsman et al.'s qk-layernorm is flax's LayerNorm with
-    `use_bias=False` (flax linen MultiHeadDotProductAttention, `normalize_qk`: `LayerNorm(name='query_ln',
-    use_bias=False)`), and OLMo 2's and Gemma's qk RMSNorms have a gain only."""
+def qk_norm(features: int, norm: NormConfig, eps: float | None = None) -> nn.Module:
+    """One of qk-norm's two norms: the run's norm kind over `features` with epsilon `eps` (None: norm.eps),
+    but without a bias for LayerNorm and DyT: ViT-22B's and Wortsman et al.'s qk-layernorm is flax's
+    LayerNorm with `use_bias=False` (flax linen MultiHeadDotProductAttention, `normalize_qk`:
+    `LayerNorm(name='query_ln', use_bias=False)`, flax's epsilon 1e-6), and OLMo 2's and Gemma's qk RMSNorms
+    have a gain only. Every other kind is the run's own norm, bias included where it has one (Derf's)."""
+    if eps is not None:
+        norm = norm.model_copy(update={"eps": eps})
     if norm.kind == "layernorm":
         return nn.LayerNorm(features, eps=norm.eps, bias=False)
     if norm.kind == "dyt":
@@ -86,7 +91,7 @@ class CausalSelfAttention(nn.Module):
         self.qk_scope = model.qk_norm_scope if model.qk_norm else None
         if self.qk_scope is not None:  # Wortsman et al. 2023's qk-layernorm, in the run's norm kind
             features = d // n_heads if self.qk_scope == "head" else d
-            self.q_norm, self.k_norm = qk_norm(features, norm), qk_norm(features, norm)
+            self.q_norm, self.k_norm = (qk_norm(features, norm, model.qk_norm_eps) for _ in range(2))
         self.logits = nn.Identity()  # the attention logits, (n, heads, T, T) before the mask: hooked by blocklog
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

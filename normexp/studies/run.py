@@ -51,7 +51,9 @@ FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine woul
 
 
 # --quick per study where 2 seeds of the whole grid would still take minutes (default: seeds 0 and 1)
-QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "optim.lr=0.001,0.01,0.1,1.0"]}
+# instabilities: seed 0, LayerNorm designs, z-loss off, 4 lrs over the paper's range 3e-4..3e-1, every width
+QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "norm.kind=layernorm", "train.z_loss=0.0",
+                                              "optim.lr=0.0003,0.003,0.03,0.3"]}
 
 
 def _config(name: str) -> Path:
