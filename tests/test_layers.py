@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
                    "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
-                   "normexp.environment", "normexp.stopping", "normexp.blocklog"],
+                   "normexp.environment", "normexp.stopping", "normexp.blocklog", "normexp.corpus"],
     # the run folder: read and checked, written, loaded, verified
     "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
                 "normexp.merge"],
@@ -41,7 +41,7 @@ ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engi
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
             "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
             "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", "normexp.export",
-            "normexp.merge", "normexp.config.sample")
+            "normexp.merge", "normexp.config.sample", "normexp.corpus")
 
 
 def module_name(path: Path) -> str:
