@@ -18,8 +18,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
-                   "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
-                   "normexp.environment", "normexp.stopping", "normexp.blocklog", "normexp.corpus"],
+                   "normexp.config.section", "normexp.config.data", "normexp.config.schema",
+                   "normexp.config.sample", "normexp.config.grid", "normexp.config", "normexp.environment",
+                   "normexp.stopping", "normexp.blocklog", "normexp.corpus"],
     # the run folder: read and checked, written, loaded, verified
     "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
                 "normexp.merge"],

@@ -38,13 +38,12 @@ from normexp.config.schema import (
     RESOLVED_PER_RUN,
     ReportConfig,
     RunConfig,
-    _Section,
-    _unsigned_zero,
     flatten,
     inert_keys,
     run_keys,
     validate_run,
 )
+from normexp.config.section import _Section, _unsigned_zero
 
 DEFAULT_MAX_RUNS = 100_000
 
