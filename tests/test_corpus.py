@@ -65,10 +65,14 @@ def test_a_damaged_text_is_named_not_trained_on(tmp_path, monkeypatch):
         corpus.text.cache_clear()
 
 
-def test_importing_normexp_config_reads_no_text():
+def test_nothing_reads_the_text_but_a_run_of_its_task():
     from conftest import subprocess_output
 
-    code = ("import normexp.config, normexp.corpus as c; from normexp.config import validate_run; "
+    code = ("import normexp.corpus as c; from normexp.config import validate_run; "
+            "from normexp.engines.reference import train_run; "
             "validate_run({'model': {'arch': 'transformer'}, 'data': {'task': 'shakespeare_char'}}); "
+            "train_run(validate_run({'model': {'arch': 'transformer', 'depth': 1, 'width': 8, 'n_heads': 2}, "
+            "'data': {'task': 'copy'}, 'train': {'steps': 1}})); "
+            "train_run(validate_run({'model': {'depth': 2, 'width': 8}, 'train': {'steps': 1}})); "
             "print(c.text.cache_info().currsize, c.load.cache_info().currsize)")
     assert subprocess_output(code).split() == ["0", "0"]
