@@ -39,6 +39,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from normexp.config import Init, ModelConfig, NormConfig, mixln_post_count
@@ -46,15 +47,15 @@ from normexp.models.norms import drawing_nothing, make_norm, silence
 from normexp.registry import is_plugin, load_plugin
 
 
-def make_linear(d_in: int, d_out: int, init: Init) -> nn.Linear:
-    """nn.Linear with its default init, then re-initialised in place (weights xavier, biases zero)."""
-    linear = nn.Linear(d_in, d_out)
-    if init == "xavier_uniform":
-        nn.init.xavier_uniform_(linear.weight)
-        nn.init.zeros_(linear.bias)
-    elif init == "xavier_normal":
-        nn.init.xavier_normal_(linear.weight)
-        nn.init.zeros_(linear.bias)
+def make_linear(d_in: int, d_out: int, init: Init, bias: bool = True) -> nn.Linear:
+    """nn.Linear with its default init, then re-initialised in place (weights xavier, biases zero);
+    `torch_default` keeps the default, and so does `gpt2`, which the Transformer draws after building
+    every layer, in nanoGPT's order (models/transformer.py `gpt2_init`)."""
+    linear = nn.Linear(d_in, d_out, bias=bias)
+    if init in ("xavier_uniform", "xavier_normal"):
+        (nn.init.xavier_uniform_ if init == "xavier_uniform" else nn.init.xavier_normal_)(linear.weight)
+        if bias:
+            nn.init.zeros_(linear.bias)
     return linear
 
 
@@ -74,15 +75,20 @@ def deepnorm_constants(sublayers: int, cfg: NormConfig) -> tuple[float, float]:
     return alpha, beta
 
 
-class FFN(nn.Module):
-    """The block's branch F(x) = fc2(relu(fc1(x)))."""
+# model.activation: the FFN's nonlinearity (gelu: the exact, erf one, nanoGPT's nn.GELU())
+ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu}
 
-    def __init__(self, fc1: nn.Linear, fc2: nn.Linear) -> None:
+
+class FFN(nn.Module):
+    """The block's branch F(x) = fc2(act(fc1(x))), act ReLU (the article's) or GELU (`model.activation`)."""
+
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, activation: str = "relu") -> None:
         super().__init__()
         self.fc1, self.fc2 = fc1, fc2
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+        return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)))
 
 
 Streams = tuple[torch.Tensor, torch.Tensor]  # ResiDual's (x_a, x_d)
