@@ -25,7 +25,7 @@ LAYERS = {
     "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
                 "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
-                 "normexp.analysis.gradnorm"],  # pure numbers: pandas and statistics
+                 "normexp.analysis.gradnorm", "normexp.analysis.realtext"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
@@ -40,9 +40,9 @@ LAYERS = {
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
-            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.plot", "normexp.report",
-            "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage", "normexp.export",
-            "normexp.merge", "normexp.config.sample", "normexp.corpus")
+            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.analysis.realtext", "normexp.plot",
+            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage",
+            "normexp.export", "normexp.merge", "normexp.config.sample", "normexp.corpus")
 
 
 def module_name(path: Path) -> str:
