@@ -28,8 +28,16 @@ import torch
 from normexp.config import RunConfig, load_sweep
 from normexp.engines.fast import train_fast
 from normexp.engines.reference import train_run
-from normexp.runfolder import SWEEP_FILE, run_id
-from normexp.store import FinishedRun, append_history, atomic_write, sweep_yaml, write_run, write_summary
+from normexp.folder import (
+    SWEEP_FILE,
+    FinishedRun,
+    append_history,
+    atomic_write,
+    run_id,
+    sweep_yaml,
+    write_run,
+    write_summary,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 LRS = [0.0003, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.007, 0.01, 0.015, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15]

@@ -176,7 +176,7 @@ def _shard(value: str | None) -> tuple[int, int] | None:
 
 
 def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int]) -> None:
-    from normexp.runfolder import run_id
+    from normexp.folder import run_id
     from normexp.shard import shard_runs
 
     runs = shard_runs(spec.runs, engine, *shard)
@@ -265,7 +265,7 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool,
     stopping.received = None
     previous = stopping.on_stop_signals(_exit_at_once)  # nothing is written yet: a signal simply ends the process
     from normexp.executors import ExecutorError
-    from normexp.runfolder import StoreError
+    from normexp.folder import StoreError
     from normexp.sweep import SweepInterrupted, run_sweep
 
     pool = fast_pool(spec, options)
@@ -369,7 +369,7 @@ def _out_folder(value: str | None, name: str) -> Path:
         return Path("runs") / name
     if not value.strip():
         raise fail("--out: empty; name a folder (or leave --out out for runs/<name>)")
-    from normexp.store import out_folder_problem
+    from normexp.folder import out_folder_problem
 
     option = Path(value)
     problem = out_folder_problem(option)
@@ -401,7 +401,7 @@ def _print_grid(spec: Sweep, target: Path, engine: str) -> None:
     """The expanded grid: every run (a small grid), or each axis's values (a large one); then how many
     runs the folder holds already and an estimate of the time the rest take."""
     from normexp.engines.cost import estimated_seconds
-    from normexp.runfolder import run_id
+    from normexp.folder import run_id
 
     keys = spec.varying_keys
     ids = [run_id(cfg) for cfg in spec.runs]
@@ -548,8 +548,8 @@ def _write_report(table: Report, folder: Folder, fmt: str, output: Path | None, 
     from normexp.report import to_csv, to_markdown
 
     if fmt == "html":
+        from normexp.figures import sweep_figures
         from normexp.htmlpage import report_page
-        from normexp.plot import sweep_figures
         from normexp.results import ResultsError
 
         try:
@@ -652,7 +652,7 @@ def plot(
     """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary.
     With --blocks: per variant, a heatmap of one per-block quantity over (block, step) and its first,
     middle and last block over steps."""
-    from normexp.plot import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
+    from normexp.figures import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
     from normexp.results import ResultsError
 
     if metric is not None:
@@ -714,7 +714,7 @@ def verify(
 ) -> None:
     """Check a sweep folder: checksums, row counts, config vs run id, stray files, summary, other sweeps' runs.
     Exit 0 if clean, 1 if not; nothing is changed without --fix."""
-    from normexp.runfolder import StoreError
+    from normexp.folder import StoreError
     from normexp.tables import verification_to_rich
     from normexp.verify import verify_sweep
 
@@ -738,7 +738,7 @@ def gradnorm(
 ) -> None:
     """Per-block gradient norms and hidden-state norms at initialisation (Xiong et al. 2020, Fig. 3)."""
     from normexp.diagnostics import gradnorm_study
-    from normexp.plot import save_gradnorm_plot
+    from normexp.figures import save_gradnorm_plot
     from normexp.tables import gradnorm_to_markdown, gradnorm_to_rich
 
     _check_choice("--format", fmt, ("table", "markdown"))
@@ -823,12 +823,12 @@ def export(
 ) -> None:
     """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
     from normexp.export import TARGETS, to_mlflow, to_tensorboard
-    from normexp.runfolder import StoreError
+    from normexp.folder import StoreError
 
     _check_choice("--to", to, TARGETS)
     if not dest.strip():  # an empty DEST would mean the current folder (or MLflow's ./mlruns)
         raise fail("DEST: empty; name a log folder (--to tensorboard) or a tracking URI (--to mlflow)")
-    from normexp.store import folder_runs, read_sweep
+    from normexp.folder import folder_runs, read_sweep
 
     try:
         kept = 0
@@ -859,9 +859,8 @@ def merge(
 ) -> None:
     """Copy the verified runs of sweep folders (the shards of one sweep) into OUT, refusing conflicting runs;
     rebuild OUT's summary.csv and verify it. Exit 0 if OUT verifies clean, 1 if not, 2 if refused."""
+    from normexp.folder import StoreError, out_folder_problem
     from normexp.merge import merge_folders
-    from normexp.runfolder import StoreError
-    from normexp.store import out_folder_problem
     from normexp.tables import verification_to_rich
 
     problem = out_folder_problem(out_dir)

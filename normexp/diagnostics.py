@@ -254,7 +254,7 @@ CSV_NAMES = {"placement": "norm.placement", "kind": "norm.kind", "depth": "model
 
 def gradnorm_study(spec: Sweep, target: Path) -> GradnormSummary | LayerGradnorm:
     """Measure every run of `spec` at init; write target/gradnorm.csv (one row per block, or per
-    Transformer layer) and return the summary (`normexp.plot.save_gradnorm_plot` draws it)."""
+    Transformer layer) and return the summary (`normexp.figures.save_gradnorm_plot` draws it)."""
     keys = spec.varying_keys
     transformer = spec.runs[0].model.arch == "transformer"  # a sweep cannot mix the two: data.task differs
     measure = layer_gradnorm_at_init if transformer else gradnorm_at_init

@@ -1,5 +1,5 @@
 """`normexp export DIR --to tensorboard OUT` and `--to mlflow URI`: a sweep folder's verified runs, for
-browsing and comparing in the tools researchers already use. Only the runs `runfolder.inspect_run`
+browsing and comparing in the tools researchers already use. Only the runs `folder.inspect_run`
 verifies finished are exported; the folder is only read.
 
 TensorBoard: one run per run folder, `OUT/<run_id>/events.out.tfevents.normexp`, holding per recorded step
@@ -40,9 +40,17 @@ from pathlib import Path
 from typing import Any
 
 from normexp.config import ConfigError, RunConfig, chance_classes, flatten, trained_threshold
+from normexp.folder import (
+    BLOCKS_FILE,
+    DONE_FILE,
+    METRICS_FILE,
+    folder_runs,
+    inspect_run,
+    read_sweep,
+    run_id,
+    trained_rule,
+)
 from normexp.registry import references_unchecked
-from normexp.runfolder import BLOCKS_FILE, DONE_FILE, METRICS_FILE, inspect_run, run_id
-from normexp.store import folder_runs, read_sweep, trained_rule
 
 TARGETS = ("tensorboard", "mlflow")
 EVENTS_FILE = "events.out.tfevents.normexp"  # a fixed name: a re-export replaces it

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from normexp.folder import read_history
 from normexp.report import PARTIAL_NOTE, Report, grid_cells
 from normexp.results import Folder
-from normexp.store import read_history
 
 PAGE_DPI = 110  # figures inline: sharp on screen, a few hundred kB each
 

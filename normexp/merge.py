@@ -1,7 +1,7 @@
 """`normexp merge OUT DIR...`: join sweep folders (the shards of one sweep, each run into its own folder
 with `--shard I/N`) into one.
 
-Every verified finished run of each DIR (`runfolder.inspect_run`, thorough: checksums and row counts)
+Every verified finished run of each DIR (`folder.inspect_run`, thorough: checksums and row counts)
 is copied into OUT, its own files only (config.yaml, metrics.csv, blocks.csv, done.json: the same bytes,
 so done.json still vouches for them), built aside and swapped in as a sweep writes a run. A run OUT
 already holds, verified, with the same results is kept as it is. Two folders (or a DIR and OUT) that hold
@@ -9,7 +9,7 @@ one run id with different results (config.yaml, metrics.csv or blocks.csv not by
 thread counts, the fast engine against an exact one) are a conflict: the merge is refused, naming them,
 before anything is written. Runs a DIR holds unfinished, failed or corrupt are not copied (the sweep's
 next invocation into OUT trains them). Nothing is ever removed: a file of the user's in OUT's run folder
-stays there (store.swap_in), and the DIRs are only read.
+stays there (`folder.swap_in`), and the DIRs are only read.
 
 OUT gets the first DIR's sweep.yaml (where it has none; a folder of another sweep is refused, and so is one
 without sweep.yaml that holds a summary.csv or history.jsonl: the user's, not a sweep's), every
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from normexp.config import RunConfig
-from normexp.registry import references_unchecked
-from normexp.runfolder import (
+from normexp.folder import (
     BLOCKS_FILE,
     CONFIG_FILE,
     DONE_FILE,
@@ -36,24 +35,23 @@ from normexp.runfolder import (
     SUMMARY_FILE,
     SWEEP_FILE,
     StoreError,
-    _read_text,
-    inspect_run,
-    run_id,
-)
-from normexp.store import (
     SweepLock,
-    _staged,
     append_history,
     atomic_write,
     folder_runs,
+    inspect_run,
     lock_owner,
     read_history,
     read_sweep,
+    read_text,
+    run_id,
+    staged,
     swap_in,
     sweep_name,
     sweep_yaml,
     write_summary,
 )
+from normexp.registry import references_unchecked
 from normexp.verify import Verification, verify_sweep
 
 RESULT_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE)  # what must be equal for two copies to be one run
@@ -70,7 +68,7 @@ class MergeOutcome:
 
 
 def _results(run_dir: Path) -> dict[str, str | None]:
-    return {name: _read_text(run_dir / name) if (run_dir / name).is_file() else None for name in RESULT_FILES}
+    return {name: read_text(run_dir / name) if (run_dir / name).is_file() else None for name in RESULT_FILES}
 
 
 def _differs(a: dict[str, str | None], b: dict[str, str | None]) -> str:
@@ -143,10 +141,10 @@ def _merge(out_dir: Path, sources: list[Path], command: str) -> MergeOutcome:
 
 def _copy_run(src: Path, run_dir: Path) -> None:
     """Copy a verified run's own files (the same bytes), built aside and swapped in whole."""
-    with _staged(run_dir) as staging:
+    with staged(run_dir) as staging:
         for name in COPIED_FILES:
             if (src / name).is_file():
-                atomic_write(staging / name, _read_text(src / name))
+                atomic_write(staging / name, read_text(src / name))
         swap_in(staging, run_dir)
 
 

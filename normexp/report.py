@@ -27,19 +27,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from normexp.analysis.finals import LIMIT, TRAINED, variant_finals
 from normexp.analysis.variants import (
-    APPROXIMATE_ENGINES,
     CHOICE_KEYS,
     PLACEMENT_LABELS,
     axis_label,
     constants,
     engine_note,
     is_null,
-    is_trained,
+    mixed_note,
     n_choices,
     rule_text,
     stopped_note,
-    thresholds,
     variant_groups,
 )
 from normexp.config import Sweep, key_label
@@ -232,27 +231,12 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
     missing = {label: len(group) for label, group in variant_groups(unfinished, keys, everything="run")}
     pooled = tuple(k for k in varying if k not in keys)
     used = [*keys, *pooled, "run_id", "seed", "status", "step", "loss", metric, *CHOICE_KEYS]  # what `_column` reads
+    read = tidy[[c for c in dict.fromkeys(used) if c in tidy]]
     columns = [_column(label, group, finals, keys, steps, metric, missing.get(label, 0), pooled)
-               for label, group, finals in _variants(tidy[[c for c in dict.fromkeys(used) if c in tidy]], keys, rule)]
-    title = _title(summary, metric, pooled) + _mixed(summary) + _about(folder.sweep)
+               for label, group, finals in variant_finals(read, keys, rule)]
+    title = _title(summary, metric, pooled) + mixed_note(summary) + _about(folder.sweep)
     return Report(title, metric, steps, columns, n_classes, missing_note(summary, run_dir), engine_note(summary, keys),
                   rule, pooled, tuple(keys), stopped=stopped_note(summary))
-
-
-def _mixed(summary: pd.DataFrame) -> str:
-    """' · mixed engine: batched, fast' where the folder's finished runs (of several invocations) were
-    trained by the fast engine and an exact one, or with several thread counts: their last digits are
-    not comparable bit for bit. The exact engines (reference, batched) give the same bits: one
-    `--engine auto` sweep may train its runs on both, and that is no mix."""
-    finished = finished_runs(summary)
-    parts = []
-    if "engine" in finished:
-        engines = set(finished["engine"].astype(str))
-        if engines & set(APPROXIMATE_ENGINES) and engines - set(APPROXIMATE_ENGINES):
-            parts.append(f"mixed engine: {', '.join(sorted(engines))}")
-    if "threads" in finished and finished["threads"].nunique() > 1:
-        parts.append(f"mixed threads: {', '.join(map(str, sorted(set(finished['threads']))))}")
-    return "".join(f" · {part}" for part in parts)
 
 
 def _about(sweep: Sweep) -> str:
@@ -261,29 +245,9 @@ def _about(sweep: Sweep) -> str:
     return text + (f"\n{sweep.notes.strip()}" if sweep.notes.strip() else "")
 
 
-LIMIT, TRAINED = " limit", " trained"  # `_variants`' columns of each run's last row (no config key has a space)
-Variant = tuple[str, pd.DataFrame, pd.DataFrame]  # a column's label, its rows, its runs' last rows
-
-
-def _variants(tidy: pd.DataFrame, keys: list[str], trained_below: float | None) -> list[Variant]:
-    """Each variant (`variant_groups` of `tidy` by `keys`): its label, its rows, and its runs' last rows
-    with the final loss under which each counts as trained (LIMIT) and whether it did (TRAINED), judged
-    for every run at once."""
-    finals = _last_rows(tidy)
-    limits = thresholds(finals, trained_below)
-    finals = finals.assign(**{LIMIT: limits, TRAINED: is_trained(finals["loss"], finals["status"], n_choices(finals),
-                                                                 limits)})
-    groups = variant_groups(tidy, keys, everything="run")
-    if not keys:
-        return [(label, group, finals) for label, group in groups]
-    codes = tidy.groupby(keys, sort=False, dropna=False).ngroup()  # the order `variant_groups` lists them in
-    by_code = dict(iter(finals.groupby(codes.loc[finals.index].to_numpy(), sort=True)))
-    return [(label, group, by_code[code]) for code, (label, group) in enumerate(groups)]
-
-
 def _column(label: str, group: pd.DataFrame, finals: pd.DataFrame, keys: list[str], steps: list[int], metric: str,
             missing: int = 0, pooled: Sequence[str] = ()) -> Column:
-    """One variant's column from its rows and its runs' last rows (`_variants`); its `missing` runs (no
+    """One variant's column from its rows and its runs' last rows (`variant_finals`); its `missing` runs (no
     verified result) count in every cell's n. Its runs are "seeds" only where no `pooled` key varies
     among them."""
     values = {k: group[k].iloc[0] for k in keys}
@@ -304,16 +268,6 @@ def _column(label: str, group: pd.DataFrame, finals: pd.DataFrame, keys: list[st
     threshold = float(limits.iloc[0]) if limits.nunique() == 1 else math.nan
     return Column(label, values, cells, int(finals[TRAINED].sum()), len(finals), unit, int(diverged_run.sum()),
                   missing, threshold)
-
-
-def _last_rows(group: pd.DataFrame) -> pd.DataFrame:
-    """Each run's row at its last recorded step. A tidy table holds each run's rows together, steps
-    ascending (as its metrics.csv, verified): each run's last row, without sorting; else sorted."""
-    rid, step = group["run_id"].to_numpy(), group["step"].to_numpy()
-    ends = np.append(rid[1:] != rid[:-1], True)
-    if len(set(rid[ends])) == int(ends.sum()) and bool((np.diff(step)[~ends[:-1]] > 0).all()):
-        return group[ends]
-    return group.sort_values("step").groupby("run_id").tail(1)
 
 
 def _title(summary: pd.DataFrame, metric: str, pooled: Sequence[str] = ()) -> str:
@@ -527,17 +481,3 @@ def pivot_to_csv(pivot: Pivot) -> str:
                     writer.writerow([title, row, col, csv_number(mean.at[row, col]), csv_number(std.at[row, col]),
                                      int(n.at[row, col]), int(runs.at[row, col]), int(lost.at[row, col])])
     return buffer.getvalue()
-
-
-# ----------------------------------------------------------------------------- the gradnorm study
-
-
-# ----------------------------------------------------------------------------- norm facts and speed
-
-
-# ----------------------------------------------------------------------------- learning-rate sensitivity
-
-
-# ----------------------------------------------------------------------------- normexp verify
-
-

@@ -9,7 +9,7 @@ Floats are read with round-trip precision, so losses compare bit for bit with th
 This module imports pandas but never torch.
 
 Nothing here trusts a file it has not checked: the summary is rebuilt from the run folders as
-`runfolder.inspect_run` verifies them (summary.csv is a cache of that table), so a missing or corrupt run
+`folder.inspect_run` verifies them (summary.csv is a cache of that table), so a missing or corrupt run
 is never counted as a result: its status says what it is, and `missing_note` names it.
 
 A command reads a folder once: `load_folder` verifies each run once and keeps the summary, and each
@@ -29,9 +29,19 @@ import numpy as np
 import pandas as pd
 
 from normexp.config import Sweep, run_keys
+from normexp.folder import (
+    BLOCKS_FILE,
+    FINISHED_STATUSES,
+    METRICS_FILE,
+    RunState,
+    StoreError,
+    cached_statuses,
+    folder_run_ids,
+    read_sweep,
+    rows_csv,
+    summary_rows,
+)
 from normexp.registry import references_unchecked
-from normexp.runfolder import BLOCKS_FILE, FINISHED_STATUSES, METRICS_FILE, RunState, StoreError
-from normexp.store import cached_statuses, folder_run_ids, read_sweep, rows_csv, summary_rows
 
 FINISHED = FINISHED_STATUSES
 MISSING_LISTED = 5  # runs named in a missing-runs note before "and N more"
@@ -82,7 +92,7 @@ class Folder:
 
 
 def load_folder(run_dir: str | Path) -> Folder:
-    """Read the sweep folder `run_dir` once: each run it holds is verified once (`runfolder.inspect_run`)."""
+    """Read the sweep folder `run_dir` once: each run it holds is verified once (`folder.inspect_run`)."""
     run_dir = Path(run_dir)
     try:
         with references_unchecked():  # a user's placement or kind: read as written, never imported
@@ -129,7 +139,7 @@ def load_summary(run_dir: str | Path | Folder, only_last: bool = False) -> pd.Da
     summary.csv but rebuilt from the verified run folders: a corrupt run has status `corrupt` (and
     its problem under `error`), a missing one `pending` (or `interrupted`), neither has numbers.
     The folder holds the latest sweep's runs and every verified run of earlier invocations
-    (`store.folder_runs`); `only_last` keeps the latest sweep's grid alone."""
+    (`folder.folder_runs`); `only_last` keeps the latest sweep's grid alone."""
     return as_folder(run_dir).view(only_last).copy()
 
 

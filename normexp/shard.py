@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 
 from normexp.config import ConfigError, RunConfig
-from normexp.runfolder import run_id
+from normexp.folder import run_id
 
 SHARD = re.compile(r"\s*(?P<index>\d+)\s*/\s*(?P<count>\d+)\s*")
 

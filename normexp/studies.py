@@ -54,10 +54,9 @@ from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
 from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, thresholds, variant_groups, variant_label
 from normexp.config import ConfigError, Sweep, load_sweep
 from normexp.executors import usable_cores
+from normexp.folder import StoreError, lock_owner, out_folder_problem
 from normexp.report import build_report, to_markdown
 from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note, varying_keys
-from normexp.runfolder import StoreError
-from normexp.store import lock_owner, out_folder_problem
 from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 
@@ -134,7 +133,9 @@ def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
 
 
 def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
-    from normexp.plot import final_loss_figure, plt, save_blocks_plot, save_plots, trained_fraction_figure
+    import matplotlib.pyplot as plt
+
+    from normexp.figures import final_loss_figure, save_blocks_plot, save_plots, trained_fraction_figure
 
     run_dir = folder.path
     if run_dir.name == "instabilities":  # 24 designs x 9 lrs: one panel per design, not one line per variant
@@ -536,8 +537,10 @@ def instabilities_figures(folder: Folder) -> list[Path]:
     (qk-norm, z-loss), mean over seeds (a diverged run at its loss at init, as the LR sensitivity counts
     it); then the block heat maps of the largest attention logit, the attention entropy and log Z at lr
     HEATMAP_LR without the z-loss: placements across, kind x qk-norm down."""
+    import matplotlib.pyplot as plt
+
     from normexp.analysis.sensitivity import lr_table
-    from normexp.plot import BLOCK_METRIC_LABELS, blocks_figure, plt
+    from normexp.figures import BLOCK_METRIC_LABELS, blocks_figure
 
     table, _ = lr_table(folder)
     table["model.qk_norm"] = table["model.qk_norm"].map(_flag)
@@ -638,7 +641,7 @@ def speed_verdict(timings) -> str:
 def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print) -> Path:
     from normexp.config import RunConfig  # noqa: F401 - torch-backed modules below
     from normexp.diagnostics import gradnorm_study, norm_properties, norm_speed
-    from normexp.plot import save_gradnorm_plot
+    from normexp.figures import save_gradnorm_plot
 
     out.mkdir(parents=True, exist_ok=True)
     sections, times = [], {}

@@ -6,9 +6,9 @@ The sweep process is the coordinator and the only writer of its output folder. I
    sweep's pool (`fast_pool`) starts its workers before this process imports torch, then imports it,
 2. takes the folder's lock (a second sweep into the same folder fails at once), and refuses a folder
    that holds a sweep of another name unless `force`,
-3. tidies what a killed sweep left (`store.recover_strays`), writes `sweep.yaml` (this sweep's grid;
+3. tidies what a killed sweep left (`folder.recover_strays`), writes `sweep.yaml` (this sweep's grid;
    the folder keeps the verified runs of earlier grids too, and `summary.csv` lists them all), then
-   finds the runs that are not verified finished (`runfolder.inspect_run`; all of them with `force`). A corrupt run is
+   finds the runs that are not verified finished (`folder.inspect_run`; all of them with `force`). A corrupt run is
    redone (a "corrupt" event says why); a run of release 0.1, without checksums, is re-read and, if
    it holds, stamped with them and kept; a finished run recorded with another torch thread count
    than this sweep's, or by the fast engine when this sweep is exact, is redone (a "redone" event
@@ -22,14 +22,14 @@ The sweep process is the coordinator and the only writer of its output folder. I
 
 With `shard` (I, N), the sweep trains only shard I's runs (normexp/shard.py: whole batches of the
 unsharded plan), holding the folder's lock shared with the other shards: each writes its own runs'
-folders, and sweep.yaml, history.jsonl and summary.csv one shard at a time (`store.folder_writes`); a
+folders, and sweep.yaml, history.jsonl and summary.csv one shard at a time (`folder.folder_writes`); a
 shard leaves the tidying of what a killed writer left (step 3) to a whole sweep or `verify --fix`, as
 that could be another shard's folder in the making.
 
 Progress is reported through an optional callback of `SweepEvent`s; nothing here prints.
 A run that raises is recorded as `failed` (its folder has `failed.json`, no `done.json`, so the next
 sweep retries it) and the sweep goes on, unless `fail_fast`. So is a run whose folder's place holds a
-file or a symbolic link normexp did not write (`runfolder.in_the_way`): that is left as it is, the run is
+file or a symbolic link normexp did not write (`folder.in_the_way`): that is left as it is, the run is
 not trained (or, found only as its result is written, not recorded), and summary.csv says why. On
 KeyboardInterrupt the finished runs stay finished, the summary is written, and `SweepInterrupted`
 carries the outcome to the caller (the command line turns SIGTERM and SIGHUP into the same
@@ -47,18 +47,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from normexp.config import RunConfig, Sweep
-from normexp.runfolder import SWEEP_FILE, InTheWay, RunState, StoreError, in_the_way, inspect_run, run_id
-from normexp.stopping import stop_signals_deferred
-from normexp.store import (
+from normexp.folder import (
+    SWEEP_FILE,
     FinishedRun,
+    InTheWay,
+    RunState,
+    StoreError,
     SweepLock,
     append_history,
     atomic_write,
     folder_runs,
     folder_writes,
+    in_the_way,
+    inspect_run,
     other_threads,
     read_history,
     recover_strays,
+    run_id,
     stamp_run,
     sweep_name,
     sweep_yaml,
@@ -68,6 +73,7 @@ from normexp.store import (
     write_run,
     write_summary,
 )
+from normexp.stopping import stop_signals_deferred
 
 if TYPE_CHECKING:
     from normexp.executors import Executor
@@ -289,7 +295,7 @@ def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions,
 
 def _finished(cfg: RunConfig, rid: str, state: RunState, out_dir: Path, options: SweepOptions, threads: int,
               outcome: SweepOutcome, emit: EventCallback) -> bool:
-    """Whether `cfg`'s run folder (`rid`, found in `state`: `store.verified_states`) holds a verified result
+    """Whether `cfg`'s run folder (`rid`, found in `state`: `folder.verified_states`) holds a verified result
     this sweep can keep (reported as skipped). A corrupt one is reported and left to be redone, an
     unstamped one (release 0.1) is stamped and kept; one trained with another thread count, or by the
     fast engine for an exact sweep, is redone."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from normexp.config import TEXT_TASKS, TRANSFORMER_ONLY, ModelConfig, RunConfig, TrainConfig
-from normexp.store import FinishedRun
+from normexp.folder import FinishedRun
 
 if TYPE_CHECKING:
     from normexp.engines.auto import Choice
@@ -218,7 +218,7 @@ def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compi
     exact engines instead."""
     from normexp.engines.cost import fast_key, should_compile
     from normexp.engines.fast import plan_fast
-    from normexp.runfolder import run_id
+    from normexp.folder import run_id
 
     declined = [cfg for cfg in runs if fast_declines(cfg)]
     exact = plan_units(declined, "batched", device, threads) if declined else []

@@ -2,22 +2,22 @@
 
 What is checked, each problem one `Finding`:
 
-- every run the folder holds (`store.folder_runs`: its latest sweep's, listed by sweep.yaml, and
-  the verified runs of earlier invocations), with `runfolder.inspect_run`: done.json's own
+- every run the folder holds (`folder.folder_runs`: its latest sweep's, listed by sweep.yaml, and
+  the verified runs of earlier invocations), with `folder.inspect_run`: done.json's own
   checksum, the SHA-256 and row counts of config.yaml and metrics.csv, config.yaml against the run
   id, the metrics against done.json's numbers; runs missing, failed or left unfinished;
 - folders holding a run that is neither (not verified, of no run of the latest sweep), and runs
-  trained under normexp's earlier definition of a placement (`runfolder.REVISED_DEFINITIONS`): named as
+  trained under normexp's earlier definition of a placement (`folder.ids.REVISED_DEFINITIONS`): named as
   such, never counted as results and never removed (rerunning the sweep retrains them under new ids);
-- temporary files and folders that only a killed writer leaves (`store.stray_paths`);
+- temporary files and folders that only a killed writer leaves (`folder.stray_paths`);
 - summary.csv against the table rebuilt from the verified run folders.
 
 `fix` removes what can be redone (corrupt and unfinished run folders, unverifiable folders of other
 sweeps, that hold normexp's files alone; temporary files; a run folder caught mid-swap is put back),
 stamps runs of release 0.1 that re-read consistently, and rebuilds summary.csv. Nothing else is
 deleted: verified runs of every invocation stay, and missing runs are left for the sweep to redo. Only
-what normexp writes is ever removed: folders named by a run id (`runfolder.RUN_ID`) that hold normexp's own
-files alone (`store.remove_run_folder`), and its own temporary names (`store.stray_paths`). A user's
+what normexp writes is ever removed: folders named by a run id (`folder.ids.RUN_ID`) that hold normexp's own
+files alone (`folder.remove_run_folder`), and its own temporary names (`folder.stray_paths`). A user's
 folder (`my_analysis/` holding a `config.yaml`), a folder named by a run id that holds anything else (a
 user's notes: no part of it is removed) and any symbolic link are left alone, at most named in a note (a
 file, link or user's folder where a run of the sweep belongs is a problem, in that run's way, and left
@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Literal
 
 from normexp.config import RunConfig
-from normexp.registry import references_unchecked
-from normexp.runfolder import (
+from normexp.folder import (
     DONE_FILE,
     FAILED_FILE,
     IN_THE_WAY_REMEDY,
@@ -43,28 +42,27 @@ from normexp.runfolder import (
     VOUCHED_FILES,
     RunState,
     StoreError,
-    foreign_entries,
-    inspect_run,
-    is_run_id,
-    not_normexp_s,
-    run_id,
-    superseded_problem,
-)
-from normexp.store import (
     SweepLock,
     cached_statuses,
     folder_runs,
+    foreign_entries,
+    inspect_run,
+    is_run_id,
     lock_owner,
+    not_normexp_s,
     read_sweep,
     recover_strays,
     remove_run_folder,
+    run_id,
     stamp_run,
     stray_paths,
     summary_csv,
     superseded_folder,
+    superseded_problem,
     verified_states,
     write_summary,
 )
+from normexp.registry import references_unchecked
 
 RUN_FILES = (*VOUCHED_FILES, DONE_FILE, FAILED_FILE)  # a folder holding any of these is a run folder
 REDO = "rerun the sweep to redo it"

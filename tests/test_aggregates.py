@@ -14,11 +14,10 @@ import pytest
 from rich.console import Console
 
 from normexp.config import RunConfig, build_sweep
-from normexp.plot import curves_figure, phase_figure
+from normexp.figures import curves_figure, phase_figure
+from normexp.folder import FinishedRun, atomic_write, run_id, write_run, write_summary
 from normexp.report import build_pivot, build_report, pivot_to_csv, pivot_to_markdown, to_csv, to_markdown, to_rich
 from normexp.results import load_metrics, load_summary, varying_keys
-from normexp.runfolder import run_id
-from normexp.store import FinishedRun, atomic_write, write_run, write_summary
 
 Outcome = Callable[[RunConfig], list[float]]  # a run's losses; a non-finite last loss: it diverged
 

@@ -23,9 +23,10 @@ from normexp.engines import reference
 from normexp.engines.batched import plan_batches, train_batch
 from normexp.engines.common import seeded_init
 from normexp.engines.reference import train_run
-from normexp.plot import BLOCK_METRIC_LABELS
+from normexp.figures import BLOCK_METRIC_LABELS
+from normexp.folder import run_id
+from normexp.folder.ids import config_hash
 from normexp.results import _EXACT, ResultsError, load_blocks, load_metrics
-from normexp.runfolder import config_hash, run_id
 
 runner = CliRunner()
 

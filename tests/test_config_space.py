@@ -27,7 +27,7 @@ from normexp.config import (
     run_keys,
     validate_run,
 )
-from normexp.runfolder import run_id
+from normexp.folder import run_id
 
 
 def _floats(low: float, high: float) -> st.SearchStrategy[float]:

@@ -418,8 +418,7 @@ def test_resume_redoes_a_run_trained_with_other_threads(tmp_path):
     import torch
 
     from normexp.config import build_sweep
-    from normexp.runfolder import run_id
-    from normexp.store import FinishedRun, write_run
+    from normexp.folder import FinishedRun, run_id, write_run
     from normexp.sweep import run_sweep
 
     spec = build_sweep({"name": "t", "base": {"model": {"depth": 2, "width": 8}, "train": {"steps": 3}},

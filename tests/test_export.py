@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from normexp.cli import app
 from normexp.config import build_sweep, chance_classes, flatten, parse_yaml, trained_threshold
 from normexp.export import EVENTS_FILE, FINAL
-from normexp.runfolder import BLOCKS_FILE, METRICS_FILE, read_json
-from normexp.store import FinishedRun, write_run
+from normexp.folder import BLOCKS_FILE, METRICS_FILE, FinishedRun, write_run
+from normexp.folder.layout import read_json
 from normexp.sweep import SweepOptions, run_sweep
 
 runner = CliRunner()

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from normexp.cli import app
 from normexp.config import load_sweep
 from normexp.engines.fast import plan_fast
-from normexp.runfolder import run_id
+from normexp.folder import run_id
 from normexp.units import plan_units
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from normexp.config import NormConfig, RunConfig, sequence_shape, validate_run
 from normexp.engines.common import seeded_init
 from normexp.engines.reference import train_run
+from normexp.folder.ids import REVISED_DEFINITIONS
 from normexp.models.norms import DyT, make_norm
-from normexp.runfolder import REVISED_DEFINITIONS
 
 STEPS = 3
 LOSS_TOL = 2e-4
@@ -424,7 +424,7 @@ def test_dyt_alpha0_per_site_and_bias() -> None:
 
 
 def test_dyt_site_alpha_equal_to_dyt_alpha0_is_the_same_run() -> None:
-    from normexp.runfolder import run_id
+    from normexp.folder import run_id
 
     plain = config("ffn", "pre", kind="dyt", dyt_alpha0=0.7)
     assert run_id(config("ffn", "pre", kind="dyt", dyt_alpha0=0.7, dyt_alpha0_ffn=0.7)) == run_id(plain)
@@ -495,11 +495,11 @@ def _cli(*args: object):
 @pytest.fixture
 def earlier_folder(tmp_path, monkeypatch) -> tuple[Path, Path]:
     """A sweep trained before DeepNorm's FFN revision: its deepnorm run sits under its earlier id."""
-    from normexp import runfolder
+    from normexp.folder import ids
 
     (tmp_path / "sweep.yaml").write_text(EARLIER_SWEEP)
     with monkeypatch.context() as patch:  # the earlier release: no revision in the hashed view
-        patch.setattr(runfolder, "revised_definition", lambda cfg: None)
+        patch.setattr(ids, "revised_definition", lambda cfg: None)
         result = _cli("sweep", tmp_path / "sweep.yaml", "--out", tmp_path / "out", "-q")
         assert result.exit_code == 0, result.output
     return tmp_path / "sweep.yaml", tmp_path / "out"
@@ -507,7 +507,8 @@ def earlier_folder(tmp_path, monkeypatch) -> tuple[Path, Path]:
 
 def test_verify_and_report_name_runs_of_the_earlier_definition(earlier_folder) -> None:
     from normexp.config import load_sweep
-    from normexp.runfolder import earlier_run_id, inspect_run, run_id
+    from normexp.folder import inspect_run, run_id
+    from normexp.folder.ids import earlier_run_id
 
     config_file, out = earlier_folder
     deepnorm = next(cfg for cfg in load_sweep(config_file).runs if cfg.norm.placement == "deepnorm")
@@ -542,7 +543,7 @@ def test_verify_and_report_name_runs_of_the_earlier_definition(earlier_folder) -
 
 def test_resdual_without_its_final_norm_is_one_run_whatever_model_final_norm_says() -> None:
     """ResiDual ends with x_a + Norm_d(x_d): model.final_norm changes nothing unless resdual_final_norm."""
-    from normexp.runfolder import run_id
+    from normexp.folder import run_id
 
     on, off = config("ffn", "resdual"), with_keys(config("ffn", "resdual"), resdual_final_norm=False)
     off = validate_run({**off.model_dump(mode="json"), "model": {**off.model.model_dump(mode="json"),

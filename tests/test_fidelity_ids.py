@@ -10,7 +10,8 @@ import torch
 
 from normexp.config import RunConfig, mixln_post_count, validate_run
 from normexp.engines.common import seeded_init
-from normexp.runfolder import revised_definition, run_id
+from normexp.folder import run_id
+from normexp.folder.ids import revised_definition
 
 # each revised placement whose earlier reading has a key, with that key (docs/sources.md)
 EARLIER_READING = {

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import load_sweep
-from normexp.plot import choose_facets, number_texts
+from normexp.figures import choose_facets, number_texts
 from normexp.report import build_report, to_csv, to_markdown
 from normexp.results import ResultsError, load_metrics, load_summary
 
@@ -210,7 +210,7 @@ def test_plot_options_facets_and_dpi(tf, tmp_path):
 
 
 def test_the_phase_diagram_follows_the_metric(tf, tmp_path):
-    from normexp.plot import phase_figure
+    from normexp.figures import phase_figure
 
     tidy = load_metrics(tf, all_config=True)
     fig = phase_figure(tidy, "optim.lr", "schedule.warmup_steps", "val_acc")
@@ -228,7 +228,7 @@ def test_the_phase_diagram_follows_the_metric(tf, tmp_path):
 
 
 def test_the_phase_diagram_borders_the_trained_region(grid):
-    from normexp.plot import TRAINED_EDGE, phase_figure
+    from normexp.figures import TRAINED_EDGE, phase_figure
 
     fig = phase_figure(load_metrics(grid, all_config=True), "optim.lr", "schedule.warmup_steps",
                        trained_below=100)  # every run trained: each panel's whole grid is bordered
@@ -238,7 +238,7 @@ def test_the_phase_diagram_borders_the_trained_region(grid):
 
 
 def test_the_trained_fraction_figure_counts_each_placement_and_kind(grid):
-    from normexp.plot import trained_fraction_figure
+    from normexp.figures import trained_fraction_figure
 
     summary = load_summary(grid)
     fig = trained_fraction_figure(summary, trained_below=100)
@@ -286,11 +286,11 @@ def test_two_sweeps_with_different_trained_rules_are_never_judged_by_the_first_o
 
 
 def test_a_panel_of_a_sweep_alone_is_titled_by_its_name_without_a_dangling_colon():
-    from normexp.plot import _panel_title
+    from normexp.figures.facets import panel_title
 
-    assert _panel_title(["sweep"], ("t1",)) == "t1"  # was "t1:", then " (n=18)" after it
-    assert _panel_title(["sweep", "norm.placement"], ("t1", "pre")) == "t1: Pre"
-    assert _panel_title(["norm.placement"], ("pre",)) == "Pre"
+    assert panel_title(["sweep"], ("t1",)) == "t1"  # was "t1:", then " (n=18)" after it
+    assert panel_title(["sweep", "norm.placement"], ("t1", "pre")) == "t1: Pre"
+    assert panel_title(["norm.placement"], ("pre",)) == "Pre"
 
 
 def test_missing_runs_of_two_sweeps_name_the_folder_to_verify(tf, tmp_path):
@@ -308,7 +308,7 @@ def test_missing_runs_of_two_sweeps_name_the_folder_to_verify(tf, tmp_path):
 def test_a_blown_up_run_clips_the_shared_loss_axis_and_says_so(tmp_path_factory):
     """A run whose loss reaches ~1e7 would squash every other curve into one line on the shared log axis:
     the axis ends at BLOWUP_FACTOR x the larger of chance and the first step's loss, the legend says so."""
-    from normexp.plot import BLOWUP_FACTOR, curves_figure
+    from normexp.figures import BLOWUP_FACTOR, curves_figure
     from normexp.results import as_folder
 
     out = sweep(tmp_path_factory, "blowup", FFN.replace("train: {steps: 3}", "train: {steps: 4}"),

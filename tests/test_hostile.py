@@ -403,7 +403,7 @@ def test_the_studies_exit_2_on_an_output_folder_they_cannot_use(tmp_path, monkey
     """As `normexp sweep`: an --out that is a file or a symbolic link loop, a study folder that holds
     another sweep or one that another sweep is writing is one `error:` line and exit 2 (bad usage), not 1
     (a run failed)."""
-    from normexp.store import SweepLock
+    from normexp.folder import SweepLock
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")

@@ -15,8 +15,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import RunConfig, build_sweep
-from normexp.runfolder import SWEEP_FILE, run_id
-from normexp.store import FinishedRun, write_run
+from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
 
 LRS = [0.001, 0.01, 0.1]
 
@@ -93,7 +92,7 @@ def test_a_diverged_run_counts_as_its_loss_at_init_not_its_last_finite_loss(tmp_
 
 def test_the_lr_figure_draws_the_same_numbers(tmp_path):
     from normexp.analysis.sensitivity import lr_table
-    from normexp.plot import lr_figure
+    from normexp.figures import lr_figure
 
     fig = lr_figure(*lr_table(write_curves(tmp_path / "s", DIVERGING)))
     lines = {line.get_label().split(" ")[0]: list(line.get_ydata()) for line in fig.axes[0].lines}
@@ -560,7 +559,7 @@ def test_one_engine_says_nothing(tmp_path):
 def test_plot_blocks_where_a_variant_has_no_values_draws_an_empty_panel(write_yaml, tmp_path, steps, metric):
     import matplotlib.pyplot as plt
 
-    from normexp.plot import blocks_figure
+    from normexp.figures import blocks_figure
     from normexp.results import load_blocks
 
     config = write_yaml(f"name: b\nbase: "

@@ -136,8 +136,7 @@ def _sweep_of(folder: Path, grid: dict, final: dict, skip: set = frozenset()) ->
     """A sweep folder over `grid` (seeds 0, 1) written through the store: each run's loss goes 2.3 ->
     final[(kind, lr, warmup)] + 0.01 * seed; a run whose (kind, lr, warmup, seed) is in `skip` is missing."""
     from normexp.config import build_sweep
-    from normexp.runfolder import SWEEP_FILE, run_id
-    from normexp.store import FinishedRun, write_run
+    from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
 
     base = {"schedule": {"kind": "linear_warmup"}, "train": {"steps": 1}}
     sweep = build_sweep({"name": "v", "base": base, "grid": grid, "seeds": [0, 1]})
@@ -177,8 +176,7 @@ def test_the_sensitivity_verdict_keeps_each_variant_and_names_the_undefined(tmp_
 def test_the_blocks_verdict_means_over_every_seed_or_leaves_the_step_out(tmp_path):
     """groupby().mean() skipped a diverged seed's nan: Post-LN's 'peak, mean over 2 seeds' was one seed's."""
     from normexp.config import build_sweep
-    from normexp.runfolder import SWEEP_FILE, run_id
-    from normexp.store import FinishedRun, write_run
+    from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
     from normexp.studies import blocks_verdict
 
     nan = float("nan")
@@ -223,10 +221,9 @@ def test_an_empty_blocks_panel_is_as_wide_as_a_drawn_one_and_its_text_stays_insi
     """The reason's one long line made constrained layout squeeze the empty panel to a sliver and run
     its text across the neighbouring panels."""
     from normexp.config import build_sweep
-    from normexp.plot import blocks_figure
+    from normexp.figures import blocks_figure
+    from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
     from normexp.results import load_blocks
-    from normexp.runfolder import SWEEP_FILE, run_id
-    from normexp.store import FinishedRun, write_run
 
     nan = float("nan")
     sweep = build_sweep({"name": "e", "base": {"model": {"depth": 2, "width": 4},

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from normexp.config import ConfigError, RunConfig, build_sweep, parse_yaml, validate_run
 from normexp.engines.common import loss_and_acc, seeded_init, z_loss
 from normexp.engines.reference import train_run
+from normexp.folder import run_id
 from normexp.models.transformer import CausalSelfAttention, Transformer
 from normexp.registry import placements_for
-from normexp.runfolder import run_id
 
 WIDTH, HEADS = 8, 2
 
@@ -233,7 +233,7 @@ def study_folder(tmp_path, peak, final_loss):
     """A study folder written through the store (no training): each run's largest attention logit is 3 at
     step 0 and peak(cfg) at step 1, its losses [2.7, final_loss(cfg)]."""
     from normexp.blocklog import TRANSFORMER_BLOCK_COLUMNS
-    from normexp.store import FinishedRun, atomic_write, write_run, write_summary
+    from normexp.folder import FinishedRun, atomic_write, write_run, write_summary
 
     sweep = build_sweep(parse_yaml(STUDY))
     out = tmp_path / sweep.name
@@ -274,7 +274,7 @@ def test_a_negative_largest_attention_logit_is_drawn_not_left_blank(tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.collections import QuadMesh
 
-    from normexp.plot import blocks_figure
+    from normexp.figures import blocks_figure
     from normexp.results import load_blocks
 
     folder = study_folder(tmp_path, lambda cfg: -0.5 if cfg.model.qk_norm else 80.0, lambda cfg: 1.0)

@@ -16,13 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from normexp import store
+from normexp import folder
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
+from normexp.folder import FinishedRun, inspect_run, run_id, write_run, write_summary
 from normexp.report import build_pivot, build_report, pivot_to_markdown, to_markdown
 from normexp.results import ResultsError, load_metrics, load_summary
-from normexp.runfolder import inspect_run, run_id
-from normexp.store import FinishedRun, write_run, write_summary
 from normexp.verify import verify_sweep
 
 runner = CliRunner()
@@ -327,14 +326,14 @@ def test_verify_finds_everything_and_changes_nothing_without_fix(sweep_dir, pris
     result = normexp("verify", out, "--fix")
     assert result.exit_code == 1  # runs are missing: the sweep must redo them
     assert "rerun the sweep" in result.output
-    assert not store.stray_paths(out)
+    assert not folder.stray_paths(out)
     assert not (out / dirs[0].name).exists() and not (out / dirs[3].name).exists()
     assert inspect_run(dirs[2]).kind == "finished"  # stamped
     assert (out / foreign[0].name).exists() and not (out / foreign[1].name).exists()
     assert not (out / "post-layernorm-s9-0123456789").exists()
     summary = load_summary(out)
-    assert (out / "summary.csv").read_text() == store.summary_csv(
-        out, store.folder_runs(out, build_sweep(parse_yaml(SWEEP))))
+    assert (out / "summary.csv").read_text() == folder.summary_csv(
+        out, folder.folder_runs(out, build_sweep(parse_yaml(SWEEP))))
     assert (summary["status"] == "completed").sum() == RUNS - 3 + 1  # the other grid's verified run counts
 
     resumed = normexp("sweep", config, "--out", out)
@@ -348,7 +347,7 @@ def test_verify_finds_everything_and_changes_nothing_without_fix(sweep_dir, pris
 
 def test_verify_refuses_a_folder_a_sweep_is_writing(sweep_dir):
     _, out = sweep_dir
-    with store.SweepLock(out):
+    with folder.SweepLock(out):
         for args in (["verify", out], ["verify", out, "--fix"]):
             result = normexp(*args)
             assert result.exit_code == 2 and "sweep is writing here" in result.output
@@ -356,7 +355,7 @@ def test_verify_refuses_a_folder_a_sweep_is_writing(sweep_dir):
 
 # ----------------------------------------------------------------------------- what verify --fix may remove
 
-# Folders a user may keep in a sweep folder, none of them named by a run id (`runfolder.RUN_ID`): the run id's
+# Folders a user may keep in a sweep folder, none of them named by a run id (`folder.ids.RUN_ID`): the run id's
 # shape with one part off (case, hex digits, a seed's leading zero, a norm kind the config has not, a suffix).
 USER_FOLDERS = ["my_analysis", "post-layernorm-s0-notahexid", "post-layernorm-s0-0123456789a",
                 "post-layernorm-s0-012345678", "Post-layernorm-s0-0123456789", "post-layernorm-s01-0123456789",
@@ -405,9 +404,9 @@ def test_only_normexp_s_own_temporary_names_are_tidied(sweep_dir, tmp_path):
     own[0].write_text("half")
     own[1].write_text("half")
     before = {path: (out / path).read_bytes() for path in user}
-    assert sorted(store.stray_paths(out)) == sorted(own)
+    assert sorted(folder.stray_paths(out)) == sorted(own)
     assert normexp("verify", out, "--fix").exit_code == 0
-    store.recover_strays(out)  # what a sweep does first
+    folder.recover_strays(out)  # what a sweep does first
     assert not any(path.exists() for path in own)
     assert {path: (out / path).read_bytes() for path in user} == before
     assert (out / f".{rid}.tmp-9").is_symlink() and (out / ".summary.csv.tmp-9").is_symlink()
@@ -438,7 +437,7 @@ def test_verify_fix_never_removes_through_a_symlink_named_like_a_run_id(sweep_di
 
 
 def test_every_run_id_matches_the_run_id_pattern():
-    """`runfolder.RUN_ID` is what tells a run folder from a user's: every id `run_id` can make matches it."""
+    """`folder.ids.RUN_ID` is what tells a run folder from a user's: every id `run_id` can make matches it."""
     from typing import get_args
 
     from pydantic import ValidationError
@@ -448,16 +447,16 @@ def test_every_run_id_matches_the_run_id_pattern():
     made = 0
     for placement in get_args(Placement):
         for kind in get_args(NormKind):
-            assert store.is_run_id(f"{placement}-{kind}-s0-0123456789")
+            assert folder.is_run_id(f"{placement}-{kind}-s0-0123456789")
             for seed in (0, 7, 2**63 - 1):
                 try:
                     cfg = RunConfig.model_validate({"norm": {"placement": placement, "kind": kind}, "seed": seed})
                 except ValidationError:
                     continue
-                assert store.is_run_id(run_id(cfg)) and store.is_run_id(run_id(cfg, revised=False))
+                assert folder.is_run_id(run_id(cfg)) and folder.is_run_id(run_id(cfg, revised=False))
                 made += 1
     assert made > 200
-    assert not any(store.is_run_id(name) for name in USER_FOLDERS)
+    assert not any(folder.is_run_id(name) for name in USER_FOLDERS)
 
 
 # ----------------------------------------------------------------------------- random damage (property)
@@ -542,8 +541,8 @@ def test_a_crash_inside_the_swap_loses_no_result(sweep_dir, monkeypatch, exchang
     victim = run_dirs(out)[0]
     before = snapshot(victim)
     if not exchange:
-        monkeypatch.setattr(store, "_exchange", lambda a, b: False)
-    real_replace, real_rmtree = store.os.replace, store.shutil.rmtree
+        monkeypatch.setattr(folder.write, "_exchange", lambda a, b: False)
+    real_replace, real_rmtree = folder.write.os.replace, folder.write.shutil.rmtree
 
     def replace(src, dst):
         if Path(src).name.startswith(f".{victim.name}.tmp-"):
@@ -555,18 +554,18 @@ def test_a_crash_inside_the_swap_loses_no_result(sweep_dir, monkeypatch, exchang
             raise KeyboardInterrupt  # the process dies before the old folder is removed
         real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(store.os, "replace", replace)
-    monkeypatch.setattr(store.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(folder.write.os, "replace", replace)
+    monkeypatch.setattr(folder.write.shutil, "rmtree", rmtree)
     cfg = load_run_config(victim / "config.yaml")
     metrics = {"step": [0, 1, 2, 3], "loss": [1.0] * 4, "acc": [0.5] * 4, "lr": [0.01] * 4, "grad_norm": [1.0] * 4}
     with pytest.raises(KeyboardInterrupt):
         write_run(victim, cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
     monkeypatch.undo()
-    assert store.stray_paths(out)
+    assert folder.stray_paths(out)
     assert inspect_run(victim).finished == exchange  # swapped: the new result; between renames: none yet
     result = normexp("sweep", config, "--out", out)
     assert result.exit_code == 0 and f"0 ran, {RUNS} already done" in result.output
-    assert inspect_run(victim).finished and not store.stray_paths(out)
+    assert inspect_run(victim).finished and not folder.stray_paths(out)
     new = (victim / "metrics.csv").read_text().splitlines()[1].startswith("0,1.0,")
     assert new == exchange and (exchange or snapshot(victim) == before)
 
@@ -608,7 +607,7 @@ def test_a_damaged_sweep_yaml_is_refused_not_obeyed(sweep_dir, cut):
     _, out = sweep_dir
     path = out / "sweep.yaml"
     text = path.read_text()
-    assert text.startswith(store.SWEEP_CHECKSUM)
+    assert text.startswith(folder.sweepfiles.SWEEP_CHECKSUM)
     damaged = {"lines": "".join(text.splitlines(True)[:-8]), "bytes": text[:len(text) // 2],
                "edit": text.replace("0.02", "0.03")}[cut]
     assert damaged != text
@@ -639,7 +638,7 @@ def test_a_folder_written_before_provenance_resumes_without_retraining(sweep_dir
     for run_dir in run_dirs(out):
         done = json.loads((run_dir / "done.json").read_text())
         assert {"commit", "cpu", "torch_build", "command"} <= set(done.pop("provenance"))
-        (run_dir / "done.json").write_text(store.encode_done(done))
+        (run_dir / "done.json").write_text(folder.layout.encode_done(done))
         assert inspect_run(run_dir).kind == "finished"
     before = snapshot(out)
     result = normexp("sweep", config, "--out", out)

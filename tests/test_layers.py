@@ -1,7 +1,8 @@
 """The house's layers, held: the import graph of normexp (every import, lazy ones too, read from the
 source) has no circle and no import running back up a layer; pure-number analysis and the figures never
-load torch; what the engines share imports no engine; no engine reaches the store, the sweep or the
-executors. A new module must be given a layer here, so that its place is a decision, not an accident.
+load torch; what the engines share imports no engine; no engine reaches the run folder, the sweep or the
+executors; each file of the run folder (folder/) imports only those before it. A new module must be given
+a layer here, so that its place is a decision, not an accident.
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
+FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves", "normexp.figures.phase",
+           "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm"]
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
                    "normexp.config.section", "normexp.config.data", "normexp.config.schema",
                    "normexp.config.sample", "normexp.config.grid", "normexp.config", "normexp.environment",
                    "normexp.stopping", "normexp.blocklog", "normexp.corpus"],
-    # the run folder: read and checked, written, loaded, verified
-    "records": ["normexp.runfolder", "normexp.store", "normexp.results", "normexp.compare", "normexp.verify",
-                "normexp.merge"],
+    # the run folder: its contract (folder/), loaded, compared, verified, merged
+    "records": ["normexp.folder.layout", "normexp.folder.atomic", "normexp.folder.ids", "normexp.folder.verified",
+                "normexp.folder.inspect", "normexp.folder.write", "normexp.folder.sweepfiles", "normexp.folder.lock",
+                "normexp.folder", "normexp.results", "normexp.compare", "normexp.verify", "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
-                 "normexp.analysis.gradnorm", "normexp.analysis.realtext"],  # pure numbers: pandas and statistics
+                 "normexp.analysis.gradnorm", "normexp.analysis.finals", "normexp.analysis.anova",
+                 "normexp.analysis.realtext"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
@@ -33,14 +38,16 @@ LAYERS = {
     "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
                 "normexp.engines.auto", "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
-    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.plot", "normexp.htmlpage",
-                     "normexp.progress", "normexp.export"],
+    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
+                     "normexp.export", *FIGURES],
     "commands": ["normexp.cli", "normexp.studies", "normexp.__main__"],
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
+FOLDER = [m for m in LAYERS["records"] if m.startswith("normexp.folder.")]  # each imports only those before it
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
-            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.analysis.realtext", "normexp.plot",
+            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.analysis.finals",
+            "normexp.analysis.anova", "normexp.analysis.realtext", *FIGURES,
             "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage",
             "normexp.export", "normexp.merge", "normexp.config.sample", "normexp.corpus")
 
@@ -101,9 +108,15 @@ def test_no_import_circle():
 
 def test_what_engines_share_imports_no_engine_and_no_engine_reaches_the_run_folder():
     assert not GRAPH["normexp.engines.common"] & set(ENGINES)
-    forbidden = {"normexp.store", "normexp.sweep", "normexp.executors", "normexp.results", "normexp.verify"}
+    forbidden = {*FOLDER, "normexp.folder", "normexp.sweep", "normexp.executors", "normexp.results", "normexp.verify"}
     assert {engine: GRAPH[engine] & forbidden for engine in ENGINES} == {engine: set() for engine in ENGINES}
     assert GRAPH["normexp.engines.reference"] & set(ENGINES) == set()  # the definition of correct stands alone
+
+
+def test_each_file_of_the_run_folder_imports_only_those_before_it():
+    later = {m: {d for d in GRAPH[m] if d in FOLDER and FOLDER.index(d) > FOLDER.index(m)} for m in FOLDER}
+    assert later == {m: set() for m in FOLDER}
+    assert not any(GRAPH[m] & {"normexp.folder"} for m in FOLDER)  # a file of it never imports its door
 
 
 def test_analysis_imports_no_presentation_and_no_torch_backed_module():
@@ -118,3 +131,11 @@ def test_importing_analysis_and_presentation_loads_no_torch_rich_or_typer(module
             "print(','.join(heavy))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == ""
+
+
+@pytest.mark.parametrize("module", LAYERS["analysis"])
+def test_importing_analysis_loads_no_matplotlib(module):
+    """What a result means is numbers; drawing them is the figures' (normexp.figures)."""
+    code = f"import sys, {module}; print('matplotlib' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "False"

@@ -17,7 +17,7 @@ from normexp.engines.batched import plan_batches, train_batch
 from normexp.engines.common import seeded_init
 from normexp.engines.fast import train_fast
 from normexp.engines.reference import train_run
-from normexp.runfolder import is_run_id, run_id
+from normexp.folder import is_run_id, run_id
 
 PACKAGE = '''
 import torch

@@ -21,8 +21,8 @@ from normexp.data import VAL_SEED, make_task
 from normexp.engines.common import minibatches, seeded_init
 from normexp.engines.cost import model_step_flops
 from normexp.engines.reference import train_run
+from normexp.folder import run_id
 from normexp.results import load_metrics
-from normexp.runfolder import run_id
 from normexp.units import fast_declines, plan_units
 
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import done_markers
 from typer.testing import CliRunner
 
-from normexp import store
+from normexp import folder
 from normexp.cli import app
 from normexp.engines import reference
 from normexp.results import load_metrics, load_summary
@@ -210,7 +210,7 @@ def test_fail_fast_stops_at_the_first_failure(write_yaml, tmp_path, monkeypatch)
 def test_full_disk_is_explained_and_resumable(write_yaml, tmp_path, monkeypatch):
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
     out = tmp_path / "out"
-    real_write, calls = store.atomic_write, []
+    real_write, calls = folder.write.atomic_write, []
 
     def fill_up(path, text):
         calls.append(path)
@@ -218,7 +218,7 @@ def test_full_disk_is_explained_and_resumable(write_yaml, tmp_path, monkeypatch)
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_write(path, text)
 
-    monkeypatch.setattr(store, "atomic_write", fill_up)
+    monkeypatch.setattr(folder.write, "atomic_write", fill_up)
     result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
     assert result.exit_code == 2 and "disk full" in result.output and "Traceback" not in result.output
     assert len(list(out.glob("*/done.json"))) == 1
@@ -234,7 +234,7 @@ def test_a_full_disk_leaves_no_staging_folder_behind(write_yaml, tmp_path, monke
     and the finished run is intact."""
     config = write_yaml("name: f\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\nseeds: [0, 1, 2]\n")
     out = tmp_path / "out"
-    real_write, real_replace, written = store.atomic_write, store.os.replace, []
+    real_write, real_replace, written = folder.write.atomic_write, folder.write.os.replace, []
 
     def full(path):
         return OSError(errno.ENOSPC, "No space left on device", str(path))
@@ -250,13 +250,13 @@ def test_a_full_disk_leaves_no_staging_folder_behind(write_yaml, tmp_path, monke
             raise full(dst)
         real_replace(src, dst)
 
-    monkeypatch.setattr(store, "atomic_write", write)
-    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(folder.write, "atomic_write", write)
+    monkeypatch.setattr(folder.write.os, "replace", replace)
     result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
     assert result.exit_code == 2 and "disk full" in result.output, result.output
     assert not list(out.glob("**/.*.tmp-*")) and not list(out.glob("**/.*.old-*"))
     finished = [p.parent for p in out.glob("*/done.json")]
-    assert len(finished) == 1 and store.inspect_run(finished[0]).finished
+    assert len(finished) == 1 and folder.inspect_run(finished[0]).finished
     monkeypatch.undo()
     result = runner.invoke(app, ["sweep", str(config), "--out", str(out)])
     assert result.exit_code == 0 and "2 ran, 1 already done" in result.output
@@ -269,15 +269,15 @@ def test_a_full_disk_while_a_run_folder_is_replaced_keeps_the_finished_one(tmp_p
     from normexp.config import RunConfig
 
     cfg = RunConfig.model_validate({"model": {"depth": 2, "width": 4}, "train": {"steps": 2}})
-    run_dir = tmp_path / store.run_id(cfg)
+    run_dir = tmp_path / folder.run_id(cfg)
 
-    def finished(loss: float) -> store.FinishedRun:
+    def finished(loss: float) -> folder.FinishedRun:
         metrics = {"step": [0, 1, 2], "loss": [loss] * 3, "acc": [0.5] * 3, "lr": [0.01] * 3, "grad_norm": [1.0] * 3}
-        return store.FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu")
+        return folder.FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu")
 
-    store.write_run(run_dir, cfg, finished(1.0))
+    folder.write_run(run_dir, cfg, finished(1.0))
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
-    real_replace = store.os.replace
+    real_replace = folder.write.os.replace
 
     def no_space(*args):
         raise OSError(errno.ENOSPC, "No space left on device", str(run_dir))
@@ -287,13 +287,13 @@ def test_a_full_disk_while_a_run_folder_is_replaced_keeps_the_finished_one(tmp_p
             no_space()
         real_replace(src, dst)
 
-    monkeypatch.setattr(store, "_exchange", no_space if exchange else lambda a, b: False)
-    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(folder.write, "_exchange", no_space if exchange else lambda a, b: False)
+    monkeypatch.setattr(folder.write.os, "replace", replace)
     with pytest.raises(OSError, match="No space left"):
-        store.write_run(run_dir, cfg, finished(2.0))
+        folder.write_run(run_dir, cfg, finished(2.0))
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
-    assert store.inspect_run(run_dir, cfg).finished and sorted(tmp_path.iterdir()) == [run_dir]
+    assert folder.inspect_run(run_dir, cfg).finished and sorted(tmp_path.iterdir()) == [run_dir]
 
 
 def test_truncated_done_marker_does_not_count(write_yaml, tmp_path):
@@ -307,11 +307,11 @@ def test_truncated_done_marker_does_not_count(write_yaml, tmp_path):
 
 
 def test_lock_holds_pid_and_host_and_is_released(tmp_path):
-    with store.SweepLock(tmp_path) as lock:
+    with folder.SweepLock(tmp_path) as lock:
         assert f"pid={os.getpid()}" in lock.owner()
-        with pytest.raises(store.StoreError, match="another sweep is writing here"):
-            store.SweepLock(tmp_path).__enter__()
-    with store.SweepLock(tmp_path):  # released: can be taken again
+        with pytest.raises(folder.StoreError, match="another sweep is writing here"):
+            folder.SweepLock(tmp_path).__enter__()
+    with folder.SweepLock(tmp_path):  # released: can be taken again
         pass
 
 
@@ -323,18 +323,18 @@ def test_a_units_run_folders_reach_the_disk_in_one_sync(tmp_path, monkeypatch):
     syncs: list[Path] = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd)))
-    monkeypatch.setattr(store, "_sync_file_system", syncs.append)
-    with store.synced_together(tmp_path):
-        with store.synced_together(tmp_path):  # nested: the outer block syncs
-            store.atomic_write(tmp_path / "a.txt", "a")
-        store.atomic_write(tmp_path / "b.txt", "b")
+    monkeypatch.setattr(folder.atomic, "_sync_file_system", syncs.append)
+    with folder.synced_together(tmp_path):
+        with folder.synced_together(tmp_path):  # nested: the outer block syncs
+            folder.atomic_write(tmp_path / "a.txt", "a")
+        folder.atomic_write(tmp_path / "b.txt", "b")
         assert fsyncs == [] and syncs == []
     assert syncs == [tmp_path] and fsyncs == []
-    with pytest.raises(RuntimeError), store.synced_together(tmp_path):
-        store.atomic_write(tmp_path / "c.txt", "c")
+    with pytest.raises(RuntimeError), folder.synced_together(tmp_path):
+        folder.atomic_write(tmp_path / "c.txt", "c")
         raise RuntimeError("a failing write further on")
     assert syncs == [tmp_path] * 2 and fsyncs == []
-    store.atomic_write(tmp_path / "d.txt", "d")
+    folder.atomic_write(tmp_path / "d.txt", "d")
     assert len(fsyncs) == 2  # the file, then its folder
     assert [(tmp_path / f"{n}.txt").read_text() for n in "abcd"] == list("abcd")
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from normexp.analysis.sensitivity import lr_table
 from normexp.cli import app
-from normexp.plot import curves_figure, final_loss_figure, lr_figure
+from normexp.figures import curves_figure, final_loss_figure, lr_figure
 from normexp.report import Column, Report, build_pivot, build_report, pivot_to_csv, pivot_to_markdown, to_markdown
 from normexp.results import load_metrics, load_summary
 

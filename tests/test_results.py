@@ -13,13 +13,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from normexp.analysis.finals import numeric_axes
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
-from normexp.plot import curves_figure, numeric_axes, phase_figure, save_plots
+from normexp.figures import curves_figure, phase_figure, save_plots
+from normexp.folder import FinishedRun, atomic_write, run_id, write_run, write_summary
 from normexp.report import build_pivot, build_report, pivot_to_markdown, to_markdown, to_rich
 from normexp.results import load_metrics, load_summary
-from normexp.runfolder import run_id
-from normexp.store import FinishedRun, atomic_write, write_run, write_summary
 
 # final losses: post stalls near chance, pre trains; seed 1 of pre at lr 0.1 fails to train
 LOSSES = {
@@ -72,7 +72,7 @@ def test_load_metrics_is_tidy(fake_sweep):
 
 
 def test_results_module_does_not_import_torch():
-    code = "import sys, normexp.results, normexp.report, normexp.plot; assert 'torch' not in sys.modules"
+    code = "import sys, normexp.results, normexp.report, normexp.figures; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -206,7 +206,7 @@ def _folder_with_an_earlier_run(out) -> int:
 def test_a_command_reads_and_verifies_each_run_of_a_folder_once(fake_sweep, monkeypatch, command):
     """One load per command: each run the folder holds is inspected once, whatever the command draws
     or tabulates from it (the report, its notes, the pivot, the sensitivity, every figure)."""
-    from normexp import store
+    from normexp.folder import inspect, sweepfiles
 
     runs = _folder_with_an_earlier_run(fake_sweep)
     if "--lr-sensitivity" in command:  # it needs an lr axis of 3 values: a third lr's runs, written alike
@@ -218,9 +218,10 @@ def test_a_command_reads_and_verifies_each_run_of_a_folder_once(fake_sweep, monk
             write_run(fake_sweep / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
             runs += 1
     seen: list[str] = []
-    real = store.inspect_run
-    monkeypatch.setattr(store, "inspect_run",
-                        lambda run_dir, *a, **k: seen.append(run_dir.name) or real(run_dir, *a, **k))
+    real = inspect.inspect_run
+    for module in (inspect, sweepfiles):  # each module that looks it up
+        monkeypatch.setattr(module, "inspect_run",
+                            lambda run_dir, *a, **k: seen.append(run_dir.name) or real(run_dir, *a, **k))
     result = CliRunner().invoke(app, [command[0], str(fake_sweep), *command[1:]])
     assert result.exit_code == 0, result.output
     assert len(seen) == len(set(seen)) == runs

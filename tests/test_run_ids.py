@@ -13,7 +13,8 @@ import pytest
 from pydantic import create_model
 
 from normexp.config import ModelConfig, RunConfig, load_sweep
-from normexp.runfolder import HASHED_SINCE_0_1, config_hash, earlier_run_id, hashed_config, run_id
+from normexp.folder import run_id
+from normexp.folder.ids import HASHED_SINCE_0_1, config_hash, earlier_run_id, hashed_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from normexp.config import ConfigError, build_sweep, flatten, load_sweep, parse_set, parse_yaml
 from normexp.config.sample import expand_range
-from normexp.runfolder import run_id
+from normexp.folder import run_id
 
 BASE = {"train": {"steps": 3}, "schedule": {"kind": "linear_warmup"}}
 
@@ -186,7 +186,8 @@ def _summary(s, loss=lambda flat: flat["optim.lr"]):
 
 
 def test_the_phase_diagram_of_sampled_points_is_a_labelled_scatter():
-    from normexp.plot import is_sampled, phase_figure
+    from normexp.analysis.finals import is_sampled
+    from normexp.figures import phase_figure
 
     sampled = _summary(sweep(sample={"n": 16, "optim.lr": {"loguniform": [1e-4, 1e-1]},
                                      "schedule.warmup_steps": {"uniform": [0, 2]}}))

@@ -94,7 +94,7 @@ def test_a_large_grids_dry_run_summarises_each_axis_counts_done_runs_and_estimat
 
     from normexp.cli import app
     from normexp.config import load_sweep
-    from normexp.runfolder import run_id
+    from normexp.folder import run_id
 
     lrs = [round(0.001 * (i + 1), 4) for i in range(30)]
     config = write_yaml(f"name: big\nbase: {{model: {{depth: 2, width: 8}}, train: {{steps: 3}}}}\n"
@@ -178,7 +178,7 @@ def test_config_yaml_written_a_section_at_a_time_is_safe_dump_byte_for_byte():
     import yaml
 
     from normexp.config import RunConfig
-    from normexp.store import config_yaml
+    from normexp.folder.layout import config_yaml
 
     configs = [RunConfig(), RunConfig.model_validate({"optim": {"betas": [0.8, 0.95], "lr": 0.003}, "seed": 7}),
                RunConfig.model_validate({"model": {"arch": "transformer"}, "data": {"task": "copy"},
@@ -258,7 +258,7 @@ def test_flatten_and_the_config_hash_by_sections_are_the_whole_configs_own():
     import json
 
     from normexp.config import flatten
-    from normexp.runfolder import config_hash, hashed_config
+    from normexp.folder.ids import config_hash, hashed_config
 
     for cfg in _configs() + _configs() + _configs()[:1] * 2:
         whole = {f"{s}.{k}" if isinstance(v, dict) else s: x for s, v in cfg.model_dump(mode="json").items()
@@ -284,7 +284,9 @@ def test_summary_rows_are_written_as_the_csv_module_writes_their_converted_cells
     import numpy as np
 
     from normexp.config import RunConfig, flatten
-    from normexp.store import _cell, format_float, rows_csv
+    from normexp.folder import rows_csv
+    from normexp.folder.layout import format_float
+    from normexp.folder.sweepfiles import _cell
 
     cfg = RunConfig()
     row = {"run_id": "r", **flatten(cfg), "final_loss": values[0], "error": values[1], "wall_s": values[2],
@@ -320,7 +322,8 @@ def test_the_statuses_only_summary_csv_knows_are_read_as_csv_dictreader_reads_th
     import csv
     import io
 
-    from normexp.store import CACHED_STATUSES, cached_statuses
+    from normexp.folder import cached_statuses
+    from normexp.folder.sweepfiles import CACHED_STATUSES
 
     (tmp_path / "summary.csv").write_text(text)
     rows = list(csv.DictReader(io.StringIO(text)))

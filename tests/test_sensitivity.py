@@ -15,8 +15,7 @@ from typer.testing import CliRunner
 from normexp.analysis.sensitivity import build_sensitivity, clipped_final, variant_sensitivity
 from normexp.cli import app
 from normexp.config import RunConfig, build_sweep
-from normexp.runfolder import SWEEP_FILE, run_id
-from normexp.store import FinishedRun, write_run
+from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
 
 LRS = [0.001, 0.01, 0.1]
 
@@ -143,9 +142,8 @@ def test_a_variant_whose_key_is_unset_counts_no_run_missing(tmp_path):
     """A null (unset) grid value reads back as nan, which equals nothing: the variant's runs in the sweep
     were counted as none, and its `missing` came out negative (-6 for 6 runs)."""
     from normexp.config import build_sweep, parse_yaml
+    from normexp.folder import FinishedRun, atomic_write, run_id, write_run, write_summary
     from normexp.report import build_pivot, pivot_to_markdown
-    from normexp.runfolder import run_id
-    from normexp.store import FinishedRun, atomic_write, write_run, write_summary
 
     sweep = build_sweep(parse_yaml(
         "name: n\nbase: {model: {depth: 2, width: 4}, norm: {placement: deepnorm}, train: {steps: 1}}\n"

@@ -13,10 +13,9 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import ConfigError, build_sweep, load_sweep, parse_yaml
+from normexp.folder import METRICS_FILE, FinishedRun, StoreError, SweepLock, lock_owner, run_id, write_run
 from normexp.merge import merge_folders
-from normexp.runfolder import METRICS_FILE, StoreError, run_id
 from normexp.shard import parse_shard, shard_runs
-from normexp.store import FinishedRun, SweepLock, lock_owner, write_run
 from normexp.sweep import SweepOptions, run_sweep
 from normexp.units import plan_units
 

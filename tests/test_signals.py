@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, done_markers
 
+from normexp.folder import SweepLock
 from normexp.results import load_summary
-from normexp.store import SweepLock
 
 SWEEP = """\
 name: sig
@@ -323,17 +323,16 @@ def test_the_command_reads_no_file_before_its_ctrl_c_handler():
 def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_place(tmp_path, monkeypatch):
     """A Ctrl-C that lands while the coordinator writes a run folder waits for the folder: no half-built
     `.RUN.tmp-PID` is left behind, and the run is recorded whole."""
-    from normexp import store, sweep
+    from normexp import sweep
     from normexp.config import RunConfig
     from normexp.engines.reference import train_run
-    from normexp.runfolder import inspect_run, run_id
-    from normexp.store import FinishedRun, stray_paths
+    from normexp.folder import FinishedRun, inspect_run, run_id, stray_paths, write
     from normexp.units import UnitResult, plan_units
 
     cfg = RunConfig.model_validate({"model": {"depth": 2, "width": 4}, "train": {"steps": 2}})
     result = train_run(cfg)
     run = FinishedRun(result.metrics, result.status, result.wall_s, result.threads, "reference", "cpu")
-    real_write = store.atomic_write
+    real_write = write.atomic_write
 
     def write_and_get_interrupted(path, text):
         os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C, in the middle of the folder's files
@@ -342,7 +341,7 @@ def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_pl
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store, "atomic_write", write_and_get_interrupted)
+    monkeypatch.setattr(write, "atomic_write", write_and_get_interrupted)
     previous = signal.signal(signal.SIGINT, stop)
     try:
         outcome = sweep.SweepOutcome(tmp_path, total=1)

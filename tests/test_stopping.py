@@ -14,8 +14,8 @@ from normexp.config import STOP_REASONS, RunConfig, chance_classes, trained_thre
 from normexp.engines.batched import train_batch
 from normexp.engines.fast import train_fast
 from normexp.engines.reference import train_run
+from normexp.folder import run_id
 from normexp.results import load_summary
-from normexp.runfolder import run_id
 
 LRS = (0.003, 0.03, 0.1, 1.0, 3.0)  # on this toy: slow, trains, trains, stalls around 3-10, blows up (> 10x)
 
@@ -169,7 +169,8 @@ def test_report_says_which_runs_stopped_early_and_why(tmp_path):
 def test_the_phase_diagram_marks_the_cells_with_a_run_stopped_early(tmp_path):
     import matplotlib.pyplot as plt
 
-    from normexp.plot import STOPPED_MARKER, final_values, phase_figure
+    from normexp.analysis.finals import final_values
+    from normexp.figures import STOPPED_MARKER, phase_figure
     from normexp.results import load_metrics
 
     sweep = tmp_path / "s.yaml"
@@ -203,7 +204,8 @@ def test_batched_blocks_equal_the_references_for_a_run_stopped_early():
 @pytest.mark.parametrize(("field", "change"), [("stopped_at", -1), ("stop_reason", "stalled"),
                                                ("stopped_at", None)])
 def test_a_done_json_whose_stop_disagrees_with_its_run_is_corrupt(tmp_path, field, change):
-    from normexp.runfolder import encode_done, inspect_run
+    from normexp.folder import inspect_run
+    from normexp.folder.layout import encode_done
 
     sweep = tmp_path / "s.yaml"
     sweep.write_text("name: s\nbase: {model: {depth: 2, width: 8}, optim: {lr: 3.0}, train: {steps: 20, "

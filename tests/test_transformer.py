@@ -30,9 +30,9 @@ from normexp.config import (
 from normexp.data import Task, _distinct_keys, make_task
 from normexp.engines.common import batch_order, loss_and_acc, seeded_init
 from normexp.engines.reference import train_run
+from normexp.folder import run_id
 from normexp.models.transformer import Transformer
 from normexp.results import load_metrics
-from normexp.runfolder import run_id
 
 PLACEMENTS = list(get_args(Placement))
 KINDS = list(get_args(NormKind))

@@ -11,11 +11,11 @@ import pytest
 from conftest import fresh_copy, trained_sweep
 from typer.testing import CliRunner
 
-from normexp import store
+from normexp import folder
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
+from normexp.folder import inspect_run
 from normexp.results import load_summary
-from normexp.runfolder import inspect_run
 from normexp.verify import verify_sweep
 
 runner = CliRunner()
@@ -25,7 +25,7 @@ name: mine
 base: {model: {depth: 2, width: 4}, train: {steps: 2, threads: 1}}
 seeds: [0, 1, 2, 3]
 """
-IDS = [store.run_id(cfg) for cfg in build_sweep(parse_yaml(SWEEP)).runs]
+IDS = [folder.run_id(cfg) for cfg in build_sweep(parse_yaml(SWEEP)).runs]
 IN_THE_WAY = "is in the way; move it and rerun"
 
 
@@ -112,7 +112,7 @@ def test_a_file_or_link_at_a_run_id_fails_that_run_only(sweep_dir, pristine, tmp
     trained = {rid for rid in IDS[1:] if done_of(out / rid) != done_of(pristine / "out" / rid)}
     assert trained == ({*retrained, kept} if mode == "force" else set(retrained))
     assert {done_of(out / rid)["engine"] for rid in trained} == {engine}
-    assert (out / "summary.csv").read_text() == store.summary_csv(out, build_sweep(parse_yaml(SWEEP)).runs)
+    assert (out / "summary.csv").read_text() == folder.summary_csv(out, build_sweep(parse_yaml(SWEEP)).runs)
 
 
 @pytest.mark.parametrize("kind", ["link-to-folder", "dangling-link", "file"])
@@ -141,10 +141,10 @@ def test_a_writer_refuses_a_link_at_the_run_folder(sweep_dir, tmp_path):
     cfg = load_run_config(victim / "config.yaml")
     put_obstacle(out, IDS[0], "link-to-folder", tmp_path / "outside")
     metrics = {"step": [0, 1, 2], "loss": [1.0] * 3, "acc": [0.5] * 3, "lr": [0.01] * 3, "grad_norm": [1.0] * 3}
-    with pytest.raises(store.InTheWay, match="in the way"):
-        store.write_run(victim, cfg, store.FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
-    with pytest.raises(store.InTheWay, match="in the way"):
-        store.write_failed(victim, cfg, "failed", "boom")
+    with pytest.raises(folder.InTheWay, match="in the way"):
+        folder.write_run(victim, cfg, folder.FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+    with pytest.raises(folder.InTheWay, match="in the way"):
+        folder.write_failed(victim, cfg, "failed", "boom")
     assert victim.is_symlink() and hidden(out) == [] and snapshot(tmp_path / "outside") == {"precious.txt": b"keep"}
 
 
@@ -156,7 +156,7 @@ def test_a_link_that_appears_while_its_run_trains_fails_that_run_only(sweep_dir,
     real, outside = reference.train_run, tmp_path / "outside"
 
     def train_run(cfg, **kwargs):
-        if store.run_id(cfg) == IDS[0]:
+        if folder.run_id(cfg) == IDS[0]:
             put_obstacle(out, IDS[0], "link-to-folder", outside)
         return real(cfg, **kwargs)
 
@@ -238,7 +238,7 @@ def test_a_full_disk_during_the_swap_leaves_the_user_s_files_in_the_finished_fol
     victim, outside = out / IDS[0], tmp_path / "outside"
     add_user_files(victim, outside)
     before = snapshot(victim)
-    real_replace = store.os.replace
+    real_replace = folder.write.os.replace
 
     def no_space(*args):
         raise OSError(errno.ENOSPC, "No space left on device", str(victim))
@@ -248,12 +248,12 @@ def test_a_full_disk_during_the_swap_leaves_the_user_s_files_in_the_finished_fol
             no_space()
         real_replace(src, dst)
 
-    monkeypatch.setattr(store, "_exchange", no_space if exchange else lambda a, b: False)
-    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(folder.write, "_exchange", no_space if exchange else lambda a, b: False)
+    monkeypatch.setattr(folder.write.os, "replace", replace)
     metrics = {"step": [0, 1, 2], "loss": [1.0] * 3, "acc": [0.5] * 3, "lr": [0.01] * 3, "grad_norm": [1.0] * 3}
     with pytest.raises(OSError, match="No space left"):
-        store.write_run(victim, load_run_config(victim / "config.yaml"),
-                        store.FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+        folder.write_run(victim, load_run_config(victim / "config.yaml"),
+                        folder.FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
     monkeypatch.undo()
     assert snapshot(victim) == before and inspect_run(victim).finished
     assert_user_files(victim, outside)
@@ -286,11 +286,11 @@ def test_a_crash_while_a_run_folder_is_replaced_loses_none_of_the_user_s_files(s
         (tmp_path / "old").rename(staging)
     elif caught == "between-two-renames":  # the old folder waits under its .old name, none in place
         victim.rename(out / f".{IDS[0]}.old-99")
-    assert store.stray_paths(out)
+    assert folder.stray_paths(out)
     result = normexp("sweep", config, "--out", out)
     assert result.exit_code == 0 and "0 ran, 4 already done" in result.output, result.output
     assert_user_files(victim, outside)
-    assert not store.stray_paths(out) and not list(out.glob(f".{IDS[0]}.*"))
+    assert not folder.stray_paths(out) and not list(out.glob(f".{IDS[0]}.*"))
     assert normexp("verify", out).exit_code == 0
 
 
@@ -321,8 +321,8 @@ def test_a_stray_folder_whose_user_files_cannot_go_back_is_left_in_place(sweep_d
     (stray / "notes.txt").write_text("one")
     (out / IDS[0] / "notes.txt").write_text("the other")
     before = snapshot(out)
-    assert store.stray_paths(out) == []
-    store.recover_strays(out)
+    assert folder.stray_paths(out) == []
+    folder.recover_strays(out)
     assert normexp("verify", out, "--fix").exit_code == 0
     assert snapshot(out) == before
 

@@ -10,8 +10,10 @@ record with SETTLED_NS at 0, then wait a clock tick before changing a file.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -19,11 +21,11 @@ import pytest
 from conftest import fresh_copy, trained_sweep
 from typer.testing import CliRunner
 
-from normexp import runfolder, store
 from normexp.cli import app
+from normexp.folder import inspect, inspect_run, verified
+from normexp.folder.layout import VERIFIED_FILE, sha256_hex
 from normexp.report import build_report, to_markdown
 from normexp.results import load_metrics, load_summary
-from normexp.runfolder import VERIFIED_FILE, inspect_run
 from normexp.verify import verify_sweep
 
 SWEEP = """\
@@ -49,7 +51,7 @@ def pristine(tmp_path_factory) -> Path:
 def out(pristine, tmp_path, monkeypatch) -> Path:
     """A copy of the sweep whose record holds every run with its stamps (recorded by `verify --fix`)."""
     _, out = fresh_copy(pristine, tmp_path)
-    monkeypatch.setattr(runfolder, "SETTLED_NS", 0)
+    monkeypatch.setattr(verified, "SETTLED_NS", 0)
     assert normexp("verify", out, "--fix").exit_code == 0
     monkeypatch.undo()
     time.sleep(TICK)
@@ -65,10 +67,10 @@ def run_dirs(out: Path) -> list[Path]:
 
 
 def reads(monkeypatch) -> list[str]:
-    """The names of the files of run folders read from now on (by `runfolder`'s checks)."""
+    """The names of the files of run folders read from now on (by `inspect_run`'s checks)."""
     seen: list[str] = []
-    real = runfolder._read_text
-    monkeypatch.setattr(runfolder, "_read_text", lambda path: seen.append(path.name) or real(path))
+    real = inspect.read_text
+    monkeypatch.setattr(inspect, "read_text", lambda path: seen.append(path.name) or real(path))
     return seen
 
 
@@ -79,8 +81,8 @@ def test_a_sweep_records_its_runs_and_stamps_only_settled_files(pristine, tmp_pa
     assert not any("stamps" in entry for entry in runs.values())  # written moments before: not settled
     for run_dir in run_dirs(copy):
         raw = (run_dir / "done.json").read_bytes()
-        assert record(copy)[run_dir.name]["sha256"] == runfolder._sha256(raw)
-    monkeypatch.setattr(runfolder, "SETTLED_NS", 0)
+        assert record(copy)[run_dir.name]["sha256"] == sha256_hex(raw)
+    monkeypatch.setattr(verified, "SETTLED_NS", 0)
     assert normexp("verify", copy, "--fix").exit_code == 0  # a writer: records the stamps now
     assert all(len(entry["stamps"]) == 4 for entry in record(copy).values())
 
@@ -163,8 +165,8 @@ def test_what_a_stamp_cannot_see_verify_does(out, monkeypatch):
     victim = run_dirs(out)[3]
     stamps = record(out)[victim.name]["stamps"]
     _replace(victim / "metrics.csv", "0.", "1.")
-    real = runfolder.file_stamps
-    monkeypatch.setattr(runfolder, "file_stamps",  # as if the file system had not seen the change
+    real = verified.file_stamps
+    monkeypatch.setattr(verified, "file_stamps",  # as if the file system had not seen the change
                         lambda run_dir, like=None: stamps if run_dir == victim else real(run_dir, like))
     assert (load_summary(out)["status"] == "completed").sum() == RUNS  # the limit of a stamp
     found = verify_sweep(out)
@@ -194,14 +196,14 @@ def test_a_damaged_or_foreign_record_is_set_aside(out, pristine, damage):
     elif damage == "other checks":  # written by another normexp: its verdicts are not these checks'
         data = json.loads(body)
         text = json.dumps({**data, "checks": "0" * 64}) + "\n"
-        path.write_text(f"{store.VERIFIED_CHECKSUM}{runfolder._sha256(text.encode())}\n{text}")
+        path.write_text(f"{verified.VERIFIED_CHECKSUM}{sha256_hex(text.encode())}\n{text}")
     else:  # an entry that names another done.json than the run's: the run is checked in full
         data = json.loads(body)
         victim = run_dirs(out)[4]
         data["runs"][victim.name]["sha256"] = "0" * 64
         data["runs"][victim.name].pop("stamps")
         text = json.dumps(data) + "\n"
-        path.write_text(f"{store.VERIFIED_CHECKSUM}{runfolder._sha256(text.encode())}\n{text}")
+        path.write_text(f"{verified.VERIFIED_CHECKSUM}{sha256_hex(text.encode())}\n{text}")
         _replace(victim / "metrics.csv", "0.", "1.")
     summary = load_summary(out).set_index("run_id")
     if damage == "forged entry":
@@ -237,5 +239,50 @@ def test_a_run_redone_after_damage_is_recorded_again(out, pristine, tmp_path):
     DAMAGE["metrics cut"](victim)
     assert normexp("sweep", config, "--out", out, "-q").exit_code == 0
     raw = (victim / "done.json").read_bytes()
-    assert record(out)[victim.name]["sha256"] == runfolder._sha256(raw)
+    assert record(out)[victim.name]["sha256"] == sha256_hex(raw)
     assert inspect_run(victim).finished and verify_sweep(out).clean
+
+
+PACKAGE = Path(verified.__file__).resolve().parents[1]  # normexp/
+
+
+def _sources_imported(paths: list[Path]) -> set[Path]:
+    """The source files of normexp that `paths` import, directly or through others (ast: lazy imports too)."""
+    seen: set[Path] = set()
+    todo = list(paths)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module, *(f"{node.module}.{a.name}" for a in node.names)] \
+                if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in (n for n in names if n.split(".")[0] == "normexp"):
+                where = PACKAGE.parent.joinpath(*name.split("."))
+                todo += [p for p in (where.with_suffix(".py"), where / "__init__.py") if p.is_file()]
+    return seen
+
+
+def test_checks_version_hashes_every_file_that_decides_a_verdict():
+    """A change to the code that decides whether a run is trusted sets every folder's record aside: what
+    `checks_version` hashes holds every file of folder/ and every module of normexp that the checks import,
+    directly or not (normexp/__init__.py enters as its version)."""
+    hashed = set(verified.trusted_sources(PACKAGE))
+    assert set((PACKAGE / "folder").glob("*.py")) <= hashed
+    deciding = _sources_imported([PACKAGE / "folder" / "inspect.py", PACKAGE / "folder" / "verified.py"])
+    assert {PACKAGE / "folder" / "ids.py", PACKAGE / "folder" / "layout.py", PACKAGE / "registry.py",
+            PACKAGE / "config" / "schema.py"} <= deciding  # what the closure must find, or it finds nothing
+    assert deciding - {PACKAGE / "__init__.py"} <= hashed
+
+
+def test_an_edit_to_any_file_it_hashes_changes_checks_version(tmp_path):
+    copy = tmp_path / "normexp"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert verified.checks_digest(copy) == verified.checks_version()
+    for path in verified.trusted_sources(copy):
+        before, text = verified.checks_digest(copy), path.read_bytes()
+        path.write_bytes(text + b"# edited\n")
+        assert verified.checks_digest(copy) != before, path.relative_to(copy)
+        path.write_bytes(text)

@@ -148,6 +148,22 @@ def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
             "with --engine batched (it redoes the fast runs) or with --engine fast --force.")
 
 
+def mixed_note(summary: pd.DataFrame) -> str:
+    """' · mixed engine: batched, fast' where the folder's finished runs (of several invocations) were
+    trained by the fast engine and an exact one, or with several thread counts: their last digits are
+    not comparable bit for bit. The exact engines (reference, batched) give the same bits: one
+    `--engine auto` sweep may train its runs on both, and that is no mix."""
+    finished = finished_runs(summary)
+    parts = []
+    if "engine" in finished:
+        engines = set(finished["engine"].astype(str))
+        if engines & set(APPROXIMATE_ENGINES) and engines - set(APPROXIMATE_ENGINES):
+            parts.append(f"mixed engine: {', '.join(sorted(engines))}")
+    if "threads" in finished and finished["threads"].nunique() > 1:
+        parts.append(f"mixed threads: {', '.join(map(str, sorted(set(finished['threads']))))}")
+    return "".join(f" · {part}" for part in parts)
+
+
 def is_null(value: object) -> bool:
     """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
     return value is None or (isinstance(value, float) and math.isnan(value))
@@ -181,6 +197,22 @@ def thresholds(frame: pd.DataFrame, trained_below: float | None = None) -> pd.Se
     if trained_below is not None:
         return pd.Series(float(trained_below), index=frame.index)
     return n_choices(frame).map(trained_threshold).astype(float)
+
+
+def chance_levels(frame: pd.DataFrame) -> list[int]:
+    """Each distinct number of choices among the runs (`n_choices`: n_classes, or a Transformer's
+    vocabulary), in order of appearance: one chance line, ln(n), per value."""
+    return list(dict.fromkeys(int(n) for n in n_choices(_choices(frame))))
+
+
+def trained_limits(frame: pd.DataFrame, trained_below: float | None) -> list[float]:
+    """Each distinct trained threshold among the runs."""
+    return sorted(set(thresholds(_choices(frame), trained_below).round(12)))
+
+
+def _choices(frame: pd.DataFrame) -> pd.DataFrame:
+    """The distinct combinations of what `n_choices` reads, in order of appearance: the same values, once."""
+    return frame[[k for k in CHOICE_KEYS if k in frame]].drop_duplicates()
 
 
 def rule_text(n_classes: Sequence[int], trained_below: float | None = None) -> str:
