@@ -13,7 +13,7 @@ by the batched engine in chunks. Timings are medians of `--repeats` alternating 
 both engines see the same machine state; nothing here asserts a number.
 """
 
-from __future__ import annotations  # noqa: I001 - normexp is imported before torch, on purpose
+from __future__ import annotations
 
 import argparse
 import os
@@ -25,11 +25,14 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import normexp  # noqa: F401 - before torch: torch's threads wait as under the normexp command
+from normexp.environment import set_thread_defaults
+
+set_thread_defaults()  # before torch loads: its threads wait as under the normexp command
+
 import torch
 
-from normexp.engines.batched import plan_batches, stack_nets, train_batch
 from normexp.config import OptimConfig, RunConfig
+from normexp.engines.batched import plan_batches, stack_nets, train_batch
 from normexp.engines.common import seeded_init
 from normexp.engines.reference import train_run
 

@@ -26,7 +26,7 @@ each engine; peak RSS of a 4096-run grid. Timings are medians of alternating rep
 nothing here asserts a number (the tests do: tests/test_fast.py).
 """
 
-from __future__ import annotations  # noqa: I001 - normexp is imported before torch, on purpose
+from __future__ import annotations
 
 import argparse
 import contextlib
@@ -42,13 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-import normexp  # noqa: F401 - before torch: torch's threads wait as under the normexp command
+from normexp.environment import set_thread_defaults
+
+set_thread_defaults()  # before torch loads: its threads wait as under the normexp command
+
 import torch
 
 from normexp.config import RunConfig
-from normexp.engines import fast, reference
-from normexp.engines.fast import plan_fast, train_fast
+from normexp.engines import reference
 from normexp.engines.common import RunResult, seeded_init
+from normexp.engines.fast import plan_fast, starts, train_fast
 from normexp.engines.reference import train_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,18 +210,20 @@ def print_contract(name: str, configs: Sequence[RunConfig], compile: bool) -> No
 
 
 def timed_init(seconds: list[float]) -> contextlib.AbstractContextManager:
-    """Within: `seeded_init` (each run's model and task, the same draws for every engine) adds its time
-    to seconds[0], in the reference and the fast engine alike."""
-    def timed(cfg: RunConfig):
-        start = time.perf_counter()
-        try:
-            return seeded_init(cfg)
-        finally:
-            seconds[0] += time.perf_counter() - start
+    """Within: each run's model and task (the same draws for every engine: the reference's `seeded_init`, the
+    fast engine's `starts.seeded_start`, replayed after a structure's first run) adds its time to seconds[0]."""
+    def timed(make):
+        def call(cfg: RunConfig):
+            start = time.perf_counter()
+            try:
+                return make(cfg)
+            finally:
+                seconds[0] += time.perf_counter() - start
+        return call
 
     stack = contextlib.ExitStack()
-    for module in (reference, fast):
-        stack.enter_context(mock.patch.object(module, "seeded_init", timed))
+    stack.enter_context(mock.patch.object(reference, "seeded_init", timed(seeded_init)))
+    stack.enter_context(mock.patch.object(starts, "seeded_start", timed(starts.seeded_start)))
     return stack
 
 

@@ -26,7 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import normexp  # noqa: F401 - sets torch's threading defaults in os.environ, which both sides inherit
+from normexp.environment import set_thread_defaults
+
+set_thread_defaults()  # torch's threading defaults in os.environ, which both sides inherit
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.6

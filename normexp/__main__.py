@@ -8,7 +8,9 @@ with one line and exit code 130. Raised as KeyboardInterrupt inside an import it
 traceback, or be swallowed by code that catches too much. Commands that write install their own
 handlers (`normexp sweep` stops cleanly and keeps finished runs).
 
-A command that loaded torch ends without the interpreter's teardown (`end_now`).
+The threading defaults of normexp's processes are set next, before anything loads torch
+(`environment.set_thread_defaults`). A command that loaded torch ends without the interpreter's teardown
+(`end_now`).
 """
 
 import _signal
@@ -23,6 +25,9 @@ def _interrupted(signum: int, frame: object) -> None:
 
 def main() -> None:
     _signal.signal(_signal.SIGINT, _interrupted)
+    from normexp.environment import set_thread_defaults
+
+    set_thread_defaults()
     from normexp.cli import main as run
 
     try:

@@ -40,6 +40,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from normexp.engines.cost import model_step_flops
+from normexp.environment import set_thread_defaults
 from normexp.stopping import STOP_SIGNALS, stop_signals_deferred
 from normexp.units import UnitResult, WorkUnit, crashed, run_unit
 
@@ -253,9 +254,9 @@ def _worker_main(conn: Connection, coordinator: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole process group
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # SIGTERM, SIGHUP: end the worker, as by default
     die_with_parent(coordinator)
-    # Before torch loads: idle OpenMP threads sleep instead of spinning, so workers that together hold
-    # more threads than cores do not steal each other's time.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch loads: idle OpenMP threads sleep after a short spin instead of spinning long, so workers
+    # that together hold more threads than cores do not steal each other's time.
+    set_thread_defaults()
     while True:
         try:
             message = conn.recv()
@@ -439,8 +440,10 @@ def _identity(address: str, timeout: float) -> object:
 def dask_setup(worker: object) -> None:
     """Run by Dask in each worker process of `--cluster local[:N]` as it starts (this module is its
     preload): a terminal's Ctrl-C reaches the whole process group, and the coordinator alone handles
-    it (it stops the cluster); a worker that took it would die printing tracebacks."""
+    it (it stops the cluster); a worker that took it would die printing tracebacks. The threading defaults
+    are set there too, before the worker's first unit loads torch."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_thread_defaults()
 
 
 @contextlib.contextmanager

@@ -53,6 +53,7 @@ import pandas as pd
 from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
 from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, thresholds, variant_groups, variant_label
 from normexp.config import ConfigError, Sweep, load_sweep
+from normexp.environment import set_thread_defaults
 from normexp.executors import usable_cores
 from normexp.folder import StoreError, lock_owner, out_folder_problem
 from normexp.report import build_report, to_markdown
@@ -780,6 +781,7 @@ def _check_out(option: str) -> Path:
 
 def main() -> None:
     """`python -m normexp.studies`: the same as `normexp studies`."""
+    set_thread_defaults()  # as the normexp command does first: before a sweep loads torch
     parser = argparse.ArgumentParser(description="Run normexp's studies and write REPORT.md.")
     parser.add_argument("--out", default="runs")
     parser.add_argument("--quick", action="store_true", help=QUICK_HELP)

@@ -207,13 +207,9 @@ def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
         return 0
     if options.compile:
         return cores
-    from normexp.engines.cost import fast_key, should_compile
+    from normexp.engines.fast import compile_choice
 
-    steps: dict[tuple, tuple[RunConfig, int]] = {}
-    for cfg in sweep.runs:
-        first, total = steps.get(fast_key(cfg), (cfg, 0))
-        steps[fast_key(cfg)] = (first, total + cfg.train.steps + 1)
-    return cores if any(should_compile(first, total) for first, total in steps.values()) else 0
+    return cores if any(compile_choice(sweep.runs).values()) else 0
 
 
 def _import_engine() -> None:
@@ -224,7 +220,7 @@ def _import_engine() -> None:
     with stop_signals_deferred():
         import torch  # noqa: F401
 
-        import normexp.engines.fast  # noqa: F401
+        from normexp.engines.fast import train_fast  # noqa: F401 - the engine, loaded (it imports torch)
 
 
 def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Executor, outcome: SweepOutcome,

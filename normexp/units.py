@@ -216,20 +216,17 @@ def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compi
     """The fast engine's batches of `planned` that hold a run of `runs`; each structure compiles when
     its planned model-steps pay for it. Runs the fast engine does not serve (`fast_declines`) go to the
     exact engines instead."""
-    from normexp.engines.cost import fast_key, should_compile
-    from normexp.engines.fast import plan_fast
+    from normexp.engines.fast import compile_choice, fast_key, plan_fast
     from normexp.folder import run_id
 
     declined = [cfg for cfg in runs if fast_declines(cfg)]
     exact = plan_units(declined, "batched", device, threads) if declined else []
     wanted = {run_id(cfg) for cfg in runs if not fast_declines(cfg)}
     planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if not fast_declines(cfg)}.values())
-    model_steps: dict[tuple, int] = {}
-    for cfg in planned:
-        model_steps[fast_key(cfg)] = model_steps.get(fast_key(cfg), 0) + cfg.train.steps + 1
+    choice = compile_choice(planned, compile)
 
     def compiled(cfg: RunConfig) -> bool:
-        return should_compile(cfg, model_steps[fast_key(cfg)]) if compile is None else compile
+        return choice[fast_key(cfg)]
 
     units = []
     for batch in plan_fast(planned, compiled):

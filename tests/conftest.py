@@ -11,6 +11,12 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from normexp.environment import set_thread_defaults
+
+# The tests' process, and the processes it starts, wait in OpenMP as normexp's own processes do (set before
+# anything loads torch): threads spinning long would starve each other on a loaded machine.
+set_thread_defaults()
+
 # CI draws the same hypothesis examples on every run, so a red CI is a reproducible defect and never a
 # draw's luck; a developer's run keeps drawing new examples (and keeps the failures it finds).
 settings.register_profile("ci", derandomize=True, database=None)
@@ -137,3 +143,17 @@ def pytest_collection_modifyitems(config, items):
         name = module.__name__.rsplit(".", 1)[-1]
         if name in EQUIVALENCE_MODULES or any(token in item.name for token in EQUIVALENCE_NAMES):
             item.add_marker(pytest.mark.equivalence)
+
+
+@pytest.fixture
+def fresh_fast_engine():
+    """The fast engine's process-wide caches emptied before the test and again after it, as a fresh process
+    starts: its compiled steps and refusals (`compiled.reset_cache`), the structures it met and the starts it
+    kept (`starts.reset`). A test that stands a fake in for the compiler leaves no step of it behind."""
+    from normexp.engines.fast import compiled, starts
+
+    compiled.reset_cache()
+    starts.reset()
+    yield
+    compiled.reset_cache()
+    starts.reset()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from normexp.engines import aot
+from normexp.engines.fast import aot
 
 
 @pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated", b"\x00" * 64])

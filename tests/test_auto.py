@@ -257,7 +257,7 @@ def test_a_user_without_a_home_folder_still_sweeps_under_auto(tmp_path, monkeypa
     which was a traceback in every sweep under auto (and in the fast engine's compile)."""
     from pathlib import Path
 
-    from normexp.engines import fast
+    from normexp.engines.fast import compiled as compiling
 
     def no_home():
         raise RuntimeError("Could not determine home directory.")
@@ -269,5 +269,5 @@ def test_a_user_without_a_home_folder_still_sweeps_under_auto(tmp_path, monkeypa
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     assert choice_cache_file().parent.parent == tmp_path
     assert measured_reference().engine == "reference" and auto.cached(tiny()).cached
-    assert fast.compile_cache_dir() is None  # inductor's own default, not a folder made up here
+    assert compiling.compile_cache_dir() is None  # inductor's own default, not a folder made up here
     assert "TORCHINDUCTOR_CACHE_DIR" not in __import__("os").environ

@@ -77,20 +77,24 @@ def test_an_unimportable_torch_is_reported_not_raised():
     assert "torch build" not in facts
 
 
+THREAD_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_DYNAMIC")
+
+
+def doctor_facts(env: dict[str, str]) -> dict[str, str]:
+    """`normexp doctor`'s lines, run as a fresh command with `env`: the variables its process ran with."""
+    doctor = subprocess.run([sys.executable, "-m", "normexp", "doctor"], env=env, capture_output=True, text=True,
+                            check=True).stdout
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in doctor.splitlines())}
+
+
 @pytest.mark.parametrize(("variable", "default"), [("OMP_WAIT_POLICY", "PASSIVE"), ("MKL_DYNAMIC", "FALSE")])
 @pytest.mark.parametrize("given", [None, "", "TRUE"])
-def test_importing_normexp_first_sets_the_threading_defaults_unless_the_environment_says(variable, default, given):
+def test_the_command_sets_the_threading_defaults_unless_the_environment_says(variable, default, given):
     """Idle OpenMP threads sleep (PASSIVE); MKL never picks fewer threads on its own (MKL_DYNAMIC off)."""
     env = {k: v for k, v in os.environ.items() if k != variable}
     if given is not None:
         env[variable] = given
-    code = f"import os, normexp, torch; print(os.environ[{variable!r}])"
-    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert ran.stdout.strip() == (given or default)
-    doctor = subprocess.run([sys.executable, "-m", "normexp", "doctor"], env=env, capture_output=True, text=True,
-                            check=True).stdout
-    facts = {key: value.strip() for key, _, value in (line.partition(":") for line in doctor.splitlines())}
-    assert facts[variable] == (given or default)
+    assert doctor_facts(env)[variable] == (given or default)
 
 
 @pytest.mark.parametrize(("policy", "spin", "expected"), [
@@ -101,9 +105,45 @@ def test_idle_openmp_threads_spin_briefly_unless_the_user_chose_how_they_wait(po
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update({name: value for name, value in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spin))
                 if value is not None})
-    code = "import os, normexp, torch; print(os.environ.get('GOMP_SPINCOUNT', '-'), os.environ['OMP_WAIT_POLICY'])"
+    facts = doctor_facts(env)
+    assert [facts.get("GOMP_SPINCOUNT", "-"), facts["OMP_WAIT_POLICY"]] == [expected or "-", policy or "PASSIVE"]
+
+
+def test_importing_normexp_leaves_the_importers_environment_as_it_was():
+    """A library's import changes nothing of its importer's: the threading defaults are set where normexp's
+    own processes start (the command, a pool or Dask worker), not on `import normexp`. Checked in a fresh
+    process that has none of them, importing the package, the fast engine and what a sweep runs on."""
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
+    code = ("import os; before = dict(os.environ)\n"
+            "import normexp, normexp.engines.fast, normexp.engines.fast.train, normexp.sweep, normexp.executors\n"
+            "print(sorted(set(os.environ.items()) ^ set(before.items())))")
     ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert ran.stdout.split() == [expected or "-", policy or "PASSIVE"]
+    assert ran.stdout.strip() == "[]"
+
+
+def test_a_pool_worker_sets_the_threading_defaults_itself(monkeypatch):
+    """A sweep's worker process (spawned: a fresh interpreter) sets the defaults before its first unit loads
+    torch, where the process that started it did not (a sweep run from a library, not the command)."""
+    import multiprocessing
+
+    from normexp import executors
+
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    worker = context.Process(target=executors._worker_main, args=(theirs, os.getpid()), daemon=True)
+    worker.start()
+    try:
+        seen = {}
+        for name in THREAD_VARIABLES:
+            mine.send((os.getenv, name))  # the worker answers task(unit): os.getenv(name), in its own process
+            seen[name] = mine.recv()
+    finally:
+        worker.kill()
+        worker.join()
+    assert seen == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "2000", "MKL_DYNAMIC": "FALSE"}
+    assert not any(name in os.environ for name in THREAD_VARIABLES)  # and this process is left alone
 
 
 XEON = """processor\t: 0

@@ -16,9 +16,11 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import OptimConfig, RunConfig
-from normexp.engines import aot, fast
-from normexp.engines.cost import compile_pays, fast_key, should_compile
-from normexp.engines.fast import FastOptimizer, plan_fast, stretches, train_fast
+from normexp.engines.fast import aot, plan_fast, train, train_fast
+from normexp.engines.fast import compiled as compiling
+from normexp.engines.fast import optim as fast_optim
+from normexp.engines.fast.optim import FastOptimizer, stretches
+from normexp.engines.fast.plan import compile_choice, compile_pays, fast_key, should_compile
 from normexp.engines.reference import train_run
 from normexp.registry import KINDS, placements_for
 from normexp.results import load_summary
@@ -110,13 +112,13 @@ def test_diverged_run_stops_at_its_first_nonfinite_loss_and_its_batch_mates_go_o
 def test_adam_through_a_scratch_direction_matches_the_reference_too(optim, monkeypatch):
     """With more stretches of equal learning rates than MAX_STRETCHES, Adam writes each run's update
     direction first and scales it by the run's learning rate: the same formulas."""
-    monkeypatch.setattr(fast, "MAX_STRETCHES", 1)
+    monkeypatch.setattr(fast_optim, "MAX_STRETCHES", 1)
     assert_close_to_reference(runs("pre", "rmsnorm", optim, n=4, steps=12))
 
 
 @pytest.mark.parametrize("max_stretches", [1, 16])
 def test_frozen_run_keeps_its_parameters_even_with_a_nan_gradient(max_stretches, monkeypatch):
-    monkeypatch.setattr(fast, "MAX_STRETCHES", max_stretches)
+    monkeypatch.setattr(fast_optim, "MAX_STRETCHES", max_stretches)
     params = [torch.ones(3, 4), torch.ones(3)]
     optimizer = FastOptimizer("adamw", [OptimConfig(name="adamw")] * 3, params)
     grads = [torch.full((3, 4), float("nan")), torch.full((3,), float("nan"))]
@@ -144,6 +146,23 @@ def test_compile_pays_when_the_saving_exceeds_the_compile_time():
     assert not should_compile(article, 64 * 31) and should_compile(article, 4096 * 61)
 
 
+
+def test_the_compile_choice_is_one_per_structure_from_all_its_planned_model_steps():
+    """Every run of a structure counts towards its choice (the sweep's pool and its units decide by this one
+    function): 4096 article runs of 61 steps pay for a compile together, though no batch of them does alone;
+    a small structure beside them does not; --compile and --no-compile decide alone."""
+    article = RunConfig.model_validate({"train": {"steps": 60}})
+    big = [article.model_copy(update={"seed": s}) for s in range(4096)]
+    small = runs(n=2)
+    choice = compile_choice([*big, *small])
+    assert choice == {fast_key(article): True, fast_key(small[0]): False}
+    assert compile_choice(big[:64]) == {fast_key(article): False}  # one batch's model-steps alone
+    assert set(compile_choice([*big, *small], compile=False).values()) == {False}
+    assert set(compile_choice(small, compile=True).values()) == {True}
+    units = plan_units([*big[:64], *small], "fast", "cpu", 1, planned=[*big, *small])
+    assert {(u.runs[0].model.depth, u.compile) for u in units} == {(article.model.depth, True),
+                                                                    (small[0].model.depth, False)}
+
 def test_plan_fast_chunks_each_structure_and_keeps_every_run():
     configs = runs(n=4) * 40 + runs(kind="layernorm", n=3)
     batches = plan_fast(configs)
@@ -158,13 +177,13 @@ def test_plan_units_fast_decides_compile_per_structure_unless_told():
     assert all(u.engine == "fast" and u.compile for u in plan_units(configs, "fast", "cpu", 1, compile=True))
 
 
-def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_path):
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_path, fresh_fast_engine):
     def broken_compile(graph, inputs, package):
         raise RuntimeError("no C++ compiler found\nlong details")
 
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(aot, "compile_package", broken_compile)
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     configs = runs(n=2, steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -193,13 +212,14 @@ def flipped(step):
 
 @pytest.mark.parametrize(("optim", "what"), [("adam", "its first moments"), ("adamw", "its first moments"),
                                             ("sgd", "its gradients")])
-def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch, optim, what):
+def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch, optim, what,
+                                                                              fresh_fast_engine):
     """The check against the eager step compares the gradients (with Adam, the update made from them and the
     moments) too: a graph that returns the eager loss, accuracy and gradient norm but a flipped gradient
     (same norm) would train every run of the structure the wrong way (it passed the check when only the
     metrics were compared)."""
     monkeypatch.setattr(aot, "load_or_compile", lambda key, trace, inputs, fresh=False: (flipped(trace()), True))
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     configs = runs(optim=optim, n=2, steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -222,9 +242,9 @@ def doubled_update(step):
     return call
 
 
-def test_a_compiled_adam_step_with_the_right_moments_but_a_wrong_update_is_refused(monkeypatch):
+def test_a_compiled_adam_step_with_the_right_moments_but_a_wrong_update_is_refused(monkeypatch, fresh_fast_engine):
     monkeypatch.setattr(aot, "load_or_compile", lambda key, trace, inputs, fresh=False: (doubled_update(trace()), True))
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     configs = runs(n=2, steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -239,17 +259,18 @@ def test_why_the_update_is_checked_from_the_compiled_moments_not_against_the_eag
     for it (and every later batch compiled again); the check now compares the moments with the eager ones
     and the update with the one `adam_move` makes from the compiled moments."""
     start = [torch.tensor([[1.0, 2.0, 3.0]])]
-    hyper = fast.adam_hypers([OptimConfig(lr=0.1)], "adam", 1, [0.1], [True])
+    hyper = fast_optim.adam_hypers([OptimConfig(lr=0.1)], "adam", 1, [0.1], [True])
     m = [torch.tensor([[0.1, -0.2, 1e-10]])]
     v = [torch.tensor([[1e-3, 4e-3, 1e-20]])]
     m_other = [torch.tensor([[0.1, -0.2, -1e-10]])]  # the noise entry's sign flipped
-    moved = [fast.adam_move(p, a, b, hyper) - p for p, a, b in zip(start, m, v)]
-    moved_other = [fast.adam_move(p, a, b, hyper) - p for p, a, b in zip(start, m_other, v)]
-    assert fast._gradients_close(m, m_other)  # the moments agree: the noise is 1e-9 of the tensor
-    assert not fast._gradients_close(moved, moved_other)  # the updates do not: a full step of the other sign
+    moved = [fast_optim.adam_move(p, a, b, hyper) - p for p, a, b in zip(start, m, v)]
+    moved_other = [fast_optim.adam_move(p, a, b, hyper) - p for p, a, b in zip(start, m_other, v)]
+    assert compiling.gradients_close(m, m_other)  # the moments agree: the noise is 1e-9 of the tensor
+    assert not compiling.gradients_close(moved, moved_other)  # the updates do not: a full step of the other sign
 
 
-def test_a_package_on_disk_is_loaded_by_later_processes_and_compiled_again_when_it_disagrees(monkeypatch, tmp_path):
+def test_a_package_on_disk_is_loaded_by_later_processes_and_compiled_again_when_it_disagrees(monkeypatch, tmp_path,
+                                                                                           fresh_fast_engine):
     """The package is a cache: a second process loads it instead of compiling; a package whose step does
     not reproduce the eager one (stale, or another machine's) is compiled again, not used or refused.
     (The compiler is stood in for by the traced graph itself; the real one is test_scale's slow test.)"""
@@ -271,11 +292,11 @@ def test_a_package_on_disk_is_loaded_by_later_processes_and_compiled_again_when_
     configs = runs(n=2, steps=4)
     results = []
     for _ in range(2):  # a second process: nothing compiled in memory, the package on disk
-        monkeypatch.setattr(fast, "_COMPILED", {})
+        compiling.reset_cache()
         results.append(train_fast(configs, compile=True))
     assert len(compiled) == 1 and [p.parent for p in compiled] == [tmp_path / "steps"]
     compiled[0].write_bytes(b"stale")
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "compiling the step failed": compiled again and used
         results.append(train_fast(configs, compile=True))
@@ -309,47 +330,47 @@ def packaged_graphs(monkeypatch) -> dict[Path, object]:
 
 
 def test_a_package_that_passed_the_check_is_used_unchecked_by_later_processes_until_its_bytes_change(
-        monkeypatch, tmp_path):
+        monkeypatch, tmp_path, fresh_fast_engine):
     """The check's eager step costs a worker ~1.3 s: a package that passed it is vouched for by the sha256 of
     its bytes (<key>.checked), and a later process that loads those very bytes skips the check. Other bytes
     under the same name (recompiled, replaced, damaged) are checked again; a step not loaded from a package
     (no digest) never vouches."""
     checks: list[int] = []
-    real_close = fast._metrics_close
-    monkeypatch.setattr(fast, "_metrics_close", lambda e, g: (checks.append(1), real_close(e, g))[1])
+    real_close = compiling.metrics_close
+    monkeypatch.setattr(compiling, "metrics_close", lambda e, g: (checks.append(1), real_close(e, g))[1])
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
     graphs = packaged_graphs(monkeypatch)
     configs = runs(n=2, steps=4)
     results = []
     for expect_checked in (True, False):  # the compiling process checks; the next one loads vouched bytes
-        monkeypatch.setattr(fast, "_COMPILED", {})
+        compiling.reset_cache()
         checks.clear()
         results.append(train_fast(configs, compile=True))
         assert bool(checks) == expect_checked
     assert [p.name for p in (tmp_path / "steps").glob("*.checked")] == [f"{p.stem}.checked" for p in graphs]
     package = next(iter(graphs))
     package.write_bytes(b"other bytes")  # same name, other bytes: checked again (and vouched for anew)
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     checks.clear()
     results.append(train_fast(configs, compile=True))
     assert checks
     assert len({repr([r.metrics for r in batch]) for batch in results}) == 1
     monkeypatch.setattr(aot, "load_package", lambda package: graphs[package])  # no digest: nothing vouched
     package.with_suffix(".checked").unlink()
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     train_fast(configs, compile=True)
     assert not package.with_suffix(".checked").exists()
 
 
-def test_a_compiled_batch_copies_the_model_only_to_trace_its_step(monkeypatch, tmp_path):
+def test_a_compiled_batch_copies_the_model_only_to_trace_its_step(monkeypatch, tmp_path, fresh_fast_engine):
     """The batch's own meta model (a deepcopy: ~8 ms a depth-24 batch) is what a step not compiled yet traces;
     a later batch of the same structure needs none, and trains to the same numbers."""
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
     packaged_graphs(monkeypatch)
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     copies: list[int] = []
-    real = fast.batch_model
-    monkeypatch.setattr(fast, "batch_model", lambda cfg: (copies.append(1), real(cfg))[1])
+    real = train.batch_model
+    monkeypatch.setattr(train, "batch_model", lambda cfg: (copies.append(1), real(cfg))[1])
     configs = runs(n=2, steps=3)
     first = train_fast(configs, compile=True)
     assert copies
@@ -370,9 +391,33 @@ def test_a_package_is_named_by_everything_that_makes_its_step(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
     assert aot.step_key(what, "cpu") != key
     monkeypatch.undo()
-    monkeypatch.setattr(aot, "_SOURCE", ["another normexp"])
+    monkeypatch.setattr(aot, "source_digest", lambda: "another normexp")
     assert aot.step_key(what, "cpu") != key
 
+
+
+def test_a_package_is_named_by_the_whole_of_normexps_source_not_the_fast_engines_folder(monkeypatch, tmp_path):
+    """`aot.source_digest` hashes every .py file of the package that `normexp` is, wherever the module that
+    computes it sits (two folders down, in engines/fast/): a change to a model or the config, outside
+    engines/, names another package. Copies of the package stand in for it (`normexp.__file__` pointed at
+    each): an unchanged copy has the installed package's digest, an edited one another."""
+    import shutil
+
+    import normexp
+
+    installed = aot.source_digest()
+    edits = {"none": None, "models": "models/norms.py", "config": "config/schema.py", "engine": "engines/fast/step.py"}
+    digests = {}
+    for name, edited in edits.items():
+        root = tmp_path / name / "normexp"
+        shutil.copytree(Path(normexp.__file__).resolve().parent, root, ignore=shutil.ignore_patterns("__pycache__"))
+        if edited is not None:
+            with open(root / edited, "a") as f:
+                f.write("# edited\n")
+        monkeypatch.setattr(normexp, "__file__", str(root / "__init__.py"))
+        digests[name] = aot.source_digest()
+    assert digests["none"] == installed
+    assert len(set(digests.values())) == len(edits)
 
 def test_the_gradient_check_tolerates_rounding_noise_in_a_gradient_that_is_zero_in_exact_arithmetic():
     """Attention's key bias has a zero gradient in exact arithmetic (softmax ignores a shift): eager and
@@ -381,18 +426,19 @@ def test_the_gradient_check_tolerates_rounding_noise_in_a_gradient_that_is_zero_
     big, other = torch.tensor([[1.0, -2.0, 0.5]]), torch.tensor([[0.3, 0.2, -0.1]])
     noise = [torch.tensor([[2e-9, -1e-9]]), torch.tensor([[-3e-9, 4e-9]])]
     eager = [big, other, noise[0]]
-    assert fast._gradients_close(eager, [big * (1 + 1e-6), other, noise[1]])
-    assert not fast._gradients_close(eager, [-big, other, noise[0]])
-    assert not fast._gradients_close(eager, [big, -other, noise[0]])
-    assert not fast._gradients_close([big, big.roll(1, 1)], [big.roll(1, 1), big])
-    assert not fast._gradients_close(eager, [big, other, torch.tensor([[float("nan"), 0.0]])])
+    assert compiling.gradients_close(eager, [big * (1 + 1e-6), other, noise[1]])
+    assert not compiling.gradients_close(eager, [-big, other, noise[0]])
+    assert not compiling.gradients_close(eager, [big, -other, noise[0]])
+    assert not compiling.gradients_close([big, big.roll(1, 1)], [big.roll(1, 1), big])
+    assert not compiling.gradients_close(eager, [big, other, torch.tensor([[float("nan"), 0.0]])])
 
 
 @pytest.mark.slow
-def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(tmp_path, monkeypatch):
+def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(tmp_path, monkeypatch,
+                                                                               fresh_fast_engine):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     configs = [RunConfig.model_validate({"model": {"arch": "transformer", "depth": 2, "width": 16},
                                          "data": {"task": "assoc_recall"}, "norm": {"placement": "post"},
                                          "train": {"steps": 2}, "seed": s}) for s in range(2)]
@@ -401,11 +447,11 @@ def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(
         compiled = train_fast(configs, compile=True)
     assert not [w for w in caught if "compiling the step failed" in str(w.message)]  # it was refused (its gradients)
     eager = train_fast(configs, compile=False)
-    assert len(fast._COMPILED) == 1
+    assert len(compiling.kept_steps()) == 1
     for a, b in zip(compiled, eager):
         assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-4
     assert len(list((tmp_path / "steps").glob("*.checked"))) == 1  # it passed the check: vouched for
-    monkeypatch.setattr(fast, "_COMPILED", {})  # as a second process: the package loaded, unchecked, the same bits
+    compiling.reset_cache()  # as a second process: the package loaded, unchecked, the same bits
     assert [repr(r.metrics) for r in train_fast(configs, compile=True)] == [repr(r.metrics) for r in compiled]
 
 def test_stable_grid_contract_fast_is_as_close_as_the_reference_to_itself():
@@ -465,8 +511,8 @@ def test_small_chaotic_grid_contract_holds_per_kind_where_the_thread_count_moves
 @pytest.mark.parametrize("error", [1.02, 0.98])
 def test_small_chaotic_grid_contract_catches_a_learning_rate_two_percent_off(small_chaotic_grid, error, monkeypatch):
     """The contract discriminates: a fast engine whose learning rates are 2% off breaks it."""
-    step_lr = fast.step_lr
-    monkeypatch.setattr(fast, "step_lr", lambda cfg, step: error * step_lr(cfg, step))
+    step_lr = train.step_lr
+    monkeypatch.setattr(train, "step_lr", lambda cfg, step: error * step_lr(cfg, step))
     assert contract_broken(small_chaotic_grid, run_fast(small_chaotic_grid[0]))
 
 
@@ -531,7 +577,7 @@ def test_an_exact_sweep_redoes_runs_the_fast_engine_trained_and_a_fast_sweep_kee
     assert set(load_summary(out)["engine"]) == exact
 
 
-def test_a_package_on_disk_that_fails_when_called_is_compiled_again(monkeypatch, tmp_path):
+def test_a_package_on_disk_that_fails_when_called_is_compiled_again(monkeypatch, tmp_path, fresh_fast_engine):
     """A loaded package that raises when called (another structure's, with other inputs; a library that
     loads but does not run) is stale like one that disagrees: compiled again and used, with no warning,
     not a fallback to eager for every later batch and process while it stays on disk."""
@@ -553,11 +599,11 @@ def test_a_package_on_disk_that_fails_when_called_is_compiled_again(monkeypatch,
     monkeypatch.setattr(aot, "compile_package", lambda graph, inputs, package: (
         make_fx_step.append(graph), fake_compile(graph, inputs, package)))
     monkeypatch.setattr(aot, "load_package", fake_load)
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     configs = runs(n=2, steps=4)
     first = train_fast(configs, compile=True)
     compiled[0].write_bytes(b"other")
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again = train_fast(configs, compile=True)
@@ -569,10 +615,10 @@ def test_the_metrics_check_lets_one_accuracy_flip_through_but_not_a_wrong_loss()
     """A sample whose top two logits tie within rounding may flip between eager and compiled: accuracy moves
     by 1/n. Refusing that step made the compile choice depend on which batch a process met first."""
     eager = torch.tensor([[2.30, 1.10], [0.50, 0.25], [3.0, 4.0]])  # loss, accuracy, gradient norm per run
-    assert fast._metrics_close(eager, eager + torch.tensor([[0.0, 0.0], [1 / 64, 0.0], [0.0, 0.0]]))
-    assert not fast._metrics_close(eager, eager + torch.tensor([[0.0, 0.0], [0.25, 0.0], [0.0, 0.0]]))
-    assert not fast._metrics_close(eager, eager * torch.tensor([[1.01], [1.0], [1.0]]))
-    assert not fast._metrics_close(eager, eager[:, :1])
+    assert compiling.metrics_close(eager, eager + torch.tensor([[0.0, 0.0], [1 / 64, 0.0], [0.0, 0.0]]))
+    assert not compiling.metrics_close(eager, eager + torch.tensor([[0.0, 0.0], [0.25, 0.0], [0.0, 0.0]]))
+    assert not compiling.metrics_close(eager, eager * torch.tensor([[1.01], [1.0], [1.0]]))
+    assert not compiling.metrics_close(eager, eager[:, :1])
 
 
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=8), st.sampled_from(["adam", "adamw"]))
@@ -590,9 +636,9 @@ def test_a_compiled_steps_update_numbers_made_ahead_are_adam_hypers_at_each_step
         return (torch.zeros(3, len(optims)),)
 
     params = [torch.zeros(len(optims), 2)]
-    step = fast.CompiledStep(compiled, FastOptimizer(name, optims, params), True, schedule)
+    step = compiling.CompiledStep(compiled, FastOptimizer(name, optims, params), True, schedule)
     for s, lrs in enumerate(schedule):
         live = [s <= stop for stop in frozen_at]
         step.step({}, torch.zeros(1), torch.zeros(1), lrs, live)
-        expected = fast.adam_hypers(optims, name, s + 1, lrs, live)
+        expected = fast_optim.adam_hypers(optims, name, s + 1, lrs, live)
         assert seen[-1].dtype == expected.dtype and torch.equal(seen[-1], expected)

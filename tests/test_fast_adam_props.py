@@ -1,4 +1,4 @@
-"""Property tests of the fast engine's Adam and AdamW (FastOptimizer._adam): for any per-run learning
+"""Property tests of the fast engine's Adam and AdamW (optim.FastOptimizer._adam): for any per-run learning
 rates (zero included), betas, eps, weight decay and frozen runs, the in-place update per stretch of
 equal hyper-parameters and the scratch-direction update agree, and both are torch.optim's update of
 each run alone; a frozen run's parameters do not move."""
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from normexp.config import OptimConfig
-from normexp.engines import fast
-from normexp.engines.fast import FastOptimizer
+from normexp.engines.fast import optim
+from normexp.engines.fast.optim import FastOptimizer
 
 SHAPES = [(3, 4), (5,), (2, 2, 3)]
 STEPS = 4
@@ -83,9 +83,9 @@ def torch_steps(name: str, settings_: list[dict], params: list[torch.Tensor],
 def test_stretch_and_scratch_adam_agree_and_equal_torch_per_run(name, settings_, seed):
     params, grads = problem(settings_, seed)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fast, "MAX_STRETCHES", 10**6)
+        patch.setattr(optim, "MAX_STRETCHES", 10**6)
         in_place = fast_steps(name, settings_, params, grads)
-        patch.setattr(fast, "MAX_STRETCHES", 0)
+        patch.setattr(optim, "MAX_STRETCHES", 0)
         scratch = fast_steps(name, settings_, params, grads)
     expected = torch_steps(name, settings_, params, grads)
     for a, b, want in zip(in_place, scratch, expected):
@@ -104,7 +104,7 @@ def test_frozen_runs_keep_their_parameters_bit_for_bit_and_the_rest_is_determini
     its gradient is nan; the same steps twice give the same bits."""
     params, grads = problem(settings_, seed)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fast, "MAX_STRETCHES", max_stretches)
+        patch.setattr(optim, "MAX_STRETCHES", max_stretches)
         got = fast_steps(name, settings_, params, grads, nan_when_frozen=True)
         again = fast_steps(name, settings_, params, grads, nan_when_frozen=True)
         assert all(torch.equal(a, b) for a, b in zip(got, again))
@@ -126,12 +126,12 @@ def functional_steps(name: str, settings_: list[dict], params: list[torch.Tensor
                           weight_decay=s["weight_decay"]) for s in settings_]
     for t in range(STEPS):
         lrs, live = zip(*(schedule(s, t) for s in settings_))
-        hyper = fast.adam_hypers(optims, name, t + 1, lrs, live)
+        hyper = optim.adam_hypers(optims, name, t + 1, lrs, live)
         for i, p in enumerate(params):
             g = grads[t][i].clone()
             if nan_when_frozen:
                 g[[not a for a in live]] = float("nan")
-            params[i], moments[0][i], moments[1][i] = fast.adam_update(p, g, moments[0][i], moments[1][i], hyper)
+            params[i], moments[0][i], moments[1][i] = optim.adam_update(p, g, moments[0][i], moments[1][i], hyper)
     return params
 
 

@@ -12,7 +12,7 @@ from test_fast import packaged_graphs
 
 from normexp import registry
 from normexp.config import validate_run
-from normexp.engines import fast
+from normexp.engines.fast import compiled as compiling
 from normexp.engines.fast import train_fast
 
 PLUGIN = '''
@@ -40,13 +40,14 @@ class ScaledNorm(nn.Module):
 
 def _fresh_process(*modules: str) -> None:
     """What a later process starts from: nothing compiled or imported of the user's."""
-    fast._COMPILED.clear()
+    compiling.reset_cache()
     registry.load_plugin.cache_clear()
     for name in modules:
         sys.modules.pop(name, None)
 
 
-def test_a_vouched_package_is_checked_again_when_a_module_its_plugin_imports_changed(monkeypatch, tmp_path):
+def test_a_vouched_package_is_checked_again_when_a_module_its_plugin_imports_changed(monkeypatch, tmp_path,
+                                                                                     fresh_fast_engine):
     """A package's name covers a plugin's own module file, not what that module imports: the check against
     the eager step covered the rest (aot._plugin_digests). A package vouched for by its bytes alone skipped
     that check in a later process, which then trained the old helper's step: losses of another model,
@@ -56,7 +57,7 @@ def test_a_vouched_package_is_checked_again_when_a_module_its_plugin_imports_cha
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path / "cache"))
     packaged_graphs(monkeypatch)
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
 
     def configs():
         return [validate_run({"model": {"depth": 2, "width": 8}, "data": {"n_samples": 16},

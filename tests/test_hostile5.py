@@ -1,4 +1,4 @@
-"""Hostile review, round 5: a replayed start (normexp/engines/initial.py) against `seeded_init`, where a
+"""Hostile review, round 5: a replayed start (normexp/engines/fast/starts.py) against `seeded_init`, where a
 construction reads drawn values back into Python by a path that makes no aten operation returning a
 non-tensor (`.tolist()`, `.numpy()`, NumPy's `__array__`, the shape of a data-dependent result)."""
 
@@ -12,7 +12,8 @@ import torch
 from test_initial import _equal_start, assert_built_each_time
 
 from normexp.config import validate_run
-from normexp.engines import common, initial
+from normexp.engines import common
+from normexp.engines.fast import starts
 
 
 def _largest(w: torch.Tensor) -> float:
@@ -29,7 +30,7 @@ READS = {  # each reads the drawn weight back, without `.item()` or a comparison
 
 
 @pytest.mark.parametrize("read", list(READS))
-def test_a_construction_reading_values_back_without_item_is_built_not_replayed(monkeypatch, read):
+def test_a_construction_reading_values_back_without_item_is_built_not_replayed(monkeypatch, read, fresh_fast_engine):
     """A model whose construction scales a weight by a value read from the drawn weights: each seed's
     scale is its own, so a recording of the first seed's construction replays the wrong scale for the
     others. Such a structure must be built for each run, as `.item()` already makes it."""
@@ -58,26 +59,26 @@ class Measured:
 '''
 
 
-def test_a_users_placement_that_measures_its_branch_starts_as_seeded_init(tmp_path, monkeypatch):
+def test_a_users_placement_that_measures_its_branch_starts_as_seeded_init(tmp_path, monkeypatch, fresh_fast_engine):
     """docs/extending.md: a placement's build() may read the block it is given (its branch is drawn by
     then). One that reads the branch's weights through `.tolist()` starts each run as seeded_init does
     (the reference engine's start), not from the first seed's gain."""
     (tmp_path / "measuring.py").write_text(textwrap.dedent(PACKAGE))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(initial, "_KNOWN", {})
+    starts.reset()
     configs = [validate_run({"model": {"depth": 2, "width": 8}, "norm": {"placement": "measuring:Measured"},
                              "seed": seed}) for seed in range(3)]
     for cfg in configs:
-        assert _equal_start(cfg, initial.seeded_start(cfg)), cfg.seed
+        assert _equal_start(cfg, starts.seeded_start(cfg)), cfg.seed
 
 
-def test_after_a_structures_first_run_the_generator_is_where_seeded_init_leaves_it(monkeypatch):
+def test_after_a_structures_first_run_the_generator_is_where_seeded_init_leaves_it(fresh_fast_engine):
     """test_initial checks this of a replayed run; the first run of a structure (built, then recorded and
     replayed once for the check) must leave the global generator after the task's draws too, as
     seeded_init does, not after the model's only."""
-    monkeypatch.setattr(initial, "_KNOWN", {})
+    starts.reset()
     cfg = validate_run({"model": {"depth": 2, "width": 8}, "seed": 5})
-    initial.seeded_start(cfg)
+    starts.seeded_start(cfg)
     after_first = torch.rand(4)
     common.seeded_init(cfg)
     assert torch.equal(after_first, torch.rand(4))

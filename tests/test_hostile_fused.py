@@ -7,8 +7,8 @@ import warnings
 import pytest
 from test_fast import runs
 
-from normexp.engines import aot, fast, initial
-from normexp.engines.fast import train_fast
+from normexp.engines.fast import aot, starts, train_fast
+from normexp.engines.fast import compiled as compiling
 
 
 def traced_eagerly(calls: list[int], used: list[int] | None = None):
@@ -31,7 +31,7 @@ def no_fused_compile(*args, **kwargs):
 
 
 @pytest.mark.parametrize("other", [{"optim": "sgd"}, {"optim": "radam"}])
-def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(monkeypatch, other):
+def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(monkeypatch, other, fresh_fast_engine):
     """A compile that fails for the Adam step (its update inside) refuses that step, not the gradient step
     SGD and RAdam runs of the same model compile: those were compiled once and stay compiled, so their
     bits do not depend on whether an Adam batch of the structure trained earlier in the process (a resumed
@@ -39,8 +39,8 @@ def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(mo
     calls: list[int] = []
     used: list[int] = []
     monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(calls, used))
-    monkeypatch.setattr(fast, "compile_train_step", no_fused_compile)
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    monkeypatch.setattr(compiling, "compile_train_step", no_fused_compile)
+    compiling.reset_cache()
     plain = runs(n=2, steps=3, **other)
     alone = train_fast(plain, compile=True)  # as a process that never saw an Adam batch
     assert len(calls) == 1
@@ -55,13 +55,13 @@ def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(mo
     assert [repr(r.metrics) for r in after] == [repr(r.metrics) for r in alone]
     fresh_calls: list[int] = []
     monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(fresh_calls))
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     train_fast(runs(optim="adam", n=2, steps=3), compile=True)  # the Adam step fails first this time
     assert [repr(r.metrics) for r in train_fast(plain, compile=True)] == [repr(r.metrics) for r in alone]
     assert len(fresh_calls) == 1, "the gradient step was refused with the Adam step"
 
 
-def test_a_run_that_raises_in_a_compiled_batch_is_not_blamed_on_the_compiler(monkeypatch):
+def test_a_run_that_raises_in_a_compiled_batch_is_not_blamed_on_the_compiler(monkeypatch, fresh_fast_engine):
     """A run whose own training raises (here its initialisation) fails its batch as it does uncompiled
     (`run_unit` retries the batch run by run): no 'compiling the step failed' warning, and the structure's
     later batches in the process still train compiled (before, one bad run refused the compiled step for
@@ -69,8 +69,8 @@ def test_a_run_that_raises_in_a_compiled_batch_is_not_blamed_on_the_compiler(mon
     calls: list[int] = []
     used: list[int] = []
     monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(calls, used))
-    monkeypatch.setattr(fast, "_COMPILED", {})
-    real_start = initial.seeded_start
+    compiling.reset_cache()
+    real_start = starts.seeded_start
     bad = runs(n=2, steps=3)
     culprit = bad[1].model_copy(update={"seed": 999})
 
@@ -79,7 +79,7 @@ def test_a_run_that_raises_in_a_compiled_batch_is_not_blamed_on_the_compiler(mon
             raise RuntimeError("boom in this run")
         return real_start(cfg)
 
-    monkeypatch.setattr(initial, "seeded_start", seeded_start)
+    monkeypatch.setattr(starts, "seeded_start", seeded_start)
     train_fast(bad, compile=True)  # compiles
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""A run's start replayed from its structure's recorded construction (normexp/engines/initial.py) is
+"""A run's start replayed from its structure's recorded construction (normexp/engines/fast/starts.py) is
 `seeded_init`'s, bit for bit: every parameter and the task, for any structure and seed."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from test_config_space import VALUES
 
 from normexp.config import ConfigError, RunConfig, validate_run
-from normexp.engines import common, initial
+from normexp.engines import common
 from normexp.engines.common import seeded_init
+from normexp.engines.fast import starts
 from normexp.registry import ARCHS, KINDS, PLACEMENTS
 
 STRUCTURE_KEYS = sorted(k for k in VALUES if k.split(".")[0] in ("model", "norm", "data"))
@@ -24,7 +25,13 @@ def _equal_start(cfg: RunConfig, start: tuple[dict[str, torch.Tensor], object]) 
     same_task = all(
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in ((getattr(task, f), getattr(want, f)) for f in ("x", "y", "positions", "val_x", "val_y")))
-    return initial._same(params, dict(net.named_parameters())) and same_task
+    return same_params(params, dict(net.named_parameters())) and same_task
+
+
+def same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Equal names in equal order, each tensor of equal dtype, shape and bits."""
+    return list(a) == list(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a.values(), b.values()))
 
 
 def _small(data: dict) -> dict:
@@ -47,7 +54,7 @@ def test_a_replayed_start_is_seeded_inits_for_any_structure_and_seed(values: dic
     except (ConfigError, ValueError):
         assume(False)
     for cfg in configs:  # the first records the structure (where it is new), the others replay it
-        assert _equal_start(cfg, initial.seeded_start(cfg)), cfg
+        assert _equal_start(cfg, starts.seeded_start(cfg)), cfg
 
 
 STRUCTURES = [(arch, placement, kind) for arch in ARCHS for placement, method in PLACEMENTS.items()
@@ -63,8 +70,8 @@ def test_every_registered_structure_is_replayed_exactly_and_only_admin_is_built(
     configs = [validate_run({"model": {"arch": arch, "depth": 2, "width": 8}, "data": task,
                              "norm": {"placement": placement, "kind": kind}, "seed": seed}) for seed in (3, 11, 0)]
     for cfg in configs:
-        assert _equal_start(cfg, initial.seeded_start(cfg))
-    replayed = initial._KNOWN[initial.structure(configs[0])].recording is not None
+        assert _equal_start(cfg, starts.seeded_start(cfg))
+    replayed = starts.is_replayed(configs[0])
     assert replayed == (placement != "admin")
 
 
@@ -82,16 +89,16 @@ def assert_built_each_time(monkeypatch, alter) -> list[int]:
         return net
 
     monkeypatch.setattr(common, "build_model", altered)
-    monkeypatch.setattr(initial, "build_model", altered)
-    monkeypatch.setattr(initial, "_KNOWN", {})
+    monkeypatch.setattr(starts, "build_model", altered)
+    starts.reset()  # every structure met before forgotten: this one is recorded with `alter`
     configs = [validate_run({"model": {"depth": 2, "width": 8}, "seed": seed}) for seed in range(6)]
     for cfg in configs:
-        assert _equal_start(cfg, initial.seeded_start(cfg)), cfg.seed
-    assert initial._KNOWN[initial.structure(configs[0])].recording is None
+        assert _equal_start(cfg, starts.seeded_start(cfg)), cfg.seed
+    assert not starts.is_replayed(configs[0])
     return built
 
 
-def test_a_construction_that_reads_a_value_back_is_built_each_time(monkeypatch):
+def test_a_construction_that_reads_a_value_back_is_built_each_time(monkeypatch, fresh_fast_engine):
     """A model whose construction branches on a drawn value (an operation that returns no tensor) could
     make other operations for another seed: such a structure is never replayed, and each run is built."""
 
@@ -107,15 +114,15 @@ def test_replaying_is_the_global_generators_draws_in_order():
     """The replay draws from the global generator exactly as the build does: after a run's start, the
     generator is where seeded_init leaves it (a later draw of the same process sees the same numbers)."""
     cfg = validate_run({"model": {"depth": 2, "width": 8}, "seed": 5})
-    initial.seeded_start(validate_run({"model": {"depth": 2, "width": 8}, "seed": 4}))  # records the structure
-    initial.seeded_start(cfg)
+    starts.seeded_start(validate_run({"model": {"depth": 2, "width": 8}, "seed": 4}))  # records the structure
+    starts.seeded_start(cfg)
     after_replay = torch.rand(4)
     seeded_init(cfg)
     assert torch.equal(after_replay, torch.rand(4))
 
 
 _aten = torch.ops.aten
-BINDING_CALLS = {  # each of initial._BINDINGS with arguments as a recording holds them
+BINDING_CALLS = {  # each of starts.BINDINGS with arguments as a recording holds them
     _aten.empty.memory_format: (([3, 5],), {"dtype": torch.float32, "device": torch.device("cpu"),
                                            "pin_memory": False}),
     _aten.detach.default: ((torch.ones(3, 5),), {}),
@@ -126,14 +133,14 @@ BINDING_CALLS = {  # each of initial._BINDINGS with arguments as a recording hol
 }
 
 
-@pytest.mark.parametrize("op", list(initial._BINDINGS), ids=str)
+@pytest.mark.parametrize("op", list(starts.BINDINGS), ids=str)
 def test_each_binding_a_replay_calls_is_its_operator(op):
     """A replay calls torch's Python binding for these operators: same result, same draws (the generator's
     state after them), as the operator's overload; `empty` the same shape, dtype and device."""
-    assert set(BINDING_CALLS) == set(initial._BINDINGS)
+    assert set(BINDING_CALLS) == set(starts.BINDINGS)
     args, kwargs = BINDING_CALLS[op]
     outs = []
-    for call in (op, initial._BINDINGS[op]):
+    for call in (op, starts.BINDINGS[op]):
         torch.manual_seed(5)
         out = call(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
         outs.append((out, torch.get_rng_state()))
@@ -147,10 +154,10 @@ def test_recording_a_structure_does_not_load_the_compiler():
     """A process's first run of a structure records its construction under a dispatch mode; torch wraps a
     mode's handler to keep torch.compile out of it, importing the compiler (~1 s in each sweep worker) unless
     the mode says it need not (`_Recorder._should_skip_dynamo`). Checked in a fresh process."""
-    code = ("import sys; from normexp.config import RunConfig; from normexp.engines import initial\n"
+    code = ("import sys; from normexp.config import RunConfig; from normexp.engines.fast import starts\n"
             "cfg = RunConfig.model_validate({'model': {'depth': 2, 'width': 8}})\n"
-            "initial.seeded_start(cfg); initial.seeded_start(cfg.model_copy(update={'seed': 1}))\n"
-            "assert initial._KNOWN[initial.structure(cfg)].recording is not None, 'not recorded'\n"
+            "starts.seeded_start(cfg); starts.seeded_start(cfg.model_copy(update={'seed': 1}))\n"
+            "assert starts.is_replayed(cfg), 'not recorded'\n"
             "print('torch._dynamo' in sys.modules)")
     assert subprocess_output(code).strip() == "False"
 
@@ -159,35 +166,33 @@ def _toy(seed: int, **sections: dict) -> RunConfig:
     return validate_run({"model": {"depth": 2, "width": 8}, **sections, "seed": seed})
 
 
-def test_a_seed_met_again_starts_from_its_kept_replay_with_the_generator_where_seeded_init_leaves_it(monkeypatch):
-    """The runs of a grid that share a structure and a seed share one replayed start (`_Starts`): asked
+def test_a_seed_met_again_starts_from_its_kept_replay_with_the_generator_where_seeded_init_leaves_it(fresh_fast_engine):
+    """The runs of a grid that share a structure and a seed share one replayed start (`starts.Starts`): asked
     again, in any order and with other learning rates, each seed's start is seeded_init's, the very tensors
     kept the first time, and the global generator is left where seeded_init leaves it."""
-    monkeypatch.setattr(initial, "_STARTS", initial._Starts(initial.START_BUDGET))
-    initial.seeded_start(_toy(99))  # records the structure
-    first = {seed: initial.seeded_start(_toy(seed)) for seed in (4, 7)}
+    starts.seeded_start(_toy(99))  # records the structure
+    first = {seed: starts.seeded_start(_toy(seed)) for seed in (4, 7)}
     for seed, lr in ((7, 0.5), (4, 0.01), (7, 0.02)):
         cfg = _toy(seed, optim={"lr": lr})
-        params, task = initial.seeded_start(cfg)
+        params, task = starts.seeded_start(cfg)
         after = torch.rand(3)
         assert params is first[seed][0] and task is first[seed][1]
         assert _equal_start(cfg, (params, task))  # seeded_init(cfg) draws again: the generator's state after
         assert torch.equal(after, torch.rand(3))
 
 
-def test_the_kept_starts_are_the_last_structures_and_fit_the_budget(monkeypatch):
+def test_the_kept_starts_are_the_last_structures_and_fit_the_budget(fresh_fast_engine):
     """A new structure empties the store; a full one keeps what it has and replays the rest."""
-    initial.seeded_start(_toy(99))  # records the structure
-    measure = initial._Starts(initial.START_BUDGET)
-    monkeypatch.setattr(initial, "_STARTS", measure)
-    initial.seeded_start(_toy(0))
-    store = initial._Starts(3 * measure.size)  # three seeds' parameters, task and generator state
-    monkeypatch.setattr(initial, "_STARTS", store)
+    measure = starts.reset()
+    starts.seeded_start(_toy(99))  # records the structure (its first run is built, not kept)
+    starts.seeded_start(_toy(0))
+    store = starts.reset(3 * measure.size)  # three seeds' parameters, task and generator state
+    starts.seeded_start(_toy(99))
     for seed in range(5):
-        initial.seeded_start(_toy(seed))
+        starts.seeded_start(_toy(seed))
     assert sorted(store.by_seed) == [0, 1, 2] and store.size <= store.budget
-    assert initial.seeded_start(_toy(4))[0] is not initial.seeded_start(_toy(4))[0]  # not kept: replayed each time
+    assert starts.seeded_start(_toy(4))[0] is not starts.seeded_start(_toy(4))[0]  # not kept: replayed each time
     other = _toy(1, norm={"placement": "post"})
-    initial.seeded_start(other)  # records it where it is new (a recorded run is built, not kept)
-    initial.seeded_start(other.model_copy(update={"seed": 2}))
-    assert store.structure == initial.structure(other) and 2 in store.by_seed and 0 not in store.by_seed
+    starts.seeded_start(other)  # records it where it is new (a recorded run is built, not kept)
+    starts.seeded_start(other.model_copy(update={"seed": 2}))
+    assert store.structure == starts.structure(other) and 2 in store.by_seed and 0 not in store.by_seed

@@ -288,17 +288,18 @@ def test_a_negative_largest_attention_logit_is_drawn_not_left_blank(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract(monkeypatch):
+def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract(fresh_fast_engine):
     """The fast engine's compiled path (the z objective's vmapped gradient and the Adam update, compiled ahead
     of time): its metrics and z column within the fast contract of the reference's (about a minute of
     compiling on 2 cores). The step must have compiled: a compile that fails trains eagerly, and would pass."""
-    from normexp.engines import fast as engine
-    from normexp.engines.fast import compiled_structure, train_fast
+    from normexp.engines.fast import compiled as compiling
+    from normexp.engines.fast import train_fast
+    from normexp.engines.fast.compiled import compiled_structure
 
-    monkeypatch.setattr(engine, "_COMPILED", {})
+    compiling.reset_cache()
     cfg = tiny("pre", "layernorm", z=0.05, steps=3)
     fast, reference = train_fast([cfg], compile=True)[0], train_run(cfg)
-    made = {key: step for key, step in engine._COMPILED.items() if key[:len(compiled_structure(cfg))]
+    made = {key: step for key, step in compiling.kept_steps().items() if key[:len(compiled_structure(cfg))]
             == compiled_structure(cfg) or key[:1] == ("refused",)}
     assert len(made) == 1 and next(iter(made.values())) is not None, made  # compiled, not refused
     assert list(fast.metrics) == list(reference.metrics)

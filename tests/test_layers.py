@@ -18,6 +18,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
 FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves", "normexp.figures.phase",
            "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm"]
+
+# The fast engine, behind one door (its package): what no module outside it imports but the door
+FAST_DOOR = "normexp.engines.fast"
+FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}" for m in ("plan", "starts", "step", "optim", "aot", "compiled", "train"))]
+
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
@@ -33,10 +38,9 @@ LAYERS = {
                  "normexp.analysis.realtext"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.ffn", "normexp.models.transformer",
                "normexp.data", "normexp.optim"],
-    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common",
-                    "normexp.engines.initial", "normexp.engines.aot"],
-    "engines": ["normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast",
-                "normexp.engines.auto", "normexp.diagnostics"],
+    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common"],
+    "engines": ["normexp.engines.reference", "normexp.engines.batched", *FAST, "normexp.engines.auto",
+                "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
                      "normexp.export", *FIGURES],
@@ -44,10 +48,10 @@ LAYERS = {
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 FOLDER = [m for m in LAYERS["records"] if m.startswith("normexp.folder.")]  # each imports only those before it
-ENGINES = ("normexp.engines.reference", "normexp.engines.batched", "normexp.engines.fast")
-NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.analysis", "normexp.analysis.variants",
-            "normexp.analysis.sensitivity", "normexp.analysis.gradnorm", "normexp.analysis.finals",
-            "normexp.analysis.anova", "normexp.analysis.realtext", *FIGURES,
+ENGINES = ("normexp.engines.reference", "normexp.engines.batched", *FAST)
+NO_TORCH = ("normexp.config", "normexp.engines.cost", FAST_DOOR, f"{FAST_DOOR}.plan", "normexp.analysis",
+            "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
+            "normexp.analysis.finals", "normexp.analysis.anova", "normexp.analysis.realtext", *FIGURES,
             "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage",
             "normexp.export", "normexp.merge", "normexp.config.sample", "normexp.corpus")
 
@@ -117,6 +121,13 @@ def test_each_file_of_the_run_folder_imports_only_those_before_it():
     later = {m: {d for d in GRAPH[m] if d in FOLDER and FOLDER.index(d) > FOLDER.index(m)} for m in FOLDER}
     assert later == {m: set() for m in FOLDER}
     assert not any(GRAPH[m] & {"normexp.folder"} for m in FOLDER)  # a file of it never imports its door
+
+
+def test_the_fast_engine_is_reached_through_its_door_only():
+    """Outside the fast engine's package, a module imports the package (its __init__, the public names), never
+    one of its files: the files can be split or renamed without touching a caller."""
+    inside = set(FAST) - {FAST_DOOR}
+    assert {m: GRAPH[m] & inside for m in GRAPH if m not in FAST and GRAPH[m] & inside} == {}
 
 
 def test_analysis_imports_no_presentation_and_no_torch_backed_module():

@@ -190,15 +190,18 @@ def test_config_yaml_written_a_section_at_a_time_is_safe_dump_byte_for_byte():
 
 
 @pytest.mark.slow
-def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_across_batches(tmp_path, monkeypatch):
+def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_across_batches(tmp_path, monkeypatch,
+                                                                                             fresh_fast_engine):
     """The real compiler (AOTInductor): the compiled step within rounding of the eager one; later batches
     reuse it in memory, and a later process loads its package from disk, bit for bit the same runs."""
     from normexp.config import RunConfig
-    from normexp.engines import aot, fast
+    from normexp.engines import fast
+    from normexp.engines.fast import aot
+    from normexp.engines.fast import compiled as compiling
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fast, "_COMPILED", {})
+    compiling.reset_cache()
     runs = [RunConfig.model_validate({"model": {"depth": 2, "width": 8}, "data": {"n_samples": 16},
                                       "norm": {"placement": "post"}, "train": {"steps": 3}, "seed": s})
             for s in range(3)]
@@ -206,14 +209,14 @@ def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_ac
     eager = fast.train_fast(runs, compile=False)
     for a, b in zip(compiled, eager):
         assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-4
-    assert len(fast._COMPILED) == 1 and len(list((tmp_path / "steps").glob("*.pt2"))) == 1
+    assert len(compiling.kept_steps()) == 1 and len(list((tmp_path / "steps").glob("*.pt2"))) == 1
     fast.train_fast(runs[:2], compile=True)  # another batch of the structure: the same compiled step
-    assert len(fast._COMPILED) == 1
+    assert len(compiling.kept_steps()) == 1
 
     def no_compile(*args):
         raise AssertionError("compiled again instead of loading the package")
 
-    monkeypatch.setattr(fast, "_COMPILED", {})  # as a later process: nothing in memory
+    compiling.reset_cache()  # as a later process: nothing in memory
     monkeypatch.setattr(aot, "compile_package", no_compile)
     loaded = fast.train_fast(runs, compile=True)
     assert [repr(r.metrics) for r in loaded] == [repr(r.metrics) for r in compiled]

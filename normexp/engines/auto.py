@@ -87,7 +87,8 @@ def choice_cache_file() -> Path:
 
 def machine_key() -> str:
     """What makes a measurement this machine's: CPU, its kernel-changing features, torch, threads, and how
-    idle OpenMP threads wait (asleep at once, batched steps paid a wake-up per kernel: normexp/__init__.py)."""
+    idle OpenMP threads wait (asleep at once, batched steps paid a wake-up per kernel:
+    environment.set_thread_defaults)."""
     cpu = cpu_info()
     waiting = [os.environ.get(name, "") for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")]
     text = "|".join([cpu.model, cpu.features_text(), platform.machine(), torch.__version__,

@@ -1,6 +1,6 @@
 """What a run costs, before it runs: FLOPs per model-step, from its config alone (no torch). The executors
-pair small runs by it; the fast engine decides whether compiling pays by it (`should_compile`), which a sweep
-asks before it imports torch, to start its worker processes first (`sweep.fast_pool`)."""
+pair small runs by it; the fast engine decides whether compiling pays by it (`engines.fast.plan`), and a dry
+run estimates a sweep's time from it."""
 
 from __future__ import annotations
 
@@ -31,26 +31,3 @@ def estimated_seconds(runs: Sequence[RunConfig], engine: str) -> float:
     rate = ESTIMATE_FLOP_RATES.get(engine, ESTIMATE_FLOP_RATES["reference"])
     return sum(model_step_flops(cfg) * (cfg.train.steps + 1) for cfg in runs) / rate
 
-
-COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam step (Intel Xeon, 2 cores: 104 s)
-COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
-EAGER_FLOP_RATE = 40e9  # FLOP/s the fast engine's eager step reaches on the article's model (CPU), for the estimate
-
-
-def fast_key(cfg: RunConfig) -> tuple:
-    """Runs with equal keys train in one batch of the fast engine: same model, norm, data, steps and optimizer
-    family; seeds, learning rates, optimizer hyper-parameters and schedules vary per run."""
-    return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
-
-
-def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,
-                 speedup: float = COMPILE_SPEEDUP) -> bool:
-    """True when compiling saves more time than it costs: the eager time of `model_steps`, minus the
-    same work compiled, exceeds the compile time."""
-    return model_steps * eager_s_per_model_step * (1 - 1 / speedup) > compile_s
-
-
-def should_compile(cfg: RunConfig, model_steps: int) -> bool:
-    """The fast engine's automatic choice for `model_steps` planned model-steps of runs shaped like `cfg`: an
-    estimate from the model's FLOPs, not a measurement, so the same sweep always chooses the same."""
-    return compile_pays(model_steps, model_step_flops(cfg) / EAGER_FLOP_RATE)

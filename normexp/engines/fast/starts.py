@@ -8,13 +8,13 @@ and every later run of that structure replays them after its own seed.
                                the replay gives the built model's parameters bit for bit
     every later run            the CPU generator seeded (`_seed`); the operations again, in order, on fresh
                                tensors; make_task(...): the same generator, the same draws, in the same order
-    a seed met before          the start replayed for it, kept (`_Starts`: the structure met last, up to
+    a seed met before          the start replayed for it, kept (`Starts`: the structure met last, up to
                                START_BUDGET bytes): a phase diagram's cells of one seed start alike
 
 The model's construction is the only definition of a run's weights: nothing here knows a placement, a norm
 or an init; the recording is what that code did. Replaying costs a fraction of building the model (a
 depth-24 FFN toy: ~125 modules built against ~540 operations replayed, ~2 ms a run, most of it drawing the
-weights: the operations are called through torch's bindings, `_BINDINGS`). A structure is built, never
+weights: the operations are called through torch's bindings, `BINDINGS`). A structure is built, never
 replayed, where the recording could not be exact for another seed: its construction, or its model's
 `profile_at_init`, reads a value back into Python (`.item()`, a comparison in an `if`: an operation that
 returns no tensor; Admin's profiling does; or by a path that makes none: `.tolist()`, `.numpy()`, NumPy's
@@ -129,7 +129,7 @@ _aten = torch.ops.aten
 # Operations a construction makes, called through torch's Python bindings: the same kernel as the
 # operator's overload, without its Python wrapper (0.1-2 us a call, most for empty and detach; a depth-24
 # toy's replay makes ~540: ~2.4 -> ~1.8 ms, 2-core Xeon)
-_BINDINGS = {_aten.empty.memory_format: torch.empty, _aten.detach.default: torch.Tensor.detach,
+BINDINGS = {_aten.empty.memory_format: torch.empty, _aten.detach.default: torch.Tensor.detach,
              _aten.uniform_.default: torch.Tensor.uniform_, _aten.normal_.default: torch.Tensor.normal_,
              _aten.zero_.default: torch.Tensor.zero_, _aten.fill_.Scalar: torch.Tensor.fill_}
 
@@ -146,7 +146,7 @@ class Recording:
     _calls: tuple = field(init=False, repr=False, compare=False)  # what `replay` calls, looked up once
 
     def __post_init__(self) -> None:
-        calls = tuple((_BINDINGS.get(op.func, op.func), op.args, op.kwargs, op.refs, op.outs) for op in self.ops)
+        calls = tuple((BINDINGS.get(op.func, op.func), op.args, op.kwargs, op.refs, op.outs) for op in self.ops)
         object.__setattr__(self, "_calls", calls)
 
     def replay(self) -> Params:
@@ -202,16 +202,16 @@ def seeded_start(cfg: RunConfig) -> tuple[Params, Task]:
     return _STARTS.get(cfg, recording)
 
 
-START_BUDGET = 128 << 20  # bytes of replayed starts a process keeps (`_Starts`): ~150 seeds of the depth-24 toy
+START_BUDGET = 128 << 20  # bytes of replayed starts a process keeps (`Starts`): ~150 seeds of the depth-24 toy
 
 
-class _Starts:
+class Starts:
     """The replayed starts (parameters, task) of the structure a process met last, by seed, while they fit in
     `budget` bytes (of the storages they hold, `_held`). A start depends on the structure and the seed alone,
     so the runs of a grid that differ only in what it does not depend on (learning rate, warmup, optimizer,
     steps: a phase diagram's cells) share their seed's start, replayed once (a depth-24 toy's: ~2.3 ms a
     run). A replay is a function of the recording and the seed, so a kept start is bit for bit the one
-    replaying it again would give. The tensors are shared: whoever gets them reads them (`fast.stack_runs`
+    replaying it again would give. The tensors are shared: whoever gets them reads them (`step.stack_runs`
     batches copies of them all), never writes them; the global generator is left where the replay left it
     (its state kept with the start), as seeded_init leaves it.
     A new structure empties the store (a sweep trains one structure's batches after another); a full store
@@ -237,7 +237,7 @@ class _Starts:
             with INIT_LOCK:
                 torch.default_generator.set_state(after)
             return params, task
-        params, task, after = _replayed(recording, cfg)
+        params, task, after = replay_start(recording, cfg)
         size = _held(params, task, after)
         with self.lock:  # another thread may have kept this seed meanwhile: its replay, bit for bit this one
             if key == self.structure and cfg.seed not in self.by_seed and self.size + size <= self.budget:
@@ -246,7 +246,23 @@ class _Starts:
         return params, task
 
 
-_STARTS = _Starts(START_BUDGET)
+_STARTS = Starts(START_BUDGET)
+
+
+def reset(budget: int = START_BUDGET) -> Starts:
+    """Forget every structure this process met (its recording and model) and every kept start, as a fresh
+    process starts; later starts are kept in a new store of `budget` bytes, which is returned."""
+    global _STARTS
+    with _RECORDING:
+        _KNOWN.clear()
+        _STARTS = Starts(budget)
+    return _STARTS
+
+
+def is_replayed(cfg: RunConfig) -> bool:
+    """Whether the runs of `cfg`'s structure, met before in this process, start from its recording (False:
+    each is built, the recording could not be exact). A structure not met yet raises KeyError."""
+    return _KNOWN[structure(cfg)].recording is not None
 
 
 def _held(params: Params, task: Task, after: torch.Tensor) -> int:
@@ -281,11 +297,11 @@ def _record(cfg: RunConfig, built: Params) -> Recording | None:
         return None
     recording = Recording(tuple(recorder.ops), recorder.constants, len(recorder.alive),
                           {name: recorder.slots[_key(p)] for name, p in names.items()})
-    again, _, _ = _replayed(recording, cfg)  # and the generator left where seeded_init leaves it
+    again, _, _ = replay_start(recording, cfg)  # and the generator left where seeded_init leaves it
     return recording if _same(again, built) else None
 
 
-def _replayed(recording: Recording, cfg: RunConfig) -> tuple[Params, Task, torch.Tensor]:
+def replay_start(recording: Recording, cfg: RunConfig) -> tuple[Params, Task, torch.Tensor]:
     """`cfg`'s parameters from `recording` and its task, drawn after its seed (`_seed`) in seeded_init's order,
     and the global generator's state after them: a replayed run's start, and `_record`'s check of it, seeded
     the same way."""
@@ -298,7 +314,7 @@ def _seed(seed: int) -> None:
     """`torch.manual_seed(seed)` for a replay: the CPU generator, which the draws of a construction and a
     task are made from (a replay builds no plugin's model, and the fast engine draws nothing while it
     trains). A construction that draws from another generator (another device's, its own) is built, never
-    replayed: `_record` checks its replay after this same seeding (`_replayed`), from which that
+    replayed: `_record` checks its replay after this same seeding (`replay_start`), from which that
     generator's draws differ. torch.manual_seed also queues the seeding of every other device's
     generator, formatting the Python stack for each: 0.15-0.25 ms a call, against ~3 ms for the rest of a
     replayed run's start."""

@@ -10,8 +10,8 @@ then loaded by every later batch, worker process and sweep in a fraction of a se
              for it (their core helps the compiler's C++ jobs meanwhile) and load its package
     checked  <cache>/steps/<key>.checked: the sha256 of a package that passed the check below
 
-A package is a cache, never a source of truth: `fast.compile_grad_step` checks the step it gets against
-the eager step on the batch before using it, and a loaded package that fails the check is compiled
+A package is a cache, never a source of truth: `compiled.compile_grad_step` checks the step it gets
+against the eager step on the batch before using it, and a loaded package that fails the check is compiled
 again (`load_or_compile(fresh=True)`). A package that cannot be read is compiled again too. A package
 that passed the check once is vouched for (<key>.checked: the sha256 of its bytes), and a process that
 loads those same bytes later uses it unchecked (the check's eager step costs a worker ~1.3 s), unless its
@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+import normexp
 from normexp.engines.common import user_cache_dir
 from normexp.environment import cpu_info
 from normexp.registry import is_plugin
@@ -72,19 +73,20 @@ def step_key(what: dict, device: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-_SOURCE: list[str] = []  # normexp's own source digest, computed once per process
-
-
 def source_digest() -> str:
-    """sha256 of every .py file of the installed normexp package (its path and bytes): any change to the
-    code that builds a step, or to anything it calls, names another package."""
-    if not _SOURCE:
-        root = Path(__file__).resolve().parents[1]
-        digest = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-        _SOURCE.append(digest.hexdigest())
-    return _SOURCE[0]
+    """sha256 of every .py file of the installed normexp package (its path and bytes), the whole package
+    wherever this module sits in it: any change to the code that builds a step, or to anything it calls,
+    names another package."""
+    return _tree_digest(Path(normexp.__file__).resolve().parent)
+
+
+@functools.cache
+def _tree_digest(root: Path) -> str:
+    """sha256 of every .py file under `root`, by path relative to it and bytes; once per process."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _plugin_digests(what: dict) -> dict[str, str]:
@@ -226,8 +228,8 @@ def vouchable(what: dict) -> bool:
 
 def vouch(key: str, step: Step) -> None:
     """Record that `step`, loaded from the package `key`, passed the check against the eager step
-    (`fast._compile_checked`): the sha256 of the bytes it was loaded from, in <key>.checked, so that later
-    processes that load those same bytes need not check them again. A step not loaded from a package
+    (`compiled.compile_grad_step`'s): the sha256 of the bytes it was loaded from, in <key>.checked, so that
+    later processes that load those same bytes need not check them again. A step not loaded from a package
     (no digest) vouches for nothing."""
     digest = getattr(step, "digest", None)
     if digest is None:

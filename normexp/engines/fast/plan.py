@@ -1,0 +1,65 @@
+"""Which runs the fast engine trains together, and whether their step compiles (no torch: a sweep plans its
+batches, and decides on its worker pool, before it imports torch).
+
+Compiling is decided once per structure (`fast_key`) from the model-steps the sweep plans for it, an estimate
+from the model's FLOPs (`compile_choice`): a pure function of the planned runs, so the same sweep always
+makes the same choice, whatever the compile cache holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from normexp.config import RunConfig
+from normexp.engines.cost import model_step_flops
+
+MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
+COMPILED_CHUNK = 8  # runs per compiled batch: 8 runs' parameters, moments and activations stay nearer the cache
+# than 16's, with two workers sharing it (a 2,048-run phase sweep 90.3 vs 99.0 s, metrics identical; 4 runs no faster
+# than 8, 32 slower than 16: docs/performance.md)
+
+COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam step (Intel Xeon, 2 cores: 104 s)
+COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
+EAGER_FLOP_RATE = 40e9  # FLOP/s the fast engine's eager step reaches on the article's model (CPU), for the estimate
+
+
+def fast_key(cfg: RunConfig) -> tuple:
+    """Runs with equal keys train in one batch of the fast engine: same model, norm, data, steps and optimizer
+    family; seeds, learning rates, optimizer hyper-parameters and schedules vary per run."""
+    return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
+
+
+def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,
+                 speedup: float = COMPILE_SPEEDUP) -> bool:
+    """True when compiling saves more time than it costs: the eager time of `model_steps`, minus the
+    same work compiled, exceeds the compile time."""
+    return model_steps * eager_s_per_model_step * (1 - 1 / speedup) > compile_s
+
+
+def should_compile(cfg: RunConfig, model_steps: int) -> bool:
+    """The fast engine's automatic choice for `model_steps` planned model-steps of runs shaped like `cfg`: an
+    estimate from the model's FLOPs, not a measurement, so the same sweep always chooses the same."""
+    return compile_pays(model_steps, model_step_flops(cfg) / EAGER_FLOP_RATE)
+
+
+def compile_choice(planned: Iterable[RunConfig], compile: bool | None = None) -> dict[tuple, bool]:
+    """Whether each structure (`fast_key`) of the `planned` runs compiles: `compile` where it is given (--compile,
+    --no-compile), else whether the model-steps planned for it pay for the compile (`should_compile`)."""
+    first: dict[tuple, RunConfig] = {}
+    model_steps: dict[tuple, int] = {}
+    for cfg in planned:
+        key = fast_key(cfg)
+        first.setdefault(key, cfg)
+        model_steps[key] = model_steps.get(key, 0) + cfg.train.steps + 1
+    return {key: should_compile(cfg, model_steps[key]) if compile is None else compile for key, cfg in first.items()}
+
+
+def plan_fast(runs: Sequence[RunConfig], compiled: Callable[[RunConfig], bool] = lambda cfg: False
+              ) -> list[list[RunConfig]]:
+    """Group runs by `fast_key`, in chunks of at most MAX_CHUNK runs, or COMPILED_CHUNK for a structure
+    that `compiled` says compiles (a group of one is a batch too)."""
+    groups: dict[tuple, list[RunConfig]] = {}
+    for cfg in runs:
+        groups.setdefault(fast_key(cfg), []).append(cfg)
+    return [group[i:i + size] for group in groups.values()
+            for size in [COMPILED_CHUNK if compiled(group[0]) else MAX_CHUNK] for i in range(0, len(group), size)]

@@ -1,0 +1,141 @@
+"""The fast engine's stacked step: a batch's runs stacked (their parameters and tasks, as `seeded_init` draws
+them), and the gradient step of all of them at once, the model's own forward vmapped over the run axis."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+import normexp.engines.fast.starts as starts
+from normexp.config import RunConfig
+from normexp.engines.common import batch_order, loss_and_acc, z_loss
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class Batch:
+    """R runs stacked: parameters by name, (R, ...) each; data x (R, n, d) and y (R, n), or for a
+    sequence task tokens x (R, n, T), answers y (R, n, A), the answer positions (A,), the held-out
+    split, and with minibatches each step's indices (steps + 1, R, batch_size)."""
+
+    params: Tensors
+    x: torch.Tensor
+    y: torch.Tensor
+    positions: torch.Tensor | None = None
+    val_x: torch.Tensor | None = None
+    val_y: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    def step_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (x, y) each run trains on at `step`: everything, or its own minibatch."""
+        if self.order is None:
+            return self.x, self.y
+        runs = torch.arange(len(self.x), device=self.x.device)[:, None]
+        return self.x[runs, self.order[step]], self.y[runs, self.order[step]]
+
+
+_STACKING = threading.Lock()
+
+
+def stack_runs(runs: Sequence[RunConfig], device: str) -> Batch:
+    """Each run's parameters and task as `seeded_init` draws them (the reference's draws; replayed, not
+    built, after a structure's first run: `starts.seeded_start`), stacked on `device`."""
+    with _collector_paused():  # a structure's first model is ~10^2 modules, each run ~10^3 tensors
+        named, tasks = zip(*(starts.seeded_start(cfg) for cfg in runs))  # neither model has buffers
+        with torch.no_grad():
+            params = {name: torch.stack([run[name] for run in named]).to(device) for name in named[0]}
+
+    def stacked(name: str) -> torch.Tensor | None:
+        values = [getattr(task, name) for task in tasks]
+        return None if values[0] is None else torch.stack(values).to(device)
+
+    first = runs[0]
+    order = None
+    if first.data.batch_size is not None:
+        per_run = [batch_order(cfg.data.n_samples, cfg.data.batch_size, cfg.seed, cfg.train.steps) for cfg in runs]
+        order = torch.stack([torch.stack(steps) for steps in zip(*per_run)]).to(device)
+    # a copy: the tasks may be kept starts (`starts.Starts`), and `.to` a tensor's own device is the tensor
+    positions = tasks[0].positions.to(device, copy=True) if tasks[0].positions is not None else None
+    return Batch(params, stacked("x"), stacked("y"), positions, stacked("val_x"), stacked("val_y"), order)
+
+
+def batch_model(cfg: RunConfig) -> torch.nn.Module:
+    """A batch's own copy of the parameter-less ("meta") model of `cfg`'s structure that `functional_call`
+    runs: batches trained at once in threads must not share one (functional_call swaps its parameters in
+    place). A compiled batch needs none once its step is compiled, unless it evaluates a held-out split (the
+    Transformer's sequence tasks) with the eager model (the depth-24 toy's copy: ~8 ms a batch)."""
+    with _collector_paused():
+        return copy.deepcopy(starts.meta_model(cfg))
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off inside, one batch at a time (paired batches): the pause is process-wide,
+    and the collector would rescan the models' objects (and, once torch.compile has loaded, dynamo's
+    registry) over and over."""
+    with _STACKING:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if collecting:
+                gc.enable()
+
+
+GradStep = Callable[[Tensors, torch.Tensor, torch.Tensor], tuple[Tensors, torch.Tensor]]
+ValStep = Callable[[Tensors, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None) -> ValStep:
+    """One run's (loss, acc) from its parameters and data: `base`'s own forward(), the reference's loss."""
+
+    def loss_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss_and_acc(functional_call(base, params, (x,)), y, positions)
+
+    return loss_fn
+
+
+def make_z_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None, coef: float) -> Callable:
+    """`train.z_loss`: one run's (loss + z, (loss, acc, z)), the objective the reference differentiates."""
+
+    def loss_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        logits = functional_call(base, params, (x,))
+        loss, acc = loss_and_acc(logits, y, positions)
+        z = z_loss(logits, positions, coef)
+        return loss + z, (loss, acc, z)
+
+    return loss_fn
+
+
+def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None, z_coef: float = 0.0) -> GradStep:
+    """The batch's gradient step: (params, x, y) -> (grads by name, metrics (3, R): loss, acc, grad
+    norm per run; with `z_coef` a fourth row, the z-loss term). The model is `base`'s own forward(),
+    vmapped over the run axis."""
+    if z_coef:
+        z_fn = vmap(grad_and_value(make_z_loss_fn(base, positions, z_coef), has_aux=True))
+
+        def grad_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, tuple]:
+            grads, (_, (loss, acc, z)) = z_fn(params, x, y)
+            return grads, (loss, acc, z)
+    else:
+        grad_fn = vmap(grad_and_value(make_loss_fn(base, positions), has_aux=True))
+
+    def grad_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
+        grads, (loss, acc, *z) = grad_fn(params, x, y)
+        # vmap may hand back a strided gradient (the position embedding's is); the fused Adam kernel
+        # reads its tensors as contiguous, so give it contiguous ones (a no-op for the others)
+        grads = {name: g.contiguous() for name, g in grads.items()}
+        per_tensor = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads.values()]
+        norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)  # clip_grad_norm_'s norm
+        return grads, torch.stack([loss, acc, norms, *z])
+
+    return grad_step

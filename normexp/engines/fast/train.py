@@ -1,0 +1,103 @@
+"""The fast engine's loop: `train_fast` trains a batch of runs of one structure together, compiled or not, and
+records each run as the reference records it."""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.func import vmap
+
+from normexp.config import RunConfig
+from normexp.engines.common import EarlyStop, RunResult, record_live, share_wall_time, torch_threads
+from normexp.engines.fast.compiled import (
+    CompileFailed,
+    compiled_step,
+    compiler_call,
+    has_step,
+    is_refused,
+    refuse,
+)
+from normexp.engines.fast.optim import FastOptimizer, MadeAhead
+from normexp.engines.fast.plan import COMPILED_CHUNK, compile_choice, fast_key
+from normexp.engines.fast.step import batch_model, make_grad_step, make_loss_fn, stack_runs
+from normexp.optim import step_lr
+
+
+def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | None = None,
+               on_step: Callable[[int], None] | None = None) -> list[RunResult]:
+    """Train `runs` (equal `fast_key`) together; one RunResult per run, recorded as `train_run` records.
+    `compile`: compile the gradient step, or None to decide from this batch's model-steps (`compile_choice`).
+    `on_step` is called after each recorded step (what it raises ends the batch)."""
+    use_compile = compile_choice(runs, compile)[fast_key(runs[0])]
+    if use_compile and not is_refused(runs[0], device):
+        try:
+            return _train_padded(runs, device, on_step)
+        except CompileFailed as failed:  # the eager step still works (what a run raises itself is not caught)
+            exc = failed.__cause__ or failed
+            refuse(runs[0], device)  # later batches of this step in this process: uncompiled
+            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"compiling the step failed ({type(exc).__name__}: {first_line}); training this "
+                          "structure's runs uncompiled", RuntimeWarning, stacklevel=2)
+    return _train(runs, device, False, on_step)
+
+
+def _train_padded(runs: Sequence[RunConfig], device: str, on_step: Callable[[int], None] | None) -> list[RunResult]:
+    """The compiled loop on batches of COMPILED_CHUNK runs (one compiled shape for every batch): a larger
+    batch in chunks, one after another, and the last padded with copies of its first run, whose results
+    are dropped."""
+    if len(runs) > COMPILED_CHUNK:
+        return [result for i in range(0, len(runs), COMPILED_CHUNK)
+                for result in _train_padded(runs[i:i + COMPILED_CHUNK], device, on_step)]
+    padded = list(runs) + [runs[0]] * (COMPILED_CHUNK - len(runs))
+    results = _train(padded, device, True, on_step)[:len(runs)]
+    for result in results:
+        result.wall_s *= len(padded) / len(runs)
+    return results
+
+
+def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
+           on_step: Callable[[int], None] | None = None) -> list[RunResult]:
+    """The loop of `train_fast`: record each step's metrics per run, stop when no run is recording."""
+    start = time.perf_counter()
+    first = runs[0]
+    stop_on_nonfinite = first.train.stop_on_nonfinite
+    with torch_threads(first.train.threads) as threads:
+        batch = stack_runs(runs, device)
+        base = functools.cache(functools.partial(batch_model, first))  # made where needed, once
+        optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
+        if compiled and not has_step(first, batch):
+            base()  # the model the step is traced from, made outside the compiler's wrap: what it raises is the batch's
+        steps = first.train.steps
+        schedule = MadeAhead(lambda step: [step_lr(cfg, step) for cfg in runs], steps + 1)  # each step's lrs
+        step_fn = compiler_call(compiled_step, first, base, batch, optimizer, schedule) if compiled else None
+        grad_step = make_grad_step(base(), batch.positions, first.train.z_loss) if step_fn is None else None
+        val_step = vmap(make_loss_fn(base(), batch.positions)) if batch.val_x is not None else None
+        results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
+        live = [True] * len(runs)  # runs still recording (and updating)
+        for step in range(steps + 1):
+            lrs = schedule[step]
+            vals = [None] * len(runs)
+            if val_step is not None:  # before the step: a compiled Adam step updates the parameters in place
+                with torch.no_grad():
+                    held_out = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
+                vals = [tuple(v) for v in held_out.t().tolist()]
+            if step_fn is not None:
+                metrics = compiler_call(step_fn.step, batch.params, *batch.step_data(step), lrs, live)
+            else:
+                grads, metrics = grad_step(batch.params, *batch.step_data(step))
+            losses, accs, norms, *zs = metrics.tolist()  # zs: [the z-loss terms] with train.z_loss
+            record_live(results, live, step, losses, accs, lrs, norms, stop_on_nonfinite, vals, *zs)
+            if not any(live):
+                break
+            if on_step is not None:
+                on_step(step)
+            if step < steps:
+                if step_fn is not None:
+                    compiler_call(step_fn.update, lrs, live)
+                else:
+                    optimizer.step(list(grads.values()), lrs, live)
+    return share_wall_time(results, start)
