@@ -15,6 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from normexp import corpus
+from normexp.analysis.realtext import final_val_losses, verdict
 from normexp.cli import app
 from normexp.config import TEXT_BATCH_SIZE, build_sweep, sequence_shape, validate_run
 from normexp.data import VAL_SEED, make_task
@@ -203,8 +204,11 @@ def test_the_batched_engine_trains_a_small_sweep_bit_for_bit_as_the_reference(tm
         for run in runs:
             written = (outs[engine] / run / "metrics.csv").read_bytes()
             assert written == (outs["reference"] / run / "metrics.csv").read_bytes(), (engine, run)
-    metrics = load_metrics(outs["reference"])
+    metrics = load_metrics(outs["reference"], all_config=True)
     assert metrics["val_loss"].notna().sum() == 16 * 3  # steps 0, 2, 4
+    runs = final_val_losses(metrics)  # the study's verdict reads a folder so
+    assert len(runs) == 16 and runs["val_loss"].notna().all()
+    assert verdict(runs, corpus.floors().unigram).startswith("Depth 2, lr 0.001: without warmup Post-LN stays")
 
 
 def test_the_fast_engine_leaves_text_runs_and_nanogpts_keys_to_the_exact_engines():

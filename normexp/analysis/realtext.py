@@ -37,8 +37,9 @@ INDIFFERENT = ("pre", "peri")  # the placements asked whether warmup matters to 
 
 
 def final_val_losses(metrics: pd.DataFrame) -> pd.DataFrame:
-    """One row per run of a tidy metrics frame (`load_metrics`: run_id, the keys, seed, step, val_loss):
-    its keys and seed, and `val_loss`, its last evaluated (not nan) held-out loss; nan if it has none."""
+    """One row per run of a tidy metrics frame (`load_metrics(folder, all_config=True)`: run_id, the keys,
+    seed, step, val_loss): its keys and seed, and `val_loss`, its last evaluated (not nan) held-out loss;
+    nan if it has none."""
     keys = [k for k in (*KEYS, "seed") if k in metrics]
     ordered = metrics.sort_values(["run_id", "step"])
     last = ordered.dropna(subset=["val_loss"]).groupby("run_id")["val_loss"].last()
