@@ -33,9 +33,10 @@ MEANINGS = {
     "model.hidden_mult": "FFN inner size = hidden_mult * d",
     "model.n_classes": "classes of the toy task (`arch: ffn` only)",
     "model.final_norm": "a norm before the head (the article keeps one; Xiong's Post-LN has none)",
-    "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's; `gpt2` (transformer only): "
-                  "nanoGPT's, every Linear and embedding N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2N)), "
-                  "drawn in nanoGPT's order ([Real text](realtext.md#nanogpts-model))",
+    "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's; `tfixup` and `fixup` are "
+                  "T-Fixup's and Fixup's rescaled xavier ([Inits](#inits-t-fixup-fixup-skipinit)); `gpt2` "
+                  "(transformer only): nanoGPT's, every Linear and embedding N(0, 0.02), the residual projections "
+                  "N(0, 0.02 / sqrt(2N)), drawn in nanoGPT's order ([Real text](realtext.md#nanogpts-model))",
     "model.arch": "`ffn` (the article's toy) or `transformer` ([The Transformer](transformer.md))",
     "model.n_heads": "transformer only: attention heads; must divide `model.width`",
     "model.qk_norm": "transformer only: normalise queries and keys with the run's norm kind before their dot "
@@ -95,15 +96,36 @@ MEANINGS = {
     "optim.weight_decay": "unset: the optimizer's own, 0.01 for adamw and 0 otherwise, resolved per run after the "
                           "grid and `--set`",
     "optim.momentum": "sgd only",
+    "optim.clip_norm": "every optimizer: clip the gradients' global L2 norm to this before each update, as "
+                       "`torch.nn.utils.clip_grad_norm_`; unset: no clipping "
+                       "([controls](#optimizer-and-schedule-controls))",
+    "optim.agc": "every optimizer: adaptive gradient clipping (NFNets), each unit's gradient norm at most agc * "
+                 "max(its weights' norm, agc_eps), the final layer's weight unclipped; unset: none; not with "
+                 "clip_norm",
+    "optim.agc_eps": "with `agc`: the floor of a unit's weight norm (NFNets' 1e-3)",
+    "optim.v_only_steps": "adam, adamw: Adam-2k, the first k updates move only the second moment (the step "
+                          "count advances)",
+    "optim.v0": "adam, adamw: the second moment's start: `zero` (Adam's) or `grad_sq`, the first gradient "
+                "squared (GI-Adam)",
+    "optim.radam_variant": "radam: `torch` (torch's RAdam: momentum steps while rho_t <= 5) or `official` (the "
+                           "authors' radam.py: no update while rho_t < 5, decoupled weight decay)",
+    "optim.independent_weight_decay": "adamw: decay each update by weight_decay times the schedule's multiplier "
+                                      "(lr_t / lr), not lr_t * weight_decay (Wortsman et al. 2023)",
     "schedule.kind": "the learning-rate schedule ([schedules](#schedules))",
     "schedule.warmup_steps": "linear warmup length (0 = none; must be 0 with `constant`)",
-    "schedule.min_lr_ratio": "cosine's final multiplier",
+    "schedule.min_lr_ratio": "cosine's final multiplier; wsd's final_lr_factor",
+    "schedule.decay_fraction": "wsd: the last int(f * train.steps) updates decay (the authors' fract_decay)",
+    "schedule.decay_shape": "wsd: the decay's shape, as epfml/schedules-and-scaling's decay_type (`mirror_cosine` "
+                            "is their `miror_cosine`)",
     "train.steps": "optimizer steps S; losses are recorded at steps 0..S",
     "train.threads": "torch intra-op threads for the run (recorded in done.json); unset: torch's default",
     "train.stop_on_nonfinite": "stop a run at its first nan/inf loss (it is marked `diverged`)",
     "train.log_blocks": "also write `<run_id>/blocks.csv`: per-block gradients, updates and activations (a "
                         "Transformer's also attention logits, entropy and log Z)",
     "train.log_every": "blocks.csv keeps steps 0, k, 2k, ... (needs `log_blocks: true`)",
+    "train.log_sharpness": "every K steps (0, K, 2K, ...), the top Hessian eigenvalue, the preconditioned one "
+                           "(Adam family) and their thresholds 2/lr, (2+2 beta1)/((1-beta1) lr) "
+                           "([Sharpness](#sharpness)); unset: off. The reference engine measures it",
     "train.stop_when": "opt-in early stopping: `trained`, `stalled` or `diverged` (rules in "
                        "[Early stopping](#early-stopping)); unset: every run runs all its steps",
     "train.stop_patience": "consecutive steps the stop_when condition must hold before the run stops "

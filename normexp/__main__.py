@@ -23,7 +23,9 @@ def _interrupted(signum: int, frame: object) -> None:
     os._exit(128 + signum)
 
 
-def main() -> None:
+def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
+    """Run the command line: sys.argv, or `args` under `prog_name` where another entry gives them
+    (`python -m normexp.studies`: normexp/studies/__main__.py)."""
     _signal.signal(_signal.SIGINT, _interrupted)
     from normexp.environment import set_thread_defaults
 
@@ -31,7 +33,7 @@ def main() -> None:
     from normexp.cli import main as run
 
     try:
-        run()
+        run(args, prog_name)
     except SystemExit as exc:
         if "torch" in sys.modules:
             end_now(exc.code)

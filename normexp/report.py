@@ -106,6 +106,7 @@ class Report:
     pooled: tuple[str, ...] = ()  # varying keys (not the seed) that no column separates: pooled in each cell
     keys: tuple[str, ...] = ()  # the column keys
     stopped: str = ""  # `stopped_note`: the runs train.stop_when stopped early, or ""
+    rule_from: str = "report.trained_below"  # where trained_below was set: the sweep, or --trained-below
 
     def cell(self, column: Column, step: int) -> str:
         """The cell's aggregate; a mean over fewer than the column's runs says "(k of n)" with n every
@@ -129,7 +130,7 @@ class Report:
 
     @property
     def rule(self) -> str:
-        return rule_text(self.n_classes, self.trained_below)
+        return rule_text(self.n_classes, self.trained_below, self.rule_from)
 
     def verdict_line(self, full: bool = False) -> str:
         """Which columns trained: their names (`full`, or at most WIDE columns), else counts per group
@@ -236,7 +237,8 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
                for label, group, finals in variant_finals(read, keys, rule)]
     title = _title(summary, metric, pooled) + mixed_note(summary) + _about(folder.sweep)
     return Report(title, metric, steps, columns, n_classes, missing_note(summary, run_dir), engine_note(summary, keys),
-                  rule, pooled, tuple(keys), stopped=stopped_note(summary))
+                  rule, pooled, tuple(keys), stopped=stopped_note(summary),
+                  rule_from="--trained-below" if trained_below is not None else "report.trained_below")
 
 
 def _about(sweep: Sweep) -> str:

@@ -43,7 +43,7 @@ _ESCAPING_BACKSLASH = re.compile(r"\\(?=[!-/:-@\[-`{-~])")  # CommonMark: a back
 def rich_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str, title: str | None = None):
     """The same table as a rich.table.Table (rich is imported lazily), titled on the left. A cell too wide
     for the terminal wraps, folding a long word across lines, never cut to "…" (an identifier or number
-    must be read whole); off a terminal, cli.show prints the table at its own width."""
+    must be read whole); off a terminal, commands/console.show prints the table at its own width."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from normexp.config import TEXT_TASKS, TRANSFORMER_ONLY, ModelConfig, RunConfig, TrainConfig
+from normexp.config import RunConfig
 from normexp.folder import FinishedRun
 
 if TYPE_CHECKING:
@@ -214,15 +214,16 @@ def auto_note(choices: Sequence[Choice | str], alone: int) -> str:
 def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compile: bool | None,
                      planned: Sequence[RunConfig]) -> list[WorkUnit]:
     """The fast engine's batches of `planned` that hold a run of `runs`; each structure compiles when
-    its planned model-steps pay for it. Runs the fast engine does not serve (`fast_declines`) go to the
-    exact engines instead."""
-    from normexp.engines.fast import compile_choice, fast_key, plan_fast
+    its planned model-steps pay for it. Runs the fast engine does not serve (`fast_serves`: with
+    `train.log_blocks`, whose blocks.csv is the reference's bits or nothing, `train.log_sharpness`, which the
+    reference measures, or an optimizer control it does not replay yet) go to the exact engines instead."""
+    from normexp.engines.fast import compile_choice, fast_key, fast_serves, plan_fast
     from normexp.folder import run_id
 
-    declined = [cfg for cfg in runs if fast_declines(cfg)]
+    declined = [cfg for cfg in runs if not fast_serves(cfg)]
     exact = plan_units(declined, "batched", device, threads) if declined else []
-    wanted = {run_id(cfg) for cfg in runs if not fast_declines(cfg)}
-    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if not fast_declines(cfg)}.values())
+    wanted = {run_id(cfg) for cfg in runs if fast_serves(cfg)}
+    planned = list({run_id(cfg): cfg for cfg in [*planned, *runs] if fast_serves(cfg)}.values())
     choice = compile_choice(planned, compile)
 
     def compiled(cfg: RunConfig) -> bool:
@@ -236,17 +237,6 @@ def _plan_fast_units(runs: Sequence[RunConfig], device: str, threads: int, compi
                                   compile=compiled(batch[0]), record=() if all(record) else record))
     return units + exact
 
-
-
-def fast_declines(cfg: RunConfig) -> bool:
-    """Whether `--engine fast` leaves `cfg` to the exact engines: a run with `train.log_blocks` (blocks.csv
-    is the reference's bits or nothing), and, until the fast engine's stacked step carries them, a run of
-    the text task (its windows drawn per run and step), with `train.eval_every`, or with nanoGPT's model
-    keys (`model.activation`, `bias`, `tie_embeddings`, `init: gpt2`)."""
-    model, defaults = cfg.model, ModelConfig.model_fields
-    nanogpt = model.init == "gpt2" or any(getattr(model, key) != defaults[key].default for key in TRANSFORMER_ONLY)
-    return (cfg.train.log_blocks or cfg.data.task in TEXT_TASKS or nanogpt
-            or cfg.train.eval_every != TrainConfig.model_fields["eval_every"].default)
 
 
 class Stopped(BaseException):  # noqa: N818 - not an error: the executor asked a run to stop

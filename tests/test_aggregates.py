@@ -180,7 +180,7 @@ def test_the_phase_diagram_marks_partial_cells(tmp_path):
 
 
 def test_study_verdicts_count_diverged_runs(diverged):
-    from normexp.studies import coverage
+    from normexp.studies.verdicts import coverage
 
     text = coverage(load_summary(diverged), ["optim.lr"])
     assert "12 finished runs (4 seeds per cell)" in text

@@ -271,3 +271,18 @@ def test_a_user_without_a_home_folder_still_sweeps_under_auto(tmp_path, monkeypa
     assert measured_reference().engine == "reference" and auto.cached(tiny()).cached
     assert compiling.compile_cache_dir() is None  # inductor's own default, not a folder made up here
     assert "TORCHINDUCTOR_CACHE_DIR" not in __import__("os").environ
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_cache_file_is_made_with_the_users_umask(cache, umask):
+    """engine-choice.json was written mode 0600 (NamedTemporaryFile's), whatever the umask: a cache folder
+    shared by a group (NORMEXP_CACHE_DIR, umask 002) held a file only its writer could read."""
+    import stat
+
+    before = os.umask(umask)
+    try:
+        assert measured_reference().engine == "reference"
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o666 & ~umask
+    assert [p.name for p in cache.parent.iterdir()] == [cache.name]

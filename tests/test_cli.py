@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -280,3 +281,37 @@ def test_a_report_over_invocations_of_the_fast_and_an_exact_engine_says_so(write
     assert normexp("sweep", path, "--out", out, "--engine", "fast", "--set", "optim.lr=0.03", "-q").exit_code == 0
     assert "mixed engine: batched, fast, reference" in normexp("report", out, "--format", "markdown").output
     assert "mixed engine" not in normexp("report", out, "--only-last", "--format", "markdown").output
+
+
+
+def _help_sections(text: str) -> tuple[dict[str, list[str]], set[int]]:
+    """A plain --help's sections (a line `Title:` at column 0) with the options each lists, and the
+    columns where the help of an option starts on its own line."""
+    sections, columns, current = {}, set(), None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None and line.startswith("  -"):
+            term, *rest = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            current.extend(word.rstrip(",") for word in term.split() if word.startswith("--"))
+            if rest:
+                columns.add(len(line) - len(rest[0]))
+    return sections, columns
+
+
+@pytest.mark.parametrize("columns", ["100", "120"])
+def test_sweep_help_reads_in_sections(columns):
+    """`normexp sweep --help`, piped: its 25 options in four sections, the job array's 11 (Slurm's) in their
+    own; every option once, every section's help in one column; the other commands keep one list."""
+    env = {"COLUMNS": columns}
+    sections, starts = _help_sections(runner.invoke(app, ["sweep", "--help"], env=env).stdout)
+    array = ["--launcher", "--shards", "--partition", "--account", "--qos", "--time", "--cpus", "--mem",
+             "--array-parallelism", "--setup", "--logs"]
+    assert list(sections) == ["Arguments", "Options", "Engine", "Where it runs", "Job array (--launcher slurm | local)"]
+    assert sections["Engine"] == ["--engine", "--compile", "--no-compile", "--device"]
+    assert sections["Where it runs"] == ["--workers", "--cluster", "--shard"]
+    assert sections["Job array (--launcher slurm | local)"] == array
+    every = [option for options in sections.values() for option in options]
+    assert len(every) == len(set(every)) == 25 + 1  # --compile / --no-compile: one option, two flags
+    assert len(starts) == 1, starts
+    assert list(_help_sections(runner.invoke(app, ["report", "--help"], env=env).stdout)[0]) == ["Arguments", "Options"]

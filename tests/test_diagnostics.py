@@ -101,7 +101,7 @@ def test_norms_bench_command_small():
 
 @pytest.mark.slow
 def test_studies_quick_writes_a_report(tmp_path):
-    from normexp.studies import run_studies
+    from normexp.studies.run import run_studies
 
     report = run_studies(tmp_path, quick=True, log=lambda _: None).read_text()
     for section in ("## warmup", "## lr_warmup", "## depth", "## placements", "## lr_sensitivity", "## gradnorm",
@@ -115,7 +115,7 @@ def test_studies_quick_writes_a_report(tmp_path):
 
 def test_the_speed_verdict_ranks_only_shapes_where_a_call_is_more_than_overhead():
     from normexp.diagnostics import Timing
-    from normexp.studies import speed_verdict
+    from normexp.studies.verdicts import speed_verdict
 
     def timings(shape, ln_ms, rms_ms):
         return [Timing("layernorm", shape, ln_ms, 2 * ln_ms), Timing("rmsnorm_torch", shape, rms_ms, 2 * rms_ms)]

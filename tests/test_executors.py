@@ -312,13 +312,13 @@ def test_waiting_for_workers_is_said_on_stderr(monkeypatch, quiet):
 
     from rich.console import Console
 
-    from normexp import cli
+    from normexp.commands import sweep as command
     from normexp.sweep import SweepEvent
 
     out, err = (Console(file=io.StringIO(), width=200) for _ in range(2))
-    monkeypatch.setattr(cli, "out", out)
-    monkeypatch.setattr(cli, "err", err)
-    with cli._progress(3, quiet) as on_event:
+    monkeypatch.setattr(command, "out", out)
+    monkeypatch.setattr(command, "err", err)
+    with command._progress(3, quiet) as on_event:
         on_event(SweepEvent("waiting", "", 0, 3, error="the scheduler has no workers"))
     assert err.file.getvalue() == "the scheduler has no workers\n" and out.file.getvalue() == ""
 

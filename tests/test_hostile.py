@@ -385,15 +385,16 @@ def test_empty_options_are_refused_by_name(finished, args, named):
 
 
 def _studies(out, monkeypatch, capsys) -> tuple[int, str]:
-    """`python -m normexp.studies --quick --out OUT`, in this process on one core: exit code and stderr."""
-    from normexp import stopping, studies
+    """`normexp studies --quick --out OUT` (python -m normexp.studies: the same command), in this process on
+    one core: exit code and stderr."""
+    from normexp import stopping
+    from normexp.studies import run
 
-    monkeypatch.setattr(studies, "usable_cores", lambda: 1)  # no worker pool: it fails before training
-    monkeypatch.setattr(sys, "argv", ["normexp.studies", "--quick", "--out", str(out)])
+    monkeypatch.setattr(run, "usable_cores", lambda: 1)  # no worker pool: it fails before training
     previous = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}
     try:
         with pytest.raises(SystemExit) as caught:
-            studies.main()
+            app(["studies", "--quick", "--out", str(out)], prog_name="normexp")
     finally:
         stopping.on_stop_signals(previous)
     return caught.value.code, capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Hostile review 8: a compiled fast sweep that starts its worker pool before its coordinator imports torch
-(`PoolExecutor.start`, `cli._import_engines`), and the recording dispatch mode that torch no longer wraps."""
+(`PoolExecutor.start`, `commands/sweep._import_engines`), and the recording dispatch mode that torch no longer wraps."""
 
 from __future__ import annotations
 

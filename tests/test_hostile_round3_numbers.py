@@ -104,7 +104,9 @@ def test_the_lr_figure_draws_the_same_numbers(tmp_path):
 
 # A value of each optimizer- or schedule-specific key other than its default.
 OTHER_OPTIM_VALUE = {"optim.betas": [0.8, 0.99], "optim.eps": 1e-3, "optim.momentum": 0.5,
-                     "schedule.min_lr_ratio": 0.3}
+                     "optim.v_only_steps": 2, "optim.v0": "grad_sq", "optim.radam_variant": "official",
+                     "optim.independent_weight_decay": True,
+                     "schedule.min_lr_ratio": 0.3, "schedule.decay_fraction": 0.5, "schedule.decay_shape": "cosine"}
 
 
 def _deciders() -> list[tuple[str, str, str]]:
@@ -128,7 +130,9 @@ def test_every_optimizer_specific_key_has_another_value():
 
 
 def _nested(pairs: dict[str, object]) -> dict:
-    data: dict = {"model": {"depth": 3, "width": 4}, "train": {"steps": 8}}  # RAdam uses eps from step 6
+    # RAdam uses eps from step 6; wsd's default decay_fraction 0.1 decays the last int(0.1 * steps) updates
+    # (3 of 30: enough for decay_shape to act)
+    data: dict = {"model": {"depth": 3, "width": 4}, "train": {"steps": 30}}
     for key, value in pairs.items():
         section, _, leaf = key.partition(".")
         data.setdefault(section, {})[leaf] = value

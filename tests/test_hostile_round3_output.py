@@ -156,7 +156,7 @@ def test_the_sensitivity_verdict_keeps_each_variant_and_names_the_undefined(tmp_
     """Two kinds of one placement were one key (placement, warmup): the second overwrote the first in
     the ranking and the warmup comparison. A variant with an lr that has no finished run was dropped
     from the verdict without a word."""
-    from normexp.studies import lr_sensitivity_verdict
+    from normexp.studies.verdicts import lr_sensitivity_verdict
 
     lrs = [0.001, 0.01, 0.1]
     finals = {("layernorm", 0): [2.0, 1.0, 2.2], ("layernorm", 12): [0.6, 0.5, 0.7],  # 0.7333 -> 0.1
@@ -177,7 +177,7 @@ def test_the_blocks_verdict_means_over_every_seed_or_leaves_the_step_out(tmp_pat
     """groupby().mean() skipped a diverged seed's nan: Post-LN's 'peak, mean over 2 seeds' was one seed's."""
     from normexp.config import build_sweep
     from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
-    from normexp.studies import blocks_verdict
+    from normexp.studies.verdicts import blocks_verdict
 
     nan = float("nan")
     last_update = {("post", 0): [0.1, 0.3, 0.8, nan], ("post", 1): [0.1, 0.3, nan, nan],  # seed 1 diverged

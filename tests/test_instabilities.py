@@ -250,7 +250,7 @@ def study_folder(tmp_path, peak, final_loss):
 
 
 def test_the_instabilities_verdict_says_the_papers_trend_reproduces_only_when_the_numbers_do(tmp_path):
-    from normexp.studies import instabilities_verdict
+    from normexp.studies.verdicts import instabilities_verdict
 
     def grows(cfg):  # without qk-norm the logits reach 500 at lr 0.1; qk-norm holds them at 10
         return 500.0 if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 10.0

@@ -30,7 +30,7 @@ def test_studies_run_from_a_wheel_installed_outside_the_checkout(tmp_path):
     run = subprocess.run([sys.executable, "-m", "normexp", "studies", "--help"], capture_output=True, text=True,
                          env=env, cwd=elsewhere)
     assert run.returncode == 0 and "REPORT.md" in run.stdout, run.stderr
-    code = ("import normexp, normexp.studies as s; from normexp.config import load_sweep; "
+    code = ("import normexp, normexp.studies.run as s; from normexp.config import load_sweep; "
             "print(normexp.__file__); print(len([load_sweep(p, []) for p in (s.CONFIGS / 'studies').glob('*.yaml')])); "
             "import normexp.corpus as c; print(len(c.text()))")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=elsewhere)

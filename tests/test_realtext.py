@@ -21,10 +21,11 @@ from normexp.config import TEXT_BATCH_SIZE, build_sweep, sequence_shape, validat
 from normexp.data import VAL_SEED, make_task
 from normexp.engines.common import minibatches, seeded_init
 from normexp.engines.cost import model_step_flops
+from normexp.engines.fast import fast_serves
 from normexp.engines.reference import train_run
 from normexp.folder import run_id
 from normexp.results import load_metrics
-from normexp.units import fast_declines, plan_units
+from normexp.units import plan_units
 
 
 def text_run(placement: str = "pre", seed: int = 0, steps: int = 4, **data) -> object:
@@ -217,6 +218,6 @@ def test_the_fast_engine_leaves_text_runs_and_nanogpts_keys_to_the_exact_engines
                               "data": {"task": "copy", "n_samples": 16, "n_val": 8}})
     gelu = validate_run({**synthetic.model_dump(), "model": {**synthetic.model.model_dump(), "activation": "gelu"}})
     thinned = validate_run({**synthetic.model_dump(), "train": {"eval_every": 2}})
-    assert [fast_declines(cfg) for cfg in (text, synthetic, gelu, thinned)] == [True, False, True, True]
+    assert [fast_serves(cfg) for cfg in (text, synthetic, gelu, thinned)] == [False, True, False, False]
     units = plan_units([text, text.model_copy(update={"seed": 1})], "fast", "cpu", 1, compile=False)
     assert {unit.engine for unit in units} == {"reference"}

@@ -139,10 +139,10 @@ def test_a_compiled_fast_sweep_on_several_cores_trains_in_one_single_threaded_wo
 
 def test_a_pool_sweep_is_decided_without_torch_and_leaves_its_import_for_after_its_workers_start():
     """The coordinator of a compiled fast sweep decides on its pool (`fast_pool`) and loads what it needs
-    (`cli._import_engines`) without importing torch, so its workers start first and import theirs meanwhile;
+    (`commands/sweep._import_engines`) without importing torch, so its workers start first and import theirs meanwhile;
     a sweep on another engine imports torch there, as before. In a fresh process (2 cores assumed)."""
     code = ("import sys\nfrom normexp import executors\nexecutors.usable_cores = lambda: 2\n"
-            "from types import SimpleNamespace\nfrom normexp.cli import _import_engines\n"
+            "from types import SimpleNamespace\nfrom normexp.commands.sweep import _import_engines\n"
             "from normexp.config import RunConfig\nfrom normexp.sweep import SweepOptions, fast_pool\n"
             "big = SimpleNamespace(runs=[RunConfig.model_validate({'train': {'steps': 60}})] * 4096)\n"
             "pool = fast_pool(big, SweepOptions(engine='fast'))\nassert pool == 2\n"

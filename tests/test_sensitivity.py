@@ -58,8 +58,9 @@ def test_lr_sensitivity_of_a_hand_made_summary(tmp_path):
     # seed means [1.1, 0.3, 2.3]; l* = 0.3; sensitivity = mean([0.8, 0.0, 2.0]) = 0.9333
     assert pre.label == "Pre" and pre.sensitivity == pytest.approx(2.8 / 3)
     assert pre.best_loss == pytest.approx(0.3) and pre.best_lr == 0.01
-    # per seed: mean([0.7, -0.1, 2.0]) = 0.8667 and mean([0.9, 0.1, 2.0]) = 1.0
-    assert pre.spread == pytest.approx(pd.Series([2.6 / 3, 1.0]).std(ddof=1))
+    # each seed's own sensitivity, against its own best lr: seed 0 [1.0, 0.2, 2.3] - 0.2 -> mean 2.9 / 3,
+    # seed 1 [1.2, 0.4, 2.3] - 0.4 -> mean 2.7 / 3
+    assert pre.spread == pytest.approx(pd.Series([2.9 / 3, 2.7 / 3]).std(ddof=1))
     assert (pre.seeds, pre.runs, pre.diverged, pre.missing, pre.lrs, pre.grid_lrs) == (2, 6, 1, 0, 3, 3)
     # post: lr 0.1 never finished (nor did seed 1, never run), so no number rather than a mean over the
     # lrs that happen to exist
@@ -75,7 +76,45 @@ def test_report_lr_sensitivity_through_the_cli(tmp_path):
     assert [r["variant"] for r in rows] == ["Pre", "Post"]
     assert float(rows[0]["lr_sensitivity"]) == pytest.approx(2.8 / 3) and rows[0]["diverged"] == "1"
     markdown = CliRunner().invoke(app, ["report", str(folder), "--lr-sensitivity", "--format", "markdown"]).output
-    assert "0.9333 ± 0.0943" in markdown and "an lr has no finished run" in markdown
+    assert "0.9333 ± 0.0471" in markdown and "an lr has no finished run" in markdown
+
+
+def test_the_spread_is_the_std_of_each_seeds_own_sensitivity_recomputed_from_the_run_folders(tmp_path):
+    """docs/reports.md's definition, recomputed from the run folders with csv and yaml alone: per seed, the
+    sensitivity of that seed's runs (its clipped final losses against its own best lr), then their std over
+    seeds. The code took each seed's mean against the variant's shared l*, which moves with a seed's loss
+    level, not with its sensitivity: seed 1 below is seed 0 shifted down by 0.3 at every lr, the same
+    sensitivity, so Pre's spread is 0 (it was 0.21)."""
+    import statistics
+
+    import yaml
+
+    curves = {("pre", 0): [1.0, 0.4, 0.9, 2.0], ("pre", 1): [0.7, 0.1, 0.6, 1.7], ("pre", 2): [1.1, 0.5, 1.0, 2.1],
+              ("post", 0): [2.0, 0.9, 0.3, math.nan], ("post", 1): [1.4, 1.1, 0.5, 0.8],
+              ("post", 2): [2.2, 0.4, 1.2, 3.5]}
+    lrs = [0.001, 0.01, 0.1, 1.0]
+    runs = [(p, lr, seed, 2.3, final, "diverged" if math.isnan(final) else "completed")
+            for (p, seed), finals in curves.items() for lr, final in zip(lrs, finals)]
+    folder = write_sweep(tmp_path / "spread", runs)
+    clipped: dict[tuple[str, int], dict[float, float]] = {}
+    for run in sorted(p for p in folder.iterdir() if (p / "done.json").is_file()):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        with open(run / "metrics.csv", newline="") as f:
+            losses = [float(row["loss"]) for row in csv.DictReader(f)]
+        status = yaml.safe_load((run / "done.json").read_text())["status"]
+        final = losses[-1] if status != "diverged" and math.isfinite(losses[-1]) else losses[0]
+        curve = clipped.setdefault((config["norm"]["placement"], config["seed"]), {})
+        curve[config["optim"]["lr"]] = min(final, losses[0])
+    expected = {}
+    for placement in ("pre", "post"):
+        own = [statistics.mean(v - min(c.values()) for v in c.values())
+               for (p, _), c in clipped.items() if p == placement and len(c) == len(lrs)]
+        expected[placement] = statistics.stdev(own)
+    rows = {r.values["norm.placement"]: r for r in build_sensitivity(folder)}
+    assert expected["pre"] == pytest.approx(0.0, abs=1e-12)  # seed 1 is seed 0 shifted: no noise in how much lr matters
+    for placement, spread in expected.items():
+        assert rows[placement].spread == pytest.approx(spread, abs=1e-12), placement
+    assert rows["post"].spread > 0.1 and rows["post"].diverged == 1
 
 
 def test_lr_sensitivity_without_an_lr_axis_of_three_exits_2(tmp_path):
@@ -125,7 +164,7 @@ def test_sweep_report_and_plot_end_to_end(write_yaml, tmp_path):
 
 
 def test_the_study_verdict_ranks_and_compares_warmups(tmp_path):
-    from normexp.studies import lr_sensitivity_verdict
+    from normexp.studies.verdicts import lr_sensitivity_verdict
 
     finals = {("post", 0): [2.0, 1.0, 2.2], ("post", 12): [0.6, 0.5, 0.7],  # 0.733 -> 0.1
               ("pre", 0): [0.6, 0.5, 0.9], ("pre", 12): [0.6, 0.5, 0.9]}   # 0.167 both

@@ -256,6 +256,12 @@ def test_a_shard_task_is_requeued_as_itself():
     task = ShardTask(["sweep", "x.yaml"], 4)
     again = task.checkpoint(2)
     assert again.function is task and again.args == (2,)
+    import pickle
+
+    old = pickle.loads(pickle.dumps(task))
+    del old.__dict__["own_session"], old.__dict__["_child"]  # as a task an earlier normexp pickled
+    revived = pickle.loads(pickle.dumps(old))
+    assert (revived.own_session, revived._child, revived.argv) == (False, None, task.argv)
     assert task.command(2)[-2:] == ["--shard", "2/4"] and task.command(2)[0] == sys.executable
 
 
@@ -269,6 +275,7 @@ def test_the_local_launcher_runs_the_array_with_submitit(tmp_path, write_yaml):
     run_sweep(load_sweep(config), tmp_path / "full", SweepOptions(engine="batched"))
     assert _metrics(tmp_path / "o") == _metrics(tmp_path / "full")
     assert len(list((tmp_path / "o" / ".submitit").rglob("*_result.pkl"))) == 2
+    assert not [p for p in (tmp_path / "o" / ".submitit").rglob("*") if "%" in p.name]  # a literal %j folder was left
 
 
 def test_merge_refuses_a_folder_of_the_users_that_holds_a_summary_csv(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from normexp.analysis.gradnorm import GradnormSummary
 from normexp.config import build_sweep, parse_yaml
 from normexp.folder import FinishedRun, atomic_write, run_id, write_run, write_summary
-from normexp.studies import article_verdict, gradnorm_verdict, lr_warmup_verdict
+from normexp.studies.verdicts import article_verdict, gradnorm_verdict, lr_warmup_verdict
 
 
 def folder(tmp_path, text: str, final_loss) -> object:

@@ -11,8 +11,12 @@ that share every other varying key) and per run r at learning rate lr:
     l*        = min over the lr grid of m(lr)            the best lr's seed-mean of the clipped loss
     LR sensitivity = mean over the lr grid of [m(lr) - l*]
 
-The seed spread is the standard deviation over seeds of each seed's own mean_lr [c - l*] (their mean is
-the sensitivity itself; seeds that miss an lr are left out of it). A variant with an lr of the grid that
+The seed spread is the standard deviation over seeds of each seed's own sensitivity, the same formula on
+that seed's runs alone: mean_lr [c_s(lr) - min over the lr grid of c_s] (seeds that miss an lr are left
+out of it). It answers "is a difference between two sensitivities beyond the seed noise?": how much the
+number itself moves from seed to seed. (Each seed's mean_lr [c_s - l*] against the shared l* would measure
+how much a seed's loss level moves instead: a seed that is better at every lr alike is no noise in how
+much the lr matters.) A variant with an lr of the grid that
 has no finished run gets no number: a missing run is shown as missing. Every row says how many seeds,
 runs and diverged runs it covers. This module imports pandas but never torch.
 """
@@ -41,7 +45,7 @@ class Sensitivity:
     label: str
     values: dict[str, object]  # the variant's keys (the other varying keys) and values
     sensitivity: float  # nan when an lr of the grid has no finished run
-    spread: float  # std over seeds of each seed's sensitivity (nan below 2 complete seeds)
+    spread: float  # std over seeds of each seed's own sensitivity (its own l*; nan below 2 complete seeds)
     best_lr: float
     best_loss: float  # l*
     lrs: int  # learning rates of the grid with at least one finished run
@@ -95,7 +99,7 @@ def variant_sensitivity(group: pd.DataFrame, grid_lrs: list[float]) -> tuple[flo
     best = float(means.min())
     sensitivity = float((means - best).mean()) if not means.isna().any() else math.nan
     complete = by_seed.dropna(axis=0, how="any")
-    per_seed = (complete - best).mean(axis=1)
+    per_seed = complete.sub(complete.min(axis=1), axis=0).mean(axis=1)  # each seed's own sensitivity
     spread = float(per_seed.std(ddof=1)) if len(per_seed) > 1 else math.nan
     return sensitivity, spread, best_lr, best
 

@@ -215,11 +215,14 @@ def _choices(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[[k for k in CHOICE_KEYS if k in frame]].drop_duplicates()
 
 
-def rule_text(n_classes: Sequence[int], trained_below: float | None = None) -> str:
-    """The trained rule as the report states it: 'final loss < 0.2 (report.trained_below)', or
-    'final loss < ln(10)/10 = 0.230' (each n_classes of the runs)."""
+def rule_text(n_classes: Sequence[int], trained_below: float | None = None,
+              source: str = "report.trained_below") -> str:
+    """The trained rule as the report states it: 'final loss < 0.2 (report.trained_below)' (`source`: where
+    the rule was set, the sweep's report.trained_below or --trained-below), or 'final loss < ln(10)/10 =
+    0.230' (each n_classes of the runs). A value is written as given (1e-320, not 9.99989e-321)."""
     if trained_below is not None:
-        return f"final loss < {trained_below:g} (report.trained_below)"
+        value = min(f"{trained_below:g}", repr(float(trained_below)), key=len)  # repr: a subnormal's own digits
+        return f"final loss < {value} ({source})"
     rule = ", ".join(f"ln({n})/10 = {trained_threshold(n):.3f}" for n in n_classes)
     each = "each run's ln(n_classes)/10: " if len(n_classes) > 1 else ""
     return f"final loss < {each}{rule}"

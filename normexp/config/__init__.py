@@ -3,12 +3,14 @@
 YAML stops here. Everything past this package receives validated pydantic objects
 (`RunConfig` and its sections), never dicts:
 
-- `schema.py`: the run's sections (model, norm, optim, schedule, train) and `RunConfig`; every
-  section forbids unknown keys and validates strictly (no "32" -> 32, no true -> 1); keys a run does not
-  use go back to their default; which keys fit which architecture.
+- `schema.py`: the run's sections (model, norm, train) and `RunConfig`; every section forbids
+  unknown keys and validates strictly (no "32" -> 32, no true -> 1); keys a run does not use go back to
+  their default; which keys fit which architecture.
+- `optimizer.py`: the optimizer's and the schedule's sections (`optim`, `schedule`) and their rules.
+- `fields.py`: what the sections are made of: the strict section base, the number types, the rule that
+  puts an unused key back to its default.
 - `data.py`: the data section (`DataConfig`): the tasks, the sequence tasks' shapes (`sequence_shape`), the
   text task's keys.
-- `section.py`: what every section shares (strict, frozen, unknown keys refused) and `cross_key_error`.
 - `grid.py`: the sweep file (`SweepFile`), `--set` overrides, and the expansion to runs: the Cartesian
   product of the grid axes (in file order, with `--set` axes replacing or appending), seeds innermost.
 - `loader.py`: YAML read with a safe loader that also rejects duplicate keys and keys that are not
@@ -33,6 +35,7 @@ from normexp.config.data import (
 from normexp.config.errors import MAX_ERROR_LINES, ConfigError, TooManyRuns
 from normexp.config.grid import DEFAULT_MAX_RUNS, Sweep, SweepFile, build_sweep, load_sweep, parse_set
 from normexp.config.loader import MAX_YAML_NODES, SYMLINK_LOOP, is_symlink_loop, parse_yaml, read_mapping
+from normexp.config.optimizer import OptimName, ScheduleKind
 from normexp.config.schema import (
     ACTS_ONLY_UNDER,
     ACTS_ONLY_UNDER_BY_SECTION,
@@ -53,12 +56,10 @@ from normexp.config.schema import (
     NormConfig,
     NormKind,
     OptimConfig,
-    OptimName,
     Placement,
     ReportConfig,
     RunConfig,
     ScheduleConfig,
-    ScheduleKind,
     TrainConfig,
     arch_problem,
     chance_classes,

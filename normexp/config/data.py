@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
-from normexp.config.section import _Section, cross_key_error
+from normexp.config.fields import _Section, cross_key_error, keeps_inert
 from normexp.corpus import VOCAB_SIZE
 
 TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add", "shakespeare_char"]
@@ -56,7 +56,7 @@ class DataConfig(_Section):
         if self.seq_len == DEFAULT_SEQ_LEN[self.task]:
             # the task's own length written out is the same run as leaving it unset: one config, one run id
             object.__setattr__(self, "seq_len", None)
-        if self.task in TEXT_TASKS and not (info.context or {}).get("keep_inert"):
+        if self.task in TEXT_TASKS and not keeps_inert(info):
             object.__setattr__(self, "vocab", VOCAB_SIZE)  # the text's characters, whatever the base said
             if self.batch_size is None:
                 object.__setattr__(self, "batch_size", TEXT_BATCH_SIZE)

@@ -1,23 +1,22 @@
-"""One run's typed config: its sections (model, norm, optim, schedule, train; data in data.py) and `RunConfig`.
+"""One run's typed config: its sections (model, norm, train; data from `data.py`, optim and schedule from
+`optimizer.py`) and `RunConfig`.
 
 Every section forbids unknown keys and validates strictly (no "32" -> 32, no true -> 1). A key that a run
 does not use (an optimizer key under another optimizer, a placement's key under another placement) goes
 back to its default, so runs that train alike are one run with one id. Cross-key rules (which keys fit
-which architecture) are here too (the data section's own, sequence shapes, in data.py); errors are worded
-by `errors.py`.
+which architecture) are here too (the data section's own, sequence shapes, in `data.py`); errors are
+worded by `errors.py`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     Field,
     ValidationError,
@@ -28,9 +27,23 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, to_jsonable_python
 
 from normexp.config.data import TRANSFORMER_TASKS, DataConfig
-from normexp.config.errors import ConfigError, _brief, _format_errors, _section_fields
+from normexp.config.errors import ConfigError, _format_errors, _section_fields
+from normexp.config.fields import (
+    Fraction,
+    PositiveFloat,
+    _Section,
+    cross_key_error,
+    reset_unused_keys,
+    unused_keys,
+)
+from normexp.config.inits import init_problem, resolve_skipinit
 from normexp.config.loader import read_mapping
-from normexp.config.section import _Section, cross_key_error
+from normexp.config.optimizer import (
+    OPTIM_ACTS_ONLY_UNDER,
+    SCHEDULE_ACTS_ONLY_UNDER,
+    OptimConfig,
+    ScheduleConfig,
+)
 from normexp.registry import (
     ARCHS,
     KINDS,
@@ -45,12 +58,10 @@ from normexp.registry import (
 
 Placement = Literal[tuple(PLACEMENTS)]  # normexp/registry.py: every placement, registered once
 NormKind = Literal[tuple(KINDS)]
-# gpt2 (transformer only): nanoGPT's model.py, every Linear and embedding N(0, 0.02), the residual projections
-# (attention out, fc2) N(0, 0.02 / sqrt(2 N)), biases zero (normexp/models/transformer.py)
-Init = Literal["xavier_uniform", "xavier_normal", "torch_default", "gpt2"]
+# tfixup, fixup: config/inits.py; gpt2 (transformer only): nanoGPT's model.py, every Linear and embedding
+# N(0, 0.02), the residual projections (attention out, fc2) N(0, 0.02 / sqrt(2 N)) (normexp/models/transformer.py)
+Init = Literal["xavier_uniform", "xavier_normal", "torch_default", "tfixup", "fixup", "gpt2"]
 Activation = Literal["relu", "gelu"]
-OptimName = Literal["adam", "adamw", "sgd", "radam"]
-ScheduleKind = Literal["constant", "linear_warmup", "inverse_sqrt", "cosine"]
 Arch = Literal[ARCHS]  # normexp/registry.py
 STOP_REASONS = ("trained", "stalled", "diverged")  # train.stop_when: why a run stops early
 StopReason = Literal[STOP_REASONS]
@@ -60,30 +71,6 @@ VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, aft
 Z_LOSS_COLUMN = "z_loss"  # train.z_loss > 0: the z term of each recorded step, after the columns above
 METRICS = ("loss", "acc", "grad_norm", "lr", *VAL_COLUMNS, Z_LOSS_COLUMN)  # what a report or a figure can show
 Metric = Literal[METRICS]
-
-FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal, 2^-149)
-
-
-def _not_0_in_float32(value: float) -> float:
-    """Refuse a positive value that float32 rounds to 0: runs train in float32, where an eps, a learning
-    rate or an init scale of 1e-50 is exactly 0 (a division by zero, a step that moves nothing), not the
-    positive number the config shows. The value itself is kept as written (run ids are of it)."""
-    try:
-        in_float32 = struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # beyond float32's largest: far from 0
-        return value
-    if in_float32 == 0:
-        raise PydanticCustomError("zero_in_float32", "is 0 in float32 (training's precision; the smallest "
-                                  "positive float32 is {tiniest}), got {value}",
-                                  {"tiniest": f"{FLOAT32_TINIEST:.2g}", "value": _brief(value)})
-    return value
-
-
-# > 0, and > 0 in float32 too (a positive float is an eps, a learning rate or a scale in float32 training)
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), AfterValidator(_not_0_in_float32)]
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # Adam's decay rates: 1 divides by 1 - 1
 
 DEFAULT_REPORT_STEPS = (0, 1, 2, 3, 5, 10, 20, 30)
 # Keys whose declared default (None) a validator resolves from other keys of the run. A sweep keeps them
@@ -182,11 +169,7 @@ class NormConfig(_Section):
 def _inert_keys_to_default(section: _Section, info: ValidationInfo) -> _Section:
     """Put each key that `section` leaves unused (`inert_keys`) back to its default, unless the context
     says `keep_inert` (a sweep's base, whose grid runs may use them)."""
-    if (info.context or {}).get("keep_inert"):
-        return section
-    for key in inert_keys(section):
-        object.__setattr__(section, key, type(section).model_fields[key].default)
-    return section
+    return reset_unused_keys(section, ACTS_ONLY_UNDER_BY_SECTION[_SECTION_NAMES[type(section)]], info)
 
 
 # Keys that act only under some placements or norm kinds: key -> (the key that decides, where it acts).
@@ -225,61 +208,9 @@ def mixln_post_count(depth: int, fraction: float) -> int:
 def inert_keys(section: NormConfig | OptimConfig | ScheduleConfig) -> list[str]:
     """The keys of the section's ACTS_ONLY_UNDER table (`ACTS_ONLY_UNDER_BY_SECTION`) that its own
     deciding key (the norm's placement or kind, the optimizer's name, the schedule's kind) leaves unused."""
-    table = ACTS_ONLY_UNDER_BY_SECTION[_SECTION_NAMES[type(section)]]
-    return [key for key, (decider, where) in table.items() if getattr(section, decider) not in where]
+    return unused_keys(section, ACTS_ONLY_UNDER_BY_SECTION[_SECTION_NAMES[type(section)]])
 
 
-class OptimConfig(_Section):
-    name: OptimName = "adam"
-    lr: PositiveFloat = 0.01
-    betas: Annotated[tuple[Beta, Beta], Field(strict=False)] = (0.9, 0.999)  # adam, adamw, radam only
-    eps: PositiveFloat = 1e-8  # adam, adamw, radam only
-    weight_decay: NonNegFloat | None = None  # None: the optimizer's own default (adamw 0.01, others 0)
-    momentum: Fraction = 0.9  # sgd only
-
-    @model_validator(mode="after")
-    def _resolve_weight_decay(self) -> OptimConfig:
-        if self.weight_decay is None:
-            object.__setattr__(self, "weight_decay", 0.01 if self.name == "adamw" else 0.0)
-        return self
-
-    @model_validator(mode="after")
-    def _inert_keys_at_default(self, info: ValidationInfo) -> OptimConfig:
-        """As NormConfig's: momentum under Adam, betas and eps under SGD go back to their defaults."""
-        return _inert_keys_to_default(self, info)
-
-
-class ScheduleConfig(_Section):
-    kind: ScheduleKind = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: Fraction = 0.0  # cosine only
-
-    @model_validator(mode="after")
-    def _warmup_needs_a_schedule(self) -> ScheduleConfig:
-        if self.kind == "constant" and self.warmup_steps > 0:
-            raise ValueError(
-                "warmup_steps has no effect with kind 'constant': "
-                "use kind linear_warmup, inverse_sqrt or cosine"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _inert_keys_at_default(self, info: ValidationInfo) -> ScheduleConfig:
-        """As NormConfig's: min_lr_ratio under any kind but cosine goes back to its default."""
-        return _inert_keys_to_default(self, info)
-
-
-ADAM_FAMILY = frozenset({"adam", "adamw", "radam"})  # normexp/optim.py: the optimizers that take betas and eps
-# The optimizer's and the schedule's keys that act only under some optimizers or kinds (normexp/optim.py
-# and the engines read them only there), as ACTS_ONLY_UNDER for the norm's; weight_decay acts under all.
-OPTIM_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
-    "betas": ("name", ADAM_FAMILY),
-    "eps": ("name", ADAM_FAMILY),
-    "momentum": ("name", frozenset({"sgd"})),
-}
-SCHEDULE_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
-    "min_lr_ratio": ("kind", frozenset({"cosine"})),
-}
 # train.stop_when's keys (normexp/engines/common.py `EarlyStop` reads them only under it)
 TRAIN_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
     "stop_patience": ("stop_when", frozenset(STOP_REASONS)),
@@ -304,6 +235,7 @@ class TrainConfig(_Section):
     stop_when: StopReason | None = None
     stop_patience: int = Field(STOP_PATIENCE, ge=1, le=10_000_000)  # acts only under stop_when
     stop_below: PositiveFloat | None = None  # stop_when: trained only
+    log_sharpness: int | None = Field(None, ge=1, le=10_000_000)  # every K steps: sharpness rows (sharpness.py)
     # sequence tasks: val_loss and val_acc at steps 0, k, 2k, ... and the last step; nan at the others
     eval_every: int = Field(1, ge=1, le=10_000_000)
 
@@ -334,9 +266,14 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     seed: int = Field(0, ge=0, le=2**63 - 1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        return resolve_skipinit(data)  # norm.placement: skipinit is rezero (config/inits.py)
+
     @model_validator(mode="after")
     def _arch_fits(self, info: ValidationInfo) -> RunConfig:
-        problem = arch_problem(self)
+        problem = arch_problem(self) or init_problem(self)
         if problem is not None:
             raise cross_key_error(*problem)
         if self.norm.placement == "resdual" and not self.norm.resdual_final_norm and not self.model.final_norm:

@@ -12,7 +12,10 @@ Runs that share everything but their seed, learning rate, optimizer hyper-parame
 - The optimizer replays torch's single-tensor Adam / AdamW / SGD op by op, with each run's
   hyper-parameters as (R, 1, ...) float32 tensors. Where torch fuses a scalar into a multiply-add
   (`add(alpha=)`, `addcmul(value=)`), the batched step uses `addcmul` with a tensor factor, which is the
-  same fused multiply-add, so every update is bit-identical to the reference's. Other optimizers
+  same fused multiply-add, so every update is bit-identical to the reference's. Gradient clipping
+  (`optim.clip_norm`) scales each run's gradients by its own global norm, with clip_grad_norm_'s float32
+  operations; adaptive clipping (`optim.agc`) runs the reference's own function on the stacked tensors,
+  in the reference's layout. Other optimizers
   (RAdam) batch only runs with equal optimizer and schedule settings, and step torch's own optimizer
   on the stacked tensors: its update is element-wise, so stacking changes no bit either.
 - Two things are computed run by run, because their CPU kernels do not give the same bits on a
@@ -43,7 +46,16 @@ from normexp.blocklog import BlockRecorder
 from normexp.config import RunConfig
 from normexp.engines.common import EarlyStop, RunResult, record_live, seeded_init, share_wall_time, torch_threads
 from normexp.models.ffn import Net
-from normexp.optim import REPLAYED_OPTIMIZERS, SharedOptimizer, StackedOptimizer, step_lr
+from normexp.optim import (
+    REPLAYED_OPTIMIZERS,
+    SharedOptimizer,
+    StackedOptimizer,
+    adaptive_clip_,
+    agc_units,
+    clip_grad_norms_,
+    stacked_structure,
+    step_lr,
+)
 from normexp.registry import stackable
 
 CHUNK_BYTES = 2**30  # memory budget of one chunk of runs: parameters, optimizer state, activations
@@ -52,9 +64,9 @@ MAX_CHUNK = 64  # larger batches gain little here and hold more activations
 
 def batch_key(cfg: RunConfig) -> tuple:
     """Runs with equal keys train in one batch: same model, norm, data and steps, and the same
-    optimizer family (Adam, AdamW, SGD: `StackedOptimizer`) or else the same optimizer and schedule
-    settings (torch's own optimizer on the stacked tensors)."""
-    optim = cfg.optim.name if cfg.optim.name in REPLAYED_OPTIMIZERS else (cfg.optim, cfg.schedule)
+    optimizer structure (Adam, AdamW, SGD: `StackedOptimizer`, `stacked_structure`) or else the same
+    optimizer and schedule settings (torch's own optimizer on the stacked tensors)."""
+    optim = stacked_structure(cfg.optim) if cfg.optim.name in REPLAYED_OPTIMIZERS else (cfg.optim, cfg.schedule)
     return (cfg.model, cfg.norm, cfg.data, optim, cfg.train)
 
 
@@ -80,23 +92,26 @@ class StackedLinear(nn.Module):
     baddbmm(bias, x, W^T), the weights stored transposed as `weight_t` (R, in, out) so that neither
     pass copies a transposed view. Elsewhere (MKL on an AVX2 CPU takes another kernel for outputs
     narrower than 16 in its batched product: the head of a 10-class model) F.linear run by run on
-    `weight` (R, out, in), the reference's own call on the reference's own layout."""
+    `weight` (R, out, in), the reference's own call on the reference's own layout. A Linear without a bias
+    (Fixup's) runs F.linear run by run too (the probe checks baddbmm with a bias)."""
 
     def __init__(self, layers: Sequence[nn.Linear], rows: int) -> None:
         super().__init__()
         out_features, in_features = layers[0].weight.shape
-        self.bmm = stacks_exactly(rows, in_features, out_features)
+        biased = layers[0].bias is not None
+        self.bmm = biased and stacks_exactly(rows, in_features, out_features)
         weights = torch.stack([layer.weight.detach().t() if self.bmm else layer.weight.detach() for layer in layers])
         if self.bmm:
             self.weight_t = nn.Parameter(weights.contiguous())
         else:
             self.weight = nn.Parameter(weights.contiguous())
-        self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers]))
+        self.bias = nn.Parameter(torch.stack([layer.bias.detach() for layer in layers])) if biased else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bmm:
             return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight_t)
-        return torch.stack([F.linear(x[r], self.weight[r], self.bias[r]) for r in range(len(x))])
+        return torch.stack([F.linear(x[r], self.weight[r], None if self.bias is None else self.bias[r])
+                            for r in range(len(x))])
 
 
 _STACKS_EXACTLY: dict[tuple[int, int, int, int], bool] = {}
@@ -258,6 +273,8 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
     `on_step` is called after each recorded step that goes on (`--engine auto` times the steps)."""
     start = time.perf_counter()
     first = runs[0]
+    if first.train.log_sharpness is not None:  # plan_batches leaves these to the reference engine
+        raise ValueError("train.log_sharpness: the batched engine does not measure sharpness; use the reference")
     with torch_threads(first.train.threads) as threads:
         nets, xs, ys = [], [], []
         for cfg in runs:  # each run's draws exactly as the reference makes them
@@ -268,6 +285,7 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
         model = stack_nets(nets, len(xs[0])).to(device)
         x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
         params = list(model.parameters())
+        agc = _Agc(nets[0], model, runs) if first.optim.agc is not None else None
         replayed = first.optim.name in REPLAYED_OPTIMIZERS
         optimizer = StackedOptimizer(params, runs) if replayed else SharedOptimizer(params, runs)
         results = [RunResult(threads=threads, engine="batched", early_stop=EarlyStop.of(cfg)) for cfg in runs]
@@ -284,9 +302,9 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
             for param in params:
                 param.grad = None
             losses.sum().backward()
-            norms = _grad_norms(model)
+            totals = _grad_norms(model)
             recording = [r for r in range(len(runs)) if live[r]]
-            record_live(results, live, step, loss_values, accs, lrs, norms, first.train.stop_on_nonfinite)
+            record_live(results, live, step, loss_values, accs, lrs, totals.tolist(), first.train.stop_on_nonfinite)
             logged = blocks is not None and blocks.due(step)
             if logged:  # a run that stops here has no gradients in the reference: it skips backward
                 blocks.observe(step, recording, [live[r] or results[r].stopped_at == step for r in recording],
@@ -296,6 +314,10 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
             if on_step is not None:
                 on_step(step)
             if step < steps:
+                if first.optim.clip_norm is not None:  # each run's global norm, as clip_grad_norm_
+                    clip_grad_norms_([p.grad for p in params], totals, [cfg.optim.clip_norm for cfg in runs])
+                if agc is not None:
+                    agc.clip_()
                 optimizer.step(lrs)
                 if logged:
                     blocks.observe_update()
@@ -306,24 +328,42 @@ def train_batch(runs: Sequence[RunConfig], device: str = "cpu",
     return share_wall_time(results, start)
 
 
-def _grad_norms(model: nn.Module) -> list[float]:
-    """Each run's global gradient L2 norm, as the reference computes it: per tensor (in the
-    reference's memory order, hence the transpose back), then over the tensors."""
+class _Agc:
+    """optim.agc on the stacked model: each parameter in the reference's layout (a `weight_t` transposed
+    back, a view), its unit from the reference's own model (`agc_units`), each run's factor and eps."""
+
+    def __init__(self, net: Net, model: nn.Module, runs: Sequence[RunConfig]) -> None:
+        self.units = agc_units(net)
+        self.params = [(param, name.endswith("weight_t")) for name, param in model.named_parameters()]
+        assert len(self.params) == len(self.units)
+        self.clip = torch.tensor([cfg.optim.agc for cfg in runs], device=self.params[0][0].device)
+        self.eps = torch.tensor([cfg.optim.agc_eps for cfg in runs], device=self.params[0][0].device)
+
+    def clip_(self) -> None:
+        layout = [(p.transpose(1, 2), p.grad.transpose(1, 2)) if t else (p, p.grad) for p, t in self.params]
+        adaptive_clip_([p for p, _ in layout], [g for _, g in layout], self.units, self.clip, self.eps)
+
+
+def _grad_norms(model: nn.Module) -> torch.Tensor:
+    """Each run's global gradient L2 norm (R,), as the reference (and clip_grad_norm_) computes it: per
+    tensor (in the reference's memory order, hence the transpose back), then over the tensors."""
     per_tensor = []
     for name, param in model.named_parameters():
         grad = param.grad.transpose(1, 2) if name.endswith("weight_t") else param.grad
         per_tensor.append(torch.linalg.vector_norm(grad.flatten(1), dim=1))
-    return torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1).tolist()
+    return torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)
 
 
 def plan_batches(runs: Sequence[RunConfig]) -> tuple[list[list[RunConfig]], list[RunConfig]]:
     """Group runs into batches, chunked to bound memory, and list the runs left to the reference
     engine: groups of one (a batch of one gains nothing), every Transformer run (this engine stacks
-    the FFN toy only; the reference gives a Transformer run its exact bits) and every run of a user's
-    placement or kind that does not say `stackable = True`."""
+    the FFN toy only; the reference gives a Transformer run its exact bits), every run of a user's
+    placement or kind that does not say `stackable = True`, and every run with `train.log_sharpness`
+    (measured by the reference engine only, normexp/sharpness.py)."""
     groups: dict[tuple, list[RunConfig]] = {}
     def stacks(cfg: RunConfig) -> bool:  # a user's placement or kind stacks only if it says it may
-        return cfg.model.arch == "ffn" and stackable(cfg.norm.placement) and stackable(cfg.norm.kind)
+        return (cfg.model.arch == "ffn" and stackable(cfg.norm.placement) and stackable(cfg.norm.kind)
+                and cfg.train.log_sharpness is None)
 
     alone = [cfg for cfg in runs if not stacks(cfg)]
     for cfg in runs:

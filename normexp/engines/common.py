@@ -108,6 +108,7 @@ class RunResult:
     threads: int = 1
     engine: str = "reference"
     blocks: dict[str, list[float]] | None = None  # blocks.csv's columns, with train.log_blocks
+    sharpness: dict[str, list[float]] | None = None  # sharpness.csv's columns (normexp/sharpness.py), log_sharpness
     early_stop: EarlyStop | None = None  # train.stop_when's rule (`EarlyStop.of`), None without it
     stopped_at: int | None = None  # the step at which train.stop_when stopped the run
     stop_reason: str | None = None  # and why: train.stop_when (a `diverged` stop marks the run diverged)

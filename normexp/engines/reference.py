@@ -5,17 +5,22 @@
         X, y = the step's minibatch (the whole split without data.batch_size)
         loss = cross_entropy(model(X), y)                       # recorded: step, loss, acc, lr, grad_norm
         (loss + z_loss(model(X))).backward()                    # z term: train.z_loss > 0 only, recorded apart
+        clip_grad_norm_(params, optim.clip_norm)                 # optim.clip_norm set only
+        adaptive_clip_(params, grads, ...)                        # optim.agc set only (NFNets' AGC)
         set lr = optim.lr * lr_multiplier(step + 1); optimizer.step()   (not after step S)
 
 The loop reports each recorded step through an optional callback and returns a `RunResult`; it prints
 nothing. A non-finite loss is recorded as it is and marks the run diverged; with
 `train.stop_on_nonfinite` (the default) the run stops there. With `train.stop_when` the run stops after
 the step at which its rule (`EarlyStop`) fires, before that step's update. With `train.log_blocks` a
-`BlockRecorder` (normexp/blocklog.py) also records each block's gradients, updates and activations.
+`BlockRecorder` (normexp/blocklog.py) also records each block's gradients, updates and activations; with
+`train.log_sharpness` a `SharpnessRecorder` (normexp/sharpness.py) the Hessian's top eigenvalues, from a
+forward of its own after the step's backward (the run's numbers are the same bits with it or without).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -37,7 +42,15 @@ from normexp.engines.common import (
     torch_threads,
     z_loss,
 )
-from normexp.optim import REPLAYED_OPTIMIZERS, StackedOptimizer, build_optimizer, step_lr
+from normexp.optim import (
+    REPLAYED_OPTIMIZERS,
+    StackedOptimizer,
+    adaptive_clip_,
+    agc_units,
+    build_optimizer,
+    step_lr,
+)
+from normexp.sharpness import SecondMoment, SharpnessRecorder
 
 
 class ReferenceOptimizer:
@@ -45,10 +58,17 @@ class ReferenceOptimizer:
     update (`StackedOptimizer`, here a batch of one run) applied once to all parameters, which become
     views of one flat tensor. The update is element-wise, so the bits are torch.optim's, in about ten
     ops per step instead of ten per parameter tensor, and without importing torch.optim's compiler
-    machinery (torch._dynamo, about a second). Other optimizers (RAdam): torch's own, per tensor."""
+    machinery (torch._dynamo, about a second). Other optimizers (RAdam): torch's own, per tensor, or the
+    RAdam authors' (`OfficialRAdam`). Gradient clipping (optim.clip_norm, optim.agc) comes first."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig) -> None:
-        self.params = params
+    def __init__(self, params: list[torch.nn.Parameter], cfg: RunConfig,
+                 agc: list[int | str | None] | None = None) -> None:
+        self.params, self.optim = params, cfg.optim
+        self.clip_norm = cfg.optim.clip_norm
+        self.agc = agc  # optim.agc: each parameter's unit (`agc_units`)
+        device = params[0].device
+        self.agc_factors = (torch.tensor([cfg.optim.agc or 0.0], device=device),
+                            torch.tensor([cfg.optim.agc_eps], device=device))
         self.torch_optimizer: torch.optim.Optimizer | None = None
         self.replayed: StackedOptimizer | None = None
         if cfg.optim.name in REPLAYED_OPTIMIZERS:
@@ -62,6 +82,11 @@ class ReferenceOptimizer:
             param.grad = None
 
     def step(self, lr: float) -> None:
+        if self.clip_norm is not None:  # optim.clip_norm: the definition, torch's own
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
+        if self.agc is not None:  # optim.agc: the batched engine's function, on a batch of one run
+            adaptive_clip_([p.unsqueeze(0) for p in self.params], [p.grad.unsqueeze(0) for p in self.params],
+                           self.agc, *self.agc_factors)
         if self.replayed is None:
             for group in self.torch_optimizer.param_groups:
                 group["lr"] = lr
@@ -76,6 +101,21 @@ class ReferenceOptimizer:
             raise ValueError(f"parameter {unused} (shape {tuple(self.params[unused].shape)}) received no gradient: "
                              "every module a placement or kind builds must be used by its forward") from None
         self.replayed.step([lr])
+
+    def second_moment(self) -> SecondMoment | None:
+        """Adam, AdamW, RAdam: each parameter's second moment v (zeros before the first update) and the
+        updates so far, as sharpness.py's preconditioner reads them; None for SGD."""
+        if self.optim.name == "sgd":
+            return None
+        if self.replayed is not None:
+            flat = self.replayed.state[0].get("exp_avg_sq", torch.zeros_like(self.flat))
+            values = list(torch.split(flat, [p.numel() for p in self.params]))
+            return SecondMoment([v.view_as(p) for v, p in zip(values, self.params)], self.replayed.steps,
+                                self.optim.betas, self.optim.eps)
+        states = [self.torch_optimizer.state.get(p, {}) for p in self.params]
+        values = [s["exp_avg_sq"] if "exp_avg_sq" in s else torch.zeros_like(p) for p, s in zip(self.params, states)]
+        updates = max((int(s["step"]) for s in states if "step" in s), default=0)
+        return SecondMoment(values, updates, self.optim.betas, self.optim.eps)
 
 
 def flatten_parameters(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -98,8 +138,10 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         task = Task(*(t.to(device) if t is not None else None for t in vars(task).values()))
         batches = minibatches(cfg, task)
         params = list(model.parameters())
-        optimizer = ReferenceOptimizer(params, cfg)
+        optimizer = ReferenceOptimizer(params, cfg, agc_units(model) if cfg.optim.agc is not None else None)
         blocks = BlockRecorder(model, cfg.train.log_every, positions=task.positions) if cfg.train.log_blocks else None
+        every = cfg.train.log_sharpness
+        sharpness = SharpnessRecorder(every) if every is not None else None
         steps = cfg.train.steps
         coef = cfg.train.z_loss
         for step in range(steps + 1):
@@ -122,6 +164,9 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
             result.record(step, loss_value, acc, lr, grad_norm(params), val, z_value)
             if logged:
                 blocks.observe(step, [0], [True])
+            if sharpness is not None and sharpness.due(step):  # after blocks: its own forward refills their hooks
+                sharpness.observe(step, functools.partial(objective, model, x, y, task.positions, coef), params,
+                                  lr, optimizer.second_moment())
             if result.check_early_stop(step, loss_value):  # train.stop_when: this step recorded whole, then stop
                 break
             if on_step is not None:
@@ -133,4 +178,14 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         if blocks is not None:
             blocks.close()
             result.blocks = blocks.rows()
+        if sharpness is not None:
+            result.sharpness = sharpness.rows()
     return share_wall_time([result], start)[0]
+
+
+def objective(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None,
+              coef: float) -> torch.Tensor:
+    """The training objective the loop differentiates: the cross-entropy, plus the z term with train.z_loss."""
+    logits = model(x)
+    loss = loss_and_acc(logits, y, positions)[0]
+    return loss + z_loss(logits, positions, coef) if coef else loss

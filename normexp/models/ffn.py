@@ -31,6 +31,8 @@ block, where block i runs with w_i = r (r = 1 before the first block) and then r
 Random draws happen in the article's order, so that the same seed gives the same weights bit for
 bit: all norms (which draw nothing), then every fc1, then every fc2, then the final norm, then the
 head; each Linear runs its default init before the xavier re-init, exactly as the article's code.
+`model.init: tfixup` and `fixup` rescale those draws (normexp/models/inits.py); Fixup's block is
+`FixupFFN`, its branch with scalar biases and a multiplier, and its head comes after a scalar bias.
 """
 
 from __future__ import annotations
@@ -43,19 +45,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from normexp.config import Init, ModelConfig, NormConfig, mixln_post_count
+from normexp.models.inits import FIXUP, rescale_branch, xavier_uniform_, zero_head
 from normexp.models.norms import drawing_nothing, make_norm, silence
 from normexp.registry import is_plugin, load_plugin
 
 
-def make_linear(d_in: int, d_out: int, init: Init, bias: bool = True) -> nn.Linear:
-    """nn.Linear with its default init, then re-initialised in place (weights xavier, biases zero);
-    `torch_default` keeps the default, and so does `gpt2`, which the Transformer draws after building
-    every layer, in nanoGPT's order (models/transformer.py `gpt2_init`)."""
+def make_linear(d_in: int, d_out: int, init: Init, gain: float = 1.0, fan_out: int | None = None,
+                bias: bool = True) -> nn.Linear:
+    """nn.Linear with its default init, then re-initialised in place (weights xavier, biases zero). T-Fixup
+    and Fixup draw xavier_uniform too, some with a `gain` or a fused `fan_out` (normexp/models/inits.py).
+    `torch_default` keeps the default, and so does `gpt2`, which the Transformer draws after building every
+    layer, in nanoGPT's order (models/transformer.py `gpt2_init`). `bias` False: none (`model.bias`)."""
     linear = nn.Linear(d_in, d_out, bias=bias)
-    if init in ("xavier_uniform", "xavier_normal"):
-        (nn.init.xavier_uniform_ if init == "xavier_uniform" else nn.init.xavier_normal_)(linear.weight)
-        if bias:
-            nn.init.zeros_(linear.bias)
+    if init in ("xavier_uniform", "tfixup", "fixup"):
+        xavier_uniform_(linear.weight, gain, fan_out)
+    elif init == "xavier_normal":
+        nn.init.xavier_normal_(linear.weight)
+    else:  # torch_default, gpt2
+        return linear
+    if bias:
+        nn.init.zeros_(linear.bias)
     return linear
 
 
@@ -104,6 +113,46 @@ class Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * x
+
+
+class Shift(nn.Module):
+    """Fixup's learnable scalar bias, x + b, b = 0 at init (the authors' ResNet adds it; transformer_zero.py's
+    LayerShift subtracts it: the same model, b's sign aside, bit for bit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+class FixupFFN(FFN):
+    """Fixup's branch (Zhang et al. 2019), as the authors' transformer_zero.py FFN sublayer: a scalar bias
+    before fc1, before the ReLU and before fc2 (`shift2`, `shift3`, `shift4`), a scalar multiplier after
+    fc2 (`scale2`); fc1 and fc2 have no bias (normexp/models/inits.py)."""
+
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, activation: str = "relu") -> None:
+        super().__init__(fc1, fc2, activation)
+        self.shift_in, self.shift_act, self.shift_out = Shift(), Shift(), Shift()
+        self.scale = Scale((), 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = ACTIVATIONS[self.activation]
+        return self.scale(self.fc2(self.shift_out(act(self.shift_act(self.fc1(self.shift_in(x)))))))
+
+
+def make_ffn(fc1: nn.Linear, fc2: nn.Linear, init: Init, activation: str = "relu") -> FFN:
+    return FixupFFN(fc1, fc2, activation) if init == FIXUP else FFN(fc1, fc2, activation)
+
+
+def make_head(head: nn.Linear, init: Init, bias: bool = True) -> nn.Module:
+    """The output layer. Under Fixup zeroed, after a scalar bias: the ResNet's `fc(x + bias2)`, with its
+    bias; the Transformer's `shift0` then `F.linear(x, embed_out)`, without (`bias` False)."""
+    if init != FIXUP:
+        return head
+    zero_head(head, bias)
+    return nn.Sequential(Shift(), head)
 
 
 def _block_norm(placement: str, d: int, cfg: NormConfig, site: str) -> nn.Module | None:
@@ -196,13 +245,15 @@ class Net(nn.Module):
             with torch.no_grad():
                 for linear in fc1 + fc2:
                     linear.weight.mul_(beta)
+        for a, b in zip(fc1, fc2):  # T-Fixup: each block a decoder layer; Fixup: each a branch (models/inits.py)
+            rescale_branch(model.init, depth, a, b)
         peri_input = norm.placement == "peri" and norm.peri_input_norm
         self.input_norm = make_norm(d, norm) if peri_input else nn.Identity()
         self.blocks = nn.ModuleList(
-            Block(p, FFN(a, b), d, norm, alpha, site="ffn") for p, a, b in zip(placements, fc1, fc2)
+            Block(p, make_ffn(a, b, model.init), d, norm, alpha, site="ffn") for p, a, b in zip(placements, fc1, fc2)
         )
         self.final_norm = make_norm(d, norm, "final") if has_final_norm(model, norm) else nn.Identity()
-        self.head = make_linear(d, model.n_classes, model.init)
+        self.head = make_head(make_linear(d, model.n_classes, model.init), model.init)
         self.dual_norm = make_norm(d, norm) if norm.placement == "resdual" else None  # ResiDual's Norm_d
         self.dual_start = norm.resdual_stream
         self.admin_profile = norm.admin_profile

@@ -36,9 +36,11 @@
 
 Random draws, in order: token and position embeddings (N(0, 0.02^2), GPT-2's), then per layer the
 attention's q, k, v, out and the FFN's fc1, fc2 (`make_linear`: default init, then xavier), then the
-head. Norms draw nothing. `model.init: gpt2` draws the embeddings at construction and keeps the Linears'
-default init there, then draws every weight again in nanoGPT's order (`gpt2_init`). DeepNorm's and B2T's
-scaling of a layer's weights (`rescale_at_init`) comes after the draws.
+head. Norms draw nothing. `model.init: tfixup` and `fixup` rescale those draws (normexp/models/inits.py);
+Fixup's attention adds a scalar bias before it and a multiplier after it (`FixupAttention`).
+`model.init: gpt2` draws the embeddings at construction and keeps the Linears' default init there, then
+draws every weight again in nanoGPT's order (`gpt2_init`). DeepNorm's and B2T's scaling of a layer's
+weights (`rescale_at_init`) comes after every draw.
 """
 
 from __future__ import annotations
@@ -50,15 +52,19 @@ from torch import nn
 
 from normexp.config import DataConfig, ModelConfig, NormConfig, sequence_shape
 from normexp.models.ffn import (
-    FFN,
     Block,
+    Scale,
+    Shift,
     block_placements,
     deepnorm_constants,
     has_final_norm,
+    make_ffn,
+    make_head,
     make_linear,
     profile_admin,
     residual_stack,
 )
+from normexp.models.inits import FIXUP, qkv_draw, rescale_attention, rescale_branch, rescale_embedding, token_std
 from normexp.models.norms import make_norm
 
 EMBEDDING_STD = 0.02  # GPT-2's embedding init
@@ -83,7 +89,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d: int, n_heads: int, model: ModelConfig, norm: NormConfig | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.q, self.k, self.v, self.out = (make_linear(d, d, model.init, model.bias) for _ in range(4))
+        qkv = qkv_draw(model.init, d)  # T-Fixup's and Fixup's q, k, v (normexp/models/inits.py)
+        self.q, self.k, self.v = (make_linear(d, d, model.init, **qkv, bias=model.bias) for _ in range(3))
+        self.out = make_linear(d, d, model.init, bias=model.bias)
         self.qk_scope = model.qk_norm_scope if model.qk_norm else None
         if self.qk_scope is not None:  # Wortsman et al. 2023's qk-layernorm, in the run's norm kind
             features = d // n_heads if self.qk_scope == "head" else d
@@ -106,6 +114,18 @@ class CausalSelfAttention(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         n, t, d = x.shape
         return x.view(n, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+
+
+class FixupAttention(CausalSelfAttention):
+    """Fixup's attention branch (the authors' transformer_zero.py decoder layer): a scalar bias before the
+    attention (`shift0`), a scalar multiplier after it (`scale0`); q, k, v, out have no bias."""
+
+    def __init__(self, d: int, n_heads: int, model: ModelConfig, norm: NormConfig | None = None) -> None:
+        super().__init__(d, n_heads, model, norm)
+        self.shift, self.scale = Shift(), Scale((), 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(super().forward(self.shift(x)))
 
 
 class Layer(nn.Module):
@@ -150,7 +170,7 @@ def _layer_linears(layer: Layer) -> tuple[nn.Linear, ...]:
 
 
 def rescale_at_init(layers: nn.ModuleList, norm: NormConfig, depth: int) -> None:
-    """The placements that scale a layer's weights at init, after they are drawn: DeepNet's beta = (8N)^(-1/4)
+    """The placements that scale a layer's weights at init, after every draw: DeepNet's beta = (8N)^(-1/4)
     on v, out and the FFN (not q and k); B2T's N^(-1/2) on every weight of the layer (`rescaling_init`)."""
     beta = deepnorm_constants(2 * depth, norm)[1] if norm.placement == "deepnorm" else 1.0
     rescale = depth ** -0.5 if norm.placement == "b2t" and norm.b2t_rescale else 1.0
@@ -178,14 +198,18 @@ class Transformer(nn.Module):
         self.token = nn.Embedding(vocab, d)
         self.position = nn.Embedding(sequence_shape(data).seq_len - 1, d)
         if model.init != "gpt2":  # gpt2: drawn with every other weight at the end, in nanoGPT's order
-            for embedding in (self.token, self.position):
-                nn.init.normal_(embedding.weight, std=EMBEDDING_STD)
+            for embedding, std in ((self.token, token_std(model.init, d, EMBEDDING_STD)),
+                                   (self.position, EMBEDDING_STD)):
+                nn.init.normal_(embedding.weight, std=std)
+        rescale_embedding(model.init, depth, self.token)
         layers = []
         for placement in placements:
-            attention = CausalSelfAttention(d, model.n_heads, model, norm)
+            attention = (FixupAttention if model.init == FIXUP else CausalSelfAttention)(d, model.n_heads, model, norm)
             hidden = model.hidden_mult * d
-            ffn = FFN(make_linear(d, hidden, model.init, model.bias), make_linear(hidden, d, model.init, model.bias),
-                      model.activation)
+            ffn = make_ffn(make_linear(d, hidden, model.init, bias=model.bias),
+                           make_linear(hidden, d, model.init, bias=model.bias), model.init, model.activation)
+            rescale_attention(model.init, depth, attention.q, attention.k, attention.v, attention.out)
+            rescale_branch(model.init, 2 * depth, ffn.fc1, ffn.fc2, layers=depth)  # Fixup: 2N branches
             attn_block = Block(placement, attention, d, norm, alpha, site="attn")
             ffn_block = Block(placement, ffn, d, norm, alpha, site="ffn")
             if placement == "rezero" and norm.rezero_gate == "layer":
@@ -195,7 +219,8 @@ class Transformer(nn.Module):
         peri_input = norm.placement == "peri" and norm.peri_input_norm
         self.input_norm = make_norm(d, norm) if peri_input else nn.Identity()
         self.final_norm = make_norm(d, norm, "final") if has_final_norm(model, norm) else nn.Identity()
-        self.head = make_linear(d, vocab, model.init, model.bias)
+        # Fixup's decoder output has no bias (`F.linear(x, embed_out)`); every other init keeps the head's
+        self.head = make_head(make_linear(d, vocab, model.init, bias=model.bias), model.init, bias=False)
         self.dual_norm = make_norm(d, norm) if norm.placement == "resdual" else None  # ResiDual's Norm_d
         self.dual_start = norm.resdual_stream
         self.admin_profile = norm.admin_profile

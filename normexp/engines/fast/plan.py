@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from normexp.config import RunConfig
+from normexp.config import TEXT_TASKS, TRANSFORMER_ONLY, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from normexp.engines.cost import model_step_flops
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
@@ -21,6 +21,30 @@ COMPILED_CHUNK = 8  # runs per compiled batch: 8 runs' parameters, moments and a
 COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam step (Intel Xeon, 2 cores: 104 s)
 COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
 EAGER_FLOP_RATE = 40e9  # FLOP/s the fast engine's eager step reaches on the article's model (CPU), for the estimate
+
+
+# Optimizer keys the fast engine does not replay yet: a run that sets one away from its default trains on the
+# exact engines instead (`fast_serves`), as a run with train.log_blocks does.
+FAST_UNSERVED_OPTIM = ("clip_norm", "agc", "v_only_steps", "v0", "radam_variant", "independent_weight_decay")
+
+
+def fast_serves(cfg: RunConfig) -> bool:
+    """Whether the fast engine trains `cfg` as the exact engines define it: not with train.log_blocks
+    (blocks.csv is the reference's bits or nothing), nor train.log_sharpness (the reference measures it), nor
+    with an optimizer key of FAST_UNSERVED_OPTIM set; nor, until its stacked step carries them, a run of the
+    text task (its windows drawn per run and step), with train.eval_every, or with nanoGPT's model keys
+    (model.activation, bias, tie_embeddings, init gpt2: docs/realtext.md)."""
+    defaults = OptimConfig.model_fields
+    return (not cfg.train.log_blocks and cfg.train.log_sharpness is None
+            and all(getattr(cfg.optim, key) == defaults[key].default for key in FAST_UNSERVED_OPTIM)
+            and _serves_its_task_and_model(cfg))
+
+
+def _serves_its_task_and_model(cfg: RunConfig) -> bool:
+    model, defaults = cfg.model, ModelConfig.model_fields
+    return (cfg.data.task not in TEXT_TASKS and model.init != "gpt2"
+            and cfg.train.eval_every == TrainConfig.model_fields["eval_every"].default
+            and all(getattr(model, key) == defaults[key].default for key in TRANSFORMER_ONLY))
 
 
 def fast_key(cfg: RunConfig) -> tuple:

@@ -1,67 +1,17 @@
-"""The studies shipped with the package (normexp/configs/, a checkout's configs/): run them all and write
-runs/REPORT.md (`make studies`), and beside it REPORT.html, the same as one self-contained page.
-
-    normexp studies [--out runs] [--quick]        (python -m normexp.studies: the same)
-
-Each study states its question, shows its table and figure, and ends with a verdict paragraph that
-is computed from the numbers it just measured (nothing in a verdict is written in advance):
-
-1. the article's table (configs/warmup.yaml);
-2. learning rate x warmup per placement (configs/studies/lr_warmup.yaml);
-3. depth 2..64 (configs/studies/depth.yaml);
-4. every placement x norm kind (configs/studies/placements.yaml);
-4b. learning-rate sensitivity of every placement, with and without warmup (configs/studies/lr_sensitivity.yaml);
-5. Xiong et al.'s gradients and hidden-state norms at init (configs/studies/gradnorm.yaml);
-5b. Xiong et al.'s warmup question on the tiny causal Transformer, assoc_recall
-   (configs/studies/transformer_warmup.yaml, fast engine);
-6. per-block dynamics over the first steps, Post-LN vs Pre-LN with and without warmup
-   (configs/studies/blocks.yaml, `train.log_blocks`);
-6b. Wortsman et al. 2023's instabilities on the tiny Transformer: qk-norm and the z-loss x Pre / Post /
-   Peri-LN x LayerNorm / DyT x lr 1e-4..1, LR sensitivity, attention logits and log Z
-   (configs/studies/instabilities.yaml, `train.log_blocks`);
-7. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
-
-Sweeps resume: a second `make studies` only rewrites the report. Verdicts count verified runs only;
-a study with runs missing, failed or corrupt says which under its verdict.
-"""
+"""The studies' verdicts: each a paragraph computed from the numbers the study just measured (nothing in a
+verdict is written in advance). A verdict counts a folder's verified runs of the study's own grid only."""
 
 from __future__ import annotations
 
-import os
-import signal
-
-from normexp import stopping
-
-if __name__ == "__main__":  # python -m normexp.studies: a stop signal while the modules below load (pandas,
-    # pydantic: about a second) ends the process at once, with one line and 128 + signal, not a traceback
-    def _exit_at_once(signum: int, frame: object) -> None:
-        os.write(2, f"{signal.Signals(signum).name}: studies stopped before anything was written\n".encode())
-        os._exit(128 + signum)
-
-    stopping.on_stop_signals(_exit_at_once)
-
-import argparse
 import math
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 import pandas as pd
 
-from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
+from normexp.analysis.sensitivity import build_sensitivity
 from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, thresholds, variant_groups, variant_label
-from normexp.config import ConfigError, Sweep, load_sweep
-from normexp.environment import set_thread_defaults
-from normexp.executors import usable_cores
-from normexp.folder import StoreError, lock_owner, out_folder_problem
-from normexp.report import build_report, to_markdown
-from normexp.results import Folder, as_folder, finished_runs, load_folder, missing_note, varying_keys
-from normexp.sweep import SweepInterrupted, SweepOptions, refuse_another_sweep, run_sweep
-from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
-
-CONFIGS = Path(__file__).resolve().parent / "configs"  # package data: a checkout's configs/ links here
+from normexp.report import build_report
+from normexp.results import Folder, as_folder, finished_runs
 
 
 def _finished_summary(source: Path | Folder) -> pd.DataFrame:
@@ -103,61 +53,6 @@ def coverage(summary: pd.DataFrame, keys: list[str]) -> str:
     return (text + f"; diverged runs ({', '.join(cells)}) count as not trained, and each mean final loss "
             "covers only the runs of its cell that did not diverge.")
 
-
-# The speed table's big shape: the article's hidden size 4096 over 8 x 512 tokens (its (64, 512, 4096)
-# takes 8x longer; `normexp norms bench` and `make bench` time that one).
-SPEED_SHAPE = (8, 512, 4096)
-# Workers for the studies' sweeps: one per usable core, at most 8 (each holds torch and a batch of up
-# to ~1 GiB; the studies have ~10-100 batches each, so more would wait anyway).
-MAX_STUDY_WORKERS = 8
-FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
-
-
-# --quick per study where 2 seeds of the whole grid would still take minutes (default: seeds 0 and 1)
-QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "optim.lr=0.001,0.01,0.1,1.0"]}
-
-
-def _spec(name: str, quick: bool) -> Sweep:
-    config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
-    return load_sweep(config, QUICK_SETS.get(name, ["seeds=0,1"]) if quick else [])
-
-
-def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
-    """Run (or resume) one study's sweep on a worker process per core (the studies' configs ask for
-    one torch thread per run: their runs are small enough that N single-thread processes train more
-    of them per second than one N-thread process). Return the folder and how many of its runs an
-    earlier call had already finished."""
-    workers = min(usable_cores(), MAX_STUDY_WORKERS)
-    outcome = run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched",
-                                                       workers=workers if workers > 1 else None))
-    return out / name, outcome.count("skipped")
-
-
-def _figures(folder: Folder, x_key: str | None = None) -> list[str]:
-    import matplotlib.pyplot as plt
-
-    from normexp.figures import final_loss_figure, save_blocks_plot, save_plots, trained_fraction_figure
-
-    run_dir = folder.path
-    if run_dir.name == "instabilities":  # 24 designs x 9 lrs: one panel per design, not one line per variant
-        return [str(p.relative_to(run_dir.parent)) for p in instabilities_figures(folder)]
-    paths = save_plots(folder, run_dir / "loss.png")
-    varying = varying_keys(folder.latest)
-    if "norm.placement" in varying and "norm.kind" in varying:  # the placements study: where each pair trains
-        fig = trained_fraction_figure(folder.latest, "norm.placement", "norm.kind", folder.trained_rule())
-        fig.savefig(run_dir / "trained.png", dpi=150)
-        plt.close(fig)
-        paths.append(run_dir / "trained.png")
-    if x_key:
-        fig = final_loss_figure(folder.latest.copy(), x_key, folder.trained_rule())
-        fig.savefig(run_dir / "final_loss.png", dpi=120)
-        paths.append(run_dir / "final_loss.png")
-    if run_dir.name == "blocks":
-        paths += [save_blocks_plot(folder, metric=metric) for metric in BLOCKS_FIGURES]
-    return [str(p.relative_to(run_dir.parent)) for p in paths]
-
-
-# ----------------------------------------------------------------------------- verdicts
 
 
 def article_verdict(source: Path | Folder) -> str:
@@ -351,9 +246,6 @@ def _finite(value: float) -> float:
     return 0.0 if math.isnan(value) else value
 
 
-BLOCKS_FIGURES = ("fc2_update", "fc2_grad", "stream_rms")
-
-
 def _every_seed_mean(rows: pd.DataFrame, column: str) -> pd.Series:
     """The mean of `column` per (warmup, placement, step) over every run of that (warmup, placement);
     nan at a step where one of them has no finite value (it diverged, or stopped before that step):
@@ -406,10 +298,9 @@ def blocks_verdict(source: Path | Folder) -> str:
 # init they are O(1) here (a norm's output through xavier q, k: about 3), and DyT's far smaller
 LOGIT_LIMIT = 50.0
 INSTABILITY_KEYS = ("norm.placement", "norm.kind", "model.qk_norm", "train.z_loss")
-HEATMAP_LR = 0.1  # the heat maps' learning rate: in the grid and in --quick's, where logits grow without qk-norm
 
 
-def _flag(value: object) -> bool:
+def flag(value: object) -> bool:
     """A bool grid value as a folder's summary may hold it (True, 'True', 1)."""
     return str(value).strip().lower() in ("true", "1", "1.0")
 
@@ -427,7 +318,7 @@ def instability_runs(source: Path | Folder) -> pd.DataFrame:
     peak = finite.groupby("run_id")[["attn_logit_max", "log_z"]].max()
     keys = tidy.groupby("run_id", sort=False)[[*INSTABILITY_KEYS, "optim.lr", "seed"]].first()
     runs = keys.join(peak).join(first[["attn_logit_max"]].rename(columns={"attn_logit_max": "logit0"}))
-    runs["model.qk_norm"] = runs["model.qk_norm"].map(_flag)
+    runs["model.qk_norm"] = runs["model.qk_norm"].map(flag)
     runs["train.z_loss"] = runs["train.z_loss"].astype(float)
     runs["optim.lr"] = runs["optim.lr"].astype(float)
     runs["growth"] = runs["attn_logit_max"] / runs["logit0"]
@@ -452,7 +343,7 @@ def instabilities_verdict(source: Path | Folder) -> str:
     sens = {}
     for row in build_sensitivity(folder):
         v = {key: row.values.get(key, fixed[key]) for key in INSTABILITY_KEYS}
-        sens[(v["norm.placement"], v["norm.kind"], _flag(v["model.qk_norm"]), float(v["train.z_loss"]))] = row
+        sens[(v["norm.placement"], v["norm.kind"], flag(v["model.qk_norm"]), float(v["train.z_loss"]))] = row
     seeds = runs["seed"].nunique()
     summary = _finished_summary(folder)
     threshold = float(thresholds(summary, folder.trained_rule()).iloc[0])  # the folder's trained rule
@@ -533,55 +424,6 @@ def instabilities_verdict(source: Path | Folder) -> str:
             "up to its last finite logged step in the logit peaks.)")
 
 
-def instabilities_figures(folder: Folder) -> list[Path]:
-    """final_loss-lr.png: per design (placement across, kind down) the final loss against lr, one line per
-    (qk-norm, z-loss), mean over seeds (a diverged run at its loss at init, as the LR sensitivity counts
-    it); then the block heat maps of the largest attention logit, the attention entropy and log Z at lr
-    HEATMAP_LR without the z-loss: placements across, kind x qk-norm down."""
-    import matplotlib.pyplot as plt
-
-    from normexp.analysis.sensitivity import lr_table
-    from normexp.figures import BLOCK_METRIC_LABELS, blocks_figure
-
-    table, _ = lr_table(folder)
-    table["model.qk_norm"] = table["model.qk_norm"].map(_flag)
-    table["train.z_loss"] = table["train.z_loss"].astype(float)
-    table["optim.lr"] = table["optim.lr"].astype(float)
-    placements = list(dict.fromkeys(table["norm.placement"]))
-    kinds = list(dict.fromkeys(table["norm.kind"]))
-    fig, axes = plt.subplots(len(kinds), len(placements), figsize=(4.2 * len(placements), 3.4 * len(kinds)),
-                             squeeze=False, sharex=True, sharey=True, layout="constrained")
-    for (placement, kind), group in table.groupby(["norm.placement", "norm.kind"], sort=False):
-        ax = axes[kinds.index(kind), placements.index(placement)]
-        for (qk, z), line in group.groupby(["model.qk_norm", "train.z_loss"]):
-            mean = line.groupby("optim.lr")["clipped"].mean()
-            ax.plot(mean.index, mean.to_numpy(), marker="o", linestyle="-" if qk else "--",
-                    label=f"qk-norm {'on' if qk else 'off'}, z-loss {z:g}")
-        ax.set_xscale("log")
-        ax.set_title(variant_label({"norm.placement": placement, "norm.kind": kind}))
-        ax.set_xlabel("optim.lr")
-        ax.grid(True, alpha=0.3)
-    axes[0, 0].set_ylabel("final loss (mean over seeds)")
-    axes[0, 0].legend(fontsize="small")
-    fig.suptitle("final training loss vs learning rate per design (a diverged run counts as its loss at init)")
-    paths = [folder.path / "final_loss-lr.png"]
-    fig.savefig(paths[0], dpi=100)
-    plt.close(fig)
-
-    tidy = folder.blocks(all_config=True)
-    chosen = tidy[(tidy["optim.lr"].astype(float) == HEATMAP_LR) & (tidy["train.z_loss"].astype(float) == 0.0)]
-    if chosen.empty:
-        return paths
-    for metric in ("attn_logit_max", "attn_entropy", "log_z"):
-        fig = blocks_figure(chosen.copy(), ["norm.placement", "norm.kind", "model.qk_norm"], metric)
-        fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS[metric]} (lr {HEATMAP_LR:g}, no z-loss)")
-        path = folder.path / f"blocks-{metric}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 LEMMA_TOLERANCE = 0.25  # a measured branch energy c within 25% of the computed one: Lemma 2 holds in form
 
 
@@ -634,160 +476,3 @@ def speed_verdict(timings) -> str:
             ranking = f"nn.RMSNorm is {'slower' if slower else 'not slower'} than LayerNorm here"
         parts.append(f"At {shape}, forward time relative to LayerNorm ({ln.forward_ms:.3g} ms): {ratios}; {ranking}")
     return ". ".join(parts) + ". (The article measured RMSNorm about 3x slower than LayerNorm on its CPU.)"
-
-
-# ----------------------------------------------------------------------------- the report
-
-
-def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print) -> Path:
-    from normexp.config import RunConfig  # noqa: F401 - torch-backed modules below
-    from normexp.diagnostics import gradnorm_study, norm_properties, norm_speed
-    from normexp.figures import save_gradnorm_plot
-
-    out.mkdir(parents=True, exist_ok=True)
-    sections, times = [], {}
-    studies = [
-        ("warmup", "The article's table: does Post-LN train without warmup? (depth 32, Adam 0.01, 30 steps)",
-         None, article_verdict),
-        ("lr_warmup", "Where does Post-LN start to train as learning rate and warmup change?", None,
-         lr_warmup_verdict),
-        ("depth", "Does the Post/Pre gap grow with depth?", "model.depth", depth_verdict),
-        ("placements", "Every placement x every norm kind: which train without warmup?", None, placements_verdict),
-        ("lr_sensitivity", "Which placement is least sensitive to the learning rate, with and without warmup? "
-         "(Wortsman et al. 2023's yardstick: 7 learning rates 1e-4..1e-1, 60 steps)", None, lr_sensitivity_verdict),
-        ("transformer_warmup", "On a 16-layer causal Transformer (assoc_recall), where does Post-LN train, and "
-         "where does warmup rescue it? Post / Pre / B2T / DeepNorm x Adam lr x warmup (fast engine)",
-         None, transformer_warmup_verdict),
-        ("blocks", "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
-                   "Post-LN vs Pre-LN, with and without warmup?", None, blocks_verdict),
-        ("instabilities", "Wortsman et al. 2023 at toy scale: do qk-norm and the z-loss lower the learning-rate "
-         "sensitivity of a 4-layer causal Transformer, Pre / Post / Peri-LN, LayerNorm or DyT, and do its "
-         "attention logits and output log Z grow at high learning rates as theirs did?", None, instabilities_verdict),
-    ]
-    specs = {name: _spec(name, quick) for name, *_ in studies}
-    for name, spec in specs.items():  # before anything trains, not after the studies before it
-        refuse_another_sweep(out / name, spec, remedy="choose another --out")
-        owner = lock_owner(out / name)
-        if owner is not None:
-            raise StoreError(f"{out / name}: another sweep is writing here ({owner}); wait for it, or choose "
-                             "another --out")
-    for name, question, x_key, verdict in studies:
-        log(f"study {name} ...")
-        start = time.perf_counter()
-        run_dir, resumed = _sweep(name, specs[name], out)
-        folder = load_folder(run_dir)  # read and verified once for the study's table, figures and verdict
-        figures = _figures(folder, x_key)
-        sensitivity = (sensitivity_to_markdown(build_sensitivity(folder), sensitivity_engines(folder))
-                       if name.startswith("lr_") or name == "instabilities" else "")
-        table = (sensitivity if name in ("lr_sensitivity", "instabilities")
-                 else to_markdown(build_report(folder, only_last=True)))
-        if name == "lr_warmup":
-            from normexp.report import build_pivot, pivot_to_markdown
-
-            table += "\n" + pivot_to_markdown(build_pivot(folder, "optim.lr", "schedule.warmup_steps"))
-            table += "\n" + sensitivity
-        note = missing_note(folder.latest, run_dir)
-        verdict_text = verdict(folder) + (f" {note}." if note else "")
-        times[name] = time.perf_counter() - start
-        earlier = f"{resumed} of its runs {'was' if resumed == 1 else 'were'} done by an earlier call"
-        sections.append(_section(question, name, table, figures, verdict_text, times[name],
-                                 earlier if resumed else ""))
-
-    log("study gradnorm ...")
-    start = time.perf_counter()
-    spec = load_sweep(CONFIGS / "studies" / "gradnorm.yaml", ["seeds=0,1,2"] if quick else [])
-    summary = gradnorm_study(spec, out / "gradnorm")
-    save_gradnorm_plot(summary, out / "gradnorm" / "gradnorm.png")
-    times["gradnorm"] = time.perf_counter() - start
-    sections.append(_section("Xiong et al. at initialisation: how does the last block's gradient scale with "
-                             "depth, and how do hidden-state norms grow?", "gradnorm", gradnorm_to_markdown(summary),
-                             ["gradnorm/gradnorm.png"], gradnorm_verdict(summary), times["gradnorm"]))
-
-    log("norm facts and speed ...")
-    start = time.perf_counter()
-    props = norm_properties()
-    timings = norm_speed([(64, 32)] + ([] if quick else [SPEED_SHAPE]), repeats=3)
-    times["norms"] = time.perf_counter() - start
-    sections.append(_section("The RMSNorm facts of shared/seeds/001, measured here; and LayerNorm vs RMSNorm speed",
-                             "norms", properties_to_markdown(props) + "\n" + speed_to_markdown(timings), [],
-                             props_verdict(props) + " " + speed_verdict(timings), times["norms"]))
-    report = out / "REPORT.md"
-    total = sum(times.values())
-    header = (f"# normexp studies\n\nWritten by `make studies` (`normexp studies"
-              f"{' --quick' if quick else ''}`); every verdict below is computed from these runs. "
-              f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
-    report.write_text(header + "\n".join(sections))
-    log(f"wrote {report}")
-    from normexp.htmlpage import markdown_page  # the same report as one page to send: figures inline
-
-    page = out / "REPORT.html"
-    page.write_text(markdown_page(report.read_text(), out), encoding="utf-8")
-    log(f"wrote {page}")
-    return report
-
-
-def _section(question: str, name: str, table: str, figures: list[str], verdict: str, seconds: float,
-             resumed: str = "") -> str:
-    images = "\n".join(f"![{Path(f).stem}]({f})" for f in figures)
-    return f"\n## {name}\n\n**Question.** {question}\n\n{table}\n{images}\n\n**Verdict.** {verdict}\n\n" \
-           f"_Runtime: {seconds:.0f} s{f' ({resumed})' if resumed else ''}._\n"
-
-
-USAGE_ERROR = 2  # as `normexp`'s exit code for bad usage or an output folder in use (1 says a run failed)
-
-
-def _fail(message: str) -> NoReturn:
-    """One `error:` line on stderr and exit 2, as `normexp sweep` does for the same errors."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
-
-
-QUICK_HELP = "a smoke test: 2 seeds per sweep (gradnorm 3, the article's table its 1), no big-shape speed table"
-
-
-def run_command(out_option: str | Path, quick: bool = False) -> None:
-    """`normexp studies` (and `python -m normexp.studies`): every study into `out`, stopping cleanly on
-    a first Ctrl-C or SIGTERM (finished runs kept, a rerun resumes) and exiting 128 + signal; a folder
-    in use, an unusable `out` or an edited study config is one `error:` line and exit 2."""
-    stopping.on_stop_signals(stopping.stop_cleanly)
-    from normexp.executors import ExecutorError
-
-    out = _check_out(str(out_option))
-    try:
-        run_studies(out, quick)
-    except (StoreError, ExecutorError, ConfigError) as exc:  # a folder in use or full, an edited study config
-        _fail(str(exc))
-    except OSError as exc:  # a folder that cannot be written, a full disk: say which file
-        where = f" ({exc.filename})" if exc.filename else ""
-        _fail(f"--out {out}: cannot write the studies{where}: {exc.strerror or exc}")
-    except (SweepInterrupted, KeyboardInterrupt):
-        signum = stopping.received or signal.SIGINT
-        kept = f"every finished run is kept in {out}" if out.is_dir() else "nothing was written yet"
-        print(f"{signal.Signals(signum).name}: studies stopped; {kept}. Run the same command again to resume.",
-              file=sys.stderr)
-        stopping.exit_stopped(128 + signum)
-
-
-def _check_out(option: str) -> Path:
-    """--out must name a folder, or a path where one can be made: as `normexp sweep` checks its --out."""
-    if not option.strip():  # Path("") is the current folder: every study would land there
-        _fail("--out: empty; name a folder for the studies (the default is runs)")
-    out = Path(option)
-    problem = out_folder_problem(out)  # as `normexp sweep` checks its --out (else mkdir says "File exists")
-    if problem is not None:
-        _fail(f"--out {out}: {problem}")
-    return out
-
-
-def main() -> None:
-    """`python -m normexp.studies`: the same as `normexp studies`."""
-    set_thread_defaults()  # as the normexp command does first: before a sweep loads torch
-    parser = argparse.ArgumentParser(description="Run normexp's studies and write REPORT.md.")
-    parser.add_argument("--out", default="runs")
-    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
-    args = parser.parse_args()
-    run_command(args.out, args.quick)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,197 @@
+"""Running the studies shipped with the package (normexp/configs/, a checkout's configs/): each study's
+sweep into OUT/<study>, resumed where an earlier call stopped, then OUT/REPORT.md with its question,
+table, figures and computed verdict, and OUT/REPORT.html, the same as one self-contained page."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
+from normexp.config import Sweep, load_sweep
+from normexp.executors import usable_cores
+from normexp.folder import StoreError, lock_owner
+from normexp.report import build_report, to_markdown
+from normexp.results import load_folder, missing_note
+from normexp.studies.figures import study_figures
+from normexp.studies.verdicts import (
+    article_verdict,
+    blocks_verdict,
+    depth_verdict,
+    gradnorm_verdict,
+    instabilities_verdict,
+    lr_sensitivity_verdict,
+    lr_warmup_verdict,
+    placements_verdict,
+    props_verdict,
+    speed_verdict,
+    transformer_warmup_verdict,
+)
+from normexp.sweep import SweepOptions, refuse_another_sweep, run_sweep
+from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data: a checkout's configs/ links here
+
+# The speed table's big shape: the article's hidden size 4096 over 8 x 512 tokens (its (64, 512, 4096)
+# takes 8x longer; `normexp norms bench` and `make bench` time that one).
+SPEED_SHAPE = (8, 512, 4096)
+# Workers for the studies' sweeps: one per usable core, at most 8 (each holds torch and a batch of up
+# to ~1 GiB; the studies have ~10-100 batches each, so more would wait anyway).
+MAX_STUDY_WORKERS = 8
+FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
+
+
+# --quick per study where 2 seeds of the whole grid would still take minutes (default: seeds 0 and 1)
+QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "optim.lr=0.001,0.01,0.1,1.0"]}
+
+
+def _spec(name: str, quick: bool) -> Sweep:
+    config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
+    return load_sweep(config, QUICK_SETS.get(name, ["seeds=0,1"]) if quick else [])
+
+
+def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
+    """Run (or resume) one study's sweep on a worker process per core (the studies' configs ask for
+    one torch thread per run: their runs are small enough that N single-thread processes train more
+    of them per second than one N-thread process). Return the folder and how many of its runs an
+    earlier call had already finished."""
+    workers = min(usable_cores(), MAX_STUDY_WORKERS)
+    outcome = run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched",
+                                                       workers=workers if workers > 1 else None))
+    return out / name, outcome.count("skipped")
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str  # its folder under OUT, its section of REPORT.md, and the NAME of `normexp studies NAME`
+    about: str  # one line: what `normexp studies --list` says of it
+    question: str  # REPORT.md's question
+    verdict: Callable[..., str] | None = None  # None: gradnorm and norms, which have their own measurements
+    x_key: str | None = None  # a final-loss figure against this key
+
+
+# Every study, in the order they run and REPORT.md shows them: the sweeps (configs/warmup.yaml and
+# configs/studies/NAME.yaml), then the measurements at init and of the norms themselves.
+STUDIES = (
+    Study("warmup", "the article's table: Post-LN vs Pre-LN without warmup, LayerNorm vs RMSNorm, depth 32",
+          "The article's table: does Post-LN train without warmup? (depth 32, Adam 0.01, 30 steps)", article_verdict),
+    Study("lr_warmup", "learning rate x warmup per placement: where Post-LN starts to train",
+          "Where does Post-LN start to train as learning rate and warmup change?", lr_warmup_verdict),
+    Study("depth", "depth 2..64: does the Post/Pre gap grow with depth?", "Does the Post/Pre gap grow with depth?",
+          depth_verdict, "model.depth"),
+    Study("placements", "every placement x every norm kind: which train without warmup",
+          "Every placement x every norm kind: which train without warmup?", placements_verdict),
+    Study("lr_sensitivity", "learning-rate sensitivity of every placement, with and without warmup",
+          "Which placement is least sensitive to the learning rate, with and without warmup? "
+          "(Wortsman et al. 2023's yardstick: 7 learning rates 1e-4..1e-1, 60 steps)", lr_sensitivity_verdict),
+    Study("transformer_warmup", "Xiong et al.'s warmup question on a 16-layer causal Transformer (fast engine)",
+          "On a 16-layer causal Transformer (assoc_recall), where does Post-LN train, and where does warmup "
+          "rescue it? Post / Pre / B2T / DeepNorm x Adam lr x warmup (fast engine)", transformer_warmup_verdict),
+    Study("blocks", "per-block gradients and Adam updates over the first steps, Post-LN vs Pre-LN",
+          "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
+          "Post-LN vs Pre-LN, with and without warmup?", blocks_verdict),
+    Study("instabilities", "Wortsman et al. 2023: qk-norm and the z-loss on a 4-layer causal Transformer",
+          "Wortsman et al. 2023 at toy scale: do qk-norm and the z-loss lower the learning-rate sensitivity of a "
+          "4-layer causal Transformer, Pre / Post / Peri-LN, LayerNorm or DyT, and do its attention logits and "
+          "output log Z grow at high learning rates as theirs did?", instabilities_verdict),
+    Study("gradnorm", "Xiong et al. at init: the last block's gradient and hidden-state norms against depth",
+          "Xiong et al. at initialisation: how does the last block's gradient scale with depth, and how do "
+          "hidden-state norms grow?"),
+    Study("norms", "the RMSNorm facts of seed 001 and LayerNorm vs RMSNorm speed, measured here",
+          "The RMSNorm facts of shared/seeds/001, measured here; and LayerNorm vs RMSNorm speed"),
+)
+NAMES = tuple(study.name for study in STUDIES)
+
+
+def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print,
+                names: Sequence[str] | None = None) -> Path:
+    """Run (or resume) the studies named (every study by default; in STUDIES' order whatever the order
+    given) into `out` and write out/REPORT.md and REPORT.html; return REPORT.md's path. Every chosen
+    study's folder is checked before the first trains: one in use, or holding another sweep, is refused
+    (StoreError) with nothing trained."""
+    from normexp.config import RunConfig  # noqa: F401 - torch-backed modules below
+    from normexp.diagnostics import gradnorm_study, norm_properties, norm_speed
+    from normexp.figures import save_gradnorm_plot
+
+    unknown = sorted(set(names or ()) - set(NAMES))
+    if unknown:
+        raise ValueError(f"no such study: {', '.join(unknown)}")
+    chosen = [study for study in STUDIES if names is None or study.name in names]
+    out.mkdir(parents=True, exist_ok=True)
+    sections, times = [], {}
+    studies = [study for study in chosen if study.verdict is not None]  # the sweeps
+    specs = {study.name: _spec(study.name, quick) for study in studies}
+    for name, spec in specs.items():  # before anything trains, not after the studies before it
+        refuse_another_sweep(out / name, spec, remedy="choose another --out")
+        owner = lock_owner(out / name)
+        if owner is not None:
+            raise StoreError(f"{out / name}: another sweep is writing here ({owner}); wait for it, or choose "
+                             "another --out")
+    for study in studies:
+        name = study.name
+        log(f"study {name} ...")
+        start = time.perf_counter()
+        run_dir, resumed = _sweep(name, specs[name], out)
+        folder = load_folder(run_dir)  # read and verified once for the study's table, figures and verdict
+        figures = study_figures(folder, study.x_key)
+        sensitivity = (sensitivity_to_markdown(build_sensitivity(folder), sensitivity_engines(folder))
+                       if name.startswith("lr_") or name == "instabilities" else "")
+        table = (sensitivity if name in ("lr_sensitivity", "instabilities")
+                 else to_markdown(build_report(folder, only_last=True)))
+        if name == "lr_warmup":
+            from normexp.report import build_pivot, pivot_to_markdown
+
+            table += "\n" + pivot_to_markdown(build_pivot(folder, "optim.lr", "schedule.warmup_steps"))
+            table += "\n" + sensitivity
+        note = missing_note(folder.latest, run_dir)
+        verdict_text = study.verdict(folder) + (f" {note}." if note else "")
+        times[name] = time.perf_counter() - start
+        earlier = f"{resumed} of its runs {'was' if resumed == 1 else 'were'} done by an earlier call"
+        sections.append(_section(study.question, name, table, figures, verdict_text, times[name],
+                                 earlier if resumed else ""))
+
+    by_name = {study.name: study for study in chosen}
+    if "gradnorm" in by_name:
+        log("study gradnorm ...")
+        start = time.perf_counter()
+        spec = load_sweep(CONFIGS / "studies" / "gradnorm.yaml", ["seeds=0,1,2"] if quick else [])
+        summary = gradnorm_study(spec, out / "gradnorm")
+        save_gradnorm_plot(summary, out / "gradnorm" / "gradnorm.png")
+        times["gradnorm"] = time.perf_counter() - start
+        sections.append(_section(by_name["gradnorm"].question, "gradnorm", gradnorm_to_markdown(summary),
+                                 ["gradnorm/gradnorm.png"], gradnorm_verdict(summary), times["gradnorm"]))
+
+    if "norms" in by_name:
+        log("norm facts and speed ...")
+        start = time.perf_counter()
+        props = norm_properties()
+        timings = norm_speed([(64, 32)] + ([] if quick else [SPEED_SHAPE]), repeats=3)
+        times["norms"] = time.perf_counter() - start
+        sections.append(_section(by_name["norms"].question, "norms",
+                                 properties_to_markdown(props) + "\n" + speed_to_markdown(timings), [],
+                                 props_verdict(props) + " " + speed_verdict(timings), times["norms"]))
+    report = out / "REPORT.md"
+    total = sum(times.values())
+    quick_flag = " --quick" if quick else ""
+    written = (f"`make studies` (`normexp studies{quick_flag}`)" if len(chosen) == len(STUDIES) else
+               f"`normexp studies {' '.join(s.name for s in chosen)}{quick_flag}` ({len(chosen)} of the "
+               f"{len(STUDIES)} studies)")
+    header = (f"# normexp studies\n\nWritten by {written}; every verdict below is computed from these runs. "
+              f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
+    report.write_text(header + "\n".join(sections))
+    log(f"wrote {report}")
+    from normexp.htmlpage import markdown_page  # the same report as one page to send: figures inline
+
+    page = out / "REPORT.html"
+    page.write_text(markdown_page(report.read_text(), out), encoding="utf-8")
+    log(f"wrote {page}")
+    return report
+
+
+def _section(question: str, name: str, table: str, figures: list[str], verdict: str, seconds: float,
+             resumed: str = "") -> str:
+    images = "\n".join(f"![{Path(f).stem}]({f})" for f in figures)
+    return f"\n## {name}\n\n**Question.** {question}\n\n{table}\n{images}\n\n**Verdict.** {verdict}\n\n" \
+           f"_Runtime: {seconds:.0f} s{f' ({resumed})' if resumed else ''}._\n"
