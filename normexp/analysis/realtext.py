@@ -1,4 +1,4 @@
-"""The real-text warmup study's verdict (configs/studies/realtext_warmup.yaml), computed from its numbers.
+"""The real-text warmup study's verdict (configs/realtext_warmup.yaml), computed from its numbers.
 
     runs = final_val_losses(metrics)                    # one row per run: its keys and its last val_loss
     verdict(runs, floors().unigram)                     # the paragraph; findings(...) the numbers behind it
