@@ -30,16 +30,16 @@ PAGE = ["normexp.page", "normexp.page.document", "normexp.page.data", "normexp.p
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
-                   "normexp.config.fields", "normexp.config.optimizer", "normexp.config.inits",
-                   "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
-                   "normexp.environment", "normexp.stopping", "normexp.blocklog"],
+                   "normexp.config.fields", "normexp.config.optimizer", "normexp.config.inits", "normexp.corpus",
+                   "normexp.config.data", "normexp.config.schema", "normexp.config.sample", "normexp.config.grid",
+                   "normexp.config", "normexp.environment", "normexp.stopping", "normexp.blocklog"],
     # the run folder: its contract (folder/), loaded, compared, verified, merged
     "records": ["normexp.folder.layout", "normexp.folder.atomic", "normexp.folder.ids", "normexp.folder.verified",
                 "normexp.folder.inspect", "normexp.folder.write", "normexp.folder.sweepfiles", "normexp.folder.lock",
                 "normexp.folder", "normexp.results", "normexp.compare", "normexp.verify", "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm", "normexp.analysis.finals",
-                 "normexp.analysis.anova"],  # pure numbers: pandas and statistics
+                 "normexp.analysis.anova", "normexp.analysis.realtext"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.inits", "normexp.models.ffn",
                "normexp.models.transformer", "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common", "normexp.sharpness"],
@@ -63,9 +63,10 @@ FOLDER = [m for m in LAYERS["records"] if m.startswith("normexp.folder.")]  # ea
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", *FAST)
 NO_TORCH = ("normexp.config", "normexp.engines.cost", FAST_DOOR, f"{FAST_DOOR}.plan", "normexp.analysis",
             "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
-            "normexp.analysis.finals", "normexp.analysis.anova", *FIGURES,
+            "normexp.analysis.finals", "normexp.analysis.anova", "normexp.analysis.realtext", *FIGURES,
             "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", *PAGE,
-            "normexp.export", "normexp.export_mlflow", "normexp.merge", "normexp.config.sample")
+            "normexp.export", "normexp.export_mlflow", "normexp.merge", "normexp.config.sample",
+            "normexp.corpus")
 
 
 def module_name(path: Path) -> str:

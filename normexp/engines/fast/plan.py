@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from normexp.config import OptimConfig, RunConfig
+from normexp.config import TEXT_TASKS, TRANSFORMER_ONLY, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from normexp.engines.cost import model_step_flops
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
@@ -31,16 +31,22 @@ FAST_UNSERVED_OPTIM: tuple[str, ...] = ()
 def fast_serves(cfg: RunConfig) -> bool:
     """Whether the fast engine trains `cfg` as the exact engines define it: not with train.log_blocks
     (blocks.csv is the reference's bits or nothing), nor train.log_sharpness (the reference measures it), nor
-    with an optimizer key of FAST_UNSERVED_OPTIM set."""
+    with an optimizer key of FAST_UNSERVED_OPTIM set; nor, until its stacked step carries them, a run of the
+    text task (its windows drawn per run and step), with train.eval_every, or with nanoGPT's model keys
+    (model.activation, bias, tie_embeddings, init gpt2: docs/realtext.md)."""
     return not fast_unserved(cfg)
 
 
 def fast_unserved(cfg: RunConfig) -> list[str]:
     """The keys set in `cfg` that the fast engine does not serve (see `fast_serves`), e.g. ['train.log_blocks']."""
-    defaults = OptimConfig.model_fields
+    defaults, model_defaults = OptimConfig.model_fields, ModelConfig.model_fields
     return ([*(["train.log_blocks"] if cfg.train.log_blocks else []),
              *(["train.log_sharpness"] if cfg.train.log_sharpness is not None else []),
-             *(f"optim.{key}" for key in FAST_UNSERVED_OPTIM if getattr(cfg.optim, key) != defaults[key].default)])
+             *(f"optim.{key}" for key in FAST_UNSERVED_OPTIM if getattr(cfg.optim, key) != defaults[key].default),
+             *([f"data.task {cfg.data.task}"] if cfg.data.task in TEXT_TASKS else []),
+             *(["model.init gpt2"] if cfg.model.init == "gpt2" else []),
+             *(["train.eval_every"] if cfg.train.eval_every != TrainConfig.model_fields["eval_every"].default else []),
+             *(f"model.{key}" for key in TRANSFORMER_ONLY if getattr(cfg.model, key) != model_defaults[key].default)])
 
 
 def fast_key(cfg: RunConfig) -> tuple:
