@@ -144,6 +144,18 @@ STUDIES = (
 NAMES = tuple(study.name for study in STUDIES)
 
 
+def _what_mattered(folder) -> str:
+    """The study's "what mattered" table (the ANOVA of its final metric on its axes), or why it has none."""
+    from normexp.analysis.anova import what_mattered
+    from normexp.results import ResultsError
+    from normexp.tables import anova_to_markdown
+
+    try:
+        return anova_to_markdown(what_mattered(folder, only_last=True))
+    except ResultsError as exc:
+        return f"What mattered: not computed ({exc}).\n"
+
+
 def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print,
                 names: Sequence[str] | None = None) -> Path:
     """Run (or resume) the studies named (every study by default; in STUDIES' order whatever the order
@@ -191,6 +203,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
 
             table += "\n" + pivot_to_markdown(build_pivot(folder, "optim.lr", "schedule.warmup_steps"))
             table += "\n" + sensitivity
+        table += "\n" + _what_mattered(folder)
         note = missing_note(folder.latest, run_dir)
         verdict_text = study.verdict(folder) + (f" {note}." if note else "")
         times[name] = time.perf_counter() - start
