@@ -31,13 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from normexp.config.data import VOCAB_SIZE  # a shakespeare_char run's data.vocab: the text's distinct characters
+
 if TYPE_CHECKING:
     import numpy as np
 
 TEXT_FILE = Path(__file__).resolve().parent / "texts" / "shakespeare_char.txt.gz"
 SHA256 = "da68ca4e8201d41a12c1d5e82d967bda85105f1dabe823d5735138bccabdd387"  # of the uncompressed text
 N_CHARS = 5_057_198
-VOCAB_SIZE = 84  # the text's distinct characters: data.vocab of a shakespeare_char run (config reads it here)
 TRAIN_FRACTION = 0.9  # the train split: the first int(0.9 * N_CHARS) characters (nanoGPT's prepare.py)
 
 
@@ -73,6 +74,8 @@ def load() -> Corpus:
 
     raw = np.frombuffer(text().encode("ascii"), dtype=np.uint8)
     present = np.unique(raw)
+    if len(present) != VOCAB_SIZE:  # the config sizes the model by it
+        raise CorpusError(f"{TEXT_FILE}: {len(present)} distinct characters, the config's vocabulary has {VOCAB_SIZE}")
     lookup = np.zeros(256, dtype=np.uint8)
     lookup[present] = np.arange(len(present), dtype=np.uint8)
     ids = lookup[raw]

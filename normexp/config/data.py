@@ -23,7 +23,6 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from normexp.config.fields import _Section, cross_key_error, keeps_inert
-from normexp.corpus import VOCAB_SIZE
 
 TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add", "shakespeare_char"]
 SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # synthetic, the Transformer's; random_labels is the FFN's
@@ -32,6 +31,7 @@ TRANSFORMER_TASKS = SEQUENCE_TASKS + TEXT_TASKS
 MODULAR_ADD_MAX_VOCAB = 2050  # p = 2048: randperm(p^2) is 32 MiB (Power et al. use p = 97)
 DEFAULT_SEQ_LEN = {"assoc_recall": 16, "copy": 17, "modular_add": 5, "shakespeare_char": 64}
 TEXT_BATCH_SIZE = 32  # data.batch_size of a text task left unset: windows per step
+VOCAB_SIZE = 84  # shakespeare_char's vocabulary: its text's distinct characters (normexp/corpus.py checks them)
 
 
 class DataConfig(_Section):
