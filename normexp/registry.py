@@ -121,6 +121,12 @@ def load_plugin(ref: str) -> Any:
     return getattr(found, attribute)
 
 
+def reset() -> None:
+    """Forget the objects `load_plugin` looked up, as a fresh process starts: the next lookup imports its
+    module again (a module still in sys.modules is that module, not read again)."""
+    load_plugin.cache_clear()
+
+
 def check_placement_plugin(ref: str) -> None:
     """PluginError unless `ref` names a placement: an object with `forward(block, x)` that is no module
     (a torch.nn.Module is a norm kind, not a placement), and `archs` (if given) a tuple of ffn and/or

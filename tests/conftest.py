@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -69,6 +70,47 @@ def fresh_copy(pristine: Path, tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "copy" / "sweep.yaml", tmp_path / "copy" / "out"
 
 
+def write_curves(folder: Path, runs: list[tuple], engine: str = "reference") -> Path:
+    """A sweep folder written through the store: (placement, lr, seed, losses, status[, warmup]) per run,
+    each run's `losses` its whole curve (one recorded step each)."""
+    from normexp.config import RunConfig, build_sweep
+    from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
+
+    def axis(i: int, default: object = None) -> list:
+        return list(dict.fromkeys(r[i] if len(r) > i else default for r in runs))
+
+    steps = max(len(r[3]) for r in runs) - 1
+    sweep = build_sweep({"name": "curves", "base": {"schedule": {"kind": "linear_warmup"},
+                                                     "train": {"steps": steps, "stop_on_nonfinite": False}},
+                         "grid": {"norm.placement": axis(0), "optim.lr": axis(1),
+                                  "schedule.warmup_steps": axis(5, 0)}, "seeds": axis(2)})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for placement, lr, seed, losses, status, *warmup in runs:
+        cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
+                                        "schedule": {"kind": "linear_warmup", "warmup_steps": (warmup or [0])[0]},
+                                        "train": {"steps": steps, "stop_on_nonfinite": False}})
+        n = len(losses)
+        metrics = {"step": list(range(n)), "loss": list(losses), "acc": [0.1] * n, "lr": [lr] * n,
+                   "grad_norm": [1.0] * n}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, status, 0.1, 1, engine, "cpu"))
+    return folder
+
+
+NAN, INF = math.nan, math.inf
+DIVERGING = [  # curves that end in nan or inf after finite steps, one that recovers after a nan
+    ("pre", 0.001, 0, [2.3, 1.0, 0.5, 0.4], "completed"),
+    ("pre", 0.01, 0, [2.3, 0.6, 0.2, 0.1], "completed"),
+    ("pre", 0.1, 0, [2.3, 1.1, 0.9, NAN], "diverged"),  # GroupBy.last() read 0.9
+    ("pre", 0.001, 1, [2.2, 1.2, 0.6, 0.5], "completed"),
+    ("pre", 0.01, 1, [2.2, 0.7, 0.3, 0.2], "completed"),
+    ("pre", 0.1, 1, [2.2, 0.4, INF, NAN], "diverged"),
+    ("none", 0.001, 0, [2.0, 1.9, 1.8, 1.7], "completed"),
+    ("none", 0.01, 0, [2.0, 0.3, NAN, NAN], "diverged"),
+    ("none", 0.1, 0, [2.0, NAN, 0.05, 0.05], "diverged"),  # met a nan, then finite again: still diverged
+]
+
+
 @pytest.fixture
 def write_yaml(tmp_path: Path):
     """Write a YAML string to a file under tmp_path and return its path."""
@@ -94,66 +136,62 @@ seeds: [0, 1]
 report: {steps: [0, 1, 5]}
 """
 
+TINY = "name: t\nbase: {model: {depth: 2, width: 8}, train: {steps: 3}}\n"  # one run of 3 steps
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """(config, out) of TINY over two placements and two seeds, trained once per module: a folder that the
+    commands read or are misused on."""
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    runner = CliRunner()
+    folder = tmp_path_factory.mktemp("finished")
+    config = folder / "t.yaml"
+    config.write_text(TINY + "grid: {norm.placement: [post, pre]}\nseeds: [0, 1]\n")
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(folder / "out"), "-q"]).exit_code == 0
+    return config, folder / "out"
+
 
 # ----------------------------------------------------------------------------- the test layers
 #
-# `pytest -m "not process and not equivalence and not slow"` is the unit layer (seconds). A test is
-# tagged `process` where it (or a helper of its module that it calls) starts a process: a subprocess,
-# a worker pool (--workers, workers=), a Dask cluster; `equivalence` where it trains runs to compare
-# engines, the article's code or processes bit for bit. Tags are found from the test's source, so a
-# new test lands in its layer without anyone remembering to tag it.
-
-SPAWNS = ("subprocess", "Popen", "sys.executable", "multiprocessing", "--workers", "workers=", "--cluster",
-          "LocalCluster", "ProcessPool", "PoolExecutor(", "DaskExecutor(", "make_executor(", "os.fork", "_spawn",
-          "spawn(")
-EQUIVALENCE_MODULES = ("test_article", "test_batched", "test_hostile_paired", "test_hostile_pairfast")
-EQUIVALENCE_NAMES = ("bit_for_bit", "bits", "_equal", "agree", "identical", "same_as", "equals_")
+# Each test module declares the layer of its tests: `pytestmark = pytest.mark.process` for all of them, or
+# `@pytest.mark.process` / `@pytest.mark.equivalence` on one (the markers are described in pyproject.toml).
+# `process`: the test, or a fixture it uses, starts a process (a subprocess, a worker pool, a Dask cluster);
+# `equivalence`: it trains runs to compare engines, processes or the article's code bit for bit. A new test
+# that starts a process says so itself: nothing is guessed from its source.
 
 
-def _source(obj: object) -> str:
-    import inspect
-
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
-
-
-def _spawns(function, module, depth: int = 2) -> bool:
-    """Whether `function`'s source starts a process, or a function of its module it names does."""
-    source = _source(function)
-    if any(token in source for token in SPAWNS):
-        return True
-    if depth == 0:
-        return False
-    code = getattr(function, "__code__", None)
-    names = code.co_names if code is not None else ()
-    return any(callable(helper := getattr(module, name, None)) and getattr(helper, "__module__", "") ==
-               module.__name__ and _spawns(helper, module, depth - 1) for name in names)
+# ----------------------------------------------------------------------------- process-wide caches
+#
+# Each is forgotten through the public function of the module that owns it. A module not imported yet
+# holds nothing, and is not imported here: most tests never load an engine.
+PROCESS_CACHES = (
+    ("normexp.engines.fast.compiled", "reset_cache"),  # the compiled steps kept, and the steps refused
+    ("normexp.engines.fast.starts", "reset"),  # the structures met and the starts kept
+    ("normexp.engines.fast.aot", "reset"),  # the digest of normexp's source that names a step package
+    ("normexp.registry", "reset"),  # the users' placements and norm kinds looked up
+    ("normexp.folder.verified", "reset"),  # checks_version, which a .verified.json holds for
+)
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        function, module = getattr(item, "function", None), getattr(item, "module", None)
-        if function is None or module is None:
-            continue
-        if _spawns(function, module):
-            item.add_marker(pytest.mark.process)
-        name = module.__name__.rsplit(".", 1)[-1]
-        if name in EQUIVALENCE_MODULES or any(token in item.name for token in EQUIVALENCE_NAMES):
-            item.add_marker(pytest.mark.equivalence)
+def reset_process_caches() -> None:
+    """Empty every cache of PROCESS_CACHES, as a fresh process starts."""
+    for name, function in PROCESS_CACHES:
+        module = sys.modules.get(name)
+        if module is not None:
+            getattr(module, function)()
 
 
-@pytest.fixture
-def fresh_fast_engine():
-    """The fast engine's process-wide caches emptied before the test and again after it, as a fresh process
-    starts: its compiled steps and refusals (`compiled.reset_cache`), the structures it met and the starts it
-    kept (`starts.reset`). A test that stands a fake in for the compiler leaves no step of it behind."""
-    from normexp.engines.fast import compiled, starts
-
-    compiled.reset_cache()
-    starts.reset()
+@pytest.fixture(autouse=True)
+def fresh_process_caches():
+    """Every test starts from the caches a fresh process starts from, and leaves none of its own behind: a
+    fake compiler's steps, a user's plugin, the starts of its structures. Kept: what no test can make
+    differ and what would cost seconds to measure again, the batched engine's stacking probe per shape and
+    thread count (`batched.stacks_exactly`), a result's provenance (git is asked once), and the memos of
+    pure functions of frozen config sections (`config.section_cache`)."""
+    reset_process_caches()
     yield
-    compiled.reset_cache()
-    starts.reset()
+    reset_process_caches()

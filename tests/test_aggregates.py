@@ -1,18 +1,23 @@
 """Every aggregate says what it covers: each run judged by its own n_classes, null grid values as
 variants of their own, diverged runs counted (never folded silently into a mean, never shown as "no
-run"), and gradnorm pooling seeds only. Sweep folders are hand-made, so every number is known."""
+run"), a std over fewer than two runs left empty, a folder of two engines said to be one, and gradnorm
+pooling seeds only. Sweep folders are hand-made, so every number is known."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import DIVERGING, NAN, write_curves
 from rich.console import Console
+from typer.testing import CliRunner
 
+from normexp.cli import app
 from normexp.config import RunConfig, build_sweep
 from normexp.figures import curves_figure, phase_figure
 from normexp.folder import FinishedRun, atomic_write, run_id, write_run, write_summary
@@ -249,3 +254,104 @@ def test_report_and_plot_exit_1_when_runs_are_missing(lost, args):
     assert result.exit_code == 1, result.output
     assert "1 run missing, failed or corrupt" in " ".join(result.output.split())
     assert result.output.count("missing, failed or corrupt") == 1
+
+
+# ----------------------------------------------------------------------------- a std over fewer than two runs
+
+
+ONE_SEED = [  # one run per cell, and a cell (none, 0.1) whose only run diverged: no std is defined anywhere
+    ("pre", 0.001, 0, [2.3, 1.0, 0.5, 0.4], "completed"),
+    ("pre", 0.01, 0, [2.3, 0.6, 0.2, 0.1], "completed"),
+    ("pre", 0.1, 0, [2.3, 1.1, 0.9, 0.8], "completed"),
+    ("none", 0.001, 0, [2.0, 1.9, 1.8, 1.7], "completed"),
+    ("none", 0.01, 0, [2.0, 0.3, 0.2, 0.2], "completed"),
+    ("none", 0.1, 0, [2.0, 0.5, NAN, NAN], "diverged"),
+]
+
+
+TWO_SEEDS = [*ONE_SEED, ("pre", 0.01, 1, [2.3, 0.6, 0.2, 0.3], "completed")]
+
+
+def _csv(args: list[str]) -> list[dict]:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (0, 1), result.output  # 1: the sweep has missing runs (seed 1 of most cells)
+    return list(csv.DictReader(result.stdout.splitlines()))
+
+
+def test_a_std_over_fewer_than_two_runs_is_empty_in_every_csv(tmp_path):
+    folder = write_curves(tmp_path / "s", TWO_SEEDS)
+    rows = _csv(["report", str(folder), "--format", "csv"])
+    assert {int(r["n"]) for r in rows} >= {0, 1, 2}
+    for r in rows:  # a cell with n < 2 finite runs has no std: empty, never 0.0
+        if int(r["n"]) < 2:
+            assert r["loss_std"] == "", r
+        else:
+            assert float(r["loss_std"]) >= 0, r  # a true spread (0 at step 0, where both seeds start at 2.3)
+    # the one cell with two runs at its final step: std of (0.1, 0.3), by hand
+    pivot = _csv(["report", str(folder), "--pivot", "optim.lr,norm.placement", "--format", "csv"])
+    by_cell = {(r["optim.lr"], r["norm.placement"]): r for r in pivot}
+    assert float(by_cell[("0.01", "pre")]["final_loss_std"]) == pytest.approx(statistics.stdev([0.1, 0.3]))
+    for r in pivot:
+        if int(r["n"]) < 2:
+            assert r["final_loss_std"] == "", r
+            if int(r["n"]) == 0:
+                assert r["final_loss_mean"] == "", r
+    assert by_cell[("0.1", "none")]["n"] == "0"
+
+
+# ----------------------------------------------------------------------------- runs of two engines
+
+
+def _mixed_folder(tmp_path: Path) -> Path:
+    """DIVERGING's sweep trained by the batched engine, but seed 1 of pre at lr 0.01 by the fast engine
+    (as a fast sweep resumed over exact runs keeps them): the cell (pre, 0.01) averages both."""
+    folder = write_curves(tmp_path / "mixed", DIVERGING, engine="batched")
+    for placement, lr, seed, losses, status, *_ in DIVERGING:
+        if (placement, lr, seed) == ("pre", 0.01, 1):
+            cfg = RunConfig.model_validate({"norm": {"placement": placement}, "optim": {"lr": lr}, "seed": seed,
+                                            "schedule": {"kind": "linear_warmup", "warmup_steps": 0},
+                                            "train": {"steps": 3, "stop_on_nonfinite": False}})
+            n = len(losses)
+            metrics = {"step": list(range(n)), "loss": list(losses), "acc": [0.1] * n, "lr": [lr] * n,
+                       "grad_norm": [1.0] * n}
+            import shutil
+
+            shutil.rmtree(folder / run_id(cfg))
+            write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, status, 0.1, 1, "fast", "cpu"))
+    return folder
+
+
+def test_a_folder_of_two_engines_says_so_wherever_its_numbers_are_shown(tmp_path):
+    folder = _mixed_folder(tmp_path)
+    runner = CliRunner()
+    for args in ([], ["--format", "markdown"], ["--pivot", "optim.lr,norm.placement"],
+                 ["--pivot", "optim.lr,norm.placement", "--format", "markdown"], ["--lr-sensitivity"],
+                 ["--lr-sensitivity", "--format", "markdown"], ["--by", "norm.placement"]):
+        result = runner.invoke(app, ["report", str(folder), *args])
+        assert result.exit_code == 1, result.output  # printed; 1: DIVERGING leaves NoNorm's seed 1 missing
+        text = " ".join(result.stdout.split())
+        assert "Engines mixed: 1 of 9 runs by the fast engine" in text, (args, text)
+        assert "--engine batched" in text
+    table = " ".join(runner.invoke(app, ["report", str(folder)]).stdout.split())
+    assert "cells that average both: Pre lr=0.01 (1 fast, 1 batched)" in table
+    by = " ".join(runner.invoke(app, ["report", str(folder), "--by", "norm.placement"]).stdout.split())
+    assert "Pre (1 fast, 5 batched)" in by
+    for args in (["--format", "csv"], ["--pivot", "optim.lr,norm.placement", "--format", "csv"],
+                 ["--lr-sensitivity", "--format", "csv"]):
+        result = runner.invoke(app, ["report", str(folder), *args])
+        assert result.exit_code == 1 and "Engines mixed" in result.stderr and "Engines" not in result.stdout
+    checked = runner.invoke(app, ["verify", str(folder)])
+    assert checked.exit_code == 1, checked.output  # the missing runs; the engines are a note
+    assert "note: runs of two engines" in " ".join(checked.stdout.split())
+    assert "runs of two engines: 1 of 9 by the fast engine" in " ".join(checked.stdout.split())
+    assert runner.invoke(app, ["plot", str(folder)]).exit_code == 1 and (folder / "loss-lr.png").is_file()
+
+
+def test_one_engine_says_nothing(tmp_path):
+    from normexp.analysis.variants import engine_note
+    from normexp.report import build_report
+    from normexp.results import load_summary
+
+    folder = write_curves(tmp_path / "one", DIVERGING, engine="fast")
+    assert engine_note(load_summary(folder), ["norm.placement"]) == "" and build_report(folder).engines == ""
+    assert "engines" not in CliRunner().invoke(app, ["verify", str(folder)]).stdout

@@ -9,6 +9,8 @@ from article_toy import ARTICLE_TABLE, train_losses
 from normexp.config import RunConfig
 from normexp.engines.reference import train_run
 
+pytestmark = pytest.mark.equivalence  # the article's code against normexp's, bit for bit
+
 ARTICLE_VARIANTS = [("Post", "LN"), ("Post", "RMS"), ("Pre", "LN"), ("Pre", "RMS")]
 KIND = {"LN": "layernorm", "RMS": "rmsnorm"}
 

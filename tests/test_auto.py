@@ -62,6 +62,7 @@ def timed(plan: AutoPlan, reference_s: float, batched_s: float) -> list[UnitResu
     return [UnitResult(u, (), step_s=reference_s if u.engine == "reference" else batched_s) for u in plan.probe]
 
 
+@pytest.mark.equivalence
 def test_a_fresh_cache_measures_on_the_sweeps_runs_keeps_them_and_they_are_the_references_bits(
         write_yaml, tmp_path, cache):
     config = sweep_file(write_yaml, 6)

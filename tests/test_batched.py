@@ -21,6 +21,8 @@ from normexp.optim import StackedOptimizer
 from normexp.registry import KINDS, placements_for
 from normexp.results import load_metrics, load_summary
 
+pytestmark = pytest.mark.equivalence  # the batched engine against the reference, bit for bit
+
 ALL_PLACEMENTS = placements_for("ffn")  # from the registry: a placement or kind added there is tested here
 ALL_KINDS = list(KINDS)
 

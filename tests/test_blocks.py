@@ -1,5 +1,6 @@
 """Per-block logging (`train.log_blocks`): the rows are what they say, both exact engines write the same
-bits, and a run that does not log is untouched (metrics and run id)."""
+bits on every placement, a run that does not log is untouched (metrics and run id), and a panel of
+`plot --blocks` with nothing to draw says so, as wide as the others."""
 
 from __future__ import annotations
 
@@ -215,12 +216,14 @@ def assert_blocks_match_reference(configs):
         assert exact(result.metrics) == exact(expected.metrics)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS)
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "rmsnorm_torch", "scalenorm"])
 def test_batched_blocks_are_the_references_bits(placement, kind):
     assert_blocks_match_reference([logging(c, 2) for c in runs(placement, kind, n=3, steps=6)])
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("optim", ["adamw", "sgd", "radam"])
 def test_batched_blocks_bit_for_bit_for_each_optimizer(optim):
     configs = [logging(c) for c in runs("post", "rmsnorm_llama", optim, n=3, steps=5)]
@@ -236,6 +239,7 @@ def test_batched_blocks_of_a_diverging_run(stop):
     assert_blocks_match_reference(configs)
 
 
+@pytest.mark.equivalence
 def test_article_model_blocks_bit_for_bit():
     configs = [logging(RunConfig.model_validate({"norm": {"placement": p}, "train": {"steps": 10}, "seed": s}), 3)
                for p in ("post", "pre") for s in (0, 1)]
@@ -271,6 +275,7 @@ def test_sweep_writes_blocks_csv_only_for_runs_that_log(write_yaml, tmp_path):
     pd.testing.assert_frame_equal(one, reread)
 
 
+@pytest.mark.equivalence
 def test_blocks_csv_round_trips_the_engines_bits(write_yaml, tmp_path):
     out = tmp_path / "out"
     path = write_yaml(SMALL_SWEEP.replace("train: {steps: 5}", "train: {steps: 5, log_blocks: true}"))
@@ -387,6 +392,7 @@ def test_cross_entropy_is_what_the_rows_were_taken_from():
     assert rows[(rows.step == 0) & (rows.block == 3)].fc2_grad.item() == expected
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_worker_processes_write_the_same_blocks_csv(write_yaml, tmp_path):
     """blocks.csv travels back from a worker process with the metrics: the same bytes as in process."""
@@ -421,3 +427,107 @@ def test_done_json_vouches_for_blocks_csv(write_yaml, tmp_path):
     result = runner.invoke(app, ["sweep", str(path), "--out", str(out)])
     assert result.exit_code == 0 and "1 ran, 7 already done" in result.output, result.output
     assert victim.read_bytes() == original
+
+
+# ----------------------------------------------------------------------------- every placement
+
+
+def _ffn_placements() -> list[str]:
+    from typing import get_args
+
+    from normexp.config import Placement
+
+    return [p for p in get_args(Placement) if p != "b2t"]  # b2t needs the Transformer's two sublayers
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("placement", _ffn_placements())
+def test_log_blocks_works_on_every_placement_and_both_exact_engines_agree(placement):
+    from normexp.engines.reference import train_run
+
+    result = train_run(logging(small(placement, steps=2)))
+    assert result.blocks is not None and set(result.blocks["block"]) == {1, 2, 3}
+    assert all(math.isfinite(v) for v in result.blocks["stream_rms"])
+    assert_blocks_match_reference([logging(c, 2) for c in runs(placement, "rmsnorm", n=2, steps=3)])
+
+
+def test_resdual_logs_the_normed_stream_x_a():
+    from normexp.engines.common import seeded_init
+    from normexp.engines.reference import train_run
+
+    cfg = small("resdual", "layernorm", depth=3, width=5)
+    rows = train_run(logging(cfg)).blocks
+    model, task = seeded_init(cfg)
+    x = (model.input_norm(task.x), None)
+    x = (x[0], x[0] * 0)
+    at_init = [r for r, step in zip(rows["stream_rms"], rows["step"]) if step == 0]
+    for i, block in enumerate(model.blocks):
+        x = block(x)
+        assert at_init[i] == x[0].pow(2).mean().sqrt().item()
+
+
+# ----------------------------------------------------------------------------- a panel with nothing to draw
+
+
+@pytest.mark.parametrize(("steps", "metric"), [(2, "norm_out_rms"), (2, "norm_rms"), (0, "fc2_update"),
+                                               (0, "fc1_update"), (2, "fc2_update")])
+def test_plot_blocks_where_a_variant_has_no_values_draws_an_empty_panel(write_yaml, tmp_path, steps, metric):
+    import matplotlib.pyplot as plt
+
+    from normexp.figures import blocks_figure
+    from normexp.results import load_blocks
+
+    config = write_yaml(f"name: b\nbase: "
+                        f"{{model: {{depth: 2, width: 4}}, train: {{steps: {steps}, log_blocks: true}}}}\n"
+                        "grid: {norm.placement: [post, pre, none, rezero, sandwich]}\n")
+    out = tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(app, ["sweep", str(config), "--out", str(out), "--quiet"]).exit_code == 0
+    result = runner.invoke(app, ["plot", str(out), "--blocks", "--block-metric", metric])
+    assert result.exit_code == 0, result.output
+    assert (out / f"blocks-{metric}.png").stat().st_size > 0 and "Traceback" not in result.output
+    tidy = load_blocks(out, all_config=True)
+    fig = blocks_figure(tidy, ["norm.placement"], metric)
+    said = {ax.get_title().split(" (")[0]: " ".join(t.get_text() for t in ax.texts)
+            for ax in fig.axes if ax.get_title()}
+    plt.close(fig)
+    for label, placement in (("Post", "post"), ("Pre", "pre"), ("NoNorm", "none"), ("ReZero", "rezero"),
+                             ("Sandwich", "sandwich")):
+        values = tidy.loc[tidy["norm.placement"] == placement, metric].astype(float)
+        empty = not ((values > 0) & values.map(math.isfinite)).any()
+        assert (f"no {metric}" in said[label]) == empty, (label, said)
+
+
+def test_an_empty_blocks_panel_is_as_wide_as_a_drawn_one_and_its_text_stays_inside(tmp_path):
+    """The reason's one long line made constrained layout squeeze the empty panel to a sliver and run
+    its text across the neighbouring panels."""
+    from normexp.config import build_sweep
+    from normexp.figures import blocks_figure
+    from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
+    from normexp.results import load_blocks
+
+    nan = float("nan")
+    sweep = build_sweep({"name": "e", "base": {"model": {"depth": 2, "width": 4},
+                                              "train": {"steps": 2, "log_blocks": True}},
+                         "grid": {"norm.placement": ["post", "sandwich"]}})
+    folder = tmp_path / "e"
+    folder.mkdir()
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for cfg in sweep.runs:
+        blocks = {"step": [0, 0, 1, 1, 2, 2], "block": [1, 2] * 3}
+        for column in ("fc1_grad", "fc2_grad", "fc1_update", "fc2_update", "stream_rms", "norm_rms"):
+            blocks[column] = [1.0] * 6
+        blocks["norm_out_rms"] = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5] if cfg.norm.placement == "sandwich" else [nan] * 6
+        metrics = {"step": [0, 1, 2], "loss": [2.3, 2.0, 1.5], "acc": [0.1] * 3, "lr": [0.01] * 3,
+                   "grad_norm": [1.0] * 3}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu", blocks))
+    fig = blocks_figure(load_blocks(folder, all_config=True), ["norm.placement"], "norm_out_rms")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    empty, drawn = fig.axes[0], fig.axes[1]  # row 0: Post (nothing to draw), Sandwich
+    assert "branch-output norm" in " ".join(t.get_text() for t in empty.texts)
+    assert empty.get_position().width > 0.6 * drawn.get_position().width
+    box = empty.get_window_extent(renderer)
+    for text in empty.texts:
+        inside = text.get_window_extent(renderer)
+        assert box.x0 <= inside.x0 and inside.x1 <= box.x1, (inside, box)

@@ -13,11 +13,12 @@ import pandas as pd
 import pytest
 import yaml
 from article_toy import train_losses
-from conftest import REPO, SMALL_SWEEP
+from conftest import REPO, SMALL_SWEEP, TINY
 from test_config import BAD_FILES, BAD_SETS, GOOD
 from typer.testing import CliRunner
 
 from normexp.cli import app
+from normexp.engines import reference
 from normexp.results import load_metrics, load_summary
 
 runner = CliRunner()
@@ -200,6 +201,7 @@ def test_bad_options_exit_2(write_yaml, tmp_path):
     assert normexp("sweep", tmp_path / "missing.yaml").exit_code == 2
 
 
+@pytest.mark.process
 def test_python_dash_m_and_help_are_instant():
     """`python -m normexp --help` works and never imports torch or pandas."""
     code = ("import sys, runpy; sys.argv = ['normexp', '--help']\n"
@@ -210,6 +212,7 @@ def test_python_dash_m_and_help_are_instant():
     assert "sweep" in result.stdout and "report" in result.stdout
 
 
+@pytest.mark.process
 def test_python_dash_m_runs_the_sweep(write_yaml, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "normexp", "sweep", str(write_yaml(SMALL_SWEEP)),
@@ -314,6 +317,7 @@ def _help_sections(text: str) -> tuple[dict[str, list[str]], set[int]]:
     return sections, columns
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("columns", ["100", "120"])
 def test_sweep_help_reads_in_sections(columns):
     """`normexp sweep --help`, piped: its 25 options in four sections, the job array's 11 (Slurm's) in their
@@ -330,3 +334,37 @@ def test_sweep_help_reads_in_sections(columns):
     assert len(every) == len(set(every)) == 25 + 1  # --compile / --no-compile: one option, two flags
     assert len(starts) == 1, starts
     assert list(_help_sections(runner.invoke(app, ["report", "--help"], env=env).stdout)[0]) == ["Arguments", "Options"]
+
+
+# ----------------------------------------------------------------------------- a sweep's output, a run's own config
+
+
+def test_quiet_still_prints_failed_runs(write_yaml, tmp_path, monkeypatch):
+    real = reference.train_run
+
+    def train_run(cfg, **kwargs):
+        if cfg.seed == 1:
+            raise RuntimeError("boom")
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(reference, "train_run", train_run)
+    config = write_yaml(TINY + "seeds: [0, 1]\n")
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out"), "-q", "--engine", "reference"])
+    assert result.exit_code == 1
+    assert "failed: RuntimeError: boom" in result.output and "1 run failed" in result.output
+    assert "completed" not in result.output  # quiet otherwise
+
+
+def test_one_run_is_not_1_runs(write_yaml):
+    result = runner.invoke(app, ["validate", str(write_yaml(TINY))])
+    assert result.exit_code == 0 and "· 1 run\n" in result.output
+
+
+def test_a_run_folders_config_reruns_that_run_alone(finished, tmp_path):
+    _, out = finished
+    run = sorted(p for p in out.iterdir() if (p / "done.json").exists())[1]
+    again = tmp_path / "again"
+    result = runner.invoke(app, ["sweep", str(run / "config.yaml"), "--out", str(again), "-q"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in again.glob("*/done.json")] == ["done.json"]
+    assert (again / run.name / "metrics.csv").read_text() == (run / "metrics.csv").read_text()

@@ -126,6 +126,7 @@ def test_a_comparison_figure_goes_to_the_current_folder_not_into_an_input(write_
     assert named.exit_code == 0 and (tmp_path / "mine.png").is_file()
 
 
+@pytest.mark.process
 def test_the_readmes_interrupted_sweep_exits_as_it_shows(write_yaml, tmp_path):
     """The README's stop-and-resume example, its `timeout` prefix as printed (a shorter wait): `echo $?`
     prints what the README shows."""

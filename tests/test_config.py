@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import (
+    MAX_ERROR_LINES,
     ConfigError,
     RunConfig,
     build_sweep,
@@ -22,6 +23,8 @@ from normexp.config import (
     run_keys,
     validate_run,
 )
+
+runner = CliRunner()
 
 
 def test_article_sweep_expands_to_the_four_runs():
@@ -270,3 +273,59 @@ def test_set_of_a_list_key_without_brackets_says_to_bracket_it():
     with pytest.raises(ConfigError, match=r"optim.betas is a list, written in brackets .*optim.betas=\[0.9,0.99\]"):
         parse_set("optim.betas=0.9,0.99")
     assert parse_set("optim.betas=[0.9,0.99],[0.8,0.9]") == ("optim.betas", [[0.9, 0.99], [0.8, 0.9]])
+
+
+# ----------------------------------------------------------------------------- short errors that name the key
+
+
+def test_an_error_never_echoes_more_than_a_short_value(write_yaml):
+    values = ", ".join(str(i) for i in range(5000))
+    result = runner.invoke(app, ["validate", str(write_yaml(f"name: t\nbase: {{model: {{depth: [{values}]}}}}\n"))])
+    assert result.exit_code == 2 and "base.model.depth: must be an integer, got [0, 1, 2" in result.output
+    assert len(result.output) < 200
+
+
+def test_many_errors_are_cut_to_a_few_lines(write_yaml):
+    keys = "\n".join(f"  key{i}: 1" for i in range(40))
+    result = runner.invoke(app, ["validate", str(write_yaml(f"name: t\nbase:\n{keys}\n"))])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == MAX_ERROR_LINES and lines[-1].endswith("more errors")
+
+
+def test_a_section_check_blames_the_grid_key_it_came_from():
+    data = parse_yaml("name: t\nbase: {schedule: {kind: constant}}\ngrid: {schedule.warmup_steps: [0, 5]}\n")
+    with pytest.raises(ConfigError) as caught:
+        build_sweep(data)
+    assert str(caught.value).startswith("grid.schedule.warmup_steps: warmup_steps has no effect")
+
+
+@pytest.mark.parametrize(("data", "path"), [
+    ({"name": "t", "base": {"model": {1: 2}}}, "base.model.1"),  # a mapping built in Python: YAML refuses it
+    ({"name": "t", "base": {1: {"depth": 2}}}, "base.1"),
+    ("name: t\nseeds: [0, x]\n", "seeds.1"),
+    ("name: t\nreport: {steps: [1, -1]}\n", "report.steps.1"),
+])
+def test_key_paths_are_well_formed(data, path):
+    with pytest.raises(ConfigError) as caught:
+        build_sweep(parse_yaml(data) if isinstance(data, str) else data)
+    first = str(caught.value).splitlines()[0]
+    key = first.split(": ")[0]
+    assert key == path and ".." not in key and not key.endswith(".")
+
+
+def test_max_runs_is_not_offered_where_there_is_no_such_option(write_yaml):
+    config = write_yaml("name: t\ngrid: {optim.lr: [" + ", ".join(f"0.{i + 1}" for i in range(400)) + "]}\n"
+                        "seeds: [" + ", ".join(str(s) for s in range(300)) + "]\n")
+    for command in ("validate", "gradnorm"):
+        result = runner.invoke(app, [command, str(config)])
+        assert result.exit_code == 2 and "120000" in result.output and "--max-runs" not in result.output
+
+
+@pytest.mark.parametrize(("text", "options", "key"), [
+    ("seeds: [0, 18446744073709551615]\n", [], "seeds.1"),
+    ("grid: {optim.lr: [0.1]}\n", ["--set", "seeds=1,9223372036854775808"], "seeds.1"),
+    ("base: {seed: 9223372036854775808}\n", [], "base.seed"),
+])
+def test_a_seed_too_large_names_where_it_came_from(write_yaml, text, options, key):
+    result = runner.invoke(app, ["validate", str(write_yaml("name: t\n" + text)), *options])
+    assert result.exit_code == 2 and result.output.startswith(f"error: {key}: must be <="), result.output

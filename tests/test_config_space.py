@@ -1,6 +1,7 @@
 """Defaults resolve per run: for any sweep, each expanded run is its values written into the base and
 resolved alone (a default that depends on another key, such as AdamW's weight decay, follows the run's
-own value of that key, whether it comes from the base, the grid or --set)."""
+own value of that key, whether it comes from the base, the grid or --set). A key that acts only under
+some optimizers or schedule kinds is inert elsewhere: one run, and a grid over it refused."""
 
 from __future__ import annotations
 
@@ -348,3 +349,85 @@ def test_inert_values_in_a_grid_collapse_to_one_run():
     assert [(r.norm.placement, r.norm.mixln_fraction) for r in sweep.runs] == [
         ("pre", 0.25), ("mixln", 0.25), ("mixln", 0.5)]
     assert len({run_id(r) for r in sweep.runs}) == 3
+
+
+# ----------------------------------------------------------------------------- inert optimizer and schedule keys
+
+
+# A value of each optimizer- or schedule-specific key other than its default.
+OTHER_OPTIM_VALUE = {"optim.betas": [0.8, 0.99], "optim.eps": 1e-3, "optim.momentum": 0.5,
+                     "optim.v_only_steps": 2, "optim.v0": "grad_sq", "optim.radam_variant": "official",
+                     "optim.independent_weight_decay": True,
+                     "schedule.min_lr_ratio": 0.3, "schedule.decay_fraction": 0.5, "schedule.decay_shape": "cosine"}
+
+
+def _deciders() -> list[tuple[str, str, str]]:
+    """(dotted key, its deciding key, a value of that decider) for every key of the optimizer's and the
+    schedule's tables and every value its decider can take: the matrix comes from the code's lists."""
+    from typing import get_args
+
+    from normexp.config import ACTS_ONLY_UNDER_BY_SECTION, OptimName, ScheduleKind
+
+    choices = {"optim": get_args(OptimName), "schedule": get_args(ScheduleKind)}
+    return [(f"{section}.{key}", f"{section}.{decider}", value)
+            for section in ("optim", "schedule") for key, (decider, _) in ACTS_ONLY_UNDER_BY_SECTION[section].items()
+            for value in choices[section]]
+
+
+def test_every_optimizer_specific_key_has_another_value():
+    from normexp.config import ACTS_ONLY_UNDER_BY_SECTION
+
+    assert sorted(OTHER_OPTIM_VALUE) == sorted(f"{s}.{k}" for s in ("optim", "schedule")
+                                               for k in ACTS_ONLY_UNDER_BY_SECTION[s])
+
+
+def _nested(pairs: dict[str, object]) -> dict:
+    # RAdam uses eps from step 6; wsd's default decay_fraction 0.1 decays the last int(0.1 * steps) updates
+    # (3 of 30: enough for decay_shape to act)
+    data: dict = {"model": {"depth": 3, "width": 4}, "train": {"steps": 30}}
+    for key, value in pairs.items():
+        section, _, leaf = key.partition(".")
+        data.setdefault(section, {})[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize(("key", "decider", "value"), _deciders())
+def test_an_inert_optimizer_key_is_one_run_and_a_grid_over_it_is_refused(key, decider, value):
+    from normexp.config import ConfigError, inert_keys, validate_run
+    from normexp.engines.reference import train_run
+
+    section, _, leaf = key.partition(".")
+    base = {decider: value, **({"schedule.warmup_steps": 1} if value != "constant" and section == "schedule" else {})}
+    plain = validate_run(_nested(base))
+    other = validate_run(_nested({**base, key: OTHER_OPTIM_VALUE[key]}))
+    literal = validate_run(_nested({**base, key: OTHER_OPTIM_VALUE[key]}), keep_inert=True)
+    if leaf in inert_keys(getattr(plain, section)):
+        assert other == plain and run_id(other) == run_id(plain)
+        # the key truly changes nothing: the run with the value kept trains bit for bit as the default's
+        assert [repr(v) for v in train_run(literal).losses] == [repr(v) for v in train_run(plain).losses]
+        sweep = {"name": "alike", "base": _nested(base), "grid": {key: [OTHER_OPTIM_VALUE[key]]}}
+        with pytest.raises(ConfigError, match=f"grid.{key}: has no effect"):
+            build_sweep(sweep)
+        with pytest.raises(ConfigError, match=f"base.{key}: has no effect"):
+            build_sweep({"name": "alike", "base": _nested({**base, key: OTHER_OPTIM_VALUE[key]})})
+    else:
+        assert run_id(other) != run_id(plain)
+        assert [repr(v) for v in train_run(literal).losses] != [repr(v) for v in train_run(plain).losses]
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "radam"])
+def test_negative_zero_is_zero(name):
+    from normexp.config import validate_run
+
+    zero = validate_run(_nested({"optim.name": name, "optim.weight_decay": 0.0, "optim.momentum": 0.0}))
+    negative = validate_run(_nested({"optim.name": name, "optim.weight_decay": -0.0, "optim.momentum": -0.0}))
+    assert run_id(zero) == run_id(negative)
+    sweep = build_sweep({"name": "z", "base": _nested({"optim.name": name}),
+                         "grid": {"optim.weight_decay": [0.0, -0.0]}})
+    assert len(sweep.runs) == 1
+
+
+def test_a_mixed_grid_folds_only_where_the_key_is_inert():
+    sweep = build_sweep({"name": "mix", "base": _nested({}),
+                         "grid": {"optim.name": ["adam", "sgd"], "optim.momentum": [0.5, 0.9]}})
+    assert [(r.optim.name, r.optim.momentum) for r in sweep.runs] == [("adam", 0.9), ("sgd", 0.5), ("sgd", 0.9)]

@@ -65,6 +65,7 @@ def test_a_damaged_text_is_named_not_trained_on(tmp_path, monkeypatch):
         corpus.text.cache_clear()
 
 
+@pytest.mark.process
 def test_nothing_reads_the_text_but_a_run_of_its_task():
     from conftest import subprocess_output
 

@@ -1,9 +1,13 @@
-"""Gradients at init (Xiong et al.), the RMSNorm facts, and the norm speed table."""
+"""Gradients at init (Xiong et al.), at one depth and at each depth of a Transformer grid, the RMSNorm facts,
+and the norm speed table."""
 
 from __future__ import annotations
 
 import math
+import statistics
+import warnings
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -126,3 +130,59 @@ def test_the_speed_verdict_ranks_only_shapes_where_a_call_is_more_than_overhead(
     big = speed_verdict(timings((8, 512, 4096), 40.0, 110.0))
     assert "nn.RMSNorm is slower than LayerNorm here" in big
     assert "nn.RMSNorm is not slower" in speed_verdict(timings((8, 512, 4096), 40.0, 30.0))
+
+
+# ----------------------------------------------------------------------------- gradnorm's depths
+
+
+@pytest.mark.parametrize("depths", ["1", "4", "1,2"])
+def test_gradnorm_with_one_depth_or_depth_1(write_yaml, tmp_path, depths):
+    config = write_yaml("name: g\nbase: {model: {width: 8}}\ngrid: {norm.placement: [post, pre]}\nseeds: [0, 1]\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", np.exceptions.RankWarning)
+        result = runner.invoke(app, ["gradnorm", str(config), "--set", f"model.depth={depths}",
+                                     "--out", str(tmp_path / "g")])
+    assert result.exit_code == 0, result.output
+    assert "+nan" not in result.output
+    if "," not in depths:
+        assert "needs two depths or more" in result.output
+
+
+TF_GRADNORM = """\
+name: tfg
+base:
+  model: {arch: transformer, width: 8, n_heads: 2}
+  data: {task: copy, n_samples: 16, n_val: 8}
+  train: {steps: 3}
+grid:
+  norm.placement: [post, pre]
+  model.depth: [2, 3]
+seeds: [0, 1]
+"""
+
+
+def test_transformer_gradnorm_shows_every_depth(tmp_path):
+    from normexp.config import build_sweep as build
+    from normexp.diagnostics import gradnorm_study, layer_gradnorm_at_init
+    from normexp.tables import gradnorm_tables
+
+    spec = build(__import__("yaml").safe_load(TF_GRADNORM))
+    summary = gradnorm_study(spec, tmp_path / "g")
+    assert sorted(summary.grads) == ["post L=2", "post L=3", "pre L=2", "pre L=3"]
+    header, rows, lines = gradnorm_tables(summary)
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    # the shallow model's layer 3 is no cell; its layers 1-2 are its own seeds' means, computed here
+    shallow = header.index("Post L=2: attention out")
+    assert rows[2][shallow] == "—"
+    values = [layer_gradnorm_at_init(c)[1]["attn_out_grad"] for c in spec.runs
+              if c.norm.placement == "post" and c.model.depth == 2]
+    assert rows[1][shallow] == f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+    assert any("depths 2, 3" in line for line in lines)
+    assert any(line.startswith("Post L=2: last/first layer") for line in lines)
+    # its ratio is its own last layer (2) over its first, not a layer it does not have
+    assert summary.ratio("post L=2", "attn_out_grad") == pytest.approx(
+        summary.grads["post L=2"]["attn_out_grad"][1][0] / summary.grads["post L=2"]["attn_out_grad"][0][0])
+    (tmp_path / "tfg.yaml").write_text(TF_GRADNORM)
+    markdown = CliRunner().invoke(app, ["gradnorm", str(tmp_path / "tfg.yaml"), "--out", str(tmp_path / "cli"),
+                                        "--format", "markdown"])
+    assert markdown.exit_code == 0 and "Pre L=3: FFN fc2" in markdown.output

@@ -149,6 +149,7 @@ def test_the_keys_table_follows_the_models():
     assert gen.describe_type(found["data.seq_len"][0]) == "int (>= 2, <= 4_096) or unset"
 
 
+@pytest.mark.process
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="needs mkdocs (make install-dev)")
 def test_the_site_builds_strictly(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

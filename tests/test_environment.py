@@ -87,6 +87,7 @@ def doctor_facts(env: dict[str, str]) -> dict[str, str]:
     return {key: value.strip() for key, _, value in (line.partition(":") for line in doctor.splitlines())}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("variable", "default"), [("OMP_WAIT_POLICY", "PASSIVE"), ("MKL_DYNAMIC", "FALSE")])
 @pytest.mark.parametrize("given", [None, "", "TRUE"])
 def test_the_command_sets_the_threading_defaults_unless_the_environment_says(variable, default, given):
@@ -97,6 +98,7 @@ def test_the_command_sets_the_threading_defaults_unless_the_environment_says(var
     assert doctor_facts(env)[variable] == (given or default)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("policy", "spin", "expected"), [
     (None, None, "2000"), (None, "", "2000"), (None, "50", "50"), ("ACTIVE", None, None), ("PASSIVE", None, None)])
 def test_idle_openmp_threads_spin_briefly_unless_the_user_chose_how_they_wait(policy, spin, expected):
@@ -109,6 +111,7 @@ def test_idle_openmp_threads_spin_briefly_unless_the_user_chose_how_they_wait(po
     assert [facts.get("GOMP_SPINCOUNT", "-"), facts["OMP_WAIT_POLICY"]] == [expected or "-", policy or "PASSIVE"]
 
 
+@pytest.mark.process
 def test_importing_normexp_leaves_the_importers_environment_as_it_was():
     """A library's import changes nothing of its importer's: the threading defaults are set where normexp's
     own processes start (the command, a pool or Dask worker), not on `import normexp`. Checked in a fresh
@@ -121,6 +124,7 @@ def test_importing_normexp_leaves_the_importers_environment_as_it_was():
     assert ran.stdout.strip() == "[]"
 
 
+@pytest.mark.process
 def test_a_pool_worker_sets_the_threading_defaults_itself(monkeypatch):
     """A sweep's worker process (spawned: a fresh interpreter) sets the defaults before its first unit loads
     torch, where the process that started it did not (a sweep run from a library, not the command)."""
@@ -188,6 +192,7 @@ def test_cpu_info_survives_any_cpuinfo_text(text):
     assert cpu_info(text, {}).model
 
 
+@pytest.mark.process
 def test_doctor_names_the_cpu_torch_s_kernels_and_the_commit(tmp_path):
     from normexp.environment import cpu_info, git_commit
 

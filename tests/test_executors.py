@@ -66,6 +66,8 @@ def test_run_unit_reports_errors_per_run():
     assert crashed(bad, "gone").status == "crashed"
 
 
+@pytest.mark.process
+@pytest.mark.equivalence
 def test_workers_2_equal_single_process(single_process, tmp_path):
     config, reference = single_process
     sweep(config, tmp_path / "out", "--workers", "2")
@@ -78,6 +80,7 @@ def die(unit: WorkUnit) -> None:
     os._exit(3)
 
 
+@pytest.mark.process
 def test_pool_retries_a_dead_worker_once_then_marks_crashed(monkeypatch):
     unit = WorkUnit((RunConfig(model={"depth": 1, "width": 4}, train={"steps": 1}).model_dump(mode="json"),),
                     engine="reference", device="cpu", threads=1)
@@ -91,6 +94,7 @@ def worker_pid(unit: WorkUnit) -> UnitResult:
     return UnitResult(unit, (), status=str(os.getpid()))
 
 
+@pytest.mark.process
 def test_a_pool_keeps_its_idle_workers_for_the_next_run_until_closed(monkeypatch):
     """`--engine auto` runs its measurement, then the rest: the second run() must not start workers again
     (a second or more of imports each)."""
@@ -105,6 +109,7 @@ def test_a_pool_keeps_its_idle_workers_for_the_next_run_until_closed(monkeypatch
     assert pool._workers == []
 
 
+@pytest.mark.process
 def test_a_started_pool_trains_on_the_workers_it_started_and_starts_none_again(monkeypatch):
     """A pool sweep starts its workers before it prepares (`PoolExecutor.start`): run() then hands the units
     to those, and a second start() adds none."""
@@ -128,6 +133,7 @@ def started_at(unit: WorkUnit) -> UnitResult:
     return UnitResult(unit, (), status=repr(time.time()))
 
 
+@pytest.mark.process
 def test_a_worker_gets_its_next_unit_before_the_sweep_writes_the_last_ones_results(monkeypatch):
     """The coordinator writes a unit's run folders between two results: its one worker must train the next
     unit meanwhile, not wait for those writes (on 2 cores they left the workers idle 15% of a sweep)."""
@@ -145,6 +151,8 @@ def test_a_worker_gets_its_next_unit_before_the_sweep_writes_the_last_ones_resul
         pool.close()
 
 
+@pytest.mark.process
+@pytest.mark.equivalence
 @pytest.mark.slow
 def test_local_dask_cluster_equals_single_process(single_process, tmp_path):
     pytest.importorskip("distributed")
@@ -153,6 +161,7 @@ def test_local_dask_cluster_equals_single_process(single_process, tmp_path):
     assert losses(tmp_path / "out") == losses(reference)
 
 
+@pytest.mark.process
 def test_unreachable_scheduler_is_a_clear_error(write_yaml, tmp_path):
     pytest.importorskip("distributed")
     result = runner.invoke(app, ["sweep", str(write_yaml(GRID.replace("THREADS", "1"))), "--out", str(tmp_path / "o"),
@@ -210,6 +219,7 @@ def non_daemon_threads() -> set[threading.Thread]:
     return {thread for thread in threading.enumerate() if not thread.daemon}
 
 
+@pytest.mark.process
 def test_a_scheduler_address_that_accepts_and_stays_silent_is_an_error_in_bounded_time(write_yaml, tmp_path,
                                                                                         monkeypatch):
     """Dask's handshake waits for an answer forever: normexp bounds it (10 s; 1 s here), with one error
@@ -225,6 +235,7 @@ def test_a_scheduler_address_that_accepts_and_stays_silent_is_an_error_in_bounde
     assert non_daemon_threads() == threads and not (tmp_path / "o").exists()
 
 
+@pytest.mark.process
 def test_a_server_at_the_cluster_address_that_is_not_dask_is_named_so(write_yaml, tmp_path):
     """An HTTP server's answer, read as Dask's frame sizes, asked for 3 EiB: a MemoryError traceback."""
     pytest.importorskip("distributed")
@@ -255,6 +266,7 @@ def scheduler_without_workers(join_after_s: float = 10.0) -> Iterator[Any]:
             anyway.cancel()
 
 
+@pytest.mark.process
 def test_a_scheduler_without_workers_is_said_until_one_joins(tmp_path, monkeypatch):
     """The sweep says that the scheduler has no workers (every 30 s; 1 s here) until one joins, then
     trains as usual."""
@@ -279,6 +291,7 @@ def test_a_scheduler_without_workers_is_said_until_one_joins(tmp_path, monkeypat
     assert f"{cluster.scheduler_address} has no workers" in said[0][1], said
 
 
+@pytest.mark.process
 def test_a_stop_signal_while_waiting_for_workers_interrupts_the_sweep(tmp_path, monkeypatch):
     pytest.importorskip("distributed")
     import signal
@@ -324,6 +337,7 @@ def test_waiting_for_workers_is_said_on_stderr(monkeypatch, quiet):
 
 
 
+@pytest.mark.process
 def test_the_scheduler_check_tells_a_worker_from_a_scheduler():
     """A Dask worker's address answers Dask's protocol, but is not where a sweep can submit its runs."""
     pytest.importorskip("distributed")
@@ -341,6 +355,7 @@ def test_dask_executor_class_is_importable():
     assert DaskExecutor.__doc__
 
 
+@pytest.mark.process
 def test_slurm_example_renders_a_job_script_without_slurm():
     pytest.importorskip("dask_jobqueue")
     import subprocess
@@ -392,6 +407,7 @@ def test_a_failing_run_does_not_fail_its_batch_mates(monkeypatch):
         assert result.outcomes[i].engine == "reference"
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_local_dask_cluster_trains_with_the_sweeps_thread_count(tmp_path, write_yaml):
     """With `train.threads` left open, `normexp sweep --cluster local:N` trains with the thread count
@@ -446,6 +462,7 @@ def small_runs(threads: int, steps: int = 5) -> list[RunConfig]:
             for p in ("post", "pre") for k in ("layernorm", "rmsnorm") for s in (0, 1)]
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paired_runs_give_the_bits_of_runs_one_after_another(threads, monkeypatch):
     """The in-process executor trains small reference runs two at a time, in threads: same bits."""
@@ -468,6 +485,7 @@ def test_paired_runs_give_the_bits_of_runs_one_after_another(threads, monkeypatc
         assert paired.metrics == alone.metrics  # every step's loss, acc, lr and grad norm, bit for bit
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paired_fast_batches_give_the_bits_of_batches_one_after_another(threads, monkeypatch):
     configs = small_runs(threads)
@@ -523,3 +541,46 @@ def test_closing_the_executor_stops_paired_runs_at_their_next_step(engine):
     executor.close()
     consumer.join(timeout=30)
     assert not consumer.is_alive() and outcome == ["stopped"] and time.perf_counter() - start < 10
+
+
+# ----------------------------------------------------------------------------- a worker that dies holding its next unit
+
+
+def seed_or_die(unit):
+    """Stands in for run_unit in a pool worker: says its unit's seed; dies on seed 1 while $SEED_OR_DIE
+    names a file that it may still create (once: `die once`), or always (`die always`)."""
+    import os
+    from pathlib import Path
+
+    from normexp.units import UnitResult
+
+    seed, flag = unit.runs[0].seed, os.environ.get("SEED_OR_DIE", "")
+    mode, _, path = flag.partition(":")
+    if seed == 1 and mode == "always":
+        os._exit(3)
+    if seed == 1 and mode == "once" and not Path(path).exists():
+        Path(path).write_text("died")
+        os._exit(3)
+    return UnitResult(unit, (), status=str(seed))
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("mode", ["once", "always"])
+def test_a_worker_that_dies_holding_the_unit_it_got_before_the_last_results_were_written(monkeypatch, tmp_path,
+                                                                                        mode):
+    """One worker: it is handed seed 1 while the consumer still holds seed 0's results, and dies on it. Seed 1
+    costs one attempt per death (retried once, then crashed); no unit is lost or reported twice."""
+    from normexp.config import RunConfig
+    from normexp.executors import PoolExecutor
+    from normexp.units import WorkUnit
+
+    units = [WorkUnit((RunConfig(seed=s).model_dump(mode="json"),), engine="reference", device="cpu", threads=1)
+             for s in range(3)]
+    monkeypatch.setenv("SEED_OR_DIE", f"{mode}:{tmp_path / 'died'}")
+    monkeypatch.setattr("normexp.executors.run_unit", seed_or_die)
+    pool = PoolExecutor(1)
+    try:
+        got = sorted((r.unit.runs[0].seed, r.status) for r in pool.run(units))
+    finally:
+        pool.close()
+    assert got == [(0, "0"), (1, "1" if mode == "once" else "crashed"), (2, "2")]

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SMALL_SWEEP
 
+pytestmark = pytest.mark.process  # each test ends a Python process of its own
+
 # A module-level object whose __del__ runs only in the interpreter's teardown.
 TEARDOWN_WITNESS = ("class Witness:\n    def __del__(self):\n        print('teardown ran', flush=True)\n"
                     "witness = Witness()\n")

@@ -111,6 +111,7 @@ def test_an_export_never_deletes_another_folders_mlflow_runs(folder, tmp_path, m
     assert len(found) == 8 and first.keys() <= {r.info.run_id for r in found}
 
 
+@pytest.mark.process
 def test_an_export_stopped_half_way_is_finished_by_the_next(folder, tmp_path, mlflow_client):
     """A stop signal while an MLflow run is written left it orphaned (no normexp tag, never removed). Now
     the export stops in one line, and the next one replaces the half-made run and names it."""

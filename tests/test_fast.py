@@ -88,6 +88,7 @@ def test_every_norm_kind_through_the_models_own_norms(kind):
     assert_close_to_reference(runs("pre", kind, n=2, steps=6, width=16))
 
 
+@pytest.mark.equivalence
 def test_same_sweep_twice_same_bits():
     configs = runs("post", "layernorm", "adamw", n=4, steps=10)
     first, second = train_fast(configs, compile=False), train_fast(configs, compile=False)
@@ -177,7 +178,7 @@ def test_plan_units_fast_decides_compile_per_structure_unless_told():
     assert all(u.engine == "fast" and u.compile for u in plan_units(configs, "fast", "cpu", 1, compile=True))
 
 
-def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_path, fresh_fast_engine):
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_path):
     def broken_compile(graph, inputs, package):
         raise RuntimeError("no C++ compiler found\nlong details")
 
@@ -212,8 +213,7 @@ def flipped(step):
 
 @pytest.mark.parametrize(("optim", "what"), [("adam", "its first moments"), ("adamw", "its first moments"),
                                             ("sgd", "its gradients")])
-def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch, optim, what,
-                                                                              fresh_fast_engine):
+def test_a_compiled_step_with_wrong_gradients_but_the_eager_metrics_is_refused(monkeypatch, optim, what):
     """The check against the eager step compares the gradients (with Adam, the update made from them and the
     moments) too: a graph that returns the eager loss, accuracy and gradient norm but a flipped gradient
     (same norm) would train every run of the structure the wrong way (it passed the check when only the
@@ -242,7 +242,7 @@ def doubled_update(step):
     return call
 
 
-def test_a_compiled_adam_step_with_the_right_moments_but_a_wrong_update_is_refused(monkeypatch, fresh_fast_engine):
+def test_a_compiled_adam_step_with_the_right_moments_but_a_wrong_update_is_refused(monkeypatch):
     monkeypatch.setattr(aot, "load_or_compile", lambda key, trace, inputs, fresh=False: (doubled_update(trace()), True))
     compiling.reset_cache()
     configs = runs(n=2, steps=4)
@@ -269,8 +269,7 @@ def test_why_the_update_is_checked_from_the_compiled_moments_not_against_the_eag
     assert not compiling.gradients_close(moved, moved_other)  # the updates do not: a full step of the other sign
 
 
-def test_a_package_on_disk_is_loaded_by_later_processes_and_compiled_again_when_it_disagrees(monkeypatch, tmp_path,
-                                                                                           fresh_fast_engine):
+def test_a_package_on_disk_is_loaded_by_later_processes_and_compiled_again_when_it_disagrees(monkeypatch, tmp_path):
     """The package is a cache: a second process loads it instead of compiling; a package whose step does
     not reproduce the eager one (stale, or another machine's) is compiled again, not used or refused.
     (The compiler is stood in for by the traced graph itself; the real one is test_scale's slow test.)"""
@@ -330,7 +329,7 @@ def packaged_graphs(monkeypatch) -> dict[Path, object]:
 
 
 def test_a_package_that_passed_the_check_is_used_unchecked_by_later_processes_until_its_bytes_change(
-        monkeypatch, tmp_path, fresh_fast_engine):
+        monkeypatch, tmp_path):
     """The check's eager step costs a worker ~1.3 s: a package that passed it is vouched for by the sha256 of
     its bytes (<key>.checked), and a later process that loads those very bytes skips the check. Other bytes
     under the same name (recompiled, replaced, damaged) are checked again; a step not loaded from a package
@@ -362,7 +361,7 @@ def test_a_package_that_passed_the_check_is_used_unchecked_by_later_processes_un
     assert not package.with_suffix(".checked").exists()
 
 
-def test_a_compiled_batch_copies_the_model_only_to_trace_its_step(monkeypatch, tmp_path, fresh_fast_engine):
+def test_a_compiled_batch_copies_the_model_only_to_trace_its_step(monkeypatch, tmp_path):
     """The batch's own meta model (a deepcopy: ~8 ms a depth-24 batch) is what a step not compiled yet traces;
     a later batch of the same structure needs none, and trains to the same numbers."""
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
@@ -419,6 +418,24 @@ def test_a_package_is_named_by_the_whole_of_normexps_source_not_the_fast_engines
     assert digests["none"] == installed
     assert len(set(digests.values())) == len(edits)
 
+def test_the_source_digest_is_computed_once_per_process_until_reset(monkeypatch, tmp_path):
+    """A process hashes normexp's source once; `aot.reset` forgets it, as a fresh process starts, and the
+    next digest reads the files as they are then (normexp.__file__ pointed at a copy that is edited)."""
+    import shutil
+
+    import normexp
+
+    root = tmp_path / "normexp"
+    shutil.copytree(Path(normexp.__file__).resolve().parent, root, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(normexp, "__file__", str(root / "__init__.py"))
+    before = aot.source_digest()
+    with open(root / "models" / "norms.py", "a") as f:
+        f.write("# edited\n")
+    assert aot.source_digest() == before
+    aot.reset()
+    assert aot.source_digest() != before
+
+
 def test_the_gradient_check_tolerates_rounding_noise_in_a_gradient_that_is_zero_in_exact_arithmetic():
     """Attention's key bias has a zero gradient in exact arithmetic (softmax ignores a shift): eager and
     compiled give different ~1e-9 noise there, and a per-tensor relative check refused every compiled
@@ -434,8 +451,7 @@ def test_the_gradient_check_tolerates_rounding_noise_in_a_gradient_that_is_zero_
 
 
 @pytest.mark.slow
-def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(tmp_path, monkeypatch,
-                                                                               fresh_fast_engine):
+def test_a_transformer_step_compiles_and_passes_the_check_against_the_eager_one(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
     compiling.reset_cache()
@@ -577,7 +593,7 @@ def test_an_exact_sweep_redoes_runs_the_fast_engine_trained_and_a_fast_sweep_kee
     assert set(load_summary(out)["engine"]) == exact
 
 
-def test_a_package_on_disk_that_fails_when_called_is_compiled_again(monkeypatch, tmp_path, fresh_fast_engine):
+def test_a_package_on_disk_that_fails_when_called_is_compiled_again(monkeypatch, tmp_path):
     """A loaded package that raises when called (another structure's, with other inputs; a library that
     loads but does not run) is stale like one that disagrees: compiled again and used, with no warning,
     not a fallback to eager for every later batch and process while it stays on disk."""

@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -66,6 +67,7 @@ def test_a_partly_written_batch_is_retrained_whole_and_its_written_runs_are_left
     assert {rid: (out / rid / "done.json").stat().st_mtime_ns for rid in kept} == kept  # not rewritten
 
 
+@pytest.mark.equivalence
 def test_kill_9_while_a_batch_is_written_then_resume_gives_the_uninterrupted_bits(write_yaml, tmp_path):
     config = write_yaml(SWEEP)
     clean = tmp_path / "clean"

@@ -1,4 +1,4 @@
-"""Hostile review of issue 24: a revised placement changes a run's id exactly where it changes what
+"""Revised placements and run ids: a revised placement changes a run's id exactly where it changes what
 the run trains, and Mix-LN's integer count is the floor of f * N as the decimals written mean it."""
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ from conftest import trained_sweep
 from typer.testing import CliRunner
 
 from normexp.cli import app
-from normexp.config import load_sweep
+from normexp.config import build_sweep, load_sweep
 from normexp.figures import choose_facets, number_texts
+from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
 from normexp.report import build_report, to_csv, to_markdown
 from normexp.results import ResultsError, load_metrics, load_summary
 
@@ -324,3 +325,35 @@ def test_a_blown_up_run_clips_the_shared_loss_axis_and_says_so(tmp_path_factory)
     assert any(label.startswith(f"axis clipped at {top:.3g}") for label in labels), labels
     calm = curves_figure(tidy[tidy["optim.lr"] == 0.01], ["norm.placement"])
     assert not any("clipped" in text.get_text() for legend in calm.legends for text in legend.get_texts())
+
+
+# ----------------------------------------------------------------------------- labels of the keys
+
+
+def test_every_run_key_has_its_own_label_that_names_what_varies():
+    from normexp.config import GENERIC_LEAVES, key_label, run_keys
+
+    labels = {key: key_label(key) for key in run_keys()}
+    # no two keys share a label, and no label is a bare generic leaf (`name`, `kind`) that names no section
+    assert len(set(labels.values())) == len(labels), labels
+    assert not set(labels.values()) & set(GENERIC_LEAVES)
+    assert labels["optim.name"] == "optim" and labels["schedule.kind"] == "schedule"
+    assert labels["optim.eps"] == "optim.eps" and labels["norm.eps"] == "norm.eps"  # two sections share `eps`
+
+
+def test_a_grid_over_the_optimizer_reads_optim_equals_in_the_report(tmp_path):
+    from normexp.analysis.variants import variant_label
+    from normexp.report import build_report, to_markdown
+
+    assert variant_label({"optim.name": "adam", "schedule.kind": "cosine"}) == "optim=adam schedule=cosine"
+    folder = tmp_path / "o"
+    sweep = build_sweep({"name": "o", "base": {"model": {"depth": 2, "width": 4}, "train": {"steps": 2}},
+                         "grid": {"optim.name": ["adam", "sgd"]}})
+    folder.mkdir()
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for cfg in sweep.runs:
+        metrics = {"step": [0, 1, 2], "loss": [2.0, 1.0, 0.5], "acc": [0.1] * 3, "lr": [0.01] * 3,
+                   "grad_norm": [1.0] * 3}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+    text = to_markdown(build_report(folder))
+    assert "optim=adam" in text and "optim=sgd" in text and "name=" not in text

@@ -247,6 +247,7 @@ def test_in_a_browser_every_chart_draws_with_no_console_error_and_no_request(bro
     assert all(drawn), drawn
 
 
+@pytest.mark.process
 def test_clicking_a_legend_entry_hides_its_trace(browser, page):
     from selenium.webdriver.common.by import By
 
@@ -264,6 +265,7 @@ def test_clicking_a_legend_entry_hides_its_trace(browser, page):
     assert band == ["legendonly"]  # its standard-error band goes with it
 
 
+@pytest.mark.process
 def test_hovering_a_point_shows_its_value(browser, page):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
@@ -291,6 +293,7 @@ def test_hovering_a_point_shows_its_value(browser, page):
     assert float(said.group(1)) == pytest.approx(value, rel=1e-3) and "mean of" in hover and "runs" in hover
 
 
+@pytest.mark.process
 def test_sorting_the_run_table_by_final_loss_puts_the_best_run_first(browser, page, folder):
     from selenium.webdriver.common.by import By
 
@@ -308,6 +311,7 @@ def test_sorting_the_run_table_by_final_loss_puts_the_best_run_first(browser, pa
     assert rows[0].find_element(By.CSS_SELECTOR, "td").text == finite.loc[finite["final_loss"].idxmax(), "run_id"]
 
 
+@pytest.mark.process
 def test_one_click_shows_the_runs_that_did_not_train(browser, page, folder):
     from selenium.webdriver.common.by import By
 

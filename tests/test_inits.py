@@ -300,6 +300,7 @@ def test_tfixup_factor_is_the_decoders_and_v_ends_as_xavier_times_it() -> None:
         assert 0.75 * bound < w <= bound * (1 + 1e-6), name
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("init", ["tfixup", "fixup"])
 def test_batched_engine_bit_for_bit(init: str) -> None:
     configs = [validate_run({"model": {"depth": 3, "width": 8, "init": init}, "norm": {"placement": "none"},

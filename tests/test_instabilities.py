@@ -227,6 +227,7 @@ seeds: [SEEDS]
 """
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("scopes, seeds, steps", [
     ("head", "0", 4),
     pytest.param("head, full", "0, 1", 8, marks=pytest.mark.slow),
@@ -322,7 +323,7 @@ def test_a_negative_largest_attention_logit_is_drawn_not_left_blank(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract(fresh_fast_engine):
+def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract():
     """The fast engine's compiled path (the z objective's vmapped gradient and the Adam update, compiled ahead
     of time): its metrics and z column within the fast contract of the reference's (about a minute of
     compiling on 2 cores). The step must have compiled: a compile that fails trains eagerly, and would pass."""

@@ -579,6 +579,7 @@ seeds: [0, 1, 2, 3, 4, 5]
 """
 
 
+@pytest.mark.process
 def test_readers_see_every_run_while_force_rewrites_them(tmp_path):
     """--force builds each run folder aside and swaps it in: a reader never finds a run missing or
     half-written, before, during or after."""

@@ -150,6 +150,7 @@ def test_analysis_imports_no_presentation_and_no_torch_backed_module():
         assert GRAPH[module] & torch_backed == set(), module
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("module", NO_TORCH)
 def test_importing_analysis_and_presentation_loads_no_torch_rich_or_typer(module):
     code = (f"import sys, {module}; heavy = [m for m in ('torch', 'rich', 'typer') if m in sys.modules]; "
@@ -158,6 +159,7 @@ def test_importing_analysis_and_presentation_loads_no_torch_rich_or_typer(module
     assert loaded == ""
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("module", LAYERS["analysis"])
 def test_importing_analysis_loads_no_matplotlib(module):
     """What a result means is numbers; drawing them is the figures' (normexp.figures)."""

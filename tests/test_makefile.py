@@ -12,7 +12,8 @@ import sys
 import pytest
 from conftest import REPO
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+pytestmark = [pytest.mark.process,  # `make -n` in a process
+              pytest.mark.skipif(shutil.which("make") is None, reason="needs make")]
 
 
 def dry_run(tmp_path, *args: str) -> subprocess.CompletedProcess:

@@ -104,6 +104,7 @@ def test_clip_norm_is_clip_grad_norm(arch, optim):
     assert train_run(cfg).metrics["grad_norm"][0] == unclipped.metrics["grad_norm"][0]  # recorded before clipping
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("optim", ["adam", "adamw", "sgd"])
 def test_clip_norm_batched_bit_for_bit(optim):
     assert_batched_is_reference(varied([{"clip_norm": c} for c in (1.0, 0.05, 0.3, 100.0)], optim))
@@ -182,6 +183,7 @@ def test_agc_leaves_the_final_layers_weight_alone():
                 assert torch.equal(p.grad, before[name]) == (name == "head.weight"), name
 
 
+@pytest.mark.equivalence
 def test_agc_on_a_transposed_layout_gives_the_same_bits():
     """The batched engine stores some Linear weights transposed (`weight_t`); AGC reads them back in the
     reference's layout and gives the reference's bits."""
@@ -200,6 +202,7 @@ def test_agc_on_a_transposed_layout_gives_the_same_bits():
     assert torch.equal(alone, plain[1:2])
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("optim", ["adam", "adamw", "sgd"])
 def test_agc_batched_bit_for_bit(optim):
     assert_batched_is_reference(varied([{"agc": a, "agc_eps": e} for a, e in
@@ -295,6 +298,7 @@ def test_v_only_steps_freezes_the_first_moment_and_counts_the_steps():
     assert torch.allclose(param.detach(), decayed - step, rtol=1e-6)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("optim", ["adam", "adamw"])
 def test_v_only_steps_batched_bit_for_bit(optim):
     assert_batched_is_reference(varied([{"v_only_steps": 3}] * 4, optim))
@@ -355,6 +359,7 @@ def test_v0_grad_sq_shrinks_the_first_update_by_sqrt_one_minus_beta2():
     assert torch.allclose(moves["grad_sq"], moves["zero"] * math.sqrt(1 - 0.999), rtol=1e-4)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("optim", ["adam", "adamw"])
 def test_v0_batched_bit_for_bit(optim):
     assert_batched_is_reference(varied([{"v0": "grad_sq"}] * 4, optim))
@@ -442,6 +447,7 @@ def test_torch_radam_stays_the_default():
     assert bits(train_run(cfg).losses) == bits(plain_run(cfg, lambda params: torch.optim.RAdam(params, lr=0.02)))
 
 
+@pytest.mark.equivalence
 def test_radam_official_batched_bit_for_bit():
     configs = [config(optim={"name": "radam", "radam_variant": "official", "weight_decay": 0.01}, steps=10,
                       seed=s) for s in range(3)]
@@ -521,6 +527,7 @@ def test_wsd_trains_with_the_authors_learning_rates(arch):
     assert result.metrics["lr"][:10] == [0.02 * authors(i) for i in range(10)]
 
 
+@pytest.mark.equivalence
 def test_wsd_batched_bit_for_bit_and_the_fast_engine_within_its_contract():
     from normexp.engines.fast import train_fast
 
@@ -590,6 +597,7 @@ def test_independent_weight_decay_follows_the_schedule_not_the_lr():
         assert torch.allclose(param.detach(), before * (1 - 0.1 * multiplier), rtol=1e-6)
 
 
+@pytest.mark.equivalence
 def test_independent_weight_decay_batched_bit_for_bit_beside_coupled_runs():
     assert_batched_is_reference(varied([{"independent_weight_decay": True, "weight_decay": 0.1}, {},
                                         {"independent_weight_decay": True, "weight_decay": 1e-3},

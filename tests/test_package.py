@@ -9,7 +9,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.process  # pip builds and installs a wheel; normexp runs from it
 
 
 def test_studies_run_from_a_wheel_installed_outside_the_checkout(tmp_path):

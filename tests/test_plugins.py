@@ -166,6 +166,7 @@ def test_a_placement_or_kind_that_draws_random_numbers_is_refused(package):
         seeded_init(configs(kind="usernorms:DrawingNorm")[0])
 
 
+@pytest.mark.process
 def test_a_sweep_of_it_from_the_command_line(package, tmp_path):
     """From outside: PYTHONPATH names the user's package; sweep, report and verify work as for any run."""
     (tmp_path / "own.yaml").write_text(
@@ -210,3 +211,21 @@ def test_a_module_its_forward_never_uses_is_named_on_the_exact_engines(package):
     '''))
     with pytest.raises(ValueError, match=r"shape \(3,\)\) received no gradient"):
         train_run(configs(placement="unused:Unused")[0])
+
+
+def test_a_reference_is_looked_up_once_per_process_until_reset(package):
+    """`load_plugin` imports a reference's module once; `registry.reset` forgets what it looked up, as a
+    fresh process starts, and the next lookup finds the module as sys.modules then holds it."""
+    from normexp import registry
+
+    first = registry.load_plugin(OWN)
+    module = sys.modules["usernorms"]
+    del sys.modules["usernorms"]
+    try:
+        assert registry.load_plugin(OWN) is first
+        registry.reset()
+        again = registry.load_plugin(OWN)
+        assert again is not first and again is sys.modules["usernorms"].Halfway
+    finally:
+        sys.modules["usernorms"] = module
+        registry.reset()

@@ -71,6 +71,8 @@ def clean_run(tmp_path_factory) -> tuple[Path, Path]:
     return config, folder / "out"
 
 
+@pytest.mark.process
+@pytest.mark.equivalence
 @pytest.mark.parametrize("engine", ["reference", "batched"])
 def test_sigkill_then_resume_equals_a_clean_run(clean_run, tmp_path, engine):
     config, clean_out = clean_run
@@ -91,6 +93,7 @@ def test_sigkill_then_resume_equals_a_clean_run(clean_run, tmp_path, engine):
     assert not list(out.glob("**/.*.tmp-*"))  # no temporary file left behind
 
 
+@pytest.mark.process
 def test_sigint_keeps_finished_runs_and_says_how_to_resume(clean_run, tmp_path):
     config, clean_out = clean_run
     out = tmp_path / "out"
@@ -109,6 +112,7 @@ def test_sigint_keeps_finished_runs_and_says_how_to_resume(clean_run, tmp_path):
     assert losses_by_run(out) == losses_by_run(clean_out)
 
 
+@pytest.mark.process
 def test_second_sweep_into_a_busy_folder_fails_at_once(clean_run, tmp_path):
     config, clean_out = clean_run
     out = tmp_path / "out"
@@ -338,3 +342,73 @@ def test_a_units_run_folders_reach_the_disk_in_one_sync(tmp_path, monkeypatch):
     assert len(fsyncs) == 2  # the file, then its folder
     assert [(tmp_path / f"{n}.txt").read_text() for n in "abcd"] == list("abcd")
 
+
+
+# ----------------------------------------------------------------------------- a stop while workers finish units
+
+
+def seed_after(unit):
+    """Stands in for run_unit in a pool worker: says its unit's seed after `train.steps` hundredths of a second."""
+    import time
+
+    from normexp.units import UnitResult
+
+    time.sleep(unit.runs[0].train.steps / 100)
+    return UnitResult(unit, (), status=str(unit.runs[0].seed))
+
+
+@pytest.mark.process
+def test_units_a_pool_finished_but_never_yielded_when_the_sweep_stopped_are_unreported_not_lost(monkeypatch):
+    """The consumer stops (Ctrl-C while it writes seed 0's results) after the pool handed that worker its next
+    unit: seed 2 finishes meanwhile, as does seed 1 on the other worker. Both are trained runs the sweep never
+    saw: the pool keeps them in `unreported` (as InProcessExecutor does) for the sweep to record, not thrown
+    away with the workers. Seed 3 was never handed out."""
+    from normexp.config import RunConfig
+    from normexp.executors import PoolExecutor
+    from normexp.units import WorkUnit
+
+    steps = {0: 1, 1: 100, 2: 1, 3: 1}  # seed 0 first (or 1: then 0 and 2 end while it is written)
+    units = [WorkUnit((RunConfig(seed=s, train={"steps": steps[s]}).model_dump(mode="json"),), engine="reference",
+                      device="cpu", threads=1) for s in range(4)]
+    monkeypatch.setattr("normexp.executors.run_unit", seed_after)
+    pool = PoolExecutor(2)
+    try:
+        running = pool.run(units)
+        first = next(running)
+        time.sleep(2.5)  # its results being written: the Ctrl-C is raised when they are in place
+        running.close()
+        assert sorted([first.status] + [r.status for r in pool.unreported]) == ["0", "1", "2"]
+    finally:
+        pool.close()
+
+
+@pytest.mark.process
+def test_a_ctrl_c_while_a_pool_sweep_writes_records_the_units_its_workers_finished_meanwhile(monkeypatch, tmp_path):
+    """The sweep end to end (--workers 2, the reference engine): Ctrl-C while the first unit's run is written;
+    the worker handed its next unit meanwhile, and the other worker, finish theirs. Every run that trained is
+    in its folder and reported as such in the summary; no run is reported that was not written."""
+    from normexp import sweep as sweep_module
+    from normexp.config import build_sweep
+    from normexp.results import load_summary
+    from normexp.sweep import SweepInterrupted, SweepOptions, run_sweep
+
+    spec = build_sweep({"name": "c", "base": {"model": {"depth": 1, "width": 4}, "train": {"steps": 2}},
+                        "seeds": [0, 1, 2, 3, 4, 5]})
+    real, calls = sweep_module._record_unit, []
+
+    def record_then_ctrl_c(result, *args):
+        real(result, *args)
+        calls.append(result)
+        if len(calls) == 1:
+            time.sleep(4.0)  # the other units finish meanwhile
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_module, "_record_unit", record_then_ctrl_c)
+    with pytest.raises(SweepInterrupted) as stopped:
+        run_sweep(spec, tmp_path, SweepOptions(engine="reference", workers=2))
+    statuses = stopped.value.outcome.statuses
+    written = {p.parent.name for p in tmp_path.glob("*/done.json")}
+    assert len(calls) == 3  # the first unit, then the two finished while it was written
+    assert {rid for rid, status in statuses.items() if status == "completed"} == written and len(written) == 3
+    summary = load_summary(tmp_path)
+    assert sorted(summary["status"]) == ["completed"] * 3 + ["interrupted"] * 3

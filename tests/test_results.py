@@ -71,6 +71,7 @@ def test_load_metrics_is_tidy(fake_sweep):
     assert len(load_summary(fake_sweep)) == 16
 
 
+@pytest.mark.process
 def test_results_module_does_not_import_torch():
     code = "import sys, normexp.results, normexp.report, normexp.figures; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -112,6 +112,7 @@ def test_a_large_grids_dry_run_summarises_each_axis_counts_done_runs_and_estimat
     assert len(lines) == 4 and {p.name for p in out.iterdir()} == {first}
 
 
+@pytest.mark.process
 def test_a_compiled_fast_sweep_on_several_cores_trains_in_one_single_threaded_worker_per_core(monkeypatch):
     from types import SimpleNamespace
 
@@ -137,6 +138,7 @@ def test_a_compiled_fast_sweep_on_several_cores_trains_in_one_single_threaded_wo
     assert fast_pool(big, fast) == 0
 
 
+@pytest.mark.process
 def test_a_pool_sweep_is_decided_without_torch_and_leaves_its_import_for_after_its_workers_start():
     """The coordinator of a compiled fast sweep decides on its pool (`fast_pool`) and loads what it needs
     (`commands/sweep._import_engines`) without importing torch, so its workers start first and import theirs meanwhile;
@@ -190,8 +192,7 @@ def test_config_yaml_written_a_section_at_a_time_is_safe_dump_byte_for_byte():
 
 
 @pytest.mark.slow
-def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_across_batches(tmp_path, monkeypatch,
-                                                                                             fresh_fast_engine):
+def test_the_traced_compiled_step_gives_the_eager_steps_numbers_and_is_reused_across_batches(tmp_path, monkeypatch):
     """The real compiler (AOTInductor): the compiled step within rounding of the eager one; later batches
     reuse it in memory, and a later process loads its package from disk, bit for bit the same runs."""
     from normexp.config import RunConfig

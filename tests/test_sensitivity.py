@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import DIVERGING, write_curves
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -265,3 +266,45 @@ def test_a_rescue_that_raises_the_own_best_reading_is_said_both_ways():
     change = arm_change(_row(before), _row(after))
     assert change.own_effect == "raises" and change.effect == "lowers"
     assert judge(1.0, 0.5, 0.1, seeds=1) == CANNOT_TELL and judge(1.0, 0.5, math.nan, seeds=3) == CANNOT_TELL
+
+
+# ----------------------------------------------------------------------------- a diverged run, by the definition
+
+
+def _by_the_definition(runs: list[tuple]) -> dict[str, float]:
+    """README: c_r = min(final, loss at init), a diverged run counting as its loss at init; m(lr) the
+    seed mean; l* = min m; sensitivity = mean over the lr grid of m(lr) - l*. Plain python."""
+    out = {}
+    for placement in dict.fromkeys(r[0] for r in runs):
+        m = {}
+        for lr in LRS:
+            cs = []
+            for p, rlr, _, losses, status, *_ in runs:
+                if p == placement and rlr == lr:
+                    diverged = status == "diverged"
+                    cs.append(losses[0] if diverged else min(losses[-1], losses[0]))
+            m[lr] = sum(cs) / len(cs)
+        best = min(m.values())
+        out[placement] = sum(v - best for v in m.values()) / len(m)
+    return out
+
+
+def test_a_diverged_run_counts_as_its_loss_at_init_not_its_last_finite_loss(tmp_path):
+    from normexp.analysis.sensitivity import build_sensitivity
+
+    expected = _by_the_definition(DIVERGING)
+    # pre: m = [0.45, 0.15, (2.3 + 2.2) / 2], l* = 0.15; none: m = [1.7, 2.0, 2.0] (both diverged), l* = 1.7
+    assert expected == pytest.approx({"pre": (0.3 + 0.0 + 2.1) / 3, "none": (0.0 + 0.3 + 0.3) / 3})
+    rows = build_sensitivity(write_curves(tmp_path / "s", DIVERGING))
+    assert {r.values["norm.placement"]: r.sensitivity for r in rows} == pytest.approx(expected)
+    assert [r.diverged for r in rows] == [2, 2]
+
+
+def test_the_lr_figure_draws_the_same_numbers(tmp_path):
+    from normexp.analysis.sensitivity import lr_table
+    from normexp.figures import lr_figure
+
+    fig = lr_figure(*lr_table(write_curves(tmp_path / "s", DIVERGING)))
+    lines = {line.get_label().split(" ")[0]: list(line.get_ydata()) for line in fig.axes[0].lines}
+    assert lines["Pre"] == pytest.approx([(0.4 + 0.5) / 2, (0.1 + 0.2) / 2, (2.3 + 2.2) / 2])
+    assert lines["NoNorm"] == pytest.approx([1.7, 2.0, 2.0])

@@ -100,6 +100,7 @@ def test_any_count_of_shards_is_dealt_in_bounded_time_as_the_scan_deals_it():
     assert time.perf_counter() - start < 5
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("engine", ["batched", pytest.param("fast", marks=pytest.mark.slow)])  # fast: ~20 s
 def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_bit(tmp_path, engine):
     sweep = _sweep()
@@ -114,6 +115,8 @@ def test_three_shards_in_three_folders_merged_equal_the_unsharded_sweep_bit_for_
     assert again.copied == [] and again.kept == len(shard_runs(sweep.runs, "batched", 0, 3))
 
 
+@pytest.mark.process
+@pytest.mark.equivalence
 @pytest.mark.slow  # three processes, each loading torch: 35 s on two busy cores
 def test_three_shards_at_once_into_one_folder_equal_the_unsharded_sweep_bit_for_bit(tmp_path, write_yaml):
     config = write_yaml(SHARDED)
@@ -189,6 +192,7 @@ def test_merge_refuses_folders_of_two_sweeps(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.process
 def test_dry_run_shows_the_sbatch_script(tmp_path, write_yaml):
     pytest.importorskip("submitit")
     config = write_yaml(SHARDED)
@@ -207,6 +211,7 @@ def test_dry_run_shows_the_sbatch_script(tmp_path, write_yaml):
     assert not (tmp_path / "o").exists()  # nothing written, nothing submitted
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("option", "value", "message"), [
     ("--partition", "", "one word"), ("--account", "lab\n#SBATCH --exclusive", "one word"),
     ("--qos", "low prio", "one word"), ("--mem", "", "one word"), ("--mem", "lots", "a size as sbatch reads it")])
@@ -223,6 +228,7 @@ def test_slurm_words_are_one_word_each(tmp_path, write_yaml, option, value, mess
     assert ok.exit_code == 0 or "submitit" in ok.output, ok.output
 
 
+@pytest.mark.process
 def test_launcher_options_are_checked(tmp_path, write_yaml):
     config = write_yaml(SHARDED)
     result = runner.invoke(app, ["sweep", str(config), "--launcher", "local", "--shards", "2", "--shard", "0/2"])
@@ -237,6 +243,7 @@ def test_launcher_options_are_checked(tmp_path, write_yaml):
     assert result.exit_code == 2 and "--launcher" in result.output
 
 
+@pytest.mark.process
 def test_submitting_without_slurm_is_one_error_line(tmp_path, write_yaml):
     pytest.importorskip("submitit")
     import shutil
@@ -249,6 +256,7 @@ def test_submitting_without_slurm_is_one_error_line(tmp_path, write_yaml):
     assert "Traceback" not in result.output and not (tmp_path / "o").exists()
 
 
+@pytest.mark.process
 def test_a_shard_task_is_requeued_as_itself():
     pytest.importorskip("submitit")
     from normexp.launch import ShardTask
@@ -265,6 +273,7 @@ def test_a_shard_task_is_requeued_as_itself():
     assert task.command(2)[-2:] == ["--shard", "2/4"] and task.command(2)[0] == sys.executable
 
 
+@pytest.mark.process
 @pytest.mark.slow  # submitit starts a process per task, each loading torch
 def test_the_local_launcher_runs_the_array_with_submitit(tmp_path, write_yaml):
     pytest.importorskip("submitit")
@@ -289,6 +298,7 @@ def test_merge_refuses_a_folder_of_the_users_that_holds_a_summary_csv(tmp_path):
     assert [p.name for p in out.iterdir()] == ["summary.csv"] and (out / "summary.csv").read_text() == "mine,1\n"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("launcher", ["slurm", "local"])
 def test_the_arrays_tasks_run_with_the_options_the_command_gave(tmp_path, write_yaml, launcher):
     """--launcher dropped --device, --compile/--no-compile, --workers, --cluster and --max-runs from the

@@ -160,6 +160,7 @@ def eos_eigenvalues(model, x, y, neigs: int = 6, P: torch.Tensor | None = None) 
     return torch.from_numpy(np.ascontiguousarray(evals[::-1]).copy())
 
 
+@pytest.mark.equivalence
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # PyHessian's own call
 def test_lambda_max_agrees_with_pyhessian_and_the_edge_of_stability_lanczos() -> None:
     """A model whose largest-magnitude eigenvalue is its largest (the authors' codes return that one)."""
@@ -172,6 +173,7 @@ def test_lambda_max_agrees_with_pyhessian_and_the_edge_of_stability_lanczos() ->
     assert got == pytest.approx(eos_eigenvalues(model, x, task.y)[0].item(), rel=1e-7)
 
 
+@pytest.mark.equivalence
 def test_preconditioned_lambda_max_agrees_with_the_edge_of_stability_adam_code() -> None:
     """A float32 Adam run of the reference engine, measured after 3 updates, against the authors' P from
     torch.optim.Adam's state after the same 3 updates (the reference replays torch's Adam bit for bit):
@@ -213,6 +215,7 @@ def test_rows_every_k_steps_with_their_thresholds() -> None:
     assert thresholds(0.0, 0.9) == (math.inf, math.inf) and math.isnan(thresholds(0.1, None)[1])
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("cfg", [ffn(2), transformer(1, z_loss=1e-3)], ids=["ffn", "transformer"])
 def test_training_is_the_same_bits_with_or_without_it(cfg) -> None:
     logged = cfg.model_copy(update={"train": cfg.train.model_copy(update={"log_sharpness": 2, "steps": 2})})

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -123,6 +124,7 @@ def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, signum: int, stder
         pass
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
     out = tmp_path / "out"
@@ -134,6 +136,7 @@ def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
     assert f"{done_count(out)} of {RUNS} runs finished" in stderr
 
 
+@pytest.mark.process
 def test_sigterm_stops_the_workers_too(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -144,6 +147,7 @@ def test_sigterm_stops_the_workers_too(config, tmp_path):
     assert_no_process_left(proc.pid)
 
 
+@pytest.mark.process
 def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -157,6 +161,7 @@ def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path):
     assert_no_process_left(proc.pid)
 
 
+@pytest.mark.process
 def test_workers_die_with_a_killed_coordinator(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -167,6 +172,7 @@ def test_workers_die_with_a_killed_coordinator(config, tmp_path):
     assert_no_process_left(proc.pid)  # workers and the resource tracker: none under PID 1
 
 
+@pytest.mark.process
 def test_a_dying_worker_costs_only_its_own_unit(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -202,6 +208,7 @@ sys.meta_path.insert(0, Swallow())
 """
 
 
+@pytest.mark.process
 def test_ctrl_c_while_torch_loads_is_never_swallowed(config, tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -214,6 +221,7 @@ def test_ctrl_c_while_torch_loads_is_never_swallowed(config, tmp_path):
     assert done_count(out) == 0
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
     pytest.importorskip("distributed")
@@ -226,6 +234,7 @@ def test_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
     assert_no_process_left(proc.pid, timeout=60)
 
 
+@pytest.mark.process
 def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path):
     out = tmp_path / "out"
     proc = start(config, out, "-q", "--workers", "2")
@@ -236,6 +245,7 @@ def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path):
     assert_no_process_left(proc.pid)
 
 
+@pytest.mark.process
 def test_a_terminals_ctrl_c_while_workers_start_is_one_line(config, tmp_path):
     """A terminal's Ctrl-C as the first `--workers` process appears, and moments later while the workers
     load normexp: the sweep's own lines and exit 130 (or 0, had it finished), never a worker's traceback
@@ -255,6 +265,7 @@ def test_a_terminals_ctrl_c_while_workers_start_is_one_line(config, tmp_path):
         assert_no_process_left(proc.pid)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_terminals_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
     pytest.importorskip("distributed")
@@ -268,6 +279,7 @@ def test_a_terminals_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path)
     assert_no_process_left(proc.pid, timeout=60)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_ctrl_c_while_a_local_dask_cluster_starts(config, tmp_path):
     pytest.importorskip("distributed")
@@ -288,6 +300,7 @@ def _commands() -> list[list[str]]:
     return ([[str(script)]] if script.exists() else []) + [[sys.executable, "-m", "normexp"]]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", _commands(), ids=lambda c: "python-m" if len(c) > 1 else "script")
 def test_ctrl_c_while_the_cli_loads_is_one_line(config, tmp_path, command):
     """Ctrl-C at any moment of start-up (typer, rich, pydantic, then torch): exit 130 and no traceback.
@@ -308,6 +321,7 @@ def test_ctrl_c_while_the_cli_loads_is_one_line(config, tmp_path, command):
         assert len(stderr.strip().splitlines()) <= 3, (delay, stderr)
 
 
+@pytest.mark.process
 def test_the_command_reads_no_file_before_its_ctrl_c_handler():
     """What normexp/__main__.py imports at its top is what the interpreter loaded at start-up (a
     builtin such as `_signal`, or `os`): a Ctrl-C before the handler goes in can only land in Python's
@@ -355,6 +369,7 @@ def test_a_stop_signal_during_a_runs_write_takes_effect_once_the_folder_is_in_pl
     assert outcome.statuses == {run_id(cfg): "completed"}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_make_studies_stops_cleanly_and_resumes_what_it_kept(tmp_path, signum):
     """`make studies` (one worker per core) under a terminal's Ctrl-C or a SIGTERM to its whole process
@@ -376,6 +391,7 @@ def test_make_studies_stops_cleanly_and_resumes_what_it_kept(tmp_path, signum):
         pass
 
 
+@pytest.mark.process
 def test_make_studies_ctrl_c_while_it_loads_and_a_bad_out_are_one_line(tmp_path):
     """`python -m normexp.studies`: a Ctrl-C while its modules load (pandas, pydantic) ends it with one
     line and 130, not a KeyboardInterrupt traceback; an --out that is a file, or a study folder that
@@ -402,3 +418,55 @@ def test_make_studies_ctrl_c_while_it_loads_and_a_bad_out_are_one_line(tmp_path)
         assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "--force" not in proc.stderr  # the studies have no --force
     assert not (other / "warmup").exists()
+
+
+# ----------------------------------------------------------------------------- while a pool sweep imports torch
+
+
+# Runs `normexp sweep` as `python -m normexp` does, on 2 cores whatever the machine (a compiled fast sweep
+# then trains in a pool: `sweep.fast_pool`), and sends this process SIGTERM from inside its first import of
+# numpy, which torch._C makes from C++ as torch loads: the coordinator's own torch import, which a pool
+# sweep leaves until after its workers start.
+SIGNAL_IN_TORCH_IMPORT = textwrap.dedent("""
+    import os, signal, sys
+    class SignalInImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == "numpy" and "torch" in sys.modules:
+                sys.meta_path.remove(self)
+                os.write(2, b"signal sent\\n")
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs here, inside the import
+                    pass
+            return None
+    sys.meta_path.insert(0, SignalInImport())
+    from normexp import executors
+    executors.usable_cores = lambda: 2
+    sys.argv = ["normexp", "sweep", sys.argv[1], "--engine", "fast", "--compile", "--out", sys.argv[2], "-q"]
+    from normexp.__main__ import main
+    main()
+""")
+
+
+@pytest.mark.process
+def test_a_stop_signal_while_a_pool_sweeps_coordinator_imports_torch_stops_it_writing_nothing(write_yaml, tmp_path):
+    """A SIGTERM (or Ctrl-C) that arrives while the coordinator of a pool sweep imports torch stops the sweep:
+    exit 143, nothing written, no worker left. Raised as KeyboardInterrupt inside torch's import, it vanished
+    (torch._C imports numpy from C++ and drops the error): the sweep trained every run and exited 0."""
+    config = write_yaml("name: tiny\nbase:\n  model: {depth: 2, width: 8}\n  train: {steps: 3}\nseeds: [0, 1]\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NORMEXP_CACHE_DIR": str(tmp_path / "cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    process = subprocess.Popen([sys.executable, "-c", SIGNAL_IN_TORCH_IMPORT, str(config), str(out)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        left = subprocess.run(["ps", "-o", "pid=,stat=", "-g", str(process.pid)], capture_output=True, text=True)
+        alive = [line.split()[0] for line in left.stdout.splitlines() if not line.split()[1].startswith("Z")]
+        for pid in alive:  # what this test started and left behind (a zombie is only not yet reaped)
+            os.kill(int(pid), signal.SIGKILL)
+    assert "signal sent" in stderr, stderr
+    assert process.returncode == 128 + signal.SIGTERM, (process.returncode, stderr)
+    assert "Traceback" not in stderr and "nothing was written" in stderr, stderr
+    assert not out.exists() or not any(out.glob("*/done.json"))
+    assert alive == []

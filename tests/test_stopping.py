@@ -69,6 +69,7 @@ def test_each_rule_stops_where_the_full_runs_losses_say(when, extra):
     assert fired  # the rule fires somewhere on this grid, before the last step
 
 
+@pytest.mark.equivalence
 def test_batched_equals_reference_bit_for_bit_with_runs_stopping_at_different_steps():
     for when in STOP_REASONS:
         configs = [config(lr, seed=3 + i % 2, stop_when=when, stop_patience=2) for i, lr in enumerate(LRS)]
@@ -192,6 +193,7 @@ def test_the_phase_diagram_marks_the_cells_with_a_run_stopped_early(tmp_path):
         plt.close(fig)
 
 
+@pytest.mark.equivalence
 def test_batched_blocks_equal_the_references_for_a_run_stopped_early():
     """blocks.csv of a run stopped at step k: step k's gradients recorded (it ran backward), as the reference."""
     configs = [config(lr, stop_when="stalled", stop_patience=2, steps=12, log_blocks=True) for lr in (0.003, 3.0)]

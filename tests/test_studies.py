@@ -1,6 +1,6 @@
 """`normexp studies NAME...`: the named studies alone (every study by default), `--list` names them,
-an unknown NAME is one error line naming the studies and exit 2; `python -m normexp.studies` is the
-same command."""
+an unknown NAME is one error line naming the studies and exit 2, and so is an output folder they cannot
+use; `python -m normexp.studies` is the same command."""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ def test_only_the_named_studies_run_and_have_their_folders_checked(studies, tmp_
     assert (out / "REPORT.md").read_text() == report  # refused before the first study ran
 
 
+@pytest.mark.process
 def test_python_dash_m_normexp_studies_is_the_same_command(tmp_path):
     """One command line: the module's --list, --help and usage errors are `normexp studies`' own."""
     for args, code in ((["--list", "depth"], 0), (["--help"], 0), (["nosuch"], 2), (["--no-such-option"], 2)):
@@ -80,3 +81,48 @@ def test_python_dash_m_normexp_studies_is_the_same_command(tmp_path):
         assert (shim.returncode, shim.stdout, shim.stderr) == (command.returncode, command.stdout, command.stderr)
         assert shim.returncode == code, shim.stderr
     assert "[NAME]..." in shim.stderr  # the usage line of the command with its NAME arguments
+
+
+# ----------------------------------------------------------------------------- an output folder they cannot use
+
+
+def _studies(out, monkeypatch, capsys) -> tuple[int, str]:
+    """`normexp studies --quick --out OUT` (python -m normexp.studies: the same command), in this process on
+    one core: exit code and stderr."""
+    from normexp import stopping
+    from normexp.studies import run
+
+    monkeypatch.setattr(run, "usable_cores", lambda: 1)  # no worker pool: it fails before training
+    previous = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}
+    try:
+        with pytest.raises(SystemExit) as caught:
+            app(["studies", "--quick", "--out", str(out)], prog_name="normexp")
+    finally:
+        stopping.on_stop_signals(previous)
+    return caught.value.code, capsys.readouterr().err
+
+
+def test_the_studies_exit_2_on_an_output_folder_they_cannot_use(tmp_path, monkeypatch, capsys):
+    """As `normexp sweep`: an --out that is a file or a symbolic link loop, a study folder that holds
+    another sweep or one that another sweep is writing is one `error:` line and exit 2 (bad usage), not 1
+    (a run failed)."""
+    from normexp.folder import SweepLock
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    other = tmp_path / "other"
+    (other / "depth").mkdir(parents=True)
+    (other / "depth" / "sweep.yaml").write_text("name: not-depth\nbase: {}\ngrid: {}\nseeds: [0]\n")
+    busy, late, loop, dangling = tmp_path / "busy", tmp_path / "late", tmp_path / "loop", tmp_path / "dangling"
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "nowhere")
+    with SweepLock(busy / "warmup"), SweepLock(late / "blocks"):  # the first study's folder, and the last's
+        for out, said in ((a_file, "is a file, not a folder"), (other, "holds sweep 'not-depth'"),
+                          (busy, "another sweep is writing here"), (late, "another sweep is writing here"),
+                          (loop, "a symbolic link loop"), (dangling, "which does not exist"), ("", "--out: empty")):
+            code, stderr = _studies(out, monkeypatch, capsys)
+            assert code == 2 and stderr.startswith("error: ") and said in stderr, (code, stderr)
+            assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert a_file.read_text() == "" and not (other / "warmup").exists()
+    assert sorted(p.name for p in (busy / "warmup").iterdir()) == [".lock"]
+    assert sorted(p.name for p in late.iterdir()) == ["blocks"]  # refused before the first study trained

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO, SMALL_SWEEP
@@ -56,6 +57,7 @@ optim_settings = st.one_of(
 )
 
 
+@pytest.mark.equivalence
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(optim=optim_settings,
        placement=st.sampled_from(["post", "pre", "sandwich", "peri", "deepnorm", "mixln", "none"]),
@@ -86,6 +88,7 @@ def test_grad_norm_is_the_norm_of_per_tensor_norms(shapes, seed):
     assert math.isfinite(expected)
 
 
+@pytest.mark.process
 def test_sweep_imports_no_compiler_and_no_plotting(tmp_path):
     """torch.optim's constructors import torch._dynamo (about a second); matplotlib is for `plot`."""
     config = tmp_path / "small.yaml"

@@ -254,6 +254,7 @@ def test_minibatches_cover_each_epoch_once_in_a_seeded_order():
     assert not all(torch.equal(a, b) for a, b in zip(order, batch_order(10, 3, seed=6, steps=6)))
 
 
+@pytest.mark.equivalence
 def test_a_run_records_val_columns_and_repeats_bit_for_bit():
     cfg = tiny("post", task="assoc_recall", batch_size=8)
     a, b = train_run(cfg), train_run(cfg)

@@ -5,6 +5,7 @@ training), gradnorm summaries are built by hand."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 from hypothesis import given, settings
@@ -123,3 +124,78 @@ def test_a_width_trend_needs_two_widths_and_two_seeds(values, spread, seeds):
     else:
         delta = values[-1] - values[0]
         assert trend == ("grows" if delta > spread else "shrinks" if delta < -spread else "stays flat")
+
+
+# ----------------------------------------------------------------------------- the LR-sensitivity and blocks verdicts
+
+
+def _sweep_of(folder: Path, grid: dict, final: dict, skip: set = frozenset()) -> Path:
+    """A sweep folder over `grid` (seeds 0, 1) written through the store: each run's loss goes 2.3 ->
+    final[(kind, lr, warmup)] + 0.01 * seed; a run whose (kind, lr, warmup, seed) is in `skip` is missing."""
+    from normexp.config import build_sweep
+    from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
+
+    base = {"schedule": {"kind": "linear_warmup"}, "train": {"steps": 1}}
+    sweep = build_sweep({"name": "v", "base": base, "grid": grid, "seeds": [0, 1]})
+    folder.mkdir(parents=True)
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for cfg in sweep.runs:
+        key = (cfg.norm.kind, cfg.optim.lr, cfg.schedule.warmup_steps)
+        if (*key, cfg.seed) in skip:
+            continue
+        metrics = {"step": [0, 1], "loss": [2.3, final[key] + 0.01 * cfg.seed], "acc": [0.1] * 2,
+                   "lr": [cfg.optim.lr] * 2, "grad_norm": [1.0] * 2}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu"))
+    return folder
+
+
+def test_the_sensitivity_verdict_keeps_each_variant_and_names_the_undefined(tmp_path):
+    """Two kinds of one placement were one key (placement, warmup): the second overwrote the first in
+    the ranking and the warmup comparison. A variant with an lr that has no finished run was dropped
+    from the verdict without a word."""
+    from normexp.studies.verdicts import lr_sensitivity_verdict
+
+    lrs = [0.001, 0.01, 0.1]
+    finals = {("layernorm", 0): [2.0, 1.0, 2.2], ("layernorm", 12): [0.6, 0.5, 0.7],  # 0.7333 -> 0.1
+              ("rmsnorm", 0): [0.6, 0.5, 0.9], ("rmsnorm", 12): [0.6, 0.5, 0.9]}    # 0.1667 both
+    final = {(k, lr, w): v for (k, w), vs in finals.items() for lr, v in zip(lrs, vs)}
+    grid = {"norm.placement": ["pre"], "norm.kind": ["layernorm", "rmsnorm"], "optim.lr": lrs,
+            "schedule.warmup_steps": [0, 12]}
+    text = lr_sensitivity_verdict(_sweep_of(tmp_path / "k", grid, final))
+    assert "without warmup (least sensitive first): RMS 0.167, LN 0.733" in text, text
+    assert "lowers the sensitivity of LN 0.733 -> 0.100" in text and "spread of the two for RMS 0.167" in text
+    # every seed of (rmsnorm, lr 0.1, warmup 12) missing: that variant's sensitivity is undefined, and said so
+    gone = {("rmsnorm", 0.1, 12, s) for s in (0, 1)}
+    text = lr_sensitivity_verdict(_sweep_of(tmp_path / "m", grid, final, gone))
+    assert "No LR sensitivity (an lr of the grid has no finished run) for RMS" in text, text
+
+
+def test_the_blocks_verdict_means_over_every_seed_or_leaves_the_step_out(tmp_path):
+    """groupby().mean() skipped a diverged seed's nan: Post-LN's 'peak, mean over 2 seeds' was one seed's."""
+    from normexp.config import build_sweep
+    from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
+    from normexp.studies.verdicts import blocks_verdict
+
+    nan = float("nan")
+    last_update = {("post", 0): [0.1, 0.3, 0.8, nan], ("post", 1): [0.1, 0.3, nan, nan],  # seed 1 diverged
+                   ("pre", 0): [0.05, 0.1, 0.1, nan], ("pre", 1): [0.05, 0.1, 0.1, nan]}
+    sweep = build_sweep({"name": "b", "base": {"model": {"depth": 2, "width": 4}, "schedule": {"kind": "linear_warmup"},
+                                               "train": {"steps": 3, "log_blocks": True}},
+                         "grid": {"norm.placement": ["post", "pre"]}, "seeds": [0, 1]})
+    folder = tmp_path / "b"
+    folder.mkdir()
+    (folder / SWEEP_FILE).write_text(sweep.to_yaml())
+    for cfg in sweep.runs:
+        updates = last_update[(cfg.norm.placement, cfg.seed)]
+        blocks = {"step": [s for s in range(4) for _ in (1, 2)], "block": [1, 2] * 4}
+        blocks["fc2_update"] = [v for u in updates for v in (0.01, u)]
+        blocks["fc2_grad"] = [1.0] * 8
+        for column in ("fc1_grad", "fc1_update", "stream_rms", "norm_rms", "norm_out_rms"):
+            blocks[column] = [1.0] * 8
+        metrics = {"step": [0, 1, 2, 3], "loss": [2.3, 2.0, 1.5, 1.0], "acc": [0.1] * 4, "lr": [0.01] * 4,
+                   "grad_norm": [1.0] * 4}
+        write_run(folder / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu", blocks))
+    text = blocks_verdict(folder)
+    # by hand: the steps where both seeds of both placements are finite are 0 and 1; Post's peak is step 1
+    assert "peaks after step 1 at 0.3 (mean over 2 seeds), 3.0x Pre-LN's at that step (0.1" in text, text
+    assert "by step 1 Post-LN's is 0.3" in text, text

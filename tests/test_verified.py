@@ -286,3 +286,20 @@ def test_an_edit_to_any_file_it_hashes_changes_checks_version(tmp_path):
         path.write_bytes(text + b"# edited\n")
         assert verified.checks_digest(copy) != before, path.relative_to(copy)
         path.write_bytes(text)
+
+
+def test_checks_version_is_hashed_once_per_process_until_reset(tmp_path, monkeypatch):
+    """A process hashes the checks' sources once; `reset` forgets it, as a fresh process starts, and the next
+    call reads the files as they are then (normexp.__file__ pointed at a copy that is edited)."""
+    import normexp
+
+    copy = tmp_path / "normexp"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(normexp, "__file__", str(copy / "__init__.py"))
+    verified.reset()
+    before = verified.checks_version()
+    with open(copy / "folder" / "inspect.py", "a") as f:
+        f.write("# edited\n")
+    assert verified.checks_version() == before
+    verified.reset()
+    assert verified.checks_version() == verified.checks_digest(copy) != before

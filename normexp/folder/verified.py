@@ -163,6 +163,11 @@ def checks_version() -> str:
     return checks_digest(Path(normexp.__file__).parent)
 
 
+def reset() -> None:
+    """Forget `checks_version`, as a fresh process starts: the next call hashes the files again."""
+    checks_version.cache_clear()
+
+
 VERIFIED_CHECKSUM = "# normexp's record of verified runs; sha256 of the lines below: "
 
 

@@ -89,6 +89,12 @@ def _tree_digest(root: Path) -> str:
     return digest.hexdigest()
 
 
+def reset() -> None:
+    """Forget the source digests this process computed, as a fresh process starts: the next
+    `source_digest` reads the package's files again."""
+    _tree_digest.cache_clear()
+
+
 def _plugin_digests(what: dict) -> dict[str, str]:
     """sha256 of the module file of each plugin (`module:attribute`) the structure names; the check
     against the eager step covers what a plugin imports in turn."""
