@@ -4,13 +4,14 @@
 #   make install               CPU torch $(TORCH_VERSION), then normexp (what `make reproduce` needs)
 #   make install TORCH=cuda    torch's default (CUDA) build from the package index instead
 #   make install-dev           install, plus the test tools, the Dask extra and MkDocs (`make test`, CI)
-#   make docs                  build the documentation site into site/, strictly (CI runs it after the tests)
+#   make docs                  install, plus MkDocs (the docs extra); build the site into site/, strictly
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NORMEXP := $(VENV)/bin/normexp
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
+DOCS_STAMP := $(VENV)/.installed-docs
 TORCH ?= cpu
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -98,8 +99,13 @@ bench: install-dev
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) -m normexp norms bench --repeats 3
 
-# the documentation site (mkdocs.yml): a broken link, a missing anchor or a page left out of the nav fails
-docs: install-dev
+# the documentation site (mkdocs.yml): a broken link, a missing anchor or a page left out of the nav fails.
+# It needs MkDocs only: the docs extra, not the test tools and bridges of install-dev.
+$(DOCS_STAMP): $(STAMP)
+	$(PIP) -c $(VENV)/torch-constraint.txt -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site
 
 clean:

@@ -130,7 +130,7 @@ def pooled(comparisons: Sequence[Comparison]) -> Comparison:
                       max(c.max_dloss for c in comparisons))
 
 
-reference_batch_order = reference.batch_order  # the reference's own, which `reordered_run` reorders
+reference_minibatches = reference.minibatches  # the reference's own, which `reordered_run` reorders
 ROW_ORDERS = 2  # the yardstick: the reference with its training rows in this many other orders
 
 
@@ -148,10 +148,15 @@ def reordered_run(cfg: RunConfig, order: int) -> RunResult:
         perm = torch.randperm(len(task.x), generator=generator)
         return model, type(task)(**{name: t[perm] if name in ("x", "y") else t for name, t in vars(task).items()})
 
-    def order_of(*args):
-        return [b[torch.randperm(len(b), generator=generator)] for b in reference_batch_order(*args)]
+    def batches_of(run: RunConfig, task):
+        for x, y in reference_minibatches(run, task):
+            if run.data.batch_size is None:  # the task itself is reordered
+                yield x, y
+            else:
+                perm = torch.randperm(len(x), generator=generator)
+                yield x[perm], y[perm]
 
-    with mock.patch.object(reference, "seeded_init", init), mock.patch.object(reference, "batch_order", order_of):
+    with mock.patch.object(reference, "seeded_init", init), mock.patch.object(reference, "minibatches", batches_of):
         return train_run(cfg)
 
 

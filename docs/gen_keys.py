@@ -34,16 +34,25 @@ MEANINGS = {
     "model.n_classes": "classes of the toy task (`arch: ffn` only)",
     "model.final_norm": "a norm before the head (the article keeps one; Xiong's Post-LN has none)",
     "model.init": "weight init of fc1/fc2: `xavier_normal` is Xiong's theory's; `tfixup` and `fixup` are "
-                  "T-Fixup's and Fixup's rescaled xavier ([Inits](#inits-t-fixup-fixup-skipinit))",
+                  "T-Fixup's and Fixup's rescaled xavier ([Inits](#inits-t-fixup-fixup-skipinit)); `gpt2` "
+                  "(transformer only): nanoGPT's, every Linear and embedding N(0, 0.02), the residual projections "
+                  "N(0, 0.02 / sqrt(2N)), drawn in nanoGPT's order ([Real text](realtext.md#nanogpts-model))",
     "model.arch": "`ffn` (the article's toy) or `transformer` ([The Transformer](transformer.md))",
     "model.n_heads": "transformer only: attention heads; must divide `model.width`",
     "model.qk_norm": "transformer only: normalise queries and keys with the run's norm kind before their dot "
                      "product (Wortsman et al. 2023's qk-layernorm; [Transformer](transformer.md#qk-norm-and-z-loss))",
     "model.qk_norm_scope": "with `qk_norm`: `head` per head over width / n_heads features (ViT-22B, Wortsman, "
                            "Gemma); `full` over the whole projection before the heads split (OLMo 2)",
+    "model.qk_norm_eps": "with `qk_norm`: the qk norms' epsilon (kinds with one); unset: `norm.eps` (flax's "
+                         "LayerNorm, the paper's qk-layernorm: 1e-6)",
+    "model.activation": "transformer only: the FFN's nonlinearity; `gelu` is nanoGPT's (exact, erf)",
+    "model.bias": "transformer only: `false` drops every bias of its Linears and LayerNorms (nanoGPT's "
+                  "`bias=False`)",
+    "model.tie_embeddings": "transformer only: the head's weight is the token embedding's (nanoGPT's `wte = "
+                            "lm_head`)",
     "norm.placement": "where the norm goes ([placements](#placements-and-kinds)); `b2t` is transformer only",
     "norm.kind": "which norm ([kinds](#placements-and-kinds))",
-    "norm.eps": "epsilon of every norm",
+    "norm.eps": "epsilon of every norm (the qk norms: `model.qk_norm_eps` where set)",
     "norm.peri_input_norm": "peri: the extra norm on the model input (off: Peri == Sandwich)",
     "norm.mixln_fraction": "mixln: the first floor(f * N) blocks are Post-LN, the rest Pre-LN",
     "norm.deepnorm_alpha": "deepnorm: the residual multiplier; unset: M^(1/4) for M residual sublayers (FFN toy: "
@@ -71,13 +80,17 @@ MEANINGS = {
     "norm.derf_alpha0": "derf: the initial alpha of erf(alpha x + shift)",
     "norm.dyt_alpha0": "dyt: the initial alpha of tanh(alpha x)",
     "data.task": "`random_labels`: X ~ randn(n, d), y ~ randint(n_classes), memorisation (ffn); the sequence tasks "
-                 "are the Transformer's",
-    "data.n_samples": "full-batch size; sequence tasks: the training split",
-    "data.vocab": "sequence tasks: tokens (modular_add: p = vocab - 2, vocab at most 2050)",
+                 "and `shakespeare_char` ([Real text](realtext.md)) are the Transformer's",
+    "data.n_samples": "full-batch size; sequence tasks: the training split; not `shakespeare_char`",
+    "data.vocab": "sequence tasks: tokens (modular_add: p = vocab - 2, vocab at most 2050); `shakespeare_char`: "
+                  "set to its 84 characters",
     "data.seq_len": "sequence tasks: tokens per sequence; unset: the task's (assoc_recall 16, a multiple of 4; "
-                    "copy 17, odd; modular_add 5), and the task's length written out is the same run as unset",
-    "data.n_val": "sequence tasks: the held-out split",
-    "data.batch_size": "sequence tasks: minibatch size, epochs in a seeded order; unset: the full batch",
+                    "copy 17, odd; modular_add 5), and the task's length written out is the same run as unset; "
+                    "`shakespeare_char`: characters of context (nanoGPT's block_size), unset 64",
+    "data.n_val": "sequence tasks: the held-out split; `shakespeare_char`: windows of the val split, the same "
+                  "for every run",
+    "data.batch_size": "sequence tasks: minibatch size, epochs in a seeded order; unset: the full batch; "
+                       "`shakespeare_char`: random windows a step (unset: 32)",
     "optim.name": "`sgd` is SGD with momentum",
     "optim.lr": "peak learning rate",
     "optim.betas": "Adam-family betas",
@@ -123,6 +136,8 @@ MEANINGS = {
                         "ln(C)/10",
     "train.z_loss": "transformer only: add z_loss * mean(log(Z)^2) to the objective (PaLM's z-loss; 1e-4 is "
                     "Wortsman's); `loss` stays the cross-entropy, the term goes to metrics.csv's `z_loss` column",
+    "train.eval_every": "transformer only: val_loss and val_acc at steps 0, k, 2k, ... and the last; nan at "
+                        "the others",
     "seed": "set by the sweep's `seeds` list",
     "report.steps": "rows of the table (each run's last step is always one)",
     "report.columns": "keys that make the table's columns; unset: the keys that vary",

@@ -15,27 +15,43 @@ import typer
 
 from normexp import output
 from normexp.commands import read, sweep, tools
-from normexp.commands.console import Exit, SectionedCommand, fail
+from normexp.commands.console import Exit, OverridingCommand, SectionedCommand, fail
 
 app = typer.Typer(
-    add_completion=False,
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command's, inherited
     rich_markup_mode=None,
     pretty_exceptions_show_locals=False,
     help="Where and which normalization makes a deep residual network trainable without warmup.",
 )
 # registered in the order `normexp --help` lists them
-app.command(cls=SectionedCommand)(sweep.sweep)  # --help in sections
+app.command(cls=SectionedCommand)(sweep.sweep)  # --help in sections; key=value hinted
 app.command()(read.report)
 app.command()(read.plot)
 app.command()(read.verify)
-app.command()(tools.gradnorm)
+app.command(cls=OverridingCommand)(tools.gradnorm)
 app.command()(tools.studies)
-app.command()(sweep.validate)
+app.command(cls=OverridingCommand)(sweep.validate)
 app.command()(read.export)
 app.command()(read.merge)
 app.command()(tools.doctor)
 app.add_typer(tools.norms_app, name="norms")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from normexp import __version__
+
+        typer.echo(f"normexp {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                 help="Print normexp's version and exit."),
+) -> None:
+    """Where and which normalization makes a deep residual network trainable without warmup."""
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

@@ -44,6 +44,12 @@ class Sweeps(Folder):
             self._tables[key] = _stack([(name, f.blocks(True)) for name, f in self.folders])
         return self._tables[key].copy()
 
+    def sharpness(self, all_config: bool = False) -> pd.DataFrame:
+        key = ("sharpness", True, False)
+        if key not in self._tables:
+            self._tables[key] = _stack([(name, f.sharpness(True)) for name, f in self.folders if f.has_sharpness()])
+        return self._tables[key].copy()
+
     def trained_rule(self, trained_below: float | None = None) -> float | None:
         """One rule for every folder: refused (ResultsError) where their `report.trained_below` differ and
         no --trained-below overrides them, so that no run is judged by another sweep's rule."""

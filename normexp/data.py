@@ -13,21 +13,34 @@ its last token and is scored at the answer positions only:
 - `copy`: s1 .. sn 0 s1 .. sn; the answers are the copied half.
 - `modular_add`: a + b = c with c = (a + b) mod p (Power et al. 2022, grokking): the p^2 sums shuffled,
   the first n_samples for training and the next n_val held out.
+
+The text task, `shakespeare_char` (normexp/corpus.py: the shipped plays, by character, split 90/10), draws
+nothing from the global generator. Its task holds the whole train split, x = train[:-1] and y = train[1:]
+(y[i] is the character after x[i]), and each step reads `data.batch_size` windows of it, x[s:s+T] and
+y[s:s+T] with T = data.seq_len, at starts drawn by `draw_windows` from the run's own generator (nanoGPT's
+get_batch; normexp/engines/common.py `minibatches`). Its held-out set is `data.n_val` windows of the val
+split at starts drawn from a generator seeded with VAL_SEED, whatever the run's seed: every run of a sweep
+with the same seq_len and n_val is scored on the same characters. Every position is scored.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from normexp.config import DataConfig, ModelConfig, sequence_shape
+from normexp.config import TEXT_TASKS, DataConfig, ModelConfig, sequence_shape
+
+VAL_SEED = 1_000_003  # the text task's held-out windows: one draw for every run, apart from the runs' seeds
 
 
 @dataclass(frozen=True)
 class Task:
-    x: torch.Tensor  # random_labels: (n_samples, width) float32; sequence tasks: (n_samples, T) int64 tokens
-    y: torch.Tensor  # random_labels: (n_samples,) class labels; sequence tasks: (n_samples, A) answer tokens
+    x: torch.Tensor  # random_labels: (n_samples, width) float32; sequence tasks: (n_samples, T) int64 tokens;
+    # the text task: (n - 1,) int64, its train split but the last character
+    y: torch.Tensor  # random_labels: (n_samples,) class labels; sequence tasks: (n_samples, A) answer tokens;
+    # the text task: (n - 1,), the train split but the first character
     positions: torch.Tensor | None = None  # (A,) input positions whose next token is an answer
     val_x: torch.Tensor | None = None  # the held-out split, shaped like x and y
     val_y: torch.Tensor | None = None
@@ -35,6 +48,8 @@ class Task:
 
 def make_task(data: DataConfig, model: ModelConfig) -> Task:
     """Draw the task from the global generator (random_labels: X first, then y, the article's order)."""
+    if data.task in TEXT_TASKS:
+        return make_text_task(data)
     if data.task != "random_labels":
         return make_sequence_task(data)
     x = torch.randn(data.n_samples, model.width)
@@ -100,3 +115,30 @@ def _modular_add(data: DataConfig, wanted: int) -> torch.Tensor:
     a, b = pair // p, pair % p
     plus, equals = torch.full_like(a, p), torch.full_like(a, p + 1)
     return torch.stack([a, plus, b, equals, (a + b) % p], dim=1)
+
+
+def make_text_task(data: DataConfig) -> Task:
+    """The text task: its train split whole, and n_val fixed windows of its val split (VAL_SEED)."""
+    train, val = _text_splits()
+    length = sequence_shape(data).seq_len - 1
+    held = torch.Generator().manual_seed(VAL_SEED)
+    val_x, val_y = draw_windows(val[:-1], val[1:], length, data.n_val, held)
+    return Task(train[:-1], train[1:], torch.arange(length), val_x, val_y)
+
+
+def draw_windows(x: torch.Tensor, y: torch.Tensor, length: int, count: int,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` windows of `length` tokens at random starts, (count, length) inputs and targets: nanoGPT's
+    get_batch, `ix = torch.randint(len(data) - block_size, (batch_size,))`, from `generator`."""
+    starts = torch.randint(len(x) - length + 1, (count,), generator=generator)
+    index = (starts[:, None] + torch.arange(length)).to(x.device)
+    return x[index], y[index]
+
+
+@functools.cache
+def _text_splits() -> tuple[torch.Tensor, torch.Tensor]:
+    """The shipped text's train and val splits as int64 token tensors (read once per process)."""
+    from normexp.corpus import load
+
+    corpus = load()
+    return torch.from_numpy(corpus.train.astype("int64")), torch.from_numpy(corpus.val.astype("int64"))

@@ -36,7 +36,7 @@ from normexp.analysis.gradnorm import (
     summarise_layer_gradnorm,
 )
 from normexp.config import NormConfig, NormKind, RunConfig, Sweep
-from normexp.engines.common import loss_and_acc, seeded_init, torch_threads
+from normexp.engines.common import init_batch, loss_and_acc, seeded_init, torch_threads
 from normexp.models.norms import GemmaRMSNorm, LlamaRMSNorm, make_norm
 
 # ----------------------------------------------------------------------------- gradients at init
@@ -84,10 +84,12 @@ def _mean_sq(x: torch.Tensor, d: int) -> float:
 
 def layer_gradnorm_at_init(cfg: RunConfig) -> list[dict[str, float | int | str]]:
     """Transformer: one row per layer, the gradient norms of its attention's output projection and its
-    FFN's fc2 weight after one full-batch forward and backward of the answer loss at init."""
+    FFN's fc2 weight after one full-batch forward and backward of the answer loss at init (a text task:
+    of its first minibatch)."""
     with torch_threads(cfg.train.threads):
         model, task = seeded_init(cfg)
-        loss, _ = loss_and_acc(model(task.x), task.y, task.positions)
+        x, y = init_batch(cfg, task)  # a text task: its first minibatch
+        loss, _ = loss_and_acc(model(x), y, task.positions)
         loss.backward()
     return [{"placement": cfg.norm.placement, "kind": cfg.norm.kind, "depth": cfg.model.depth, "seed": cfg.seed,
              "layer": i + 1, "attn_out_grad": layer.attn.branch.out.weight.grad.norm().item(),

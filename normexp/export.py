@@ -15,16 +15,11 @@ config key, the varying ones first, against the `final/` metrics), each run stat
 dashboard shows the grid's axes against final loss and trained. A re-export rewrites the same files (each
 run's wall times come from its done.json's modification time): the same bytes.
 
-MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store, which
-MLflow 3 keeps in maintenance mode and allows here): experiment = the sweep's name (or `--experiment`), one MLflow
-run per normexp run, named by its run id. Params: the flattened config (`optim.lr`, ...; null as "None"),
-metrics: the same names as TensorBoard's with their step, tags: `normexp.run_id`, `normexp.sweep`,
-`normexp.engine`, `normexp.status`, `normexp.trained`, `normexp.threads`, `normexp.device`,
-`normexp.config_hash`, `normexp.done_checksum` and `normexp.provenance.*` (commit, CPU, torch build,
-command). Re-exporting is idempotent: a run already exported with the same done.json checksum and verdict is
-left as it is; one whose result changed (a --force rerun) or whose verdict did (another report.trained_below)
-is deleted in MLflow and exported again. MLflow's SQL
-store keeps +-inf as +-1.79e308 (its documented limit); NaN stays NaN.
+MLflow (`--to mlflow URI`): normexp/export_mlflow.py, from the runs read here. A run exported before that
+no longer verifies has its export removed (TensorBoard: its event file), and named.
+
+A folder whose runs name a plug-in (a user's placement or kind) that cannot be imported here is refused
+before anything is written, naming the runs.
 """
 
 from __future__ import annotations
@@ -33,9 +28,10 @@ import contextlib
 import csv
 import hashlib
 import json
+import math
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +40,14 @@ from normexp.folder import (
     BLOCKS_FILE,
     DONE_FILE,
     METRICS_FILE,
+    SHARPNESS_FILE,
     folder_runs,
     inspect_run,
     read_sweep,
     run_id,
     trained_rule,
 )
-from normexp.registry import references_unchecked
+from normexp.registry import PluginError, is_plugin, load_plugin, references_unchecked
 
 TARGETS = ("tensorboard", "mlflow")
 EVENTS_FILE = "events.out.tfevents.normexp"  # a fixed name: a re-export replaces it
@@ -69,6 +66,7 @@ class ExportedRun:
     time_s: float  # done.json's modification time: the run's wall time in the exports
     checksum: str  # sha256 of done.json's bytes (which vouch for the other files): changes with the result
     threshold: float  # the folder's trained rule for this run (report.trained_below, else ln(C)/10)
+    sharpness: list[dict[str, float]] | None = None  # sharpness.csv's rows
 
     @property
     def trained(self) -> bool:
@@ -90,8 +88,41 @@ class ExportedRun:
             for column, value in row.items():
                 if column not in ("step", "block"):
                     series.setdefault(f"blocks/{column}/{int(row['block']):02d}", []).append((int(row["step"]), value))
+        for row in self.sharpness or []:  # nan (no preconditioned value at step 0, SGD) and inf (lr 0) left out
+            for column, value in row.items():
+                if column != "step" and math.isfinite(value):
+                    series.setdefault(f"sharpness/{column}", []).append((int(row["step"]), value))
         last = steps[-1] if steps else 0
         return {**series, **{f"final/{name}": [(last, value)] for name, value in self.final().items()}}
+
+
+@dataclass
+class ExportResult:
+    """What an export did: the run ids exported now, how many were there already unchanged, the earlier
+    exports it replaced (run id -> why) and those it removed because their run no longer verifies, and
+    the ids of the folder's runs not exported (missing, failed or corrupt)."""
+
+    exported: list[str]
+    kept: int = 0
+    replaced: dict[str, str] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+
+    def notes(self, run_dir: Path) -> list[str]:
+        """The lines that name what the export replaced or removed (none where it did neither)."""
+        lines = []
+        if self.replaced:
+            lines.append(f"replaced this folder's earlier export of {run_count(self.replaced)}: "
+                         + ", ".join(f"{rid} ({why})" for rid, why in self.replaced.items()))
+        if self.dropped:
+            lines.append(f"removed this folder's earlier export of {run_count(self.dropped)} that no longer "
+                         f"verif{'ies' if len(self.dropped) == 1 else 'y'}: {', '.join(self.dropped)} "
+                         f"(normexp verify {shlex.quote(str(run_dir))})")
+        return lines
+
+
+def run_count(ids: Any) -> str:
+    return f"{len(ids)} run{'s' if len(ids) != 1 else ''}"
 
 
 def _columns(path: Path) -> list[dict[str, float]]:
@@ -102,34 +133,70 @@ def _columns(path: Path) -> list[dict[str, float]]:
 def read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
     """The sweep's name and every run of `run_dir` verified finished, in the folder's order. A user's
     placement or kind is read as written, never imported."""
+    name, runs, _ = read_folder(run_dir)
+    return name, runs
+
+
+def read_folder(run_dir: Path) -> tuple[str, list[ExportedRun], list[str]]:
+    """`read_runs`, and the ids of the folder's runs that are not verified finished (missing, failed,
+    corrupt). ConfigError, before anything is written, where runs name a placement or kind of a
+    plug-in that cannot be imported here (`plugin_problems`)."""
     with references_unchecked():
-        return _read_runs(run_dir)
+        sweep = read_sweep(run_dir)
+        configs = folder_runs(run_dir, sweep)
+    problems = plugin_problems(configs)
+    if problems:
+        raise ConfigError(f"{run_dir}: not exported, nothing written: " + "; ".join(problems)
+                          + "; install the plug-in's package (on PYTHONPATH) and export again")
+    with references_unchecked():
+        return (sweep.name, *_read_runs(run_dir, configs))
 
 
-def _read_runs(run_dir: Path) -> tuple[str, list[ExportedRun]]:
-    sweep = read_sweep(run_dir)
+def plugin_problems(configs: list[RunConfig]) -> list[str]:
+    """Per plug-in (a user's placement or kind, by reference) that cannot be imported here: which runs
+    name it and why. An export names each run's placement and kind as they trained; one whose code is
+    not here cannot be told from a typo, nor exported as what it is."""
+    users: dict[str, list[str]] = {}
+    for cfg in configs:
+        for ref in dict.fromkeys((cfg.norm.placement, cfg.norm.kind)):
+            if is_plugin(ref):
+                users.setdefault(ref, []).append(run_id(cfg))
+    problems = []
+    for ref, ids in users.items():
+        try:
+            load_plugin(ref)
+        except PluginError as exc:
+            shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+            problems.append(f"{run_count(ids)} ({shown}) use{'s' if len(ids) == 1 else ''} the plug-in {ref}, "
+                            f"which is not installed ({exc})")
+    return problems
+
+
+def _read_runs(run_dir: Path, configs: list[RunConfig]) -> tuple[list[ExportedRun], list[str]]:
     rule = trained_rule(run_dir)  # summary.csv's: each run is judged as its `trained` column judges it
-    runs = []
-    for cfg in folder_runs(run_dir, sweep):
+    runs, left = [], []
+    for cfg in configs:
         rid = run_id(cfg)
         state = inspect_run(run_dir / rid, cfg)
         if not state.finished:
+            left.append(rid)
             continue
         rows = _columns(run_dir / rid / METRICS_FILE)
         metrics = {name: [row[name] for row in rows] for name in (rows[0] if rows else {"step": 0})}
-        blocks = _columns(run_dir / rid / BLOCKS_FILE) if (run_dir / rid / BLOCKS_FILE).is_file() else None
+        blocks, sharpness = (_columns(run_dir / rid / name) if (run_dir / rid / name).is_file() else None
+                             for name in (BLOCKS_FILE, SHARPNESS_FILE))
         done_bytes = (run_dir / rid / DONE_FILE).read_bytes()
         runs.append(ExportedRun(rid, cfg, state.done or {}, metrics, blocks,
                                 os.stat(run_dir / rid / DONE_FILE).st_mtime, hashlib.sha256(done_bytes).hexdigest(),
-                                rule if rule is not None else trained_threshold(chance_classes(cfg))))
-    return sweep.name, runs
+                                rule if rule is not None else trained_threshold(chance_classes(cfg)), sharpness))
+    return runs, left
 
 
-def _missing(target: str, package: str) -> ConfigError:
+def missing_extra(target: str, package: str) -> ConfigError:
     return ConfigError(f"--to {target} needs {package}, which is not installed: pip install 'normexp[{target}]'")
 
 
-def _hparam_value(value: Any) -> Any:
+def hparam_value(value: Any) -> Any:
     """A config value as the HParams plugin and MLflow show it: bools, numbers and strings as they are,
     null as "None", a list as its JSON."""
     if value is None:
@@ -143,20 +210,21 @@ def varying_first(runs: list[ExportedRun]) -> list[str]:
     """Config keys, those whose value varies across `runs` first (the grid's axes, seed last of them)."""
     flats = [flatten(r.cfg) for r in runs]
     keys = list(flats[0]) if flats else []
-    varying = [k for k in keys if len({json.dumps(_hparam_value(f[k])) for f in flats}) > 1]
+    varying = [k for k in keys if len({json.dumps(hparam_value(f[k])) for f in flats}) > 1]
     return varying + [k for k in keys if k not in varying]
 
 
 # ----------------------------------------------------------------------------- TensorBoard
 
 
-def to_tensorboard(run_dir: Path, out_dir: Path) -> list[str]:
-    """Write the TensorBoard export of `run_dir` into `out_dir` (see the module docstring); the run ids."""
-    _, runs = read_runs(Path(run_dir))
+def to_tensorboard(run_dir: Path, out_dir: Path) -> ExportResult:
+    """Write the TensorBoard export of `run_dir` into `out_dir` (see the module docstring). The event file
+    an earlier export wrote for a run that no longer verifies is removed."""
+    _, runs, left = read_folder(Path(run_dir))
     try:
         from tensorboard.compat.proto.event_pb2 import Event  # noqa: F401 - checks the package is there
     except ImportError:
-        raise _missing("tensorboard", "tensorboard") from None
+        raise missing_extra("tensorboard", "tensorboard") from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = varying_first(runs)
@@ -171,7 +239,15 @@ def to_tensorboard(run_dir: Path, out_dir: Path) -> list[str]:
             events += [(step, _scalar(name, value)) for step, value in points]
         events.sort(key=lambda e: e[0])  # by step, each scalar's points in order
         _write_events(out_dir / run.run_id / EVENTS_FILE, run.time_s, events)
-    return [r.run_id for r in runs]
+    dropped = []
+    for rid in left:  # exported before, and no longer verified finished: its copy goes, the folder is its truth
+        stale = out_dir / rid / EVENTS_FILE
+        if stale.is_file():
+            stale.unlink()
+            with contextlib.suppress(OSError):
+                (out_dir / rid).rmdir()  # only if nothing of the user's is in it
+            dropped.append(rid)
+    return ExportResult([r.run_id for r in runs], dropped=dropped, left=left)
 
 
 def _hparam_kinds(runs: list[ExportedRun], keys: list[str]) -> dict[str, str]:
@@ -179,7 +255,7 @@ def _hparam_kinds(runs: list[ExportedRun], keys: list[str]) -> dict[str, str]:
     flats = [flatten(r.cfg) for r in runs]
     kinds = {}
     for key in keys:
-        values = [_hparam_value(f[key]) for f in flats]
+        values = [hparam_value(f[key]) for f in flats]
         if all(isinstance(v, bool) for v in values):
             kinds[key] = "bool"
         elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
@@ -190,7 +266,7 @@ def _hparam_kinds(runs: list[ExportedRun], keys: list[str]) -> dict[str, str]:
 
 
 def _typed(value: Any, kind: str) -> Any:
-    value = _hparam_value(value)
+    value = hparam_value(value)
     return value if kind != "string" or isinstance(value, str) else json.dumps(value)
 
 
@@ -253,80 +329,3 @@ def _write_events(path: Path, time_s: float, events: list[tuple[int, Any]]) -> N
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-# ----------------------------------------------------------------------------- MLflow
-
-MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call (params: 100)
-
-
-def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None) -> tuple[list[str], int]:
-    """Export `run_dir` into the MLflow tracking store at `uri` (see the module docstring). Returns the
-    run ids exported now and how many were already there, unchanged."""
-    name, runs = read_runs(Path(run_dir))
-    try:
-        from mlflow.tracking import MlflowClient
-    except ImportError:
-        raise _missing("mlflow", "mlflow (or mlflow-skinny)") from None
-    with _file_store_allowed(uri):
-        return _export_mlflow(MlflowClient(tracking_uri=uri), name, runs, experiment)
-
-
-@contextlib.contextmanager
-def _file_store_allowed(uri: str) -> Iterator[None]:
-    """MLflow 3 refuses a local file store (`file:` or a path) unless MLFLOW_ALLOW_FILE_STORE is set: asked
-    for by name here, it is allowed while the export runs."""
-    local = uri.startswith("file:") or "://" not in uri
-    before = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
-    if local and before is None:
-        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
-    try:
-        yield
-    finally:
-        if local and before is None:
-            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
-
-
-def _export_mlflow(client, name: str, runs: list[ExportedRun], experiment: str | None) -> tuple[list[str], int]:
-    from mlflow.entities import Metric, Param, RunTag
-
-    found = client.get_experiment_by_name(experiment or name)
-    exp_id = found.experiment_id if found is not None else client.create_experiment(experiment or name)
-    exported, kept = [], 0
-    for run in runs:
-        checksum = run.checksum
-        earlier = client.search_runs([exp_id], f"tags.`normexp.run_id` = '{run.run_id}'")
-        if any(r.data.tags.get("normexp.done_checksum") == checksum
-               and r.data.tags.get("normexp.trained") == str(run.trained).lower() for r in earlier):
-            kept += 1
-            continue
-        for old in earlier:  # the run's result changed since: its old MLflow run goes
-            client.delete_run(old.info.run_id)
-        time_ms = int(run.time_s * 1000)
-        created = client.create_run(exp_id, start_time=time_ms - int(1000 * float(run.done.get("wall_s", 0))),
-                                    tags={"mlflow.runName": run.run_id}, run_name=run.run_id)
-        rid = created.info.run_id
-        flat = flatten(run.cfg)
-        params = [Param(k, str(_hparam_value(flat[k]))) for k in varying_first(runs)]
-        metrics = [Metric(key, float(value), time_ms, step) for key, points in run.scalars().items()
-                   for step, value in points]
-        for i in range(0, len(params), 100):
-            client.log_batch(rid, params=params[i:i + 100])
-        for i in range(0, len(metrics), MLFLOW_BATCH):
-            client.log_batch(rid, metrics=metrics[i:i + MLFLOW_BATCH])
-        client.log_batch(rid, tags=[RunTag(k, v) for k, v in _tags(run, name, checksum).items()])
-        client.set_terminated(rid, "FINISHED", end_time=time_ms)
-        exported.append(run.run_id)
-    return exported, kept
-
-
-def _tags(run: ExportedRun, sweep: str, checksum: str) -> dict[str, str]:
-    done = run.done
-    tags = {"normexp.run_id": run.run_id, "normexp.sweep": sweep, "normexp.engine": str(done.get("engine", "")),
-            "normexp.status": str(done.get("status", "")), "normexp.trained": str(run.trained).lower(),
-            "normexp.threads": str(done.get("threads", "")), "normexp.device": str(done.get("device", "")),
-            "normexp.config_hash": str(done.get("config_hash", "")), "normexp.done_checksum": checksum}
-    for key, value in (done.get("provenance") or {}).items():
-        text = value if isinstance(value, str) else json.dumps(value)
-        tags[f"normexp.provenance.{key}"] = text[:5000]  # MLflow's tag value limit is 8000
-    return tags

@@ -32,6 +32,7 @@ from normexp.folder import (
     DONE_FILE,
     HISTORY_FILE,
     METRICS_FILE,
+    SHARPNESS_FILE,
     SUMMARY_FILE,
     SWEEP_FILE,
     StoreError,
@@ -54,7 +55,8 @@ from normexp.folder import (
 from normexp.registry import references_unchecked
 from normexp.verify import Verification, verify_sweep
 
-RESULT_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE)  # what must be equal for two copies to be one run
+# what must be equal for two copies to be one run
+RESULT_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, SHARPNESS_FILE)
 COPIED_FILES = (*RESULT_FILES, DONE_FILE)
 
 

@@ -18,7 +18,7 @@ whenever no warmup or decay applies, so a constant schedule leaves `optim.lr` un
 The optimizer controls (docs/configs.md, "Optimizer and schedule controls"; their sources in
 docs/sources.md) live here too, each off by default: gradient clipping before the update
 (`clip_grad_norms_` for optim.clip_norm, `adaptive_clip_` for optim.agc), Adam-2k's frozen updates and
-GI-Adam's first second moment (`StackedOptimizer._adam`), AdamW's independent decay (`_decoupled_rate`),
+GI-Adam's first second moment (`StackedOptimizer._adam`), AdamW's independent decay (`decoupled_rate`),
 the RAdam authors' own class (`OfficialRAdam`).
 """
 
@@ -254,7 +254,7 @@ class SharedOptimizer:
 
 
 
-def _decoupled_rate(optim: OptimConfig) -> float:
+def decoupled_rate(optim: OptimConfig) -> float:
     """AdamW's weight decay per unit of learning rate: weight_decay; with optim.independent_weight_decay,
     weight_decay / optim.lr, so that an update at lr_t decays by weight_decay * lr_t / lr, the schedule's
     multiplier and not the lr (google-deepmind/nanodo optimizer.py: `weight_decay / peak_learning_rate`
@@ -269,7 +269,7 @@ class StackedOptimizer:
     into a multiply-add (`add(alpha=)`, `addcmul(value=)`) become `addcmul` with a tensor factor, the
     same fused multiply-add. Parameters are processed one stacked tensor at a time, which keeps each
     tensor's chain of element-wise ops in cache. Adam's controls: optim.v_only_steps and optim.v0 (shared
-    by a batch, `stacked_structure`), optim.independent_weight_decay (per run, `_decoupled_rate`)."""
+    by a batch, `stacked_structure`), optim.independent_weight_decay (per run, `decoupled_rate`)."""
 
     def __init__(self, params: list[torch.Tensor], runs: Sequence[RunConfig]) -> None:
         self.params, self.name, self.steps = params, runs[0].optim.name, 0
@@ -296,7 +296,7 @@ class StackedOptimizer:
                               momentum=[o.momentum for o in optim])
         return RunScalars(
             decay=[o.weight_decay for o in optim],
-            decoupled=[1 - lr * _decoupled_rate(o) for lr, o in zip(lrs, optim)],
+            decoupled=[1 - lr * decoupled_rate(o) for lr, o in zip(lrs, optim)],
             one_minus_beta1=[1 - o.betas[0] for o in optim],
             beta2=[o.betas[1] for o in optim],
             one_minus_beta2=[1 - o.betas[1] for o in optim],

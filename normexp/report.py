@@ -21,13 +21,13 @@ import csv
 import io
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from normexp.analysis.finals import LIMIT, TRAINED, variant_finals
+from normexp.analysis.finals import LIMIT, TRAINED, hold_stopped, variant_finals
 from normexp.analysis.variants import (
     CHOICE_KEYS,
     PLACEMENT_LABELS,
@@ -76,8 +76,9 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
 
 
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
-                "or are missing (named below). A run that ended before a step (a shorter train.steps, or stopped "
-                "early by train.stop_when) counts in no cell past its last step.")
+                "or are missing (named below). A run that ended before a step (a shorter train.steps) counts in no "
+                "cell past its last step; a run that train.stop_when stopped early (and did not diverge) is not among "
+                "them: it holds its last value in every later cell of its train.steps.")
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,13 @@ class Report:
     pooled: tuple[str, ...] = ()  # varying keys (not the seed) that no column separates: pooled in each cell
     keys: tuple[str, ...] = ()  # the column keys
     stopped: str = ""  # `stopped_note`: the runs train.stop_when stopped early, or ""
+    rule_from: str = "report.trained_below"  # where trained_below was set: the sweep, or --trained-below
+    transposed: bool | None = None  # variants down, steps across; None: past WIDE variants (`fit_report` sets it)
+    fit: str = ""  # `fit_report`'s line: which steps it left out to fit the terminal, or what would fit
+
+    @property
+    def is_transposed(self) -> bool:
+        return len(self.columns) > WIDE if self.transposed is None else self.transposed
 
     def cell(self, column: Column, step: int) -> str:
         """The cell's aggregate; a mean over fewer than the column's runs says "(k of n)" with n every
@@ -129,7 +137,7 @@ class Report:
 
     @property
     def rule(self) -> str:
-        return rule_text(self.n_classes, self.trained_below)
+        return rule_text(self.n_classes, self.trained_below, self.rule_from)
 
     def verdict_line(self, full: bool = False) -> str:
         """Which columns trained: their names (`full`, or at most WIDE columns), else counts per group
@@ -205,7 +213,7 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
     folder = as_folder(source)
     run_dir, section = folder.path, folder.sweep.report
     summary = folder.view(only_last)
-    tidy = folder.metrics(all_config=True, only_last=only_last)
+    tidy = hold_stopped(folder.metrics(all_config=True, only_last=only_last))  # a stopped run holds its value
     varying = [k for k in varying_keys(summary) if k != "seed"]
     if by:
         keys = list(by)
@@ -236,7 +244,16 @@ def build_report(source: str | Path | Folder, steps: Sequence[int] | None = None
                for label, group, finals in variant_finals(read, keys, rule)]
     title = _title(summary, metric, pooled) + mixed_note(summary) + _about(folder.sweep)
     return Report(title, metric, steps, columns, n_classes, missing_note(summary, run_dir), engine_note(summary, keys),
-                  rule, pooled, tuple(keys), stopped=stopped_note(summary))
+                  rule, pooled, tuple(keys), stopped=stopped_note(summary),
+                  rule_from="--trained-below" if trained_below is not None else "report.trained_below")
+
+
+def sweep_report(run_dir: str | Path | Folder) -> Report:
+    """What `normexp sweep` prints once its runs are done: the table of the grid it ran (the latest sweep's
+    runs, as `report --only-last`), whatever else the folder holds. Runs of earlier invocations in the same
+    folder (the README's "change an axis" example run into the default folder) would add a column key and
+    turn the article's table into another; `report DIR` shows them all."""
+    return build_report(run_dir, only_last=True)
 
 
 def _about(sweep: Sweep) -> str:
@@ -294,7 +311,7 @@ def _seeds(summary: pd.DataFrame, pooled: Sequence[str] = ()) -> str:
 def grid_cells(report: Report) -> tuple[list[str], list[list[str]]]:
     """The table as a header and rows: the article's layout (steps down, variants across), or, past
     `WIDE` variants, transposed (variants down, with their verdict; steps across) so it stays readable."""
-    if len(report.columns) <= WIDE:
+    if not report.is_transposed:
         header = ["step", *(c.label for c in report.columns)]
         rows = [[str(step), *(report.cell(c, step) for c in report.columns)] for step in report.steps]
         return header, rows
@@ -310,7 +327,7 @@ def grid_cells(report: Report) -> tuple[list[str], list[list[str]]]:
 
 def _grid_align(report: Report, n_columns: int) -> str:
     """Numbers right-aligned; the variant names of a transposed table left-aligned."""
-    return ("l" if len(report.columns) > WIDE else "r") + "r" * (n_columns - 1)
+    return ("l" if report.is_transposed else "r") + "r" * (n_columns - 1)
 
 
 def to_rich(report: Report, full: bool = False):  # -> rich.console.Group (rich is imported lazily)
@@ -321,6 +338,8 @@ def to_rich(report: Report, full: bool = False):  # -> rich.console.Group (rich 
     header, rows = grid_cells(report)
     table = rich_table(header, rows, _grid_align(report, len(header)))
     parts = [Text(report.title, style="bold"), table]
+    if report.fit:
+        parts.append(Text(report.fit, style="italic"))
     if report.partial:
         parts.append(Text(PARTIAL_NOTE))
     if report.metric == "loss":
@@ -338,6 +357,8 @@ def to_markdown(report: Report, full: bool = False) -> str:
     header, rows = grid_cells(report)
     title, *notes = report.title.split("\n")  # the sweep's notes follow its title line
     lines = [f"**{title}**", *notes, "", *markdown_table(header, rows, _grid_align(report, len(header)))]
+    if report.fit:
+        lines += ["", f"_{report.fit}_"]
     if report.partial:
         lines += ["", PARTIAL_NOTE]
     if report.metric == "loss":
@@ -370,6 +391,66 @@ def to_csv(report: Report) -> str:
                                  csv_number(std), n, runs, column.trained, column.diverged, report.verdict(column),
                                  csv_number(column.threshold), pooled])
     return buffer.getvalue()
+
+
+def spread_steps(steps: Sequence[int], count: int) -> list[int]:
+    """`count` of `steps` (sorted), evenly spread, the first and the last always among them."""
+    steps = sorted(steps)
+    if count >= len(steps):
+        return steps
+    if count <= 1:
+        return steps[-1:]
+    picked = {steps[round(i * (len(steps) - 1) / (count - 1))] for i in range(count)}
+    return sorted(picked)
+
+
+def table_width(report: Report) -> int:
+    """How many terminal columns `to_rich`'s table takes with no cell wrapped (rich is imported lazily)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    header, rows = grid_cells(report)
+    console = Console(width=1_000_000, highlight=False, markup=False, emoji=False)
+    table = rich_table(header, rows, _grid_align(report, len(header)))
+    return Measurement.get(console, console.options, table).maximum
+
+
+def fit_report(report: Report, width: int) -> Report:
+    """The report as it fits `width` terminal columns with every cell on one line: as it is where it does;
+    else variants down and steps across (the transposed layout), with as many of its steps as fit, the first
+    and the last always shown, and a line naming the steps left out and the --steps that shows them. Where
+    not even two steps fit, the report as it is, with a line suggesting the narrower views (--pivot,
+    --steps, --by). Only for a terminal: off one, nothing is cut (the commands print the whole table)."""
+    if table_width(report) <= width:
+        return report
+    steps = list(report.steps)
+    best = None
+    for count in range(len(steps), 1, -1):
+        shown = spread_steps(steps, count)
+        candidate = replace(report, steps=shown, transposed=True)
+        if table_width(candidate) <= width:
+            best = candidate
+            break
+    if best is None:
+        return replace(report, fit=f"the table is wider than this terminal ({table_width(report)} > {width} "
+                                    f"columns): {_narrower(report, '--steps S1,S2 fewer steps, ')}"
+                                    "--format markdown the whole table")
+    left = [s for s in steps if s not in best.steps]
+    said = (f"steps {', '.join(map(str, left))} left out to fit {width} columns: --steps "
+            f"{','.join(map(str, steps))} shows them" if left else f"variants down to fit {width} columns")
+    pivot = _narrower(report)
+    return replace(best, fit=said + (f", {pivot.rstrip(', ')}" if pivot else ""))
+
+
+def _narrower(report: Report, steps: str = "") -> str:
+    """'--pivot optim.lr,schedule.warmup_steps the final loss by learning rate and warmup steps, ': a pivot
+    of two column keys, numbers first (a phase diagram's axes), where two vary."""
+    keys = [k for k in report.keys if k != "sweep"]
+    numeric = [k for k in keys if all(_sort_value(c.values[k])[0] == 1 for c in report.columns)]
+    keys = [*numeric, *(k for k in keys if k not in numeric)][:2]
+    pivot = (f"--pivot {keys[0]},{keys[1]} the final loss by {axis_label(keys[0])} and {axis_label(keys[1])}, "
+             if len(keys) == 2 else "")
+    return pivot + steps
 
 
 # ----------------------------------------------------------------------------- final-loss pivot
@@ -406,14 +487,38 @@ def build_pivot(source: str | Path | Folder, rows: str, cols: str) -> Pivot:
     planned["final_loss"] = loss.where(loss.map(math.isfinite) & planned.index.isin(finished.index))
     planned["lost"] = (~planned.index.isin(finished.index)).astype(int)
     others = [k for k in varying_keys(summary) if k not in ("seed", rows, cols)]
+    # a sampled key's values come in the order they were drawn: its rows, columns and panels go by value
+    sampled = {k for _, one in getattr(folder, "folders", None) or [("", folder)] for k in one.sweep.sampled_keys}
     panels, lost = [], []
-    for title, group in variant_groups(planned, others):
+    groups = variant_groups(planned, others)
+    if sampled & set(others):
+        groups.sort(key=lambda item: tuple(_sort_value(v) for v in item[1][others].iloc[0]))
+    for title, group in groups:
         cells = group.groupby([rows, cols], sort=False, dropna=False)
         stats = cells["final_loss"].agg(["mean", "std", "count", "size"])
-        mean, std, n, runs = (stats[c].unstack(cols) for c in ("mean", "std", "count", "size"))
+        mean, std, n, runs = (_by_value(stats[c].unstack(cols), rows in sampled, cols in sampled)
+                              for c in ("mean", "std", "count", "size"))
         panels.append((title, mean, std, n.fillna(0), runs.fillna(0)))  # std: nan below 2 finite runs
         lost.append(cells["lost"].sum().unstack(cols).reindex_like(mean).fillna(0))
     return Pivot(rows, cols, panels, lost, missing_note(summary, run_dir), engine_note(summary, [*others, rows, cols]))
+
+
+def _sort_value(value: object) -> tuple:
+    """A value's place among a key's values: numbers by value (null first), anything else by its text."""
+    if is_null(value):
+        return (0, 0.0, "")
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        return (1, float(value), "")
+    return (2, 0.0, str(value))
+
+
+def _by_value(table: pd.DataFrame, rows: bool, cols: bool) -> pd.DataFrame:
+    """`table` with its rows (and columns) in order of value where they are a sampled key's."""
+    if rows:
+        table = table.iloc[sorted(range(len(table.index)), key=lambda i: _sort_value(table.index[i]))]
+    if cols:
+        table = table.iloc[:, sorted(range(len(table.columns)), key=lambda i: _sort_value(table.columns[i]))]
+    return table
 
 
 def _count(value: float) -> int:

@@ -4,6 +4,7 @@
     df = load_metrics("runs/warmup")          # one row per run and recorded step
     df.groupby(["norm.placement", "norm.kind", "step"]).loss.mean()
     blocks = load_blocks("runs/blocks")       # one row per run, logged step and block (train.log_blocks)
+    sharp = load_sharpness("runs/sharp")      # one row per run and measured step (train.log_sharpness)
 
 Floats are read with round-trip precision, so losses compare bit for bit with the training run.
 This module imports pandas but never torch.
@@ -33,10 +34,12 @@ from normexp.folder import (
     BLOCKS_FILE,
     FINISHED_STATUSES,
     METRICS_FILE,
+    SHARPNESS_FILE,
     RunState,
     StoreError,
     cached_statuses,
     folder_run_ids,
+    lock_owner,
     read_sweep,
     rows_csv,
     summary_rows,
@@ -84,6 +87,17 @@ class Folder:
         if key not in self._tables:
             self._tables[key] = _blocks(self.path, self.summary, all_config)
         return _copy(self._tables[key])
+
+    def sharpness(self, all_config: bool = False) -> pd.DataFrame:
+        """`load_sharpness` of this folder (a copy)."""
+        key = (SHARPNESS_FILE, all_config, False)
+        if key not in self._tables:
+            self._tables[key] = _sharpness(self.path, self.summary, all_config)
+        return _copy(self._tables[key])
+
+    def has_sharpness(self) -> bool:
+        """Whether any finished run of this folder measured sharpness (train.log_sharpness)."""
+        return not _sharpness_runs(self.summary).empty
 
     def trained_rule(self, trained_below: float | None = None) -> float | None:
         """The trained rule a command judges by: `trained_below` (--trained-below) where given, else the
@@ -179,6 +193,11 @@ def missing_note(summary: pd.DataFrame, run_dir: str | Path) -> str:
     folders = summary.attrs.get("folders")  # several sweeps (normexp.compare): the folders that hold them
     where = ([folders[name] for name in dict.fromkeys(rid.split("/", 1)[0] for rid in missing) if name in folders]
              if folders else [str(run_dir)])
+    writing = [path for path in where if lock_owner(Path(path)) is not None]
+    if writing:  # its runs are pending, not lost; verify would refuse the folder while the sweep holds it
+        named = [entry.replace(" (missing)", " (pending)") for entry in named]
+        return (f"{len(missing)} {runs} not counted yet: pending, the sweep is still writing "
+                f"{', '.join(writing)}: {', '.join(named)}{more}{why} (report again when it has finished)")
     verify = ", ".join(f"normexp verify {shlex.quote(path)}" for path in where)
     return f"{len(missing)} {runs} missing, failed or corrupt, not counted: {', '.join(named)}{more}{why} ({verify})"
 
@@ -224,10 +243,40 @@ def _blocks(run_dir: Path, summary: pd.DataFrame, all_config: bool) -> pd.DataFr
     return _attach(run_dir, summary, finished, BLOCKS_FILE, all_config)
 
 
+def load_sharpness(run_dir: str | Path | Folder, all_config: bool = False) -> pd.DataFrame:
+    """Every finished run's sharpness.csv (runs with `train.log_sharpness`), tidy like `load_metrics`: one
+    row per (run, measured step) with the same config columns, then step, lambda_max, precond_lambda_max,
+    lr, threshold_gd, threshold_adam (see normexp/sharpness.py; nan and inf read back as floats)."""
+    return as_folder(run_dir).sharpness(all_config)
+
+
+def _sharpness_runs(summary: pd.DataFrame) -> pd.DataFrame:
+    finished = finished_runs(summary)
+    if "train.log_sharpness" not in finished:  # a folder written before sharpness was measured
+        return finished.iloc[:0]
+    return finished[pd.to_numeric(finished["train.log_sharpness"], errors="coerce").notna()]
+
+
+def _sharpness(run_dir: Path, summary: pd.DataFrame, all_config: bool) -> pd.DataFrame:
+    finished = _sharpness_runs(summary)
+    if finished.empty:
+        raise ResultsError(f"{run_dir}: no finished run measured sharpness (set train.log_sharpness: K)")
+    for run in finished["run_id"]:
+        if not (Path(run_dir) / run / SHARPNESS_FILE).is_file():
+            raise ResultsError(f"{run_dir}/{run}: {SHARPNESS_FILE} is missing; rerun the sweep with --force")
+    return _attach(run_dir, summary, finished, SHARPNESS_FILE, all_config)
+
+
+METRIC_RECORDED_BY = {"val_loss": "val_loss and val_acc: sequence tasks only",
+                      "val_acc": "val_loss and val_acc: sequence tasks only",
+                      "z_loss": "z_loss: Transformer runs with train.z_loss above 0 only"}  # which runs record it
+
+
 def check_metric(tidy: pd.DataFrame, metric: str) -> None:
-    """Refuse a metric the runs did not record (the held-out columns exist for sequence tasks only)."""
+    """Refuse a metric the runs did not record, saying which runs record it (METRIC_RECORDED_BY)."""
     if metric not in tidy:
-        raise ResultsError(f"--metric {metric}: not recorded by these runs (val_loss and val_acc: sequence tasks only)")
+        why = METRIC_RECORDED_BY.get(metric)
+        raise ResultsError(f"--metric {metric}: not recorded by these runs" + (f" ({why})" if why else ""))
 
 
 def _attach(run_dir: str | Path, summary: pd.DataFrame, finished: pd.DataFrame, file: str,

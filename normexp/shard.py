@@ -33,13 +33,16 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def shard_runs(runs: Sequence[RunConfig], engine: str, index: int, count: int) -> list[RunConfig]:
+def shard_runs(runs: Sequence[RunConfig], engine: str, index: int, count: int,
+               compile: bool | None = None) -> list[RunConfig]:
     """The runs of shard `index` of `count`, in the sweep's order (see the module docstring). `engine`:
-    the sweep's (auto plans as batched)."""
+    the sweep's (auto plans as batched); `compile`: its --compile/--no-compile (None: decided per structure,
+    as the sweep decides it), so that a compiled fast sweep is dealt out by the compiled batches it trains
+    (COMPILED_CHUNK runs), not by the larger uncompiled ones."""
     from normexp.units import plan_units
 
     engine = engine if engine in ("reference", "fast") else "batched"
-    units = plan_units(runs, engine, "cpu", 1, compile=False, planned=runs)
+    units = plan_units(runs, engine, "cpu", 1, compile=compile, planned=runs)
     cost = [sum(c["train"]["steps"] + 1 for c in unit.configs) for unit in units]
     # the least loaded shard, ties to the lowest index, from a heap: bounded time whatever N (past one shard
     # per unit the others get nothing: every cost is > 0, so a unit always goes to an empty shard first)

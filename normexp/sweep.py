@@ -165,7 +165,7 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     if options.shard is not None:
         from normexp.shard import shard_runs
 
-        runs = shard_runs(sweep.runs, options.engine, *options.shard)
+        runs = shard_runs(sweep.runs, options.engine, *options.shard, compile=options.compile)
     outcome = SweepOutcome(out_dir, len(runs), command=invocation.command)
     emit = on_event or (lambda event: None)
     workers = options.workers

@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Sequence
 
+from normexp.analysis.anova import COLUMNS as ANOVA_COLUMNS
 from normexp.analysis.variants import PLACEMENT_LABELS
 
 
@@ -286,7 +287,54 @@ def verification_to_rich(result):  # result: normexp.verify.Verification -> rich
         parts.append(Text("clean" + (" after the fixes above" if result.fixed and rows else ""), style="bold"))
     else:
         left = f"{result.remaining} problem{'s' if result.remaining != 1 else ''}"
-        hint = (f"rerun the sweep (normexp sweep {result.out_dir / 'sweep.yaml'} --out {result.out_dir})"
-                if result.fixed else f"normexp verify {result.out_dir} --fix")
-        parts.append(Text(f"{left} {'left' if result.fixed else 'found'}: {hint}", style="bold"))
+        parts.append(Text(f"{left} {'left' if result.fixed else 'found'}: {result.next_step}", style="bold"))
     return Group(*parts)
+
+
+
+ANOVA_HEADER = list(ANOVA_COLUMNS)  # term, df, sum_sq, mean_sq, F, p, share
+
+
+def anova_cells(result) -> list[list[str]]:  # result: normexp.analysis.anova.Anova
+    """The 'what mattered' table's rows as text: df whole, sums of squares and F to 4 digits, p to 2 (below
+    1e-16: '< 1e-16'), the share of the variance in percent; an undefined value (the residual's F) '—'."""
+    def text(value: float, spec: str) -> str:
+        return "—" if math.isnan(value) else format(value, spec)
+
+    rows = []
+    for r in result.table.itertuples(index=False):
+        p = "—" if math.isnan(r.p) else "< 1e-16" if r.p < 1e-16 else f"{r.p:.2g}"
+        rows.append([r.term, f"{r.df:.0f}", text(r.sum_sq, ".4g"), text(r.mean_sq, ".4g"), text(r.F, ".4g"), p,
+                     "—" if math.isnan(r.share) else f"{100 * r.share:.1f}%"])
+    return rows
+
+
+def anova_title(result) -> str:
+    seeds = (f"{result.replicates} runs per cell (seeds as replicates)" if result.replicates > 1
+             else "one run per cell" if result.replicates == 1 else "unbalanced")
+    return (f"what mattered: type-II ANOVA of the final {result.metric} on {', '.join(result.factors)} "
+            f"(main effects and two-way interactions; {result.n_runs} runs, {seeds})")
+
+
+def anova_to_rich(result):  # -> rich.console.Group
+    from rich.console import Group
+    from rich.text import Text
+
+    table = rich_table(ANOVA_HEADER, anova_cells(result), "lrrrrrr", title=anova_title(result))
+    return Group(table, *(Text(note) for note in result.notes))
+
+
+def anova_to_markdown(result) -> str:
+    lines = [f"**{anova_title(result)}**", "", *markdown_table(ANOVA_HEADER, anova_cells(result), "lrrrrrr")]
+    return "\n".join(lines + ([""] + [f"- {note}" for note in result.notes] if result.notes else [])) + "\n"
+
+
+def anova_to_csv(result) -> str:
+    """Exactly the columns term, df, sum_sq, mean_sq, F, p, share (numbers as repr, an undefined one empty);
+    the notes are not part of it (the command says them on stderr)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(ANOVA_HEADER)
+    for r in result.table.itertuples(index=False):
+        writer.writerow([r.term, *(csv_number(v) for v in (r.df, r.sum_sq, r.mean_sq, r.F, r.p, r.share))])
+    return buffer.getvalue()

@@ -164,8 +164,15 @@ class AutoPlan:
         batched = sum(len(m.batched.configs) for m in self._measuring.values())
         pairs = " in pairs" if all(m.paired for m in self._measuring.values()) else ""
         return (f"engine auto: measuring which exact engine is faster here on this sweep's first runs ({reference} "
-                f"on the reference{pairs}, {batched} batched, for {shapes} shape{'s' * (shapes > 1)}; each is a "
-                f"result), then the rest on the faster")
+                f"on the reference{pairs}, {batched} batched, for {shapes} shape{'s' * (shapes > 1)}: "
+                f"{_seconds(self._measured_seconds())} of runs, each kept as a result), then the rest on the faster")
+
+    def _measured_seconds(self) -> float:
+        """A rough time for the runs being measured, each on the engine it is measured on (from FLOPs)."""
+        from normexp.engines.cost import estimated_seconds
+
+        return sum(estimated_seconds(m.batch[:len(m.reference)], "reference")
+                   + estimated_seconds(m.batched.runs, "batched") for m in self._measuring.values())
 
     def rest(self, results: Sequence[UnitResult]) -> tuple[list[WorkUnit], str]:
         """The units after `probe`, from its `results`, and the line that says which engine and why
@@ -320,7 +327,7 @@ def _run_alone(runs: Sequence[RunConfig], device: str, stop: threading.Event | N
 
 def _finished(result: Any, device: str) -> FinishedRun:
     return FinishedRun(result.metrics, result.status, result.wall_s, result.threads, result.engine, device,
-                       result.blocks, result.stopped_at, result.stop_reason)
+                       result.blocks, result.stopped_at, result.stop_reason, result.sharpness)
 
 
 
@@ -344,3 +351,8 @@ def default_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+
+def _seconds(seconds: float) -> str:
+    return "under 1 s" if seconds < 1 else f"~{seconds:.0f} s" if seconds < 120 else f"~{seconds / 60:.0f} min"

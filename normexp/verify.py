@@ -37,6 +37,8 @@ from normexp.config import RunConfig
 from normexp.folder import (
     DONE_FILE,
     FAILED_FILE,
+    HISTORY_DAMAGE_EFFECT,
+    HISTORY_FILE,
     IN_THE_WAY_REMEDY,
     SUMMARY_FILE,
     VOUCHED_FILES,
@@ -46,6 +48,7 @@ from normexp.folder import (
     cached_statuses,
     folder_runs,
     foreign_entries,
+    history_damage,
     inspect_run,
     is_run_id,
     lock_owner,
@@ -93,6 +96,20 @@ class Verification:
     def clean(self) -> bool:
         return self.remaining == 0
 
+    @property
+    def next_step(self) -> str:
+        """What mends the problems left: `--fix` where it has something to do, then (or else) rerunning the
+        sweep, which redoes the runs missing, failed or removed."""
+        rerun = f"rerun the sweep (normexp sweep {self.out_dir / 'sweep.yaml'} --out {self.out_dir})"
+        problems = [f for f in self.findings if f.severity == "problem"]
+        redo = any(REDO in f.remedy for f in problems)
+        # a rerun rewrites summary.csv too: --fix is for what a rerun leaves (strays, corrupt runs, ...)
+        mendable = not self.fixed and any("--fix" in f.remedy and not (redo and f.path == SUMMARY_FILE)
+                                          for f in problems)
+        if not mendable:
+            return rerun
+        return f"normexp verify {self.out_dir} --fix" + (f", then {rerun}" if redo else "")
+
 
 def verify_sweep(out_dir: str | Path, fix: bool = False) -> Verification:
     """Check `out_dir` (see the module docstring); with `fix`, repair what can be. StoreError if the
@@ -124,7 +141,7 @@ def _problems(findings: list[Finding]) -> int:
 
 def _check(out_dir: Path, runs: list[RunConfig], fix: bool) -> tuple[list[Finding], int]:
     """Every finding, in folder order (fixing each as it goes with `fix`), and the verified runs."""
-    findings = _strays(out_dir, fix)
+    findings = _strays(out_dir, fix) + _history_finding(out_dir)
     ids = {run_id(cfg): cfg for cfg in runs}
     states = verified_states(out_dir, ids, record=fix, trust_stamps=False)  # every byte read; plain: writes nothing
     verified, earlier, engines = 0, set(), {}
@@ -145,6 +162,16 @@ def _check(out_dir: Path, runs: list[RunConfig], fix: bool) -> tuple[list[Findin
     findings += _foreign(out_dir, set(ids) | earlier, fix)
     findings += _summary(out_dir, runs, fix, None if fix else states)  # fixed runs are inspected again
     return findings, verified
+
+
+def _history_finding(out_dir: Path) -> list[Finding]:
+    """A problem where history.jsonl is damaged: --fix cannot restore the invocations it lost (their
+    unfinished runs go uncounted), so the folder does not verify clean until it is restored."""
+    damage = history_damage(out_dir)
+    if not damage:
+        return []
+    return [Finding(HISTORY_FILE, f"damaged ({'; '.join(damage)})",
+                    f"{HISTORY_DAMAGE_EFFECT} (--fix cannot repair it)")]
 
 
 def _mixed_engines(engines: dict[str, str]) -> list[Finding]:

@@ -116,3 +116,94 @@ def test_constant_axis_is_named():
 def test_f_tail_equals_scipy(f, df1, df2):
     stats = pytest.importorskip("scipy.stats")
     assert f_sf(f, df1, df2) == pytest.approx(stats.f.sf(f, df1, df2), rel=1e-10, abs=1e-300)
+
+
+def test_balanced_grids_take_the_sums_of_squares_from_the_means_as_least_squares_does():
+    """The balanced path (`_balanced`, linear in the runs) against the least squares of `_type2`."""
+    from normexp.analysis.anova import _balanced, _level_code, _levels, _type2
+
+    for seed, (levels, seeds) in enumerate([({"a": [1, 2, 3], "b": ["x", "y"], "c": [0, 1]}, 3),
+                                            ({"a": list(range(5)), "b": [0.1, 0.2, 0.3, 0.4]}, 2)]):
+        frame = grid(levels, seeds, np.random.default_rng(100 + seed))
+        y = frame["final_loss"].to_numpy()
+        found = {k: _levels(frame[k]) for k in levels}
+        codes = {k: frame[k].map(_level_code(found[k])).to_numpy() for k in levels}
+        terms = [(k,) for k in levels] + list(itertools.combinations(levels, 2))
+        fast, (fast_ss, fast_df) = _balanced(y, codes, found, terms)
+        slow, (slow_ss, slow_df) = _type2(y, codes, found, terms, [])
+        assert [(t, df) for t, df, _ in fast] == [(t, df) for t, df, _ in slow] and fast_df == slow_df
+        assert [ss for *_, ss in fast] == pytest.approx([ss for *_, ss in slow], rel=1e-9)
+        assert fast_ss == pytest.approx(slow_ss, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- a sweep folder's "what mattered"
+
+GRID = """name: mattered
+base:
+  model: {depth: 2, width: 8}
+  schedule: {kind: linear_warmup}
+  train: {steps: 3}
+grid:
+  norm.placement: [post, pre]
+  optim.lr: [0.01, 0.1, 1.0]
+  schedule.warmup_steps: [0, 2]
+seeds: [0, 1]
+"""
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from conftest import trained_sweep
+
+    return trained_sweep(tmp_path_factory, "mattered", GRID, "--engine", "batched", "--quiet")
+
+
+def test_a_folders_csv_equals_statsmodels_on_its_final_losses(folder):
+    """`anova_to_csv(what_mattered(DIR))`, what `report --anova --format csv` prints: exactly the columns term,
+    df, sum_sq, mean_sq, F, p, share, equal to anova_lm (typ=2) of summary.csv's final losses to 1e-8."""
+    import csv
+    import io
+
+    from normexp.analysis.anova import what_mattered
+    from normexp.results import load_summary
+    from normexp.tables import anova_to_csv
+
+    rows = list(csv.DictReader(io.StringIO(anova_to_csv(what_mattered(folder)))))
+    assert list(rows[0]) == list(COLUMNS)
+    summary = load_summary(folder)
+    keys = ["norm.placement", "optim.lr", "schedule.warmup_steps"]
+    theirs = statsmodels_table(summary, keys)
+    ours = pd.DataFrame([{k: (v if k == "term" else float(v) if v else math.nan) for k, v in row.items()}
+                         for row in rows])
+    assert_matches(ours, theirs)
+    total = ((summary["final_loss"] - summary["final_loss"].mean()) ** 2).sum()
+    assert ours.set_index("term")["share"].to_numpy() == pytest.approx(theirs["sum_sq"].to_numpy() / total, rel=1e-8)
+
+
+def test_keys_that_vary_together_are_one_factor_named_by_the_config_key():
+    """Folders compared, each at its own depth: `sweep` and model.depth split the runs alike; one factor
+    (an ANOVA of both would estimate neither), named by what differs: the depth."""
+    from normexp.analysis.variants import distinct_keys
+
+    frame = pd.DataFrame({"sweep": ["a", "a", "b", "b"], "model.depth": [4, 4, 8, 8],
+                          "norm.placement": ["post", "pre", "post", "pre"]})
+    assert distinct_keys(frame, ["sweep", "model.depth", "norm.placement"]) == (
+        ["model.depth", "norm.placement"], {"model.depth": ["sweep"]})
+    frame["model.depth"] = [4, 8, 4, 8]  # crossed with the sweep, not aliased: both stay
+    assert distinct_keys(frame, ["sweep", "model.depth"]) == (["sweep", "model.depth"], {})
+
+
+def test_sampled_points_get_no_anova_but_a_reason(tmp_path):
+    from typer.testing import CliRunner
+
+    from normexp.analysis.anova import what_mattered
+    from normexp.cli import app
+    from normexp.results import ResultsError
+
+    text = GRID.replace("  optim.lr: [0.01, 0.1, 1.0]\n  schedule.warmup_steps: [0, 2]\n", "").replace(
+        "seeds: [0, 1]", "seeds: [0]\nsample: {n: 4, seed: 0, optim.lr: {loguniform: [0.001, 0.1]}}")
+    (tmp_path / "s.yaml").write_text(text)
+    result = CliRunner().invoke(app, ["sweep", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "s"), "-q"])
+    assert result.exit_code == 0, result.output
+    with pytest.raises(ResultsError, match="sampled points, not a factorial grid"):
+        what_mattered(tmp_path / "s")

@@ -150,6 +150,21 @@ def test_dry_run_prints_the_grid_and_writes_nothing(write_yaml, tmp_path):
     assert not out.exists()
 
 
+def test_dry_run_lists_a_list_valued_axis(write_yaml, tmp_path, monkeypatch):
+    """optim.betas takes lists: the summary of a large grid keys each axis's values by their text."""
+    from normexp.commands import sweep
+
+    sweep_yaml = write_yaml("name: betas\nbase: {train: {steps: 2}}\n"
+                            "grid: {optim.betas: [[0.9, 0.95], [0.9, 0.999]], model.width: [16, 32]}\n")
+    for table_runs in (200, 2):  # the table of every run, and the per-axis summary of a larger grid
+        monkeypatch.setattr(sweep, "DRY_RUN_TABLE_RUNS", table_runs)
+        result = normexp("sweep", sweep_yaml, "--out", tmp_path / "out", "--dry-run")
+        assert result.exit_code == 0, result.output
+        assert "[0.9, 0.95]" in result.output and "[0.9, 0.999]" in result.output
+    assert "optim.betas: 2 values" in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_report_from_disk_in_three_formats(write_yaml, tmp_path):
     out = tmp_path / "out"
     normexp("sweep", write_yaml(SMALL_SWEEP), "--out", out, "-q")
@@ -302,6 +317,7 @@ def _help_sections(text: str) -> tuple[dict[str, list[str]], set[int]]:
     return sections, columns
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("columns", ["100", "120"])
 def test_sweep_help_reads_in_sections(columns):
     """`normexp sweep --help`, piped: its 25 options in four sections, the job array's 11 (Slurm's) in their

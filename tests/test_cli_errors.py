@@ -17,6 +17,7 @@ from normexp.cli import app
 runner = CliRunner()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("address", ["foo", "LOCAL", "local:abc", "local:", "local:1.5", "local:99999",
                                      "tcp://127.0.0.1:notaport", "tcp://:8786", "http://127.0.0.1:8786",
                                      "tcp://127.0.0.1:70000"])

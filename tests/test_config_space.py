@@ -47,11 +47,15 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "model.hidden_mult": st.integers(1, 4),
     "model.n_classes": st.integers(1, 100),
     "model.final_norm": st.booleans(),
-    "model.init": st.sampled_from(["xavier_uniform", "xavier_normal", "torch_default", "tfixup", "fixup"]),
+    "model.init": st.sampled_from(["xavier_uniform", "xavier_normal", "torch_default", "tfixup", "fixup", "gpt2"]),
     "model.arch": st.sampled_from(["ffn", "transformer", "rnn"]),
     "model.n_heads": st.integers(0, 5),
     "model.qk_norm": st.booleans(),
     "model.qk_norm_scope": st.sampled_from(["head", "full", "all"]),
+    "model.qk_norm_eps": _optional(_floats(-1e-6, 1e-4)),
+    "model.activation": st.sampled_from(["relu", "gelu", "tanh"]),
+    "model.bias": st.booleans(),
+    "model.tie_embeddings": st.booleans(),
     "norm.placement": st.sampled_from([*get_args(Placement), "skipinit"]),  # skipinit: rezero's alias
     "norm.kind": st.sampled_from(get_args(NormKind)),
     "norm.eps": _floats(1e-8, 1e-2),
@@ -73,7 +77,7 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "norm.resdual_final_norm": st.booleans(),
     "norm.admin_profile": st.sampled_from(["measured", "closed_form", "guess"]),
     "norm.rezero_gate": st.sampled_from(["layer", "sublayer", "block"]),
-    "data.task": st.sampled_from(["random_labels", "assoc_recall", "copy", "modular_add", "sort"]),
+    "data.task": st.sampled_from(["random_labels", "assoc_recall", "copy", "modular_add", "shakespeare_char", "sort"]),
     "data.vocab": st.integers(1, 40),
     "data.seq_len": _optional(st.integers(1, 20)),
     "data.n_val": st.integers(0, 64),
@@ -107,6 +111,7 @@ VALUES: dict[str, st.SearchStrategy[Any]] = {
     "train.stop_when": _optional(st.sampled_from(["trained", "stalled", "diverged"])),
     "train.stop_patience": st.integers(0, 12),
     "train.stop_below": _optional(_floats(-0.1, 2)),
+    "train.eval_every": st.integers(0, 5),
 }
 GRID_KEYS = [k for k in run_keys() if k != "seed"]
 
@@ -182,6 +187,9 @@ def _unused_anywhere(base: dict, grid: dict, runs: list[RunConfig]) -> None:
     scopes = grid.get("model.qk_norm_scope", [base.get("model", {}).get("qk_norm_scope", "head")])
     if any(scope != "head" for scope in scopes) and not any(r.model.qk_norm for r in runs):
         raise ConfigError("qk_norm_scope")  # set where no run has qk-norm
+    epsilons = grid.get("model.qk_norm_eps", [base.get("model", {}).get("qk_norm_eps")])
+    if any(eps is not None for eps in epsilons) and not any(r.model.qk_norm for r in runs):
+        raise ConfigError("qk_norm_eps")  # set where no run has qk-norm
 
 
 def _split(raw: str) -> list[str]:

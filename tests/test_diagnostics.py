@@ -109,9 +109,10 @@ def test_studies_quick_writes_a_report(tmp_path):
 
     report = run_studies(tmp_path, quick=True, log=lambda _: None).read_text()
     for section in ("## warmup", "## lr_warmup", "## depth", "## placements", "## lr_sensitivity", "## gradnorm",
-                    "## norms", "## transformer_warmup", "## instabilities"):
+                    "## norms", "## transformer_warmup", "## instabilities", "## warmup_explanations"):
         assert section in report
-    assert report.count("**Verdict.**") == 10  # eight sweeps (the Transformer studies among them), gradnorm, norms
+    assert report.count("**Verdict.**") == 11  # nine sweeps (the Transformer studies among them), gradnorm, norms
+    assert "Post-LN without warmup" in report.split("## warmup_explanations")[1]
     assert "qk-norm" in report.split("## instabilities")[1] and "final_loss-lr.png" in report
     assert "B2T trains in every seed in" in report
     assert "Ranking by LR sensitivity without warmup" in report and "LR sensitivity =" in report

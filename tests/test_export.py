@@ -166,20 +166,21 @@ def test_a_changed_run_replaces_its_mlflow_run(folder, tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    from normexp.export import to_mlflow
+    from normexp.export_mlflow import to_mlflow
 
     copy = tmp_path / "tiny"
     shutil.copytree(folder, copy)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert len(to_mlflow(copy, uri)[0]) == 8
+    assert len(to_mlflow(copy, uri).exported) == 8
     run = next(r for r in _runs(copy) if read_json(r / "done.json")["status"] == "completed"
                and not (r / BLOCKS_FILE).is_file())
     cfg = build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0]
     rows = _rows(run / METRICS_FILE)
     metrics = {c: [int(r[c]) if c == "step" else float(r[c]) + (c == "loss") for r in rows] for c in rows[0]}
     write_run(run, cfg, FinishedRun(metrics, "completed", 0.1, 1, "batched", "cpu"))  # a --force rerun, say
-    exported, kept = to_mlflow(copy, uri)
-    assert exported == [run.name] and kept == 7
+    done = to_mlflow(copy, uri)
+    assert done.exported == [run.name] and done.kept == 7
+    assert done.replaced == {run.name: "its result changed"}
     client = MlflowClient(tracking_uri=uri)
     found = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
                                f"tags.`normexp.run_id` = '{run.name}'")

@@ -22,9 +22,9 @@ WIDTH, HEADS = 8, 2
 
 
 def tiny(placement: str = "pre", kind: str = "layernorm", qk: bool = True, scope: str = "head", z: float = 1e-2,
-         steps: int = 3, **train) -> RunConfig:
+         steps: int = 3, qk_eps: float | None = None, **train) -> RunConfig:
     return validate_run({"model": {"arch": "transformer", "depth": 2, "width": WIDTH, "n_heads": HEADS,
-                                   "qk_norm": qk, "qk_norm_scope": scope},
+                                   "qk_norm": qk, "qk_norm_scope": scope, "qk_norm_eps": qk_eps},
                          "norm": {"placement": placement, "kind": kind},
                          "data": {"task": "assoc_recall", "seq_len": 8, "n_samples": 16, "n_val": 8},
                          "optim": {"lr": 0.03}, "train": {"steps": steps, "z_loss": z, **train}})
@@ -38,7 +38,8 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.7 + (1.0 if param.dim() == 1 else 0.0))
 
 
-def transcribed_attention(attn: CausalSelfAttention, x: torch.Tensor, scope: str, kind: str) -> torch.Tensor:
+def transcribed_attention(attn: CausalSelfAttention, x: torch.Tensor, scope: str, kind: str,
+                          eps: float = 1e-5) -> torch.Tensor:
     """Causal multi-head attention with qk-norm written from the papers, in plain torch ops on attn's weights."""
     n, t, d = x.shape
     hd = d // HEADS
@@ -48,8 +49,8 @@ def transcribed_attention(attn: CausalSelfAttention, x: torch.Tensor, scope: str
         if kind == "layernorm":  # (y - mean) / sqrt(var + eps) * g over the last axis, no bias: flax's
             # MultiHeadDotProductAttention(normalize_qk=True), `LayerNorm(name='query_ln', use_bias=False)`
             mean, var = y.mean(-1, keepdim=True), y.var(-1, unbiased=False, keepdim=True)
-            return (y - mean) / torch.sqrt(var + 1e-5) * module.weight
-        return y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * module.weight  # rmsnorm
+            return (y - mean) / torch.sqrt(var + eps) * module.weight
+        return y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + eps) * module.weight  # rmsnorm
 
     if scope == "full":
         q, k = norm(q, attn.q_norm), norm(k, attn.k_norm)
@@ -78,6 +79,27 @@ def test_qk_norm_attention_is_the_transcription(scope, kind):
     assert not torch.allclose(plain(x), attn(x), atol=1e-3)  # the norms do act
 
 
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_the_qk_norm_epsilon_is_its_own_key(kind):
+    """model.qk_norm_eps (flax's LayerNorm: 1e-6) sets the qk norms' epsilon alone; the block norms keep norm.eps.
+    A large epsilon makes the difference visible on queries of unit scale."""
+    cfg = tiny(kind=kind, qk_eps=0.5)
+    attn = CausalSelfAttention(WIDTH, HEADS, cfg.model, cfg.norm)
+    _randomise(attn, 5)
+    x = torch.randn(2, 4, WIDTH, generator=torch.Generator().manual_seed(6)) * 0.3
+    torch.testing.assert_close(attn(x), transcribed_attention(attn, x, "head", kind, eps=0.5), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(attn(x), transcribed_attention(attn, x, "head", kind), atol=1e-4)
+    model = Transformer(cfg.model, cfg.norm, cfg.data)
+    eps = {name: m.eps for name, m in model.named_modules() if hasattr(m, "eps")}
+    qk = {name for name in eps if name.endswith(("q_norm", "k_norm"))}
+    assert len(qk) == 4 and {eps[n] for n in qk} == {0.5} and {eps[n] for n in set(eps) - qk} == {1e-5}
+
+
+def test_a_derf_qk_norm_keeps_its_bias_as_the_docs_say():
+    attn = CausalSelfAttention(WIDTH, HEADS, tiny(kind="derf").model, tiny(kind="derf").norm)
+    assert {name for name, _ in attn.q_norm.named_parameters()} == {"alpha", "shift", "weight", "bias"}
+
+
 def test_a_dyt_qk_norm_has_no_bias_either():
     attn = CausalSelfAttention(WIDTH, HEADS, tiny(kind="dyt").model, tiny(kind="dyt").norm)
     assert not any("bias" in name for name, _ in attn.q_norm.named_parameters())
@@ -98,9 +120,21 @@ def test_the_default_keys_keep_every_run_id_and_the_scope_is_inert_without_qk_no
     base = {"model": {"arch": "transformer", "width": 8, "n_heads": 2}, "data": {"task": "copy"}}
     plain = RunConfig.model_validate(base)
     for extra in ({"model": {**base["model"], "qk_norm": False}}, {"model": {**base["model"], "qk_norm_scope": "full"}},
-                  {"train": {"z_loss": 0.0}}):
+                  {"model": {**base["model"], "qk_norm_eps": 1e-6}}, {"train": {"z_loss": 0.0}}):
         assert run_id(RunConfig.model_validate({**base, **extra})) == run_id(plain)
     assert run_id(RunConfig.model_validate({**base, "train": {"z_loss": 1e-4}})) != run_id(plain)
+    qk = {**base, "model": {**base["model"], "qk_norm": True}}
+    unset = run_id(RunConfig.model_validate(qk))
+    assert run_id(RunConfig.model_validate({**qk, "model": {**qk["model"], "qk_norm_eps": None}})) == unset
+    assert run_id(RunConfig.model_validate({**qk, "model": {**qk["model"], "qk_norm_eps": 1e-6}})) != unset
+
+
+@pytest.mark.parametrize("key", ["qk_norm_scope", "qk_norm_eps"])
+def test_a_qk_norm_epsilon_no_run_uses_is_refused_naming_the_key(key):
+    text = "name: s\nbase:\n  model: {arch: transformer, width: 8, n_heads: 2}\n  data: {task: copy}\n"
+    value = "full" if key == "qk_norm_scope" else "1e-6"
+    with pytest.raises(ConfigError, match=f"model.{key}: has no effect"):
+        build_sweep(parse_yaml(text), [f"model.{key}={value}"])
 
 
 @pytest.mark.parametrize("where", ["grid:\n  model.qk_norm_scope: [head, full]", "SET"])
@@ -230,13 +264,13 @@ seeds: [0, 1]
 """
 
 
-def study_folder(tmp_path, peak, final_loss):
+def study_folder(tmp_path, peak, final_loss, text: str = STUDY):
     """A study folder written through the store (no training): each run's largest attention logit is 3 at
     step 0 and peak(cfg) at step 1, its losses [2.7, final_loss(cfg)]."""
     from normexp.blocklog import TRANSFORMER_BLOCK_COLUMNS
     from normexp.folder import FinishedRun, atomic_write, write_run, write_summary
 
-    sweep = build_sweep(parse_yaml(STUDY))
+    sweep = build_sweep(parse_yaml(text))
     out = tmp_path / sweep.name
     out.mkdir(parents=True)
     atomic_write(out / "sweep.yaml", sweep.to_yaml())
@@ -260,7 +294,7 @@ def test_the_instabilities_verdict_says_the_papers_trend_reproduces_only_when_th
         return 2.5 if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 0.05
 
     said = instabilities_verdict(study_folder(tmp_path / "a", grows, qk_rescues))
-    assert "at least 50 from lr 0.1 up" in said and "qk-norm lowers its LR sensitivity" in said
+    assert "at least 50 and 2x its step-0 value at lr 0.1" in said and "qk-norm lowers its LR sensitivity" in said
     assert "the paper's trend reproduces here" in said
     assert "moves no design's sensitivity beyond the seed spread" in said  # the z-loss changed no loss
     said = instabilities_verdict(study_folder(tmp_path / "b", grows, lambda cfg: 2.5 if cfg.optim.lr == 0.1 else 0.05))
@@ -307,3 +341,136 @@ def test_the_compiled_fast_engine_trains_the_z_loss_within_its_contract():
     for column in ("loss", "acc", "val_loss", "z_loss"):
         assert fast.metrics[column] == pytest.approx(reference.metrics[column], abs=1e-4), column
     assert fast.metrics["grad_norm"] == pytest.approx(reference.metrics["grad_norm"], rel=1e-4)
+
+
+# ---- the verdict's sentences against its inputs, over synthetic frames (not one fixture) ----
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_DESIGNS = [("post", "layernorm"), ("pre", "layernorm"), ("pre", "rmsnorm")]
+_PEAKS = st.one_of(st.floats(0.5, 20.0), st.floats(49.9, 50.1), st.floats(1e3, 2e5))
+
+
+@st.composite
+def _verdict_inputs(draw):
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    designs = draw(st.lists(st.sampled_from(_DESIGNS), min_size=1, max_size=3, unique=True))
+    lrs, seeds = [0.001, 0.01, 0.1], draw(st.integers(1, 2))
+    rows, sens = [], {}
+    for placement, kind in designs:
+        for qk, z in ((False, 0.0), (True, 0.0), (False, 1e-4)):
+            for lr in lrs:
+                for seed in range(seeds):
+                    rows.append({"norm.placement": placement, "norm.kind": kind, "model.qk_norm": qk,
+                                 "train.z_loss": z, "model.width": 64, "optim.lr": lr, "seed": seed,
+                                 "logit_peak": draw(_PEAKS), "log_z_peak": draw(st.floats(0.0, 30.0)),
+                                 "growth": draw(st.sampled_from([1.0, 1.9, 2.0, 50.0]))})
+            sensitivity = draw(st.one_of(st.just(math.nan), st.floats(0.0, 2.0)))
+            sens[(placement, kind, qk, z, 64)] = SimpleNamespace(
+                sensitivity=sensitivity, spread=draw(st.one_of(st.just(math.nan), st.floats(0.0, 0.3))),
+                best_loss=draw(st.sampled_from([0.05, 0.2, 2.5])), seeds=seeds)
+    return pd.DataFrame(rows), sens
+
+
+@settings(max_examples=150, deadline=None)
+@given(_verdict_inputs())
+def test_every_instabilities_sentence_follows_from_its_numbers(inputs):
+    """Item: "No design's attention logits reach 50" was printed beside peaks of 1.1e5 when every design
+    whose logits grew never trained. Each claim about the 50 limit must agree with the peaks (seeds' mean
+    without qk-norm) the verdict itself is given."""
+    from normexp.analysis.variants import variant_label
+    from normexp.studies.verdicts import LOGIT_GROWTH, LOGIT_LIMIT, instabilities_text
+
+    runs, sens = inputs
+    said = instabilities_text(runs, sens, threshold=0.23, diverged=0)
+    off = runs[~runs["model.qk_norm"] & (runs["train.z_loss"] == 0.0)]
+    mean = off.groupby(["norm.placement", "norm.kind", "optim.lr"])[["logit_peak", "growth"]].mean()
+    grew = (mean["logit_peak"] >= LOGIT_LIMIT) & (mean["growth"] >= LOGIT_GROWTH)
+    reached = {variant_label({"norm.placement": p, "norm.kind": k})
+               for (p, k), peaks in grew.groupby(level=[0, 1]) if peaks.any()}
+    labels = {variant_label({"norm.placement": p, "norm.kind": k}) for p, k in zip(runs["norm.placement"],
+                                                                                    runs["norm.kind"])}
+    assert ("No design's attention logits grow to" in said) == (not reached), said
+    for label in labels:
+        section = next(part for part in said.split(". ") if part.startswith(label + ":"))
+        if "grows to 50 at no lr" in section or "at least 50 and" in section:
+            assert ("at least 50 and" in section) == (label in reached), section
+    for sentence in said.split(". "):
+        for lead in ("Where the attention logits grow (", "The attention logits grow to 50 in "):
+            if sentence.startswith(lead):
+                named = sentence[len(lead):].split(")")[0].split(", but")[0].split(", ")
+                assert set(named) <= reached, sentence
+
+
+@pytest.mark.parametrize(("metric", "hint"), [("z_loss", "Transformer runs with train.z_loss above 0 only"),
+                                              ("val_loss", "sequence tasks only")])
+def test_a_metric_ffn_runs_do_not_record_gets_its_own_hint(tmp_path, metric, hint):
+    """`report --metric z_loss` on FFN runs said "(val_loss and val_acc: sequence tasks only)": a hint about
+    other columns. Each metric's refusal names the runs that record it."""
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: {model: {depth: 2, width: 4}, train: {steps: 1}}\nseeds: [0]\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["sweep", str(sweep), "--out", str(out), "-q"]).exit_code == 0
+    said = CliRunner().invoke(app, ["report", str(out), "--metric", metric])
+    text = " ".join(said.output.split())
+    assert said.exit_code == 2 and f"--metric {metric}: not recorded by these runs" in text and hint in text, text
+    assert (metric == "z_loss") != ("val_loss and val_acc" in text)
+
+
+def test_one_seed_claims_nothing_beyond_the_spread_and_says_what_it_cannot_conclude(tmp_path):
+    from normexp.studies.verdicts import instabilities_verdict
+
+    def grows(cfg):
+        return 500.0 if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 10.0
+
+    def z_moves(cfg):  # the z-loss and qk-norm each change the losses: with one seed, no change is judged
+        return (2.5 if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 0.05) + (0.3 if cfg.train.z_loss else 0.0)
+
+    said = instabilities_verdict(study_folder(tmp_path, grows, z_moves, STUDY.replace("seeds: [0, 1]", "seeds: [0]")))
+    assert "beyond the seed spread for" not in said and "lowers its LR sensitivity" not in said
+    assert "one seed cannot tell whether qk-norm's change" in said
+    assert "cannot tell whether the z-loss moves any design's sensitivity beyond the seed spread" in said
+    assert "This grid cannot conclude whether any change is beyond the seed spread (one seed" in said
+    assert "how the LR sensitivity moves with width (1 width;" in said
+
+
+def test_logits_large_from_init_do_not_count_as_growth(tmp_path):
+    from normexp.studies.verdicts import instabilities_verdict
+
+    said = instabilities_verdict(study_folder(tmp_path, lambda cfg: 4.0, lambda cfg: 0.05))  # step 0: 3
+    assert "No design's attention logits grow to 50" in said
+
+
+def test_the_width_axis_tests_the_papers_claim(tmp_path):
+    """Without qk-norm the sensitivity grows with width (lr 0.1 fails more the wider), with it it stays flat."""
+    from normexp.studies.verdicts import instabilities_verdict
+
+    text = STUDY.replace("grid:\n", "grid:\n  model.width: [4, 8, 16]\n").replace("width: 8, ", "")
+    bad = {4: 0.3, 8: 1.0, 16: 2.5}
+
+    def loss(cfg):
+        return bad[cfg.model.width] if cfg.optim.lr == 0.1 and not cfg.model.qk_norm else 0.05 + 0.001 * cfg.seed
+
+    said = instabilities_verdict(study_folder(tmp_path, lambda cfg: 10.0, loss, text))
+    assert "Across widths 4, 8, 16" in said and "(grows), with" in said and "(stays flat)" in said
+    assert "holds for Pre-LN" in said and "with width" not in said.split("This grid cannot conclude")[-1]
+
+
+def test_the_figures_draw_a_line_per_width_and_the_heat_maps_at_the_nearest_lr(tmp_path):
+    """A grid without lr 0.1 exactly still gets its heat maps (at the nearest lr, the widest width)."""
+    from normexp.results import load_folder
+    from normexp.studies.figures import instabilities_figures
+
+    text = (STUDY.replace("grid:\n", "grid:\n  model.width: [4, 8]\n").replace("width: 8, ", "")
+            .replace("[0.001, 0.01, 0.1]", "[0.001, 0.01, 0.0948683298051]"))
+    folder = load_folder(study_folder(tmp_path, lambda cfg: 10.0, lambda cfg: 0.05 * cfg.model.width, text))
+    paths = instabilities_figures(folder)
+    assert [p.name for p in paths] == ["final_loss-lr.png", "blocks-attn_logit_max.png", "blocks-attn_entropy.png",
+                                       "blocks-log_z.png"]

@@ -669,3 +669,38 @@ def test_a_run_of_an_earlier_invocation_deleted_or_damaged_is_missing_not_silent
     assert normexp("plot", out, "-o", tmp_path / "p.png").exit_code == 1
     checked = normexp("verify", out)
     assert checked.exit_code != 0 and gone.name in checked.output and damaged.name in checked.output
+
+
+@pytest.mark.parametrize("damage", ["not-utf8", "digit", "newline"])
+def test_a_damaged_history_is_named_and_fails_report_and_verify(tmp_path, damage):
+    """One damaged byte in history.jsonl silently dropped an earlier invocation's runs: its deleted run
+    went uncounted, report exited 0 a cell short and verify --fix said clean. The damage is named, both
+    exit 1, and the earlier invocation's runs that still verify are still reported."""
+    config = tmp_path / "lr.yaml"
+    config.write_text("name: lr\nbase: {model: {depth: 2, width: 4}, train: {steps: 2}}\n"
+                      "grid: {norm.placement: [post], optim.lr: [0.01]}\nseeds: [0, 1]\n")
+    out = tmp_path / "out"
+    assert normexp("sweep", config, "--out", out, "-q").exit_code == 0
+    assert normexp("sweep", config, "--set", "norm.placement=pre", "--out", out, "-q").exit_code == 0
+    kept, gone = sorted(out.glob("post-layernorm-s*"))
+    shutil.rmtree(gone)
+    history = out / "history.jsonl"
+    data = bytearray(history.read_bytes())
+    first = data.index(b"\n")
+    if damage == "not-utf8":
+        data[first // 2] = 0xFF
+    elif damage == "digit":  # still JSON, still a sweep: lr 0.01 -> 0.02 in the first line's resolved text
+        at = data.index(b"0.01", 0, first)
+        data[at + 3] = ord("2")
+    else:
+        data[first] = ord(" ")  # two lines run together
+    history.write_bytes(bytes(data))
+    shown = normexp("report", out)
+    assert shown.exit_code == 1 and "history.jsonl: damaged (line 1" in " ".join(shown.output.split()), shown.output
+    assert "Post" in shown.output  # the post run that still verifies is still reported
+    for args in (("verify", out), ("verify", out, "--fix")):
+        checked = normexp(*args)
+        assert checked.exit_code == 1 and "history.jsonl" in checked.output, checked.output
+    assert history.read_bytes() == bytes(data)  # evidence kept
+    again = normexp("sweep", config, "--set", "norm.placement=pre", "--out", out, "-q")
+    assert again.exit_code == 0 and history.read_bytes().startswith(bytes(data))

@@ -18,35 +18,39 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "normexp"
 
 FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves", "normexp.figures.phase",
-           "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm"]
+           "normexp.figures.sweep", "normexp.figures.blocks", "normexp.figures.gradnorm",
+           "normexp.figures.sharpness"]
 
 # The fast engine, behind one door (its package): what no module outside it imports but the door
 FAST_DOOR = "normexp.engines.fast"
 FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}" for m in ("plan", "starts", "step", "optim", "aot", "compiled", "train"))]
 
+PAGE = ["normexp.page", "normexp.page.document", "normexp.page.data", "normexp.page.tables", "normexp.page.report",
+        "normexp.page.markdown"]
 # Bottom to top: a module imports from its own layer or below, never above.
 LAYERS = {
     "foundation": ["normexp", "normexp.registry", "normexp.config.errors", "normexp.config.loader",
-                   "normexp.config.fields", "normexp.config.optimizer", "normexp.config.inits",
-                   "normexp.config.schema", "normexp.config.sample", "normexp.config.grid", "normexp.config",
-                   "normexp.environment", "normexp.stopping", "normexp.blocklog"],
+                   "normexp.config.fields", "normexp.config.optimizer", "normexp.config.inits", "normexp.corpus",
+                   "normexp.config.data", "normexp.config.schema", "normexp.config.sample", "normexp.config.grid",
+                   "normexp.config", "normexp.environment", "normexp.stopping", "normexp.blocklog"],
     # the run folder: its contract (folder/), loaded, compared, verified, merged
     "records": ["normexp.folder.layout", "normexp.folder.atomic", "normexp.folder.ids", "normexp.folder.verified",
                 "normexp.folder.inspect", "normexp.folder.write", "normexp.folder.sweepfiles", "normexp.folder.lock",
                 "normexp.folder", "normexp.results", "normexp.compare", "normexp.verify", "normexp.merge"],
     "analysis": ["normexp.analysis", "normexp.analysis.variants", "normexp.analysis.sensitivity",
                  "normexp.analysis.gradnorm", "normexp.analysis.finals",
-                 "normexp.analysis.anova"],  # pure numbers: pandas and statistics
+                 "normexp.analysis.anova", "normexp.analysis.realtext"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.inits", "normexp.models.ffn",
                "normexp.models.transformer", "normexp.data", "normexp.optim"],
     "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common", "normexp.sharpness"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", *FAST, "normexp.engines.auto",
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
-    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.htmlpage", "normexp.progress",
-                     "normexp.export", *FIGURES],
+    "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.progress",
+                     "normexp.export", "normexp.export_mlflow", *FIGURES, *PAGE],
     # the shipped studies: verdicts < figures < run; __main__ is `python -m normexp.studies`
-    "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.figures", "normexp.studies.run",
+    "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.explanations",
+                "normexp.studies.figures", "normexp.studies.run",
                 "normexp.studies.__main__"],
     "commands": ["normexp.commands", "normexp.commands.console", "normexp.commands.sweep", "normexp.commands.read",
                  "normexp.commands.tools", "normexp.cli", "normexp.__main__"],
@@ -59,9 +63,10 @@ FOLDER = [m for m in LAYERS["records"] if m.startswith("normexp.folder.")]  # ea
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", *FAST)
 NO_TORCH = ("normexp.config", "normexp.engines.cost", FAST_DOOR, f"{FAST_DOOR}.plan", "normexp.analysis",
             "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
-            "normexp.analysis.finals", "normexp.analysis.anova", *FIGURES,
-            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", "normexp.htmlpage",
-            "normexp.export", "normexp.merge", "normexp.config.sample")
+            "normexp.analysis.finals", "normexp.analysis.anova", "normexp.analysis.realtext", *FIGURES,
+            "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", *PAGE,
+            "normexp.export", "normexp.export_mlflow", "normexp.merge", "normexp.config.sample",
+            "normexp.corpus")
 
 
 def module_name(path: Path) -> str:

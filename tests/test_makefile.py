@@ -76,3 +76,13 @@ def test_pip_skips_byte_compiling_and_normexp_s_own_imports_are_compiled_instead
     ran = subprocess.run([sys.executable, "-c", code + check], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == "True\n"
+
+
+def test_make_docs_installs_the_docs_extra_not_the_dev_toolchain(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    done = subprocess.run(["make", "-n", "docs", f"VENV={tmp_path / 'venv'}"], cwd=REPO, capture_output=True,
+                          text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    extras = [line for line in pip_installs(done.stdout) if '-e ".[' in line]
+    assert extras and all('-e ".[docs]"' in line for line in extras), extras
+    assert "mkdocs build --strict" in done.stdout

@@ -133,12 +133,19 @@ def test_report_refuses_an_option_its_mode_would_ignore(ffn, args, named):
     assert result.exit_code == 2 and named in result.output, result.output
 
 
-def test_the_lr_figure_says_it_shows_the_final_loss_in_a_title_that_fits(ffn):
+def test_the_lr_figure_names_its_question_and_its_constants_below_in_a_title_that_fits(ffn):
     fig = lr_figure(*lr_table(ffn))
     fig.canvas.draw()
     title = fig._suptitle
-    assert title.get_text().startswith("final training loss vs learning rate\n")
-    assert 0 <= title.get_window_extent().x0 and title.get_window_extent().x1 <= fig.bbox.width
+    assert " ".join(title.get_text().split()) == "Which learning rates train? Final training loss vs learning rate"
+    detail = next(a for a in fig.artists if "mean over seeds" in a.get_text())
+    assert "arch=ffn" in detail.get_text() and detail.get_fontsize() < title.get_fontsize()
+    head, below = title.get_window_extent(), detail.get_window_extent()
+    for box in (head, below):
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
+    assert below.y1 <= head.y1 - title.get_fontsize()  # under the question's line, not over it
+    panels = [ax.get_window_extent() for ax in fig.axes if ax.get_visible()]
+    assert below.y0 >= max(p.y1 for p in panels)  # the constants stay above every panel
 
 
 def test_gradnorm_gives_no_verdict_on_one_layer_and_says_how_many_seeds(tmp_path):

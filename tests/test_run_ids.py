@@ -55,7 +55,7 @@ def test_every_key_of_release_0_1_is_still_hashed() -> None:
 
 def _with_a_new_key() -> type[RunConfig]:
     """RunConfig as a later release might grow it: a defaulted key in a section and a new section."""
-    model = create_model("ModelWithActivation", __base__=ModelConfig, activation=(str, "relu"))
+    model = create_model("ModelWithPositions", __base__=ModelConfig, positions=(str, "learned"))
     extra = create_model("LoggingConfig", __base__=ModelConfig.__bases__[0], every=(int, 1))
     return create_model("RunConfigLater", __base__=RunConfig, model=(model, model()), logging=(extra, extra()))
 
@@ -69,7 +69,7 @@ def test_a_key_added_at_its_default_keeps_the_id() -> None:
 def test_a_key_added_and_set_away_from_its_default_changes_the_id() -> None:
     later = _with_a_new_key()
     base = config_hash(later())
-    assert config_hash(later.model_validate({"model": {"activation": "gelu"}})) != base
+    assert config_hash(later.model_validate({"model": {"positions": "rotary"}})) != base
     assert config_hash(later.model_validate({"logging": {"every": 5}})) != base
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -39,6 +40,20 @@ def test_linspace_keeps_ints_when_both_ends_are_ints():
     assert expand_range("linspace(0.0, 1.0, 3)", "k") == [0.0, 0.5, 1.0]
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("linspace(1e308, -1e308, 3)", [1e308, 0.0, -1e308]),
+    ("linspace(-1e308, 1e308, 5)", [-1e308, -5e307, 0.0, 5e307, 1e308]),
+    ("linspace(-1.7e308, 1.7e308, 2)", [-1.7e308, 1.7e308]),
+])
+def test_linspace_between_huge_ends_stays_finite(text, expected):
+    """b - a overflowed: linspace(1e308, -1e308, 3) had -inf in the middle, and the error named -inf."""
+    got = expand_range(text, "k")
+    assert got == expected and all(math.isfinite(v) for v in got)
+    with pytest.raises(ConfigError, match=r"^grid.optim.lr: must be > 0") as refused:
+        sweep(grid={"optim.lr": text})
+    assert "inf" not in str(refused.value)  # a value the range holds, never one it does not
+
+
 def test_ranges_in_the_grid_and_in_set_give_the_same_runs():
     in_file = sweep(grid={"optim.lr": "logspace(1e-3, 1e-1, 3)", "schedule.warmup_steps": "linspace(0, 2, 3)"})
     on_line = build_sweep({"name": "s", "base": BASE},
@@ -48,6 +63,23 @@ def test_ranges_in_the_grid_and_in_set_give_the_same_runs():
     assert in_file.grid["optim.lr"] == [1e-3, 0.01, 0.1]  # sweep.yaml records the values
     # a range among listed values is spliced in
     assert parse_set("optim.lr=0.5,logspace(1e-3,1e-1,3)")[1] == [0.5, 1e-3, 0.01, 0.1]
+
+
+def test_the_docs_range_among_listed_values_works_in_a_yaml_flow_list():
+    """docs/configs.md's `schedule.warmup_steps: [0, linspace(10, 100, 4)]` failed: YAML's flow list cuts a
+    plain scalar at each comma ([0, 'linspace(10', 100, '4)']), and the error named 'linspace(10'."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "configs.md").read_text()
+    line = next(x for x in docs.splitlines() if "[0, linspace(10, 100, 4)]" in x)
+    key, _, comment = line.partition("#")
+    text = f"name: s\nbase: {{schedule: {{kind: linear_warmup}}}}\ngrid:\n{key}\n"
+    s = build_sweep(parse_yaml(text))
+    expected = [int(v) for v in comment.split(",")]  # what the docs' comment says
+    assert s.grid["schedule.warmup_steps"] == expected == [0, 10, 40, 70, 100]
+    assert values(s, "schedule.warmup_steps") == expected
+    spliced = build_sweep(parse_yaml("name: s\ngrid:\n  optim.lr: [0.5, logspace(1.0e-3, 1e-1, 3), 0.7]\n"))
+    assert spliced.grid["optim.lr"] == [0.5, 1e-3, 0.01, 0.1, 0.7]
+    with pytest.raises(ConfigError, match=r"^grid.optim.lr: 'linspace\(1, 2' .*no closing parenthesis"):
+        build_sweep(parse_yaml("name: s\ngrid:\n  optim.lr: [0.5, linspace(1, 2]\n"))
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -127,6 +159,68 @@ def test_bad_sample_sections_name_the_key(section, message):
         sweep(sample=section)
 
 
+def test_many_draws_of_few_runs_cost_the_distinct_runs_and_past_the_limit_nothing(monkeypatch):
+    """`n: 1000000` over one `choice` axis: minutes at 100% CPU in `validate`, resolving a run per draw.
+    Now a draw of values drawn before is not resolved again, and an n past the run limit is refused before
+    any point is drawn."""
+    import normexp.config.sample as sample
+    from normexp.config import RunConfig
+
+    real, resolved = RunConfig.model_validate, []
+    monkeypatch.setattr(RunConfig, "model_validate", staticmethod(lambda data, *a, **k: (resolved.append(1),
+                                                                                         real(data, *a, **k))[1]))
+    drawn = sample._unit_points
+    draws = []
+    monkeypatch.setattr(sample, "_unit_points", lambda n, *a: (draws.append(n), drawn(n, *a))[1])
+    s = build_sweep({"name": "s", "base": BASE, "grid": {"optim.lr": [0.1, 0.01]}, "seeds": [0, 1],
+                     "sample": {"n": 100_000, "norm.placement": {"choice": ["pre", "post"]}}})
+    assert draws == [100_000] and len(s.runs) == 8
+    assert len(resolved) <= 8  # 2 lrs x 2 placements (and the base): not 200,000
+    with pytest.raises(ConfigError, match=r"^sample.n: must be an integer from 1 to 100000"):
+        build_sweep({"name": "s", "base": BASE, "sample": {"n": 100_001, "norm.placement": {"choice": ["pre"]}}})
+    assert draws == [100_000]  # refused before drawing
+
+
+def test_repeated_draws_give_the_runs_every_draw_resolved_would():
+    """The same runs, in the same order, as resolving each (grid point, draw, seed) and keeping the first."""
+    section = {"n": 40, "seed": 5, "norm.placement": {"choice": ["pre", "post", "peri"]},
+               "schedule.warmup_steps": {"uniform": [0, 3]}}
+    s = build_sweep({"name": "s", "base": BASE, "grid": {"optim.lr": [0.1, 0.01]}, "seeds": [2, 1],
+                     "sample": section})
+    expected = {}
+    for lr in (0.1, 0.01):
+        for point in s.sample["points"]:
+            for seed in (2, 1):
+                cfg = build_sweep({"name": "s", "base": BASE, "grid": {"optim.lr": [lr], **{
+                    k: [v] for k, v in point.items()}}, "seeds": [seed]}).runs[0]
+                expected.setdefault(run_id(cfg), None)
+    assert [run_id(c) for c in s.runs] == list(expected) and len(expected) == 2 * 3 * 4 * 2
+
+
+@pytest.mark.parametrize(("base", "key", "spec"), [
+    ({"optim": {"name": "adam"}}, "optim.momentum", {"uniform": [0.5, 0.99]}),
+    ({"norm": {"placement": "pre"}}, "norm.mixln_fraction", {"uniform": [0.1, 0.9]}),
+    ({"schedule": {"kind": "linear_warmup"}}, "schedule.min_lr_ratio", {"choice": [0.1, 0.2]}),
+    ({"model": {"arch": "transformer"}, "data": {"task": "copy"}}, "model.qk_norm_scope", {"choice": ["head", "full"]}),
+])
+def test_a_sampled_key_no_run_uses_is_refused_by_the_grids_rule(base, key, spec):
+    """A sample over optim.momentum under Adam drew 8 values that all went back to the default: 1 run, no
+    word. It is refused as the same grid axis is, in the same words."""
+    values = spec.get("choice") or spec["uniform"]
+    with pytest.raises(ConfigError) as as_grid:
+        build_sweep({"name": "s", "base": base, "grid": {key: values}})
+    with pytest.raises(ConfigError) as as_sample:
+        build_sweep({"name": "s", "base": base, "sample": {"n": 8, key: spec}})
+    assert str(as_sample.value) == str(as_grid.value).replace(f"grid.{key}", f"sample.{key}")
+    assert str(as_sample.value).startswith(f"sample.{key}: has no effect: only ")
+
+
+def test_a_sampled_key_some_run_uses_is_kept():
+    s = build_sweep({"name": "s", "base": BASE, "grid": {"optim.name": ["sgd", "adam"]},
+                     "sample": {"n": 4, "optim.momentum": {"uniform": [0.5, 0.99]}}})
+    assert len(s.runs) == 5  # 4 sgd runs, one per momentum; the adam runs are one
+
+
 def test_a_key_both_sampled_and_in_the_grid_is_refused():
     with pytest.raises(ConfigError, match=r"sample.optim.lr: also a grid axis"):
         sweep(grid={"optim.lr": [0.1]}, sample={"n": 2, "optim.lr": {"uniform": [0.1, 1]}})
@@ -195,7 +289,7 @@ def test_the_phase_diagram_of_sampled_points_is_a_labelled_scatter():
     assert is_sampled(sampled, "optim.lr", "schedule.warmup_steps")
     assert not is_sampled(gridded, "optim.lr", "schedule.warmup_steps")
     scatter = phase_figure(sampled, "optim.lr", "schedule.warmup_steps")
-    assert "sampled points, a scatter (not interpolated)" in scatter._suptitle.get_text()
+    assert "a scatter, not interpolated" in " ".join(scatter._suptitle.get_text().split())
     ax = scatter.axes[0]
     assert len(ax.collections[0].get_offsets()) == 16 and ax.get_xscale() == "log"
     assert "scatter" not in phase_figure(gridded, "optim.lr", "schedule.warmup_steps")._suptitle.get_text()

@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from normexp.analysis.sensitivity import build_sensitivity, clipped_final, variant_sensitivity
+from normexp.analysis.sensitivity import (
+    CANNOT_TELL,
+    Sensitivity,
+    arm_change,
+    build_sensitivity,
+    clipped_final,
+    judge,
+    variant_sensitivity,
+)
 from normexp.cli import app
 from normexp.config import RunConfig, build_sweep
 from normexp.folder import SWEEP_FILE, FinishedRun, run_id, write_run
@@ -59,8 +67,9 @@ def test_lr_sensitivity_of_a_hand_made_summary(tmp_path):
     # seed means [1.1, 0.3, 2.3]; l* = 0.3; sensitivity = mean([0.8, 0.0, 2.0]) = 0.9333
     assert pre.label == "Pre" and pre.sensitivity == pytest.approx(2.8 / 3)
     assert pre.best_loss == pytest.approx(0.3) and pre.best_lr == 0.01
-    # per seed: mean([0.7, -0.1, 2.0]) = 0.8667 and mean([0.9, 0.1, 2.0]) = 1.0
-    assert pre.spread == pytest.approx(pd.Series([2.6 / 3, 1.0]).std(ddof=1))
+    # each seed's own sensitivity, against its own best lr: seed 0 [1.0, 0.2, 2.3] - 0.2 -> mean 2.9 / 3,
+    # seed 1 [1.2, 0.4, 2.3] - 0.4 -> mean 2.7 / 3
+    assert pre.spread == pytest.approx(pd.Series([2.9 / 3, 2.7 / 3]).std(ddof=1))
     assert (pre.seeds, pre.runs, pre.diverged, pre.missing, pre.lrs, pre.grid_lrs) == (2, 6, 1, 0, 3, 3)
     # post: lr 0.1 never finished (nor did seed 1, never run), so no number rather than a mean over the
     # lrs that happen to exist
@@ -76,7 +85,45 @@ def test_report_lr_sensitivity_through_the_cli(tmp_path):
     assert [r["variant"] for r in rows] == ["Pre", "Post"]
     assert float(rows[0]["lr_sensitivity"]) == pytest.approx(2.8 / 3) and rows[0]["diverged"] == "1"
     markdown = CliRunner().invoke(app, ["report", str(folder), "--lr-sensitivity", "--format", "markdown"]).output
-    assert "0.9333 ± 0.0943" in markdown and "an lr has no finished run" in markdown
+    assert "0.9333 ± 0.0471" in markdown and "an lr has no finished run" in markdown
+
+
+def test_the_spread_is_the_std_of_each_seeds_own_sensitivity_recomputed_from_the_run_folders(tmp_path):
+    """docs/reports.md's definition, recomputed from the run folders with csv and yaml alone: per seed, the
+    sensitivity of that seed's runs (its clipped final losses against its own best lr), then their std over
+    seeds. The code took each seed's mean against the variant's shared l*, which moves with a seed's loss
+    level, not with its sensitivity: seed 1 below is seed 0 shifted down by 0.3 at every lr, the same
+    sensitivity, so Pre's spread is 0 (it was 0.21)."""
+    import statistics
+
+    import yaml
+
+    curves = {("pre", 0): [1.0, 0.4, 0.9, 2.0], ("pre", 1): [0.7, 0.1, 0.6, 1.7], ("pre", 2): [1.1, 0.5, 1.0, 2.1],
+              ("post", 0): [2.0, 0.9, 0.3, math.nan], ("post", 1): [1.4, 1.1, 0.5, 0.8],
+              ("post", 2): [2.2, 0.4, 1.2, 3.5]}
+    lrs = [0.001, 0.01, 0.1, 1.0]
+    runs = [(p, lr, seed, 2.3, final, "diverged" if math.isnan(final) else "completed")
+            for (p, seed), finals in curves.items() for lr, final in zip(lrs, finals)]
+    folder = write_sweep(tmp_path / "spread", runs)
+    clipped: dict[tuple[str, int], dict[float, float]] = {}
+    for run in sorted(p for p in folder.iterdir() if (p / "done.json").is_file()):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        with open(run / "metrics.csv", newline="") as f:
+            losses = [float(row["loss"]) for row in csv.DictReader(f)]
+        status = yaml.safe_load((run / "done.json").read_text())["status"]
+        final = losses[-1] if status != "diverged" and math.isfinite(losses[-1]) else losses[0]
+        curve = clipped.setdefault((config["norm"]["placement"], config["seed"]), {})
+        curve[config["optim"]["lr"]] = min(final, losses[0])
+    expected = {}
+    for placement in ("pre", "post"):
+        own = [statistics.mean(v - min(c.values()) for v in c.values())
+               for (p, _), c in clipped.items() if p == placement and len(c) == len(lrs)]
+        expected[placement] = statistics.stdev(own)
+    rows = {r.values["norm.placement"]: r for r in build_sensitivity(folder)}
+    assert expected["pre"] == pytest.approx(0.0, abs=1e-12)  # seed 1 is seed 0 shifted: no noise in how much lr matters
+    for placement, spread in expected.items():
+        assert rows[placement].spread == pytest.approx(spread, abs=1e-12), placement
+    assert rows["post"].spread > 0.1 and rows["post"].diverged == 1
 
 
 def test_lr_sensitivity_without_an_lr_axis_of_three_exits_2(tmp_path):
@@ -160,6 +207,65 @@ def test_a_variant_whose_key_is_unset_counts_no_run_missing(tmp_path):
     rows = build_sensitivity(out)
     assert [(r.runs, r.missing) for r in rows] == [(6, 0), (6, 0)]
     assert "| null |" in pivot_to_markdown(build_pivot(out, "norm.deepnorm_alpha", "optim.lr"))
+
+
+# ----------------------------------------------------------------------------- two arms: both readings
+
+def _arm(losses: dict[tuple[int, float], float]) -> pd.DataFrame:
+    """An arm's rows of `lr_table`: (seed, lr) -> clipped final loss."""
+    return pd.DataFrame([{"seed": s, "optim.lr": lr, "clipped": c} for (s, lr), c in losses.items()])
+
+
+def _row(frame: pd.DataFrame) -> Sensitivity:
+    sens, spread, best_lr, best = variant_sensitivity(frame, LRS)
+    return Sensitivity("arm", {}, sens, spread, best_lr, best, len(LRS), len(LRS), frame["seed"].nunique(),
+                       len(frame), 0, 0)
+
+
+LOSSES = st.floats(0.01, 3.0, allow_nan=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.data())
+def test_both_readings_are_the_recomputed_formulas_and_one_seed_cannot_tell(n_seeds, data):
+    """shared: mean over lrs of each arm's seed-mean loss minus the best seed-mean loss of BOTH arms,
+    recomputed here from the frame; own: the paper's per-arm formula. One seed: no judgement."""
+    arms = [{(s, lr): data.draw(LOSSES) for s in range(n_seeds) for lr in LRS} for _ in range(2)]
+    frames = [_arm(a) for a in arms]
+    change = arm_change(*(_row(f) for f in frames))
+    means = [[sum(a[(s, lr)] for s in range(n_seeds)) / n_seeds for lr in LRS] for a in arms]
+    shared_best = min(min(m) for m in means)
+    for i, m in enumerate(means):
+        assert change.shared[i] == pytest.approx(sum(x - shared_best for x in m) / len(LRS), abs=1e-9)
+        assert change.own[i] == pytest.approx(sum(x - min(m) for x in m) / len(LRS), abs=1e-9)
+    assert (change.effect == CANNOT_TELL) == (n_seeds < 2) == (change.own_effect == CANNOT_TELL)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(LOSSES, min_size=3, max_size=3), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3),
+       st.floats(0.0, 0.05))
+def test_a_rescue_at_every_lr_never_reads_as_a_rise_on_the_shared_reading(before, gains, jitter):
+    """An intervention that lowers the loss at every lr (qk-norm rescuing Peri-DyT) can raise the
+    own-best sensitivity, never the shared one."""
+    arms = []
+    for shift in (0.0, 1.0):
+        losses = {}
+        for seed, noise in ((0, 0.0), (1, jitter)):
+            for lr, b, g in zip(LRS, before, gains):
+                losses[(seed, lr)] = max(b - shift * (g + 0.01), 0.001) + noise
+        arms.append(_row(_arm(losses)))
+    change = arm_change(*arms)
+    assert change.shared[1] <= change.shared[0] + 1e-12
+    assert change.effect != "raises"
+
+
+def test_a_rescue_that_raises_the_own_best_reading_is_said_both_ways():
+    """Peri-DyT's case in miniature: qk-norm lowers the loss everywhere, most at one lr."""
+    before = _arm({(s, lr): 0.55 + 0.001 * s for s in (0, 1) for lr in LRS})
+    after = _arm({(s, lr): (0.06 if lr == 0.01 else 0.5) + 0.001 * s for s in (0, 1) for lr in LRS})
+    change = arm_change(_row(before), _row(after))
+    assert change.own_effect == "raises" and change.effect == "lowers"
+    assert judge(1.0, 0.5, 0.1, seeds=1) == CANNOT_TELL and judge(1.0, 0.5, math.nan, seeds=3) == CANNOT_TELL
 
 
 # ----------------------------------------------------------------------------- a diverged run, by the definition

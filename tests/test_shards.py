@@ -192,6 +192,7 @@ def test_merge_refuses_folders_of_two_sweeps(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.process
 def test_dry_run_shows_the_sbatch_script(tmp_path, write_yaml):
     pytest.importorskip("submitit")
     config = write_yaml(SHARDED)
@@ -210,6 +211,7 @@ def test_dry_run_shows_the_sbatch_script(tmp_path, write_yaml):
     assert not (tmp_path / "o").exists()  # nothing written, nothing submitted
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("option", "value", "message"), [
     ("--partition", "", "one word"), ("--account", "lab\n#SBATCH --exclusive", "one word"),
     ("--qos", "low prio", "one word"), ("--mem", "", "one word"), ("--mem", "lots", "a size as sbatch reads it")])
@@ -226,6 +228,7 @@ def test_slurm_words_are_one_word_each(tmp_path, write_yaml, option, value, mess
     assert ok.exit_code == 0 or "submitit" in ok.output, ok.output
 
 
+@pytest.mark.process
 def test_launcher_options_are_checked(tmp_path, write_yaml):
     config = write_yaml(SHARDED)
     result = runner.invoke(app, ["sweep", str(config), "--launcher", "local", "--shards", "2", "--shard", "0/2"])
@@ -240,6 +243,7 @@ def test_launcher_options_are_checked(tmp_path, write_yaml):
     assert result.exit_code == 2 and "--launcher" in result.output
 
 
+@pytest.mark.process
 def test_submitting_without_slurm_is_one_error_line(tmp_path, write_yaml):
     pytest.importorskip("submitit")
     import shutil
@@ -252,6 +256,7 @@ def test_submitting_without_slurm_is_one_error_line(tmp_path, write_yaml):
     assert "Traceback" not in result.output and not (tmp_path / "o").exists()
 
 
+@pytest.mark.process
 def test_a_shard_task_is_requeued_as_itself():
     pytest.importorskip("submitit")
     from normexp.launch import ShardTask
@@ -259,9 +264,16 @@ def test_a_shard_task_is_requeued_as_itself():
     task = ShardTask(["sweep", "x.yaml"], 4)
     again = task.checkpoint(2)
     assert again.function is task and again.args == (2,)
+    import pickle
+
+    old = pickle.loads(pickle.dumps(task))
+    del old.__dict__["own_session"], old.__dict__["_child"]  # as a task an earlier normexp pickled
+    revived = pickle.loads(pickle.dumps(old))
+    assert (revived.own_session, revived._child, revived.argv) == (False, None, task.argv)
     assert task.command(2)[-2:] == ["--shard", "2/4"] and task.command(2)[0] == sys.executable
 
 
+@pytest.mark.process
 @pytest.mark.slow  # submitit starts a process per task, each loading torch
 def test_the_local_launcher_runs_the_array_with_submitit(tmp_path, write_yaml):
     pytest.importorskip("submitit")
@@ -272,6 +284,7 @@ def test_the_local_launcher_runs_the_array_with_submitit(tmp_path, write_yaml):
     run_sweep(load_sweep(config), tmp_path / "full", SweepOptions(engine="batched"))
     assert _metrics(tmp_path / "o") == _metrics(tmp_path / "full")
     assert len(list((tmp_path / "o" / ".submitit").rglob("*_result.pkl"))) == 2
+    assert not [p for p in (tmp_path / "o" / ".submitit").rglob("*") if "%" in p.name]  # a literal %j folder was left
 
 
 def test_merge_refuses_a_folder_of_the_users_that_holds_a_summary_csv(tmp_path):
@@ -283,3 +296,83 @@ def test_merge_refuses_a_folder_of_the_users_that_holds_a_summary_csv(tmp_path):
     result = runner.invoke(app, ["merge", str(out), str(tmp_path / "a")])
     assert result.exit_code == 2 and "not a sweep folder normexp wrote" in result.output, result.output
     assert [p.name for p in out.iterdir()] == ["summary.csv"] and (out / "summary.csv").read_text() == "mine,1\n"
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("launcher", ["slurm", "local"])
+def test_the_arrays_tasks_run_with_the_options_the_command_gave(tmp_path, write_yaml, launcher):
+    """--launcher dropped --device, --compile/--no-compile, --workers, --cluster and --max-runs from the
+    tasks it started: each task ran on the defaults. The task's command line carries them."""
+    pytest.importorskip("submitit")
+    config = write_yaml(SHARDED)
+    given = ["--engine", "fast", "--device", "cuda", "--no-compile", "--workers", "3", "--cluster", "local:2",
+             "--max-runs", "500", "--fail-fast"]
+    result = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", launcher,
+                                 "--shards", "2", *given, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    task = " ".join(result.output.split()).split("task I running: ")[1]
+    for option in (" ".join(given[i:i + 2]) for i in (0, 2, 5, 7, 9)):
+        assert option in task, (option, task)
+    assert "--no-compile" in task and "--fail-fast" in task
+    plain = runner.invoke(app, ["sweep", str(config), "--out", str(tmp_path / "o"), "--launcher", launcher,
+                                "--shards", "2", "--dry-run"])
+    task = " ".join(plain.output.split()).split("task I running: ")[1]
+    assert not any(o in task for o in ("--device", "compile", "--workers", "--cluster", "--max-runs", "--fail"))
+    bad = runner.invoke(app, ["sweep", str(config), "--launcher", launcher, "--shards", "2", "--compile",
+                              "--engine", "batched", "--dry-run"])
+    assert bad.exit_code == 2 and "--compile" in bad.output, bad.output
+
+
+WIDE = """\
+name: wide
+base: {model: {depth: 2, width: 8}, train: {steps: 3}}
+grid: {optim.lr: [0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008]}
+seeds: [0, 1, 2, 3, 4, 5, 6, 7]
+"""
+
+
+@pytest.mark.parametrize("compile_", [True, None])
+def test_a_compiled_fast_sweep_is_dealt_out_by_its_compiled_batches(tmp_path, write_yaml, monkeypatch, compile_):
+    """--shard dealt a compiled fast sweep out by 64-run uncompiled batches, though it trains 8-run compiled
+    ones: 64 runs of one structure went to shard 0 and nothing to the other 7. Dealt by the batches it
+    trains, each of 8 shards gets one compiled batch (with --compile, and where the sweep chooses to compile)."""
+    from normexp.engines.fast import plan
+    from normexp.engines.fast.plan import COMPILED_CHUNK
+
+    monkeypatch.setattr(plan, "should_compile", lambda cfg, steps: True)  # the automatic choice: compile
+    runs = build_sweep(parse_yaml(WIDE)).runs
+    shards = [shard_runs(runs, "fast", i, 8, compile=compile_) for i in range(8)]
+    assert [len(s) for s in shards] == [COMPILED_CHUNK] * 8
+    assert sorted(run_id(c) for s in shards for c in s) == sorted(run_id(c) for c in runs)
+    assert [len(shard_runs(runs, "fast", i, 8, compile=False)) for i in range(8)] == [64] + [0] * 7  # 64-run batch
+    config = write_yaml(WIDE)
+    flags = ["--compile"] if compile_ else []
+    shown = runner.invoke(app, ["sweep", str(config), "--engine", "fast", *flags, "--shard", "3/8", "--dry-run"])
+    assert shown.exit_code == 0 and "shard 3/8 trains 8 runs of the 64" in shown.output, shown.output
+
+
+def test_a_resumed_or_sharded_fast_sweep_keeps_the_unsharded_bits(tmp_path):
+    """The fast engine's bits depend on the order of the runs in a batch (docs/fast-contract.md). What that
+    implies: a resumed sweep trains each batch with a run to redo whole, in the planned order, and records
+    only those runs; shards (one folder, or merged) train whole batches of the unsharded plan. Either way
+    metrics.csv is the unsharded sweep's, byte for byte."""
+    import shutil
+
+    sweep = _sweep()
+    options = {"engine": "fast", "compile": False}
+    run_sweep(sweep, tmp_path / "full", SweepOptions(**options))
+    full = _metrics(tmp_path / "full")
+    assert len(full) == len(sweep.runs)
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    batches = plan_units(sweep.runs, "fast", "cpu", 1, False, sweep.runs)
+    assert len(batches) > 1
+    for unit in batches[:2]:  # the last run of two batches lost: each batch retrained whole, in its order
+        shutil.rmtree(tmp_path / "resumed" / run_id(unit.runs[-1]))
+    outcome = run_sweep(sweep, tmp_path / "resumed", SweepOptions(**options))
+    assert outcome.total == len(sweep.runs) and _metrics(tmp_path / "resumed") == full
+    for i in range(3):
+        run_sweep(sweep, tmp_path / "one", SweepOptions(**options, shard=(i, 3)))
+        run_sweep(sweep, tmp_path / f"s{i}", SweepOptions(**options, shard=(i, 3)))
+    assert _metrics(tmp_path / "one") == full
+    merge_folders(tmp_path / "merged", [tmp_path / f"s{i}" for i in range(3)])
+    assert _metrics(tmp_path / "merged") == full

@@ -223,3 +223,73 @@ def test_a_done_json_whose_stop_disagrees_with_its_run_is_corrupt(tmp_path, fiel
         done[field] = done[field] + change if isinstance(change, int) else change
     (run / "done.json").write_text(encode_done(done))
     assert inspect_run(run).kind == "corrupt"
+
+
+STOPPING = """name: stops
+base: {model: {depth: 2, width: 8}, train: {steps: 4, stop_when: trained, stop_below: 0.5, stop_patience: 1}}
+seeds: [0, 1, 2, 3]
+"""
+LOSSES = {0: [2.7, 0.4], 1: [2.7, 1.0, 0.45], 2: [2.7, 1.0, 0.9, 0.8, 0.7], 3: [2.7, 1.2, 1.0, 0.6, 0.55]}
+
+
+def stopped_folder(tmp_path):
+    """Four seeds written through the store: seeds 0 and 1 trained and were stopped at steps 1 and 2,
+    seeds 2 and 3 ran every step, every loss falling."""
+    from normexp.config import build_sweep, parse_yaml
+    from normexp.folder import FinishedRun, atomic_write, write_run, write_summary
+
+    sweep = build_sweep(parse_yaml(STOPPING))
+    out = tmp_path / "out"
+    out.mkdir()
+    atomic_write(out / "sweep.yaml", sweep.to_yaml())
+    for cfg in sweep.runs:
+        loss = LOSSES[cfg.seed]
+        n = len(loss)
+        metrics = {"step": list(range(n)), "loss": loss, "acc": [0.1] * n, "lr": [cfg.optim.lr] * n,
+                   "grad_norm": [1.0] * n}
+        stop = (n - 1, "trained") if n < 5 else (None, None)
+        write_run(out / run_id(cfg), cfg, FinishedRun(metrics, "completed", 0.1, 1, "reference", "cpu", None, *stop))
+    write_summary(out, sweep.runs)
+    return out
+
+
+def test_a_per_step_mean_holds_a_stopped_run_at_its_last_value(tmp_path):
+    """After early stops a per-step mean averaged only the seeds still running (here it would rise from
+    0.575 to 0.625 while every loss falls), and the table called the stopped seeds "diverged or missing".
+    A stopped run holds its last value: the mean covers every seed, in the table, the CSV and the figure."""
+    from normexp.figures import sweep_figures
+    from normexp.report import PARTIAL_NOTE, build_report, to_csv
+    from normexp.results import load_folder
+
+    out = stopped_folder(tmp_path)
+    report = build_report(out)
+    (column,) = report.columns
+    held = {step: sum(LOSSES[s][min(step, len(LOSSES[s]) - 1)] for s in LOSSES) / 4 for step in range(5)}
+    for step in report.steps:
+        mean, _, finite, reached = column.cells[step]
+        assert (finite, reached) == (4, 4) and mean == pytest.approx(held[step])
+        assert "of 4" not in report.cell(column, step)
+    assert "diverged or missing" not in report.stopped and "holds" in report.stopped
+    assert "stopped early by train.stop_when) counts in no cell" not in PARTIAL_NOTE
+    csv = to_csv(report)
+    assert f"{held[4]:.4g}"[:4] in csv and "0.625" not in csv
+    ((_, fig, _),) = [f for f in sweep_figures(load_folder(out)) if f[0] == ""]
+    (line,) = [ln for ln in fig.axes[0].get_lines() if len(ln.get_xdata()) == 5]
+    assert list(line.get_ydata()) == pytest.approx([held[s] for s in range(5)])
+    result = CliRunner().invoke(app, ["report", str(out)])
+    assert result.exit_code == 0 and "(2 of 4)" not in result.output, result.output
+
+
+def test_a_trained_stop_under_its_own_stop_below_is_not_called_trained_when_the_rule_says_not(tmp_path):
+    """`stop_when: trained` with a stop_below above the trained rule's threshold: the report said a run
+    stopped "(trained)" beside a verdict that it did not train. The stop is named by the condition it met."""
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nbase: {model: {depth: 2, width: 8}, optim: {lr: 0.01}, train: {steps: 12, "
+                     "stop_when: trained, stop_below: 2.45, stop_patience: 1}}\nseeds: [0]\n")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(app, ["sweep", str(sweep), "--out", str(out)]).exit_code == 0
+    summary = load_summary(out)
+    assert summary["stopped_at"].notna().all() and not summary["trained"].astype(bool).any()
+    said = " ".join(CliRunner().invoke(app, ["report", str(out)]).output.split())
+    assert "(trained)" not in said and "loss < 2.45 (train.stop_below), not trained by the trained rule" in said, said
+    assert "Did not train" in said

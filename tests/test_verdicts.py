@@ -4,12 +4,26 @@ training), gradnorm summaries are built by hand."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import pandas as pd
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from normexp.analysis.gradnorm import GradnormSummary
+from normexp.analysis.sensitivity import CANNOT_TELL, Sensitivity
 from normexp.config import build_sweep, parse_yaml
 from normexp.folder import FinishedRun, atomic_write, run_id, write_run, write_summary
-from normexp.studies.verdicts import article_verdict, gradnorm_verdict, lr_warmup_verdict
+from normexp.studies.verdicts import (
+    LOGIT_GROWTH,
+    LOGIT_LIMIT,
+    article_verdict,
+    gradnorm_verdict,
+    grown_lrs,
+    lr_warmup_verdict,
+    width_trend,
+)
 
 
 def folder(tmp_path, text: str, final_loss) -> object:
@@ -79,6 +93,37 @@ def test_the_gradnorm_verdict_says_the_direction_rates_and_lemma_hold_only_when_
     assert "direction matches Xiong" in xiong and "so do the rates" in xiong and "norms hold in form" in xiong
     reversed_ = gradnorm_verdict(summary(-0.6, 0.3, 0.3, 1.5, 0.9))
     assert "does not match Xiong" in reversed_ and "rates differ" in reversed_ and "do not hold in form" in reversed_
+
+
+# ----------------------------------------------------------------------------- the instabilities study's rules
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(-5, 500, allow_nan=False), st.floats(0.01, 300, allow_nan=False)),
+                min_size=1, max_size=6))
+def test_attention_logits_grow_only_where_the_measured_peak_grows(cells):
+    """An lr counts as growth only where the peak reaches LOGIT_LIMIT and is LOGIT_GROWTH x its step-0 value:
+    a logit large from init (growth under 2x) or one under the limit never counts."""
+    lrs = [10.0 ** -i for i in range(len(cells))]
+    frame = pd.DataFrame({"logit_peak": [p for p, _ in cells], "growth": [g for _, g in cells]}, index=lrs)
+    grown = grown_lrs(frame)
+    assert grown == [lr for lr, (p, g) in zip(lrs, cells) if p >= LOGIT_LIMIT and g >= LOGIT_GROWTH]
+
+
+def _sens(value: float, spread: float, seeds: int) -> Sensitivity:
+    return Sensitivity("w", {}, value, spread, 0.01, 0.1, 3, 3, seeds, 3 * seeds, 0, 0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(0, 2, allow_nan=False), min_size=1, max_size=4), st.floats(0, 0.2),
+       st.integers(1, 3))
+def test_a_width_trend_needs_two_widths_and_two_seeds(values, spread, seeds):
+    by_width = {32 * 2 ** i: _sens(v, spread if seeds > 1 else math.nan, seeds) for i, v in enumerate(values)}
+    trend = width_trend(by_width)
+    if len(values) < 2 or seeds < 2:
+        assert trend == CANNOT_TELL
+    else:
+        delta = values[-1] - values[0]
+        assert trend == ("grows" if delta > spread else "shrinks" if delta < -spread else "stays flat")
 
 
 # ----------------------------------------------------------------------------- the LR-sensitivity and blocks verdicts

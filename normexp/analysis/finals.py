@@ -5,6 +5,8 @@ which of a sweep's axes are numbers. Pure pandas: no torch, rich or matplotlib.
   rule, on the final training loss) and `stopped` (`stopped_early`: by train.stop_when);
 - `last_rows` and `variant_finals`: each run's row at its last recorded step, and per variant its rows
   and its runs' last rows judged by the trained rule (the report's columns);
+- `hold_stopped`: the per-step rows with each run that train.stop_when stopped (not diverged) held at its
+  last value for the later steps, so that a per-step mean covers every seed, stopped or still running;
 - `numeric_axes` and `is_sampled`: the varying keys a phase diagram can take, and whether their values
   are sampled points rather than a grid.
 """
@@ -45,6 +47,34 @@ def final_values(tidy: pd.DataFrame, metric: str, trained_below: float | None = 
                                   thresholds(table, trained_below))
     table["stopped"] = stopped_early(table)
     return table.reset_index()
+
+
+def hold_stopped(tidy: pd.DataFrame) -> pd.DataFrame:
+    """The per-step rows, with each run that train.stop_when stopped before its last step and that did not
+    diverge (`stopped_early` and status completed: it trained or stalled) held at its last recorded row for
+    every later step that the frame records, up to its own train.steps. A per-step mean over seeds then
+    covers every seed: stopped runs at the value they stopped at, rather than only the seeds still running
+    (which made a mean rise while every run's loss fell). A diverged run is not held: it counts as diverged.
+    `tidy` needs train.steps and train.stop_when (all_config); without them it is returned as it is."""
+    if tidy.empty or "train.steps" not in tidy or "train.stop_when" not in tidy:
+        return tidy
+    last = tidy.groupby("run_id", sort=False).tail(1)
+    held = last[stopped_early(last) & (last["status"] == "completed")]
+    if held.empty:
+        return tidy
+    steps = np.sort(tidy["step"].astype(int).unique())
+    added = []
+    for index, row in held.iterrows():
+        later = steps[(steps > int(row["step"])) & (steps <= int(row["train.steps"]))]
+        if len(later):
+            added.append(pd.DataFrame([row] * len(later), index=[index] * len(later)).assign(step=later))
+    if not added:
+        return tidy
+    out = pd.concat([tidy, *added]).astype(tidy.dtypes.to_dict())
+    order = {rid: i for i, rid in enumerate(dict.fromkeys(tidy["run_id"]))}  # the runs keep their order
+    out = out.iloc[np.lexsort((out["step"].astype(int).to_numpy(), out["run_id"].map(order).to_numpy()))]
+    out.attrs = dict(tidy.attrs)
+    return out.reset_index(drop=True)
 
 
 def stopped_early(table: pd.DataFrame) -> pd.Series:

@@ -11,8 +11,23 @@ that share every other varying key) and per run r at learning rate lr:
     l*        = min over the lr grid of m(lr)            the best lr's seed-mean of the clipped loss
     LR sensitivity = mean over the lr grid of [m(lr) - l*]
 
-The seed spread is the standard deviation over seeds of each seed's own mean_lr [c - l*] (their mean is
-the sensitivity itself; seeds that miss an lr are left out of it). A variant with an lr of the grid that
+The seed spread is the standard deviation over seeds of each seed's own sensitivity, the same formula on
+that seed's runs alone: mean_lr [c_s(lr) - min over the lr grid of c_s] (seeds that miss an lr are left
+out of it). It answers "is a difference between two sensitivities beyond the seed noise?": how much the
+number itself moves from seed to seed. (Each seed's mean_lr [c_s - l*] against the shared l* would measure
+how much a seed's loss level moves instead: a seed that is better at every lr alike is no noise in how
+much the lr matters.)
+
+Comparing two arms (a design without and with an intervention): each arm's sensitivity against its own l*
+is the paper's formula, but an intervention that lowers the best loss itself (a rescue) then reads as a
+rise, since the arm's other lrs are measured from a lower floor. `arm_change` reports both readings: each
+arm against its own l*, and each against the best l* of the two arms,
+
+    shared sensitivity = mean over the lr grid of [m(lr) - min(l*_a, l*_b)] = sensitivity + l* - min(l*_a, l*_b)
+
+and judges the change on the shared one (an arm is not called more sensitive for reaching a lower loss).
+A change is "beyond the seed spread" only with at least 2 seeds in both arms and a spread to judge by
+(the larger of the two arms' seed spreads); with one seed it cannot tell. A variant with an lr of the grid that
 has no finished run gets no number: a missing run is shown as missing. Every row says how many seeds,
 runs and diverged runs it covers. This module imports pandas but never torch.
 """
@@ -41,7 +56,7 @@ class Sensitivity:
     label: str
     values: dict[str, object]  # the variant's keys (the other varying keys) and values
     sensitivity: float  # nan when an lr of the grid has no finished run
-    spread: float  # std over seeds of each seed's sensitivity (nan below 2 complete seeds)
+    spread: float  # std over seeds of each seed's own sensitivity (its own l*; nan below 2 complete seeds)
     best_lr: float
     best_loss: float  # l*
     lrs: int  # learning rates of the grid with at least one finished run
@@ -50,6 +65,47 @@ class Sensitivity:
     runs: int  # finished runs (completed or diverged)
     diverged: int
     missing: int  # runs of the sweep that have not finished (pending, failed, or unreadable)
+
+
+CANNOT_TELL = "cannot tell"  # one seed: no spread to judge a change by
+
+
+@dataclass(frozen=True)
+class ArmChange:
+    """How an intervention moves a design's LR sensitivity, in both readings (see the module docstring)."""
+
+    own: tuple[float, float]  # (before, after), each arm against its own l*: the paper's formula
+    shared: tuple[float, float]  # (before, after), each against the best l* of the two arms
+    best: tuple[float, float]  # (before, after) l*
+    effect: str  # on the shared reading: lowers, raises, leaves within noise, or CANNOT_TELL
+    own_effect: str  # the same judgement on the own-l* reading
+    seeds: int  # the fewer of the two arms' seeds
+
+
+def against_best(row: Sensitivity, best_loss: float) -> float:
+    """`row`'s sensitivity scored against the l* `best_loss` instead of its own: mean_lr [m(lr) - best_loss]."""
+    return row.sensitivity + row.best_loss - best_loss
+
+
+def judge(before: float, after: float, noise: float, seeds: int) -> str:
+    """lowers / raises / leaves within noise, the change against `noise` (a seed spread); CANNOT_TELL below
+    2 seeds or without a finite spread."""
+    if seeds < 2 or not math.isfinite(noise):
+        return CANNOT_TELL
+    delta = after - before
+    return "lowers" if delta < -noise else "raises" if delta > noise else "leaves within noise"
+
+
+def arm_change(before: Sensitivity, after: Sensitivity) -> ArmChange:
+    """The change from arm `before` to arm `after` (both complete), both readings, judged against the larger
+    finite seed spread of the two."""
+    best = min(before.best_loss, after.best_loss)
+    shared = (against_best(before, best), against_best(after, best))
+    spreads = [s for s in (before.spread, after.spread) if math.isfinite(s)]
+    noise = max(spreads) if spreads else math.nan
+    seeds = min(before.seeds, after.seeds)
+    return ArmChange((before.sensitivity, after.sensitivity), shared, (before.best_loss, after.best_loss),
+                     judge(*shared, noise, seeds), judge(before.sensitivity, after.sensitivity, noise, seeds), seeds)
 
 
 def clipped_final(final: pd.Series, initial: pd.Series, diverged: pd.Series | None = None) -> pd.Series:
@@ -95,7 +151,7 @@ def variant_sensitivity(group: pd.DataFrame, grid_lrs: list[float]) -> tuple[flo
     best = float(means.min())
     sensitivity = float((means - best).mean()) if not means.isna().any() else math.nan
     complete = by_seed.dropna(axis=0, how="any")
-    per_seed = (complete - best).mean(axis=1)
+    per_seed = complete.sub(complete.min(axis=1), axis=0).mean(axis=1)  # each seed's own sensitivity
     spread = float(per_seed.std(ddof=1)) if len(per_seed) > 1 else math.nan
     return sensitivity, spread, best_lr, best
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pandas as pd
 
 from normexp.config import key_label, trained_threshold
@@ -98,11 +99,24 @@ ENGINES_LISTED = 6
 STOPPED_LISTED = 3  # runs named one by one in the early-stopping note; more are counted per reason
 
 
+def _trained_stop(row: pd.Series) -> str:
+    """A `stop_when: trained` stop in words: "trained" under the trained rule's own threshold; under a
+    train.stop_below of its own, the condition it met ("loss < 1 (train.stop_below)"), and, where the
+    trained rule judges the run not trained, that too: the stop and the verdict never contradict."""
+    below = row.get("train.stop_below")
+    if below is None or is_null(below):
+        return "trained"
+    text = f"loss < {float(below):g} (train.stop_below)"
+    if "trained" in row and str(row["trained"]).strip().lower() in ("false", "0", "0.0"):
+        text += ", not trained by the trained rule"
+    return text
+
+
 def stopped_note(summary: pd.DataFrame) -> str:
     """A line on the finished runs that train.stop_when stopped early ("Stopped early (train.stop_when):
     post-layernorm-s0-... at step 12 (trained)", or per reason "5 trained, at steps 12 to 30"), or "" where
-    none did (or the folder predates the stopped_at column). They record no step after theirs: a later
-    cell's mean leaves them out."""
+    none did (or the folder predates the stopped_at column). They record no step after theirs; a per-step
+    mean holds each at its last value (`finals.hold_stopped`), unless it diverged."""
     finished = finished_runs(summary)
     if "stopped_at" not in finished or finished.empty:
         return ""
@@ -111,6 +125,7 @@ def stopped_note(summary: pd.DataFrame) -> str:
     if stopped.empty:
         return ""
     reason = stopped["train.stop_when"].astype(str) if "train.stop_when" in stopped else pd.Series("?", stopped.index)
+    reason = reason.where(reason != "trained", [_trained_stop(row) for _, row in stopped.iterrows()])
     if len(stopped) <= STOPPED_LISTED:
         parts = [f"{rid} at step {step} ({why})" for rid, step, why in zip(stopped["run_id"], stopped["at"], reason)]
     else:
@@ -121,7 +136,7 @@ def stopped_note(summary: pd.DataFrame) -> str:
             parts.append(f"{len(group)} {why}, at {steps}")
     runs = "run" if len(finished) == 1 else "runs"
     return (f"Stopped early (train.stop_when), {len(stopped)} of {len(finished)} {runs}: {'; '.join(parts)}; "
-            "a cell after a run's stop leaves it out.")
+            "each per-step mean holds a stopped run at its last value (a diverged stop counts as diverged).")
 
 
 def engine_note(summary: pd.DataFrame, keys: Sequence[str]) -> str:
@@ -167,6 +182,30 @@ def mixed_note(summary: pd.DataFrame) -> str:
 def is_null(value: object) -> bool:
     """A null config value: None, or the NaN that an empty summary.csv cell reads as."""
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def distinct_keys(frame: pd.DataFrame, keys: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """`keys` less those that vary together with another (the same partition of `frame`'s rows: the sweep of
+    folders compared side by side, each at its own depth), so that a figure or a model shows each
+    difference once; and for each key kept, the keys it stands for. A config key is kept over `sweep`
+    (it names what differs), else the first listed."""
+    order = sorted(keys, key=lambda k: k == "sweep")  # stable: config keys first, `sweep` last
+    codes = {k: frame[k].astype(str).factorize()[0] for k in order}
+    kept: list[str] = []
+    aliases: dict[str, list[str]] = {}
+    for key in order:
+        twin = next((k for k in kept if _same_partition(codes[k], codes[key])), None)
+        if twin is None:
+            kept.append(key)
+        else:
+            aliases.setdefault(twin, []).append(key)
+    return [k for k in keys if k in kept], aliases
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two codings of the same rows group them alike (a one-to-one map between their values)."""
+    pairs = set(zip(a.tolist(), b.tolist()))
+    return len(pairs) == len(set(a.tolist())) == len(set(b.tolist()))
 
 
 def variant_groups(frame: pd.DataFrame, keys: list[str], everything: str = "all runs",
@@ -215,11 +254,14 @@ def _choices(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[[k for k in CHOICE_KEYS if k in frame]].drop_duplicates()
 
 
-def rule_text(n_classes: Sequence[int], trained_below: float | None = None) -> str:
-    """The trained rule as the report states it: 'final loss < 0.2 (report.trained_below)', or
-    'final loss < ln(10)/10 = 0.230' (each n_classes of the runs)."""
+def rule_text(n_classes: Sequence[int], trained_below: float | None = None,
+              source: str = "report.trained_below") -> str:
+    """The trained rule as the report states it: 'final loss < 0.2 (report.trained_below)' (`source`: where
+    the rule was set, the sweep's report.trained_below or --trained-below), or 'final loss < ln(10)/10 =
+    0.230' (each n_classes of the runs). A value is written as given (1e-320, not 9.99989e-321)."""
     if trained_below is not None:
-        return f"final loss < {trained_below:g} (report.trained_below)"
+        value = min(f"{trained_below:g}", repr(float(trained_below)), key=len)  # repr: a subnormal's own digits
+        return f"final loss < {value} ({source})"
     rule = ", ".join(f"ln({n})/10 = {trained_threshold(n):.3f}" for n in n_classes)
     each = "each run's ln(n_classes)/10: " if len(n_classes) > 1 else ""
     return f"final loss < {each}{rule}"

@@ -17,6 +17,7 @@ torch and pandas are imported inside the commands that need them, so `normexp --
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,20 @@ def fail(message: str, code: int = Exit.USAGE) -> typer.Exit:
     """Print `message` to stderr (no traceback) and return the Exit to raise."""
     err.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     return typer.Exit(code)
+
+
+def config_file(config: Path) -> Path:
+    """The sweep file CONFIG names: the path itself, or where no such file is, the one shipped with
+    normexp of that name (`normexp sweep warmup`: normexp/configs/warmup.yaml), said on stderr."""
+    if config.exists() or len(config.parts) != 1:
+        return config
+    from normexp.config import packaged_config
+
+    shipped = packaged_config(config.name)
+    if shipped is None:
+        return config
+    err.print(f"{config}: no such file here; using the config shipped with normexp, {shipped}")
+    return shipped
 
 
 def load(config: Path, overrides: list[str], max_runs: int | None = None) -> Sweep:
@@ -135,7 +150,28 @@ def check_trained_below(value: float | None) -> None:
 HELP_TERM_WIDTH = 30  # click's own limit: a longer option's help starts on the next line
 
 
-class SectionedCommand(TyperCommand):
+USAGE_ERROR = typer.BadParameter.__mro__[1]  # click's UsageError, from the click that Typer carries
+HYDRA_ARGUMENT = re.compile(r"\+{0,2}[A-Za-z_][\w.]*=.*")  # optim.lr=0.1, Hydra's +key=value too
+
+
+class OverridingCommand(TyperCommand):
+    """A command with a --set option: a Hydra-style `key=value` argument, which click refuses as an
+    extra argument, is answered with the `--set key=value` it meant (exit 2, as click's own refusal)."""
+
+    def parse_args(self, ctx, args):
+        given = list(args)  # the parser consumes `args`
+        try:
+            return super().parse_args(ctx, args)
+        except USAGE_ERROR:
+            meant = [arg for before, arg in zip(["", *given], given)
+                     if HYDRA_ARGUMENT.fullmatch(arg) and before != "--set"]
+            if not meant:
+                raise
+        sets = " ".join(f"--set {arg.lstrip('+')}" for arg in meant)
+        ctx.fail(f"unexpected argument {meant[0]!r}: settings are given with --set (did you mean `{sets}`?)")
+
+
+class SectionedCommand(OverridingCommand):
     """A command whose --help lists its options in sections, one per `rich_help_panel` (Typer's way to
     group options, which Typer itself draws only in its Rich help: normexp's help is plain text, whole
     in a log or a pipe). The options without one come first, under "Options"; every section's help

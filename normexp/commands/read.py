@@ -40,10 +40,15 @@ def report(
     pivot: Annotated[str | None, typer.Option(help="ROW_KEY,COL_KEY: a final-loss pivot instead.")] = None,
     lr_sensitivity: Annotated[bool, typer.Option(
         "--lr-sensitivity", help="Per variant: LR sensitivity over an optim.lr axis of >= 3 values instead.")] = False,
+    anova: Annotated[bool, typer.Option(
+        "--anova", help="What mattered: an ANOVA of the final metric on the grid's axes, seeds as "
+                        "replicates.")] = False,
     fmt: Annotated[str, typer.Option(
-        "--format", help="table | markdown | csv | html (one self-contained page with the figures).")] = "table",
+        "--format", help="table | markdown | csv | html (one self-contained interactive page, written to "
+                         "DIR/report.html unless -o names another file).")] = "table",
     output: Annotated[Path | None, typer.Option(
-        "-o", "--output", help="Write markdown, csv or html to this file [default: print it].")] = None,
+        "-o", "--output", help="Write markdown, csv or html to this file [default: print it; html: "
+                               "DIR/report.html].")] = None,
     only_last: Annotated[bool, typer.Option(
         "--only-last", help="Only the latest sweep's grid [default: every verified run the folder holds].")] = False,
     trained_below: Annotated[float | None, typer.Option(
@@ -54,7 +59,7 @@ def report(
 ) -> None:
     """Print the article-style table (mean ± std over seeds) of a sweep from disk, or a final-loss pivot,
     or each variant's learning-rate sensitivity."""
-    from normexp.report import build_report, to_csv, to_markdown, to_rich
+    from normexp.report import build_report, fit_report, to_csv, to_markdown, to_rich
     from normexp.results import ResultsError
 
     if metric is not None:
@@ -68,6 +73,16 @@ def report(
     check_trained_below(trained_below)
     if pivot is not None and lr_sensitivity:
         raise fail("--pivot and --lr-sensitivity: choose one")
+    if anova:
+        given = [option for option, on in (("--pivot", pivot is not None), ("--lr-sensitivity", lr_sensitivity),
+                                           ("--steps", steps is not None), ("--by", by is not None),
+                                           ("--format html", fmt == "html")) if on]
+        if given:  # the page holds the ANOVA already; the others are other tables
+            raise fail(f"--anova and {given[0]}: --anova prints its own table (the html page already holds it)")
+        folder = _load_folder(run_dirs)
+        _print_anova(folder, metric, only_last, trained_below, fmt, output)
+        _exit_if_runs_missing(folder, shown=False)
+        return
     for mode, on, table_only in (("--pivot", pivot is not None, {"--metric": metric, "--steps": steps, "--by": by}),
                                  ("--lr-sensitivity", lr_sensitivity, {"--metric": metric})):
         given = [option for option, value in table_only.items() if on and value is not None]
@@ -95,28 +110,30 @@ def report(
         raise fail(str(exc)) from None
     full = verdicts == "full"
     if fmt == "html" or output is not None:
-        _write_report(table, folder, fmt, output, full, trained_below)
+        _write_report(table, folder, fmt, output, full, only_last)
     else:
+        if fmt == "table" and step_list is None and out.is_terminal:  # off a terminal nothing is ever cut
+            table = fit_report(table, out.width)
         emit(fmt, lambda: to_rich(table, full), lambda: to_markdown(table, full), lambda: to_csv(table))
     _say_engines(table.engines, fmt)
     _exit_if_runs_missing(folder, shown=fmt in ("table", "markdown") and output is None)
 
 
 def _write_report(table: Report, folder: Folder, fmt: str, output: Path | None, full: bool,
-                  trained_below: float | None) -> None:
-    """The report as a file (-o), or an HTML page on stdout; the HTML page draws the sweep's figures."""
+                  only_last: bool) -> None:
+    """The report as a file: -o, or for --format html DIR/report.html (a comparison's page in the current
+    folder); an HTML page is never printed to the terminal."""
     from normexp.report import to_csv, to_markdown
 
     if fmt == "html":
-        from normexp.figures import sweep_figures
-        from normexp.htmlpage import report_page
+        from normexp.page import page_path, report_page
         from normexp.results import ResultsError
 
         try:
-            figures = sweep_figures(folder, table.metric, trained_below=trained_below)
+            text = report_page(table, folder, only_last=only_last)
         except ResultsError as exc:
             raise fail(str(exc)) from None
-        text = report_page(table, folder, figures)
+        output = output if output is not None else page_path(folder)
     else:
         text = to_markdown(table, full) if fmt == "markdown" else to_csv(table)
     if output is None:
@@ -126,7 +143,35 @@ def _write_report(table: Report, folder: Folder, fmt: str, output: Path | None, 
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise fail(f"cannot write {output}: {exc.strerror}") from None
-    out.print(f"wrote {output}")
+    if fmt == "html":
+        out.print(f"wrote {output}")
+
+
+def _print_anova(folder: Folder, metric: str | None, only_last: bool, trained_below: float | None, fmt: str,
+                 output: Path | None) -> None:
+    """`report --anova`: what mattered, as a table, markdown or CSV (the CSV exactly the ANOVA's columns;
+    what it cannot estimate said on stderr)."""
+    from normexp.analysis.anova import what_mattered
+    from normexp.results import ResultsError
+    from normexp.tables import anova_to_csv, anova_to_markdown, anova_to_rich
+
+    try:
+        result = what_mattered(folder, metric, only_last, trained_below)
+    except ResultsError as exc:
+        raise fail(str(exc)) from None
+    if fmt == "html":
+        raise fail("--anova and --format html: the html page already holds the ANOVA")
+    if output is not None:
+        text = anova_to_markdown(result) if fmt == "markdown" else anova_to_csv(result)
+        try:
+            output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise fail(f"cannot write {output}: {exc.strerror}") from None
+    else:
+        emit(fmt, lambda: anova_to_rich(result), lambda: anova_to_markdown(result), lambda: anova_to_csv(result))
+    if fmt == "csv":
+        for note in result.notes:
+            err.print(note, soft_wrap=True)
 
 
 def _load_folder(run_dirs: Path | list[Path]) -> Folder:
@@ -184,12 +229,16 @@ def plot(
         metavar="RUN_DIR...", help="A sweep's output folder; several: compared side by side (a `sweep` key).",
         parser=folder_argument)],
     output: Annotated[Path | None, typer.Option(
-        "-o", "--output", help="Figure file, .png | .pdf | .svg [default: RUN_DIR/<metric>.<format>].")] = None,
+        "-o", "--output", help="Figure file, .png | .pdf | .svg [default: RUN_DIR/<metric>.<format>; several "
+                               "RUN_DIRs: ./compare-<metric>.<format>].")] = None,
     metric: Annotated[str | None, typer.Option(help=f"{' | '.join(METRICS)} [default: the sweep's].")] = None,
     blocks: Annotated[bool, typer.Option("--blocks", help="Per-block dynamics of runs with train.log_blocks.")] = False,
+    sharpness: Annotated[bool, typer.Option(
+        "--sharpness", help="Only the sharpness figure of runs with train.log_sharpness (drawn with the others "
+                            "by default where runs measured it).")] = False,
     block_metric: Annotated[str | None, typer.Option(
-        help="With --blocks: fc1_grad | fc2_grad | fc1_update | fc2_update | stream_rms | norm_rms | norm_out_rms "
-             "[default: fc2_update].")] = None,
+        help="With --blocks: fc1_grad | fc2_grad | fc1_update | fc2_update | stream_rms | norm_rms | norm_out_rms; "
+             "a Transformer's also attn_logit_max | attn_entropy | log_z [default: fc2_update].")] = None,
     row: Annotated[str | None, typer.Option(help="Comma-separated keys whose values make the rows of panels.")] = None,
     col: Annotated[str | None, typer.Option(
         help="Comma-separated keys whose values make the columns of panels [default: norm.placement, else the "
@@ -205,8 +254,9 @@ def plot(
 ) -> None:
     """Curves per variant (mean and min–max over seeds); a phase diagram when two numeric axes vary.
     With --blocks: per variant, a heatmap of one per-block quantity over (block, step) and its first,
-    middle and last block over steps."""
-    from normexp.figures import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots
+    middle and last block over steps. With --sharpness (and after the others where runs measured it):
+    per variant, lambda_max and Adam's preconditioned one against their thresholds."""
+    from normexp.figures import BLOCK_METRIC_LABELS, save_blocks_plot, save_plots, save_sharpness_plot
     from normexp.results import ResultsError
 
     if metric is not None:
@@ -222,20 +272,27 @@ def plot(
         raise fail(f"-o {output}: the file name must end in .png, .pdf or .svg")
     if output is not None and fmt is not None and output.suffix.lower() != f".{fmt}":
         raise fail(f"-o {output} and --format {fmt}: the file name must end in .{fmt}")
-    if blocks and (row or col or hue):
-        raise fail("--row, --col, --hue: not with --blocks (its panels are fixed: placements across)")
+    if blocks and sharpness:
+        raise fail("--blocks and --sharpness: one at a time")
+    if (blocks or sharpness) and (row or col or hue):
+        raise fail(f"--row, --col, --hue: not with --{'blocks' if blocks else 'sharpness'} (its panels are fixed)")
     facets = {name: listed(f"--{name}", value) for name, value in (("row", row), ("col", col), ("hue", hue))}
     folder = _load_folder(run_dirs)
-    if output is None and len(run_dirs) > 1:  # into the first folder, named so that no sweep's own figure is replaced
-        name = f"blocks-{block_metric or 'fc2_update'}" if blocks else metric or folder.sweep.report.metric
-        output = run_dirs[0] / f"compare-{name}.{'png' if blocks else fmt or 'png'}"
+    if output is None and len(run_dirs) > 1:  # a comparison belongs to no one folder: into the current one
+        name = f"blocks-{block_metric or 'fc2_update'}" if blocks else "sharpness" if sharpness else \
+            metric or folder.sweep.report.metric
+        output = Path(f"compare-{name}.{'png' if blocks else fmt or 'png'}")
     try:
         if blocks:
             if output is None and fmt is not None:
                 output = folder.path / f"blocks-{block_metric or 'fc2_update'}.{fmt}"
             paths = [save_blocks_plot(folder, output, block_metric or "fc2_update")]
+        elif sharpness:
+            paths = [save_sharpness_plot(folder, output or folder.path / f"sharpness.{fmt or 'png'}")]
         else:
             paths = save_plots(folder, output, metric, fmt, dpi, trained_below=trained_below, **facets)
+            if output is None and folder.has_sharpness():
+                paths.append(save_sharpness_plot(folder, folder.path / f"sharpness.{fmt or 'png'}"))
     except ResultsError as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
@@ -251,9 +308,19 @@ FIGURE_FORMATS = ("png", "pdf", "svg")
 def _exit_if_runs_missing(folder: Folder, shown: bool) -> None:
     """Runs of the sweep missing, failed or corrupt: what exists was printed; name them (unless the
     output did) and exit 1, so that a script notices."""
+    from normexp.folder import HISTORY_DAMAGE_EFFECT, HISTORY_FILE, history_damage
     from normexp.results import missing_note
 
+    damage = False
+    for _, one in getattr(folder, "folders", None) or [("", folder)]:  # each folder of a comparison
+        lines = history_damage(one.path)
+        if lines:  # an invocation it lost: its unfinished runs would be missing, uncounted
+            err.print(f"{one.path / HISTORY_FILE}: damaged ({'; '.join(lines)}): {HISTORY_DAMAGE_EFFECT}",
+                      soft_wrap=True)
+            damage = True
     note = missing_note(folder.summary, folder.path)
+    if damage and not note:
+        raise typer.Exit(Exit.FAILED)
     if note:
         if not shown:
             err.print(note, soft_wrap=True)
@@ -291,30 +358,31 @@ def export(
                                                           "name].")] = None,
 ) -> None:
     """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
-    from normexp.export import TARGETS, to_mlflow, to_tensorboard
+    from normexp.export import TARGETS, to_tensorboard
+    from normexp.export_mlflow import to_mlflow
     from normexp.folder import StoreError
 
     check_choice("--to", to, TARGETS)
     if not dest.strip():  # an empty DEST would mean the current folder (or MLflow's ./mlruns)
         raise fail("DEST: empty; name a log folder (--to tensorboard) or a tracking URI (--to mlflow)")
-    from normexp.folder import folder_runs, read_sweep
-
+    if experiment is not None and to != "mlflow":
+        raise fail("--experiment: only --to mlflow has experiments (a TensorBoard log folder is DEST)")
     try:
-        kept = 0
         if to == "tensorboard":
-            ids = to_tensorboard(run_dir, Path(dest))
-            out.print(f"{plural(len(ids), 'run')} exported to {dest} · tensorboard --logdir {dest}")
+            done = to_tensorboard(run_dir, Path(dest))
+            out.print(f"{plural(len(done.exported), 'run')} exported to {dest} · tensorboard --logdir {dest}")
         else:
-            ids, kept = to_mlflow(run_dir, dest, experiment)
-            out.print(f"{plural(len(ids), 'run')} exported to {dest}, {kept} already there · "
+            done = to_mlflow(run_dir, dest, experiment)
+            out.print(f"{plural(len(done.exported), 'run')} exported to {dest}, {done.kept} already there · "
                       f"mlflow ui --backend-store-uri {dest}")
-        left = len(folder_runs(run_dir, read_sweep(run_dir))) - len(ids) - kept
     except (ConfigError, StoreError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"{dest}: cannot write {exc.filename}: {exc.strerror}") from None
-    if left > 0:  # as report does: what exists went out; the runs that did not are named, exit 1
-        err.print(f"{plural(left, 'run')} of the sweep not exported: missing, failed or corrupt "
+    for line in done.notes(run_dir):
+        out.print(line, soft_wrap=True)
+    if done.left:  # as report does: what exists went out; the runs that did not are named, exit 1
+        err.print(f"{plural(len(done.left), 'run')} of the sweep not exported: missing, failed or corrupt "
                   f"(normexp verify {shlex.quote(str(run_dir))})", soft_wrap=True)
         raise typer.Exit(Exit.FAILED)
 

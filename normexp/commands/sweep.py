@@ -18,6 +18,7 @@ from normexp import output, stopping
 from normexp.commands.console import (
     Exit,
     check_choice,
+    config_file,
     err,
     fail,
     load,
@@ -34,7 +35,8 @@ ENGINE, WHERE, ARRAY = "Engine", "Where it runs", "Job array (--launcher slurm |
 
 
 def sweep(
-    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Sweep YAML file (see configs/).")],
+    config: Annotated[Path, typer.Argument(
+        metavar="CONFIG", help="Sweep YAML file, or the name of one shipped (warmup, depth, ...).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
     out_dir: Annotated[str | None, typer.Option("--out", help="Sweep folder [default: runs/<name>].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded grid; run nothing.")] = False,
@@ -83,18 +85,8 @@ def sweep(
         help="--launcher: submitit's folder [default: OUT/.submitit].", rich_help_panel=ARRAY)] = None,
 ) -> None:
     """Run every run of a sweep (resuming: finished runs are skipped), then print its report."""
+    config = config_file(config)
     spec = load(config, set_ or [], max_runs)
-    if launcher is not None or shards is not None:
-        from normexp.launch import ArraySettings
-
-        if shard is not None:
-            raise fail("--shard: each task of --launcher's array takes its own; give one or the other")
-        _check_slurm_words(partition=partition, account=account, qos=qos, mem=mem)
-        _launch(config, set_ or [], spec, out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
-                ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
-                              tuple(setup or ())), logs)
-        return
-    shard_of = _shard(shard)
     check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
     if compile_ is not None and engine != "fast":
         flag = "--compile" if compile_ else "--no-compile"
@@ -102,11 +94,24 @@ def sweep(
     check_choice("--device", device, ("cpu", "cuda"))
     if cluster is not None:
         _check_cluster(cluster)
+    if launcher is not None or shards is not None:
+        from normexp.launch import ArraySettings, sweep_options
+
+        if shard is not None:
+            raise fail("--shard: each task of --launcher's array takes its own; give one or the other")
+        _check_slurm_words(partition=partition, account=account, qos=qos, mem=mem)
+        passed = tuple(sweep_options(device, compile_, workers, cluster,  # each task runs as this command asked
+                                     None if max_runs == DEFAULT_MAX_RUNS else max_runs, fail_fast))
+        _launch(config, set_ or [], spec, out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
+                ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
+                              tuple(setup or ())), logs, passed)
+        return
+    shard_of = _shard(shard)
     target = out_folder(out_dir, spec.name)
     if dry_run:
         _print_grid(spec, target, engine)
         if shard_of is not None:
-            _print_shard(spec, engine, shard_of)
+            _print_shard(spec, engine, shard_of, compile_)
         return
     if device == "cuda":
         _require_cuda()
@@ -117,6 +122,8 @@ def sweep(
         with contextlib.suppress(output.OutputLost):
             if not quiet and out_dir is None:  # the default folder, said before anything is written to it
                 out.print(f"writing to {target} (the default for sweep '{spec.name}'; --out DIR to choose)")
+            if not quiet and engine == "fast" and fast_declined(spec.runs):
+                out.print(fast_declined(spec.runs))
         outcome = _run(spec, target, options, quiet, _invocation(config))
         with contextlib.suppress(output.OutputLost):
             _print_outcome(outcome, target, quiet)
@@ -137,25 +144,25 @@ def _shard(value: str | None) -> tuple[int, int] | None:
         raise fail(str(exc)) from None
 
 
-def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int]) -> None:
+def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int], compile_: bool | None = None) -> None:
     from normexp.folder import run_id
     from normexp.shard import shard_runs
 
-    runs = shard_runs(spec.runs, engine, *shard)
+    runs = shard_runs(spec.runs, engine, *shard, compile=compile_)
     out.print(f"shard {shard[0]}/{shard[1]} trains {plural(len(runs), 'run')} of the {len(spec.runs)}: "
               + " ".join(run_id(cfg) for cfg in runs))
 
 
 def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engine: str, force: bool,
-            launcher: str | None, dry_run: bool, settings, logs: Path | None) -> None:
+            launcher: str | None, dry_run: bool, settings, logs: Path | None, passed: tuple[str, ...] = ()) -> None:
     """`sweep --launcher`: submit (or show, with --dry-run) the job array of `settings.shards` shards."""
-    from normexp.launch import LAUNCHERS, sbatch_script, submit, task_argv
+    from normexp.launch import LAUNCHERS, run_local, sbatch_script, submit, task_argv
 
     if launcher is None or not settings.shards:
         raise fail("--launcher and --shards go together: e.g. --launcher slurm --shards 8")
     check_choice("--launcher", launcher, LAUNCHERS)
     check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
-    argv = task_argv(config, overrides, target, engine, force)
+    argv = task_argv(config, overrides, target, engine, force, passed)
     logs = (logs or target / ".submitit").resolve()
     try:
         if dry_run:
@@ -165,18 +172,32 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
             if launcher == "slurm":
                 out.print("\n" + sbatch_script(argv, settings, logs))
             return
-        jobs = submit(argv, settings, logs, launcher)
+        if launcher == "local":
+            done = run_local(argv, settings, logs, target, spec.runs, lambda line: err.print(line, soft_wrap=True))
+        else:
+            jobs = submit(argv, settings, logs)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or a local task failed
+    except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or the local executor could not start
         last = (str(exc).strip().splitlines() or [""])[-1]
         raise fail(f"--launcher {launcher}: {type(exc).__name__}: {last}") from None
     if launcher == "slurm":
         out.print(f"submitted job array {jobs[0].job_id.split('_')[0]} ({settings.shards} tasks) into {target}; "
                   f"logs in {logs}; `normexp report {target}` when it is done")
-    else:
-        out.print(f"{settings.shards} shards ran into {target}")
-        _print_report(target)
+        return
+    if done.stopped is not None:  # as a sweep stopped so says: what is kept, and the command that resumes
+        resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
+        err.print(f"{stopping.signal_name(done.stopped)}: the array's tasks stopped; {done.finished} of {done.total} "
+                  f"runs finished and kept in {target}.\nResume with: {resume}", soft_wrap=True)
+        raise typer.Exit(128 + done.stopped)
+    out.print(f"{settings.shards} shards ran into {target}")
+    _print_report(target)
+    for line in done.problems():
+        err.print(line, soft_wrap=True)
+    if not done.ok:  # failed runs (or tasks): the sweep's exit code for them
+        err.print(f"{done.finished} of {done.total} runs finished, {plural(len(done.failed), 'run')} failed "
+                  f"(normexp verify {shlex.quote(str(target))})", soft_wrap=True)
+        raise typer.Exit(Exit.FAILED)
 
 
 def _say_if_output_lost(outcome: SweepOutcome | None, target: Path) -> None:
@@ -322,16 +343,39 @@ def _print_grid(spec: Sweep, target: Path, engine: str) -> None:
     else:
         out.print(f"{spec.name}: {plural(len(spec.runs), 'run')}", markup=False)
         for key in keys:
-            values = list(dict.fromkeys(flat[key] for flat in flats))
-            shown = ", ".join(map(str, values)) if len(values) <= 8 else \
-                f"{', '.join(map(str, values[:3]))}, ..., {', '.join(map(str, values[-2:]))}"
+            values = list(dict.fromkeys(str(flat[key]) for flat in flats))  # str: a list value (optim.betas)
+            shown = ", ".join(values) if len(values) <= 8 else \
+                f"{', '.join(values[:3])}, ..., {', '.join(values[-2:])}"
             out.print(f"  {key}: {plural(len(values), 'value')} ({shown})", markup=False)
     folder = str(target)  # os.path, not pathlib: 10,000 runs
     todo = [cfg for rid, cfg in zip(ids, spec.runs) if not os.path.isfile(os.path.join(folder, rid, "done.json"))]
     done = len(ids) - len(todo)  # a done.json present; `normexp verify` checks what it says
-    estimate = ", ".join(f"~{_minutes(estimated_seconds(todo, e))} on --engine {e}" for e in ("fast", "reference"))
+    from normexp.engines.fast import fast_serves
+
+    served = [cfg for cfg in todo if fast_serves(cfg)]  # the rest train on the exact engines under --engine fast
+    fast = estimated_seconds(served, "fast") + estimated_seconds([c for c in todo if not fast_serves(c)], "batched")
+    reference = estimated_seconds(todo, "reference")
+    estimate = f"~{_minutes(fast)} on --engine fast, ~{_minutes(reference)} on --engine reference"
     out.print(f"{done} already done, {len(todo)} to run in {target}; estimated {estimate} "
               f"(from the runs' FLOPs at rates measured on 2 CPU cores: docs/performance.md)", markup=False)
+    note = fast_declined(spec.runs)
+    if note and engine == "fast":
+        out.print(note, markup=False)
+
+
+def fast_declined(runs: list) -> str:
+    """What `--engine fast` does with the runs it does not serve (`fast_serves`), in one line, or ""."""
+    from collections import Counter
+
+    from normexp.engines.fast import fast_unserved
+
+    unserved = [fast_unserved(cfg) for cfg in runs]
+    declined = sum(map(bool, unserved))
+    if not declined:
+        return ""
+    keys = ", ".join(key for key, _ in Counter(key for keys in unserved for key in keys).most_common())
+    return (f"--engine fast: {declined} of {plural(len(runs), 'run')} set {keys}, which the fast engine does not "
+            "serve: they train on the exact engines instead (batched where they batch, else the reference)")
 
 
 def _minutes(seconds: float) -> str:
@@ -339,11 +383,14 @@ def _minutes(seconds: float) -> str:
 
 
 def _print_report(run_dir: Path) -> None:
-    from normexp.report import build_report, to_rich
+    """The table of the grid the sweep ran (`sweep_report`: its own runs, whatever else the folder holds),
+    fitted to the terminal's width on a terminal."""
+    from normexp.report import fit_report, sweep_report, to_rich
     from normexp.results import ResultsError
 
     try:
-        show(to_rich(build_report(run_dir)))
+        table = sweep_report(run_dir)
+        show(to_rich(fit_report(table, out.width) if out.is_terminal else table))
     except ResultsError as exc:
         err.print(str(exc))
 
@@ -364,6 +411,7 @@ def validate(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Add or replace a grid axis: KEY=V1,V2.")] = None,
 ) -> None:
     """Check a sweep file (and --set values) without running anything."""
+    config = config_file(config)
     spec = load(config, set_ or [])
     out.print(f"{config}: ok · sweep '{spec.name}' · {plural(len(spec.runs), 'run')}")
 

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from normexp import stopping
-from normexp.commands.console import Exit, check_choice, emit, err, fail, load, out, out_folder
+from normexp.commands.console import Exit, check_choice, config_file, emit, err, fail, load, out, out_folder
 from normexp.config import ConfigError
 
 
@@ -28,7 +28,7 @@ def gradnorm(
     from normexp.tables import gradnorm_to_markdown, gradnorm_to_rich
 
     check_choice("--format", fmt, ("table", "markdown"))
-    spec = load(config, set_ or [])
+    spec = load(config_file(config), set_ or [])
     target = out_folder(out_dir, spec.name)
     try:
         summary = gradnorm_study(spec, target)

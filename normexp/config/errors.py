@@ -32,8 +32,41 @@ def _section_fields(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]
     return out
 
 
-def _closest(word: str, choices: Iterable[str]) -> str:
-    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+# The names other tools taught ML users, and normexp's key for each (the "did you mean" hint names it
+# before any spelling match: `learning_rate` is nearer `optim.name` in letters than `optim.lr`). A name
+# may be dotted (`norm.type`) or a bare word, which matches in any section (`optim.learning_rate`).
+ALIASES = {
+    "learning_rate": "optim.lr", "lr": "optim.lr",
+    "warmup": "schedule.warmup_steps", "warmup_steps": "schedule.warmup_steps",
+    "warmup_iters": "schedule.warmup_steps", "scheduler": "schedule.kind", "lr_schedule": "schedule.kind",
+    "norm.type": "norm.kind", "norm_type": "norm.kind", "normalization": "norm.kind",
+    "norm.position": "norm.placement", "norm_position": "norm.placement", "norm_placement": "norm.placement",
+    "batch_size": "data.batch_size", "bs": "data.batch_size",
+    "seed": "seeds", "random_seed": "seeds",
+    "weight_decay": "optim.weight_decay", "wd": "optim.weight_decay",
+    "grad_clip": "optim.clip_norm", "clip_grad_norm": "optim.clip_norm", "max_grad_norm": "optim.clip_norm",
+    "n_layers": "model.depth", "num_layers": "model.depth", "layers": "model.depth",
+    "d_model": "model.width", "hidden_size": "model.width", "num_heads": "model.n_heads",
+    "max_steps": "train.steps", "steps": "train.steps", "iterations": "train.steps",
+}
+
+
+def _alias(word: str, section: str = "") -> str | None:
+    """normexp's key for a name from another tool (ALIASES), written as it would be at `section`
+    (`optim.learning_rate` -> `lr` inside `optim`, `optim.lr` elsewhere); None if it is no such name."""
+    full = f"{section}.{word}" if section else word
+    for name in (full, word, word.rpartition(".")[2]):
+        target = ALIASES.get(name)
+        if target is not None and target != full:
+            return target.removeprefix(f"{section}.") if section else target
+    return None
+
+
+def _closest(word: str, choices: Iterable[str], section: str = "") -> str:
+    """The hint for an unknown `word` (at `section`, dotted, for a nested key): the key a name from
+    another tool means, else the nearest valid one in spelling, else nothing."""
+    match = [_alias(str(word), section)] if _alias(str(word), section) else difflib.get_close_matches(
+        str(word), list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
@@ -50,7 +83,8 @@ def _valid_keys_at(model: type[BaseModel], loc: Sequence[Any]) -> list[str]:
 def _describe(err: dict, model: type[BaseModel]) -> str:
     kind, ctx, value = err["type"], err.get("ctx", {}), err.get("input")
     if kind == "extra_forbidden":
-        return "unknown key" + _closest(err["loc"][-1], _valid_keys_at(model, err["loc"]))
+        section = ".".join(str(part) for part in err["loc"][:-1] if isinstance(part, str))
+        return "unknown key" + _closest(err["loc"][-1], _valid_keys_at(model, err["loc"]), section)
     if kind == "missing":
         return "required key is missing"
     if kind == "literal_error":

@@ -25,7 +25,6 @@ from normexp.config.errors import (
     _describe,
     _error_lines,
     _errors,
-    _format_errors,
     _key_path,
     _loc,
     _tuple_field_at,
@@ -186,8 +185,12 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
     base_data = _open_mapping(base, _open_keys(sweep_file.base), "python")
     runs: dict[RunConfig, None] = {}  # insertion-ordered set: a repeated grid value runs once
     keys, resolved = list(sweep_file.grid), 0
+    fresh = _first_draws(points)  # a point drawn again adds no run: the work is bounded by the distinct points
     for combo in itertools.product(*sweep_file.grid.values()):
-        for point in points:
+        for point, new in zip(points, fresh):
+            if not new:  # its runs are in `runs` already
+                resolved += len(seeds)
+                continue
             data = {section: dict(values) for section, values in base_data.items()}
             for key, value in [*zip(keys, combo), *point.items()]:
                 _set_dotted(data, key, value)
@@ -202,6 +205,18 @@ def _expand(sweep_file: SweepFile, base: RunConfig, seeds: list[int], max_runs: 
                 if len(runs) > max_runs:
                     raise TooManyRuns(total, max_runs, distinct=len(runs) == resolved)
     return list(runs)
+
+
+def _first_draws(points: Sequence[dict[str, Any]]) -> list[bool]:
+    """Per point, whether it is the first draw of its values (a `choice` axis of 2 values drawn 100,000
+    times has 2 first draws)."""
+    seen: set[str] = set()
+    first = []
+    for point in points:
+        key = json.dumps(point, sort_keys=True, default=repr)
+        first.append(key not in seen)
+        seen.add(key)
+    return first
 
 
 def _sampled_named(error: ConfigError, point: dict[str, Any]) -> ConfigError:
@@ -274,6 +289,20 @@ def _blame(loc: Sequence[Any], combo: dict[str, Any]) -> str:
     return _key_path("base", loc)
 
 
+def _sweep_file_problem(err: dict) -> str:
+    """What is wrong at one place of a sweep file, with a hint for the shape mistakes YAML invites: a
+    run's section at the top (`model:` belongs under `base:`), one value where a list is expected."""
+    loc, value = err["loc"], err.get("input")
+    if err["type"] == "extra_forbidden" and len(loc) == 1 and loc[0] in RunConfig.model_fields:
+        return f"unknown key (did you mean 'base.{loc[0]}'? a run's settings go under base:)"
+    if err["type"] == "list_type" and loc[0] == "grid" and len(loc) == 2:
+        return (f"must be a list of the axis's values, e.g. [{_brief(value)}], got {_brief(value)} "
+                "(a value every run shares goes under base:)")
+    if err["type"] == "list_type" and tuple(loc) == ("seeds",):
+        return f"must be a list of seeds, e.g. [{_brief(value)}], got {_brief(value)}"
+    return _describe(err, SweepFile)
+
+
 def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAULT_MAX_RUNS) -> Sweep:
     """Validate a sweep mapping, apply `--set` overrides, and expand it into runs."""
     data = dict(data)
@@ -296,7 +325,8 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
     try:
         sweep_file = SweepFile.model_validate(data)
     except ValidationError as exc:
-        raise _format_errors(exc, SweepFile, "") from None
+        raise _error_lines([f"{_key_path('', _loc(err))}: {_sweep_file_problem(err)}"
+                            for err in _errors(exc, SweepFile)]) from None
     for key, values in sweep_file.grid.items():
         _check_grid_key(key, f"grid.{key}")
         if not values:
@@ -312,32 +342,40 @@ def build_sweep(data: dict, overrides: Sequence[str] = (), max_runs: int = DEFAU
     sample, points = _sample_points(sweep_file.sample, sweep_file.grid) if sweep_file.sample is not None \
         else (None, [{}])
     runs = _expand(sweep_file, base, seeds, max_runs, points)
-    _refuse_unused_keys(base, sweep_file.grid, runs)
+    _refuse_unused_keys(base, sweep_file.grid, runs, {key: [p[key] for p in points] for key in sample_axes(sample)}
+                        if sample else None)
     open_keys = _open_keys(sweep_file.base)
     return Sweep(sweep_file.name, base, sweep_file.grid, seeds, sweep_file.report, runs, open_keys,
                  sweep_file.notes, tuple(sweep_file.tags), sample)
 
 
-def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Sequence[RunConfig]) -> None:
+def _refuse_unused_keys(base: RunConfig, grid: dict[str, list[Any]], runs: Sequence[RunConfig],
+                        sampled: dict[str, list[Any]] | None = None) -> None:
     """A key of ACTS_ONLY_UNDER_BY_SECTION set away from its default where no run of the sweep uses it
-    is a mistake (it would change nothing): refused, naming where it was set."""
+    is a mistake (it would change nothing): refused, naming where it was set (a grid axis, a sampled
+    axis with the values it drew, or the base)."""
+    axes = {**{key: ("grid", values) for key, values in grid.items()},
+            **{key: ("sample", values) for key, values in (sampled or {}).items()}}
+
+    def set_in(dotted: str, default: Any, in_base: Any) -> list[str]:
+        where, values = axes.get(dotted, ("", []))
+        found = [f"{where}.{dotted}"] if any(not _same_value(v, default) for v in values) else []
+        if dotted not in axes and not _same_value(in_base, default):
+            found.append(f"base.{dotted}")
+        return found
+
     for section, table in ACTS_ONLY_UNDER_BY_SECTION.items():
         for key, (decider, where) in table.items():
-            dotted = f"{section}.{key}"
             default = _unsigned_zero(type(getattr(base, section)).model_fields[key].default)
-            set_in = [f"grid.{dotted}"] if any(not _same_value(v, default) for v in grid.get(dotted, [])) else []
-            if dotted not in grid and not _same_value(getattr(getattr(base, section), key), default):
-                set_in.append(f"base.{dotted}")
-            if set_in and all(key in inert_keys(getattr(run, section)) for run in runs):
-                raise ConfigError(f"{set_in[0]}: has no effect: only {section}.{decider} "
+            found = set_in(f"{section}.{key}", default, getattr(getattr(base, section), key))
+            if found and all(key in inert_keys(getattr(run, section)) for run in runs):
+                raise ConfigError(f"{found[0]}: has no effect: only {section}.{decider} "
                                   f"{' or '.join(sorted(where))} uses it, and no run of this sweep has that {decider}")
-    scope, default = "model.qk_norm_scope", type(base.model).model_fields["qk_norm_scope"].default
-    set_in = [f"grid.{scope}"] if any(v != default for v in grid.get(scope, [])) else []
-    if scope not in grid and base.model.qk_norm_scope != default:
-        set_in.append(f"base.{scope}")
-    if set_in and not any(run.model.qk_norm for run in runs):  # each run resets it: one run without qk-norm
-        raise ConfigError(f"{set_in[0]}: has no effect: only model.qk_norm true uses it, and no run of this "
-                          "sweep has qk-norm (set model.qk_norm: true)")
+    for key in ("qk_norm_scope", "qk_norm_eps"):
+        found = set_in(f"model.{key}", type(base.model).model_fields[key].default, getattr(base.model, key))
+        if found and not any(run.model.qk_norm for run in runs):  # each run resets it: one run without qk-norm
+            raise ConfigError(f"{found[0]}: has no effect: only model.qk_norm true uses it, and no run of this "
+                              "sweep has qk-norm (set model.qk_norm: true)")
 
 
 def _same_value(value: Any, default: Any) -> bool:

@@ -33,6 +33,9 @@ def init_problem(cfg: Any) -> tuple[str, str] | None:
     if init == "fixup" and placement != "none":
         return "model.init", (f"fixup is a residual net without norm (its scalar biases and multiplier replace it): "
                               f"it needs norm.placement none, got {placement}")
+    if init == "fixup" and cfg.model.tie_embeddings:
+        return "model.tie_embeddings", ("fixup zeroes the head and puts a scalar bias before it: its weight cannot "
+                                        "be the token embedding's")
     if init == "tfixup" and (placement == "deepnorm" or (placement == "b2t" and cfg.norm.b2t_rescale)):
         why = "its beta" if placement == "deepnorm" else "its rescaling_init (norm.b2t_rescale)"
         return "model.init", f"tfixup and {placement} both rescale the branch weights at init ({why}): choose one"

@@ -12,6 +12,20 @@ import yaml
 
 from normexp.config.errors import ConfigError
 
+PACKAGED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data: a checkout's configs/ links here
+
+
+def packaged_config(name: str) -> Path | None:
+    """The sweep file shipped with normexp that `name` names (`warmup`, `depth.yaml`: configs/NAME.yaml,
+    then configs/studies/NAME.yaml), or None."""
+    stem = name.removesuffix(".yaml")
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*", stem):
+        return None
+    found = [path for path in (PACKAGED_CONFIGS / f"{stem}.yaml", PACKAGED_CONFIGS / "studies" / f"{stem}.yaml")
+             if path.is_file()]
+    return found[0] if found else None
+
+
 MAX_YAML_NODES = 100_000  # a config is a few hundred values; aliases must not expand past this
 
 

@@ -13,6 +13,9 @@ axes, seeded, so that the same file always gives the same runs.
       optim.beta2: {uniform: [0.9, 0.999]}
       norm.placement: {choice: [pre, post]}
 
+A range may stand among listed values, also in YAML's flow list (`[0, linspace(10, 100, 4)]`, which YAML
+cuts at the range's commas: joined again here).
+
 `logspace` takes the two end VALUES (numpy's `geomspace`), not exponents as `numpy.logspace` does.
 Values are rounded to 12 significant digits (so `logspace(1e-4, 1e-1, 4)` is 1e-4, 1e-3, 1e-2, 1e-1, not
 0.0010000000000000002); the ends are exactly a and b. Between two integers, either gives integers where
@@ -40,7 +43,10 @@ RANGE = re.compile(r"\s*(?P<fn>logspace|linspace)\s*\((?P<args>[^()]*)\)\s*")
 DISTRIBUTIONS = ("loguniform", "uniform", "choice")
 METHODS = ("random", "sobol")
 SAMPLE_OPTIONS = ("n", "seed", "method", "points", "axes")
-MAX_SAMPLES = 1_000_000
+MAX_SAMPLES = 1_000_000  # a range's n
+# A sample's n (or its listed points): at most the default run limit (grid.DEFAULT_MAX_RUNS). More points
+# make more runs than the limit allows, or repeat runs already drawn: refused before any is drawn.
+MAX_POINTS = 100_000
 
 
 def _number(text: str, where: str) -> int | float:
@@ -88,8 +94,10 @@ def expand_range(text: str, where: str) -> list[int | float]:
                               f"got {args[0].strip()}, {args[1].strip()}")
         la, lb = math.log10(a), math.log10(b)
         values: list[int | float] = [_round(10 ** (la + (lb - la) * i / (n - 1)), 12) for i in range(n)]
-    else:
+    elif math.isfinite(float(b) - float(a)):
         values = [_round(a + (b - a) * i / (n - 1), 12) for i in range(n)]
+    else:  # b - a overflows (linspace(1e308, -1e308, 3)): weigh the ends, each term finite
+        values = [_round(a * ((n - 1 - i) / (n - 1)) + b * (i / (n - 1)), 12) for i in range(n)]
     if isinstance(a, int) and isinstance(b, int) and all(float(v).is_integer() for v in values):
         values = [int(v) for v in values]  # logspace(2, 64, 6): depths 2, 4, ..., 64, not 4.0
     values[0], values[-1] = a, b
@@ -100,9 +108,36 @@ def expand_values(values: Any, where: str) -> Any:
     """A grid axis with its ranges expanded: `logspace(...)` alone, or as items of a list (spliced in)."""
     if is_range(values):
         return expand_range(values, where)
+    if isinstance(values, list):
+        values = _rejoined(values, where)
     if isinstance(values, list) and any(is_range(v) for v in values):
         return [x for v in values for x in (expand_range(v, where) if is_range(v) else [v])]
     return values
+
+
+OPENED = re.compile(r"\s*(?:logspace|linspace)\s*\([^()]*")  # a range cut at its first comma
+
+
+def _rejoined(values: list[Any], where: str) -> list[Any]:
+    """`values` with each range that YAML's flow list cut at its commas joined again: `[0, linspace(10,
+    100, 4)]` reads as [0, 'linspace(10', 100, '4)'] (a plain scalar in brackets ends at a comma)."""
+    joined: list[Any] = []
+    pieces: list[str] | None = None
+    for value in values:
+        if pieces is None:
+            if isinstance(value, str) and OPENED.fullmatch(value):
+                pieces = [value]
+            else:
+                joined.append(value)
+            continue
+        pieces.append(value if isinstance(value, str) else str(value))
+        if ")" in pieces[-1]:
+            joined.append(",".join(pieces))
+            pieces = None
+    if pieces is not None:
+        raise ConfigError(f"{where}: {_brief(', '.join(pieces))} is not logspace(a, b, n) or linspace(a, b, n): "
+                          "no closing parenthesis")
+    return joined
 
 
 # ----------------------------------------------------------------------------- the sample: section
@@ -124,16 +159,16 @@ def check_sample(section: Any) -> tuple[int, int, str, dict[str, tuple[str, list
         raise ConfigError(f"sample.axes: must be a mapping of keys to distributions, got {_brief(section['axes'])}")
     n, seed, method = section.get("n"), section.get("seed", 0), section.get("method", "random")
     points = section.get("points")
-    if points is not None and (not isinstance(points, list) or not points or len(points) > MAX_SAMPLES):
-        raise ConfigError(f"sample.points: must be a list of 1 to {MAX_SAMPLES} points (each a mapping of the "
-                          f"sampled keys), got {_brief(points)}")
+    if points is not None and (not isinstance(points, list) or not points or len(points) > MAX_POINTS):
+        raise ConfigError(f"sample.points: must be a list of 1 to {MAX_POINTS} points (each a mapping of the "
+                          f"sampled keys), got {_brief(points) if not isinstance(points, list) else len(points)}")
     if points is not None and n is not None and n != len(points):
         raise ConfigError(f"sample.n: {_brief(n)}, but sample.points lists {len(points)} points; give one of them "
                           "(or both, equal)")
     if points is None:
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
-            raise ConfigError(f"sample.n: must be an integer from 1 to {MAX_SAMPLES} (the points drawn), "
-                              f"got {_brief(n)}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_POINTS:
+            raise ConfigError(f"sample.n: must be an integer from 1 to {MAX_POINTS} (the points drawn; the run "
+                              f"limit), got {_brief(n)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ConfigError(f"sample.seed: must be an integer from 0 to 2**32 - 1, got {_brief(seed)}")
     if method not in METHODS:

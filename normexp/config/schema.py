@@ -1,10 +1,11 @@
-"""One run's typed config: its sections (model, norm, data, train; optim and schedule from `optimizer.py`)
-and `RunConfig`.
+"""One run's typed config: its sections (model, norm, train; data from `data.py`, optim and schedule from
+`optimizer.py`) and `RunConfig`.
 
 Every section forbids unknown keys and validates strictly (no "32" -> 32, no true -> 1). A key that a run
 does not use (an optimizer key under another optimizer, a placement's key under another placement) goes
 back to its default, so runs that train alike are one run with one id. Cross-key rules (which keys fit
-which architecture, sequence shapes) are here too; errors are worded by `errors.py`.
+which architecture) are here too (the data section's own, sequence shapes, in `data.py`); errors are
+worded by `errors.py`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, to_jsonable_python
 
+from normexp.config.data import TRANSFORMER_TASKS, DataConfig
 from normexp.config.errors import ConfigError, _format_errors, _section_fields
 from normexp.config.fields import (
     Fraction,
@@ -57,13 +58,14 @@ from normexp.registry import (
 
 Placement = Literal[tuple(PLACEMENTS)]  # normexp/registry.py: every placement, registered once
 NormKind = Literal[tuple(KINDS)]
-Init = Literal["xavier_uniform", "xavier_normal", "torch_default", "tfixup", "fixup"]  # the last two: config/inits.py
+# tfixup, fixup: config/inits.py; gpt2 (transformer only): nanoGPT's model.py, every Linear and embedding
+# N(0, 0.02), the residual projections (attention out, fc2) N(0, 0.02 / sqrt(2 N)) (normexp/models/transformer.py)
+Init = Literal["xavier_uniform", "xavier_normal", "torch_default", "tfixup", "fixup", "gpt2"]
+Activation = Literal["relu", "gelu"]
 Arch = Literal[ARCHS]  # normexp/registry.py
-TaskName = Literal["random_labels", "assoc_recall", "copy", "modular_add"]
 STOP_REASONS = ("trained", "stalled", "diverged")  # train.stop_when: why a run stops early
 StopReason = Literal[STOP_REASONS]
 STOP_PATIENCE = 10  # train.stop_patience's default
-SEQUENCE_TASKS = ("assoc_recall", "copy", "modular_add")  # the Transformer's tasks; random_labels is the FFN's
 METRIC_COLUMNS = ("step", "loss", "acc", "lr", "grad_norm")  # metrics.csv's columns, in order: one per recorded step
 VAL_COLUMNS = ("val_loss", "val_acc")  # sequence tasks: the held-out split, after METRIC_COLUMNS
 Z_LOSS_COLUMN = "z_loss"  # train.z_loss > 0: the z term of each recorded step, after the columns above
@@ -92,6 +94,15 @@ class ModelConfig(_Section):
     # split (OLMo 2's q_norm / k_norm)
     qk_norm: bool = False
     qk_norm_scope: Literal["head", "full"] = "head"
+    # the qk norms' epsilon (kinds with one: LayerNorm, the RMSNorms); None: norm.eps, as every other norm.
+    # Wortsman et al.'s qk-layernorm is flax's LayerNorm, whose epsilon is 1e-6
+    qk_norm_eps: PositiveFloat | None = None
+    # transformer only, nanoGPT's choices where set (docs/realtext.md): the FFN's nonlinearity (gelu: the exact,
+    # erf one); bias false: no bias in any Linear nor any LayerNorm (nanoGPT's bias=False); tie_embeddings:
+    # the head's weight is the token embedding's (nanoGPT's wte = lm_head)
+    activation: Activation = "relu"
+    bias: bool = True
+    tie_embeddings: bool = False
 
     @model_validator(mode="after")
     def _heads_divide_width(self, info: ValidationInfo) -> ModelConfig:
@@ -99,7 +110,11 @@ class ModelConfig(_Section):
             raise cross_key_error("model.n_heads", f"must divide model.width {self.width}, got {self.n_heads}")
         if not self.qk_norm and not (info.context or {}).get("keep_inert"):  # inert without qk_norm: one id
             object.__setattr__(self, "qk_norm_scope", type(self).model_fields["qk_norm_scope"].default)
+            object.__setattr__(self, "qk_norm_eps", None)
         return self
+
+
+TRANSFORMER_ONLY = ("activation", "bias", "tie_embeddings")  # model keys an FFN run must leave at their default
 
 
 class NormConfig(_Section):
@@ -200,88 +215,6 @@ def inert_keys(section: NormConfig | OptimConfig | ScheduleConfig) -> list[str]:
     return unused_keys(section, ACTS_ONLY_UNDER_BY_SECTION[_SECTION_NAMES[type(section)]])
 
 
-class DataConfig(_Section):
-    task: TaskName = "random_labels"
-    n_samples: int = Field(64, ge=1, le=10_000_000)  # sequence tasks: the training split's size
-    vocab: int = Field(16, ge=2, le=65_536)  # sequence tasks: token count (modular_add: p + 2 tokens)
-    seq_len: int | None = Field(None, ge=2, le=4096)  # sequence tasks: tokens per sequence; None: the task's
-    n_val: int = Field(128, ge=1, le=10_000_000)  # sequence tasks: the held-out split's size
-    batch_size: int | None = Field(None, ge=1, le=10_000_000)  # sequence tasks: minibatch; None: full batch
-
-    @model_validator(mode="after")
-    def _task_shape(self) -> DataConfig:
-        if self.task == "random_labels":
-            for key in ("vocab", "seq_len", "n_val", "batch_size"):
-                if getattr(self, key) != DataConfig.model_fields[key].default:
-                    raise cross_key_error(f"data.{key}", "applies to the sequence tasks "
-                                          f"({', '.join(SEQUENCE_TASKS)}), not to random_labels")
-            return self
-        problem = sequence_problem(self)
-        if problem is not None:
-            raise cross_key_error(*problem)
-        if self.seq_len == DEFAULT_SEQ_LEN[self.task]:
-            # the task's own length written out is the same run as leaving it unset: one config, one run id
-            object.__setattr__(self, "seq_len", None)
-        return self
-
-
-@dataclass(frozen=True)
-class SequenceShape:
-    """The layout of a sequence task (normexp/data.py draws it): every sequence has `seq_len` tokens;
-    the model reads the first seq_len - 1 and is scored where its next token is an answer, at input
-    `positions`; `capacity` is how many distinct sequences the task has."""
-
-    seq_len: int
-    positions: tuple[int, ...]
-    capacity: int
-
-
-MODULAR_ADD_MAX_VOCAB = 2050  # p = 2048: randperm(p^2) is 32 MiB (Power et al. use p = 97)
-DEFAULT_SEQ_LEN = {"assoc_recall": 16, "copy": 17, "modular_add": 5}
-
-
-def sequence_shape(data: DataConfig) -> SequenceShape:
-    """assoc_recall: k1 v1 .. kP vP q1 a1 .. qP aP (P = seq_len / 4 distinct keys from the lower half of
-    the vocabulary, values from the upper half, the queries a permutation of the keys); copy: s1 .. sn 0
-    s1 .. sn (n = (seq_len - 1) / 2 tokens from 1..vocab-1, 0 the separator); modular_add: a + b = c
-    with p = vocab - 2 (tokens p and p + 1 are '+' and '=')."""
-    length = data.seq_len if data.seq_len is not None else DEFAULT_SEQ_LEN[data.task]
-    if data.task == "assoc_recall":
-        pairs, keys = length // 4, data.vocab // 2
-        positions = tuple(2 * pairs + 2 * j for j in range(pairs))
-        capacity = math.perm(keys, pairs) * (data.vocab - keys) ** pairs * math.factorial(pairs) if keys >= pairs else 0
-        return SequenceShape(length, positions, capacity)
-    if data.task == "copy":
-        n = (length - 1) // 2
-        return SequenceShape(length, tuple(range(n, 2 * n)), (data.vocab - 1) ** n)
-    return SequenceShape(length, (3,), max(data.vocab - 2, 0) ** 2)
-
-
-def sequence_problem(data: DataConfig) -> tuple[str, str] | None:
-    """(key, why) for the first data key a sequence task cannot work with, else None."""
-    shape, given = sequence_shape(data), data.seq_len
-    if data.task == "assoc_recall" and given is not None and (given % 4 or given < 8):
-        return "data.seq_len", f"assoc_recall needs a multiple of 4, at least 8 (2 pairs, 2 queries), got {given}"
-    if data.task == "copy" and given is not None and (given % 2 == 0 or given < 5):
-        return "data.seq_len", f"copy needs an odd length, at least 5 (2 tokens, separator, 2 copies), got {given}"
-    if data.task == "modular_add" and given is not None and given != 5:
-        return "data.seq_len", f"modular_add sequences are 'a + b = c', 5 tokens: leave it unset, got {given}"
-    if data.task == "modular_add" and data.vocab > MODULAR_ADD_MAX_VOCAB:
-        return "data.vocab", (f"modular_add shuffles all p^2 sums (p = vocab - 2): at most {MODULAR_ADD_MAX_VOCAB} "
-                              f"tokens ({(MODULAR_ADD_MAX_VOCAB - 2) ** 2} sums), got {data.vocab}")
-    smallest = {"assoc_recall": max(2 * (shape.seq_len // 4), 4), "copy": 3, "modular_add": 4}[data.task]
-    if data.vocab < smallest:
-        return "data.vocab", f"{data.task} at seq_len {shape.seq_len} needs >= {smallest} tokens, got {data.vocab}"
-    wanted = data.n_samples + data.n_val
-    # modular_add splits its p^2 sums exactly; the others draw at random, so keep them far from full
-    if shape.capacity < (wanted if data.task == "modular_add" else 2 * wanted):
-        return "data.vocab", (f"{data.task} has {shape.capacity} distinct sequences at vocab {data.vocab}, too few "
-                              f"for n_samples + n_val = {wanted} distinct ones: raise vocab or lower the counts")
-    if data.batch_size is not None and data.batch_size > data.n_samples:
-        return "data.batch_size", f"must be <= data.n_samples {data.n_samples}, got {data.batch_size}"
-    return None
-
-
 # train.stop_when's keys (normexp/engines/common.py `EarlyStop` reads them only under it)
 TRAIN_ACTS_ONLY_UNDER: dict[str, tuple[str, frozenset[str]]] = {
     "stop_patience": ("stop_when", frozenset(STOP_REASONS)),
@@ -307,6 +240,8 @@ class TrainConfig(_Section):
     stop_patience: int = Field(STOP_PATIENCE, ge=1, le=10_000_000)  # acts only under stop_when
     stop_below: PositiveFloat | None = None  # stop_when: trained only
     log_sharpness: int | None = Field(None, ge=1, le=10_000_000)  # every K steps: sharpness rows (sharpness.py)
+    # sequence tasks: val_loss and val_acc at steps 0, k, 2k, ... and the last step; nan at the others
+    eval_every: int = Field(1, ge=1, le=10_000_000)
 
     @model_validator(mode="after")
     def _inert_keys_at_default(self, info: ValidationInfo) -> TrainConfig:
@@ -362,6 +297,13 @@ def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
             return "data.task", f"{cfg.data.task} is a sequence task: it needs model.arch transformer"
         if cfg.model.n_heads != ModelConfig.model_fields["n_heads"].default:
             return "model.n_heads", "applies to model.arch transformer only (the FFN has no attention)"
+        for key in TRANSFORMER_ONLY:
+            if getattr(cfg.model, key) != ModelConfig.model_fields[key].default:
+                return f"model.{key}", "applies to model.arch transformer only (nanoGPT's choices: docs/realtext.md)"
+        if cfg.model.init == "gpt2":
+            return "model.init", "gpt2 applies to model.arch transformer only (nanoGPT's init of its projections)"
+        if cfg.train.eval_every != TrainConfig.model_fields["eval_every"].default:
+            return "train.eval_every", "applies to model.arch transformer only (the FFN toy has no held-out split)"
         if cfg.norm.placement == "b2t":
             return "norm.placement", ("b2t skips from a layer's input to its second sublayer's norm: it needs "
                                       "model.arch transformer (an FFN block has one sublayer)")
@@ -369,7 +311,7 @@ def arch_problem(cfg: RunConfig) -> tuple[str, str] | None:
             return "norm.placement", "applies to model.arch transformer only (its archs)"
         return _arch_only_problem(cfg)
     if cfg.data.task == "random_labels":
-        return "data.task", f"model.arch transformer trains on a sequence task: one of {', '.join(SEQUENCE_TASKS)}"
+        return "data.task", f"model.arch transformer trains on a sequence task: one of {', '.join(TRANSFORMER_TASKS)}"
     if cfg.model.n_classes != ModelConfig.model_fields["n_classes"].default:
         return "model.n_classes", "applies to model.arch ffn only (the transformer predicts data.vocab tokens)"
     if "transformer" not in placement_archs(cfg.norm.placement):

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -149,17 +150,20 @@ def _valid(entry: object) -> Choice | None:
 
 
 def _write_cache(entries: dict) -> None:
+    """Write the cache aside and rename it into place. The file is made with the user's umask, as any file
+    they write (0644 under the usual 022; readable by a group sharing the cache folder under 002), not
+    NamedTemporaryFile's 0600."""
     path = choice_cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8") as f:
-        try:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8") as f:
             json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.replace(f.name, path)
-        except BaseException:  # a full disk, a folder where the file goes, Ctrl-C: no stray .tmp left behind
-            with contextlib.suppress(OSError):
-                os.unlink(f.name)
-            raise
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a folder where the file goes, Ctrl-C: no stray .tmp left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def auto_summary() -> str:

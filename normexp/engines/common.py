@@ -1,7 +1,8 @@
 """What every engine shares: a run's result, its seeded start, its loss, its batches, its threads.
 
 Each engine (reference, batched, fast) builds a run's model and task with `seeded_init` (the article's
-order of random draws), computes the loss with `loss_and_acc`, draws minibatches with `batch_order`, and
+order of random draws), computes the loss with `loss_and_acc`, draws minibatches with `batch_order` (a text
+task's windows: `minibatches`), scores the held-out split with `held_out` (every train.eval_every steps), and
 returns one `RunResult` per run. Nothing here imports an engine, the store, the sweep or an executor.
 """
 
@@ -21,13 +22,14 @@ import torch.nn.functional as F
 
 from normexp.config import (
     METRIC_COLUMNS,
+    TEXT_TASKS,
     VAL_COLUMNS,
     Z_LOSS_COLUMN,
     RunConfig,
     chance_classes,
     trained_threshold,
 )
-from normexp.data import Task, make_task
+from normexp.data import Task, draw_windows, make_task
 from normexp.models.ffn import Net
 from normexp.models.transformer import Transformer
 
@@ -190,8 +192,14 @@ def seeded_init(cfg: RunConfig) -> tuple[Net | Transformer, Task]:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg)
         task = make_task(cfg.data, cfg.model)
-    model.profile_at_init(task.x)  # Admin only, after both draws; draws nothing itself
+    model.profile_at_init(init_batch(cfg, task)[0])  # Admin only, after both draws; draws nothing itself
     return model, task
+
+
+def init_batch(cfg: RunConfig, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs and targets a measurement at init reads (Admin's profile, gradients at init): the
+    training split whole, or a text task's first minibatch (its split is millions of characters)."""
+    return next(minibatches(cfg, task)) if cfg.data.task in TEXT_TASKS else (task.x, task.y)
 
 
 def loss_and_acc(logits: torch.Tensor, y: torch.Tensor,
@@ -210,8 +218,9 @@ def answer_logits(logits: torch.Tensor, positions: torch.Tensor | None) -> torch
 
 def z_loss(logits: torch.Tensor, positions: torch.Tensor | None, coef: float) -> torch.Tensor:
     """`train.z_loss`'s term, coef * mean(log(Z)^2) over the tokens the loss reads, Z = sum(exp(logits)) the
-    softmax normaliser (PaLM; t5x losses.py `cross_entropy_with_logits`; OLMo train.py `cross_entropy_loss`,
-    whose mean over tokens this is)."""
+    softmax normaliser (PaLM; t5x losses.py `cross_entropy_with_logits`; OLMo train.py `cross_entropy_loss`'s
+    `logits.logsumexp(-1).pow(2)`). The mean over the tokens read is the one OLMo's trainer takes; OLMo's
+    `cross_entropy_loss` itself, with reduction "mean", zeroes the ignored positions and divides by all of them."""
     return coef * answer_logits(logits, positions).logsumexp(-1).pow(2).mean()
 
 
@@ -228,13 +237,54 @@ def batch_order(n_samples: int, batch_size: int, seed: int, steps: int) -> list[
     return order[:steps + 1]
 
 
-@torch.no_grad()
-def validate(model: torch.nn.Module, task: Task) -> tuple[float, float] | None:
-    """(val_loss, val_acc) on the held-out split, or None for a task without one."""
+def minibatches(cfg: RunConfig, task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's training inputs and targets, step 0 first: the whole split (no data.batch_size);
+    `batch_order`'s seeded epochs; or, for a text task, data.batch_size random windows of its train split
+    a step (`draw_windows`, nanoGPT's get_batch), drawn from a generator seeded with the run's seed (not
+    the global one: the model keeps its draws), one draw a step."""
+    data = cfg.data
+    if data.task in TEXT_TASKS:
+        generator = torch.Generator().manual_seed(cfg.seed)
+        length = len(task.positions)
+        while True:
+            yield draw_windows(task.x, task.y, length, data.batch_size, generator)
+    if data.batch_size is None:
+        while True:
+            yield task.x, task.y
+    for index in batch_order(data.n_samples, data.batch_size, cfg.seed, cfg.train.steps):
+        yield task.x[index], task.y[index]
+
+
+NOT_EVALUATED = (math.nan, math.nan)  # val_loss, val_acc of a step between two of train.eval_every's
+
+
+def held_out(model: torch.nn.Module, task: Task, cfg: RunConfig, step: int) -> tuple[float, float] | None:
+    """(val_loss, val_acc) at steps 0, k, 2k, ... (k = train.eval_every) and the last, NOT_EVALUATED at the
+    others; None for a task without a held-out split. A text task's windows go through the model
+    data.batch_size at a time."""
     if task.val_x is None:
         return None
-    loss, acc = loss_and_acc(model(task.val_x), task.val_y, task.positions)
-    return loss.item(), acc.item()
+    if step % cfg.train.eval_every and step != cfg.train.steps:
+        return NOT_EVALUATED
+    return validate(model, task, cfg.data.batch_size if cfg.data.task in TEXT_TASKS else None)
+
+
+@torch.no_grad()
+def validate(model: torch.nn.Module, task: Task, rows: int | None = None) -> tuple[float, float] | None:
+    """(val_loss, val_acc) on the held-out split, or None for a task without one; `rows`: that many
+    sequences a forward, the loss and accuracy then summed over every token and divided once."""
+    if task.val_x is None:
+        return None
+    if rows is None:
+        loss, acc = loss_and_acc(model(task.val_x), task.val_y, task.positions)
+        return loss.item(), acc.item()
+    loss_sum, correct = 0.0, 0.0
+    for start in range(0, len(task.val_x), rows):
+        logits = answer_logits(model(task.val_x[start:start + rows]), task.positions)
+        y = task.val_y[start:start + rows].flatten()
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(-1) == y).sum().item()
+    return loss_sum / task.val_y.numel(), correct / task.val_y.numel()
 
 
 # ----------------------------------------------------------------------------- the loops' shared skeleton

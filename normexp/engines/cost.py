@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from normexp.config import RunConfig, sequence_shape
+from normexp.config import TEXT_TASKS, RunConfig, sequence_shape
 
 
 def model_step_flops(cfg: RunConfig) -> float:
     """FLOPs of one training step of one run: the forward matmuls, times 3 (forward and backward)."""
     n, d, depth = cfg.data.n_samples, cfg.model.width, cfg.model.depth
+    if cfg.data.task in TEXT_TASKS:  # its windows a step
+        n = cfg.data.batch_size
     hidden = d * cfg.model.hidden_mult
     if cfg.model.arch == "transformer":  # per token: FFN, q k v out, scores and mixing; the head
         t = sequence_shape(cfg.data).seq_len - 1

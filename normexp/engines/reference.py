@@ -2,6 +2,7 @@
 
     torch.manual_seed(seed); model = Net(...); X, y = task    # the article's order of random draws
     for step in 0..S:
+        X, y = the step's minibatch (the whole split without data.batch_size)
         loss = cross_entropy(model(X), y)                       # recorded: step, loss, acc, lr, grad_norm
         (loss + z_loss(model(X))).backward()                    # z term: train.z_loss > 0 only, recorded apart
         clip_grad_norm_(params, optim.clip_norm)                 # optim.clip_norm set only
@@ -32,13 +33,13 @@ from normexp.engines.common import (
     EarlyStop,
     RunResult,
     StepCallback,
-    batch_order,
     grad_norm,
+    held_out,
     loss_and_acc,
+    minibatches,
     seeded_init,
     share_wall_time,
     torch_threads,
-    validate,
     z_loss,
 )
 from normexp.optim import (
@@ -135,8 +136,7 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         model, task = seeded_init(cfg)
         model.to(device)
         task = Task(*(t.to(device) if t is not None else None for t in vars(task).values()))
-        batches = (batch_order(cfg.data.n_samples, cfg.data.batch_size, cfg.seed, cfg.train.steps)
-                   if cfg.data.batch_size is not None else None)
+        batches = minibatches(cfg, task)
         params = list(model.parameters())
         optimizer = ReferenceOptimizer(params, cfg, agc_units(model) if cfg.optim.agc is not None else None)
         blocks = BlockRecorder(model, cfg.train.log_every, positions=task.positions) if cfg.train.log_blocks else None
@@ -145,8 +145,8 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         steps = cfg.train.steps
         coef = cfg.train.z_loss
         for step in range(steps + 1):
-            x, y = (task.x, task.y) if batches is None else (task.x[batches[step]], task.y[batches[step]])
-            val = validate(model, task)  # before the training forward: block logging reads that one's activations
+            x, y = next(batches)
+            val = held_out(model, task, cfg, step)  # before the training forward, whose activations blocks read
             logits = model(x)
             loss, acc_tensor = loss_and_acc(logits, y, task.positions)
             z = z_loss(logits, task.positions, coef) if coef else None

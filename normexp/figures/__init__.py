@@ -7,6 +7,7 @@
   the share of runs trained (`trained_fraction_figure`);
 - `sweep`: a folder's figures drawn (`sweep_figures`) and saved (`save_plots`) as PNG, PDF or SVG;
 - `blocks`: per-block heatmaps of blocks.csv (`normexp plot --blocks`);
+- `sharpness`: sharpness.csv's eigenvalues against their stability thresholds (`normexp plot --sharpness`);
 - `gradnorm`: the gradnorm study's figures (`normexp gradnorm`).
 
 They take the tidy frames of `normexp.results` and the numbers of `normexp.analysis` and return a
@@ -29,9 +30,11 @@ from normexp.figures.phase import (  # noqa: E402
     phase_scatter_figure,
     trained_fraction_figure,
 )
+from normexp.figures.sharpness import save_sharpness_plot, sharpness_figure  # noqa: E402
 from normexp.figures.sweep import FORMATS, save_plots, sweep_figures  # noqa: E402
 
 __all__ = ["BLOCK_METRIC_LABELS", "BLOWUP_FACTOR", "FORMATS", "STOPPED_MARKER", "TRAINED_EDGE", "Facets",
            "blocks_figure", "choose_facets", "curves_figure", "final_loss_figure", "gradnorm_figure",
            "layer_gradnorm_figure", "lr_figure", "number_texts", "phase_figure", "phase_scatter_figure",
-           "save_blocks_plot", "save_gradnorm_plot", "save_plots", "sweep_figures", "trained_fraction_figure"]
+           "save_blocks_plot", "save_gradnorm_plot", "save_plots", "save_sharpness_plot", "sharpness_figure",
+           "sweep_figures", "trained_fraction_figure"]

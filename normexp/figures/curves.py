@@ -53,6 +53,11 @@ METRIC_LABELS = {"loss": "training loss (cross-entropy)", "acc": "training accur
                  "z_loss": "z-loss term, coef x mean log(Z)^2 (train.z_loss)"}
 
 
+QUESTIONS = {"loss": "Which variants train, and how fast?", "val_loss": "Which variants generalise?",
+             "acc": "Which variants fit their labels?", "val_acc": "Which variants answer held-out sequences?",
+             "grad_norm": "Where do gradients grow or vanish?", "lr": "What learning rate did each step use?"}
+
+
 def _mark_diverged(ax, runs: pd.DataFrame, stats: pd.DataFrame, style: Style) -> None:
     """Where some of a line's runs diverged: an x at the line's end, with 'k/n div' in its colour."""
     status = runs.groupby("run_id")["status"].first()
@@ -105,8 +110,10 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
     for ax in axes[:, 0]:
         ax.set_ylabel(METRIC_LABELS.get(metric, metric), fontsize="small")
     figure_legend(fig, [*handles, *extra.values()], hue_title(facets.hue))
-    figure_title(fig, title or f"{METRIC_LABELS.get(metric, metric)} per step: mean over seeds, band min–max",
-           constants_text(tidy))
+    label = METRIC_LABELS.get(metric, metric)
+    figure_title(fig, title or f"{QUESTIONS.get(metric, f'How does the {metric} evolve?')} "
+                               f"{label[0].upper()}{label[1:]} per step: mean over seeds, band min–max",
+                 constants_text(tidy))
     return fig
 
 
@@ -155,8 +162,8 @@ def final_loss_figure(summary: pd.DataFrame, x_key: str, trained_below: float | 
     ax.grid(True, which="both", alpha=0.3)
     handles, _ = ax.get_legend_handles_labels()
     figure_legend(fig, handles, hue_title(others) if others else "")
-    figure_title(fig, f"final training loss vs {axis_label(x_key)}: mean over seeds, band min–max",
-           constants_text(finished))
+    figure_title(fig, f"How does the {axis_label(x_key)} change what trains? Final training loss vs "
+                      f"{axis_label(x_key)}: mean over seeds, band min–max", constants_text(finished))
     return fig
 
 
@@ -196,7 +203,7 @@ def lr_figure(table: pd.DataFrame, keys: list[str], facets: Facets | None = None
     for ax in axes[:, 0]:
         ax.set_ylabel("final training loss", fontsize="small")
     figure_legend(fig, [*handles, *extra.values()], hue_title(facets.hue))
-    figure_title(fig, "final training loss vs learning rate",
+    figure_title(fig, "Which learning rates train? Final training loss vs learning rate",
            "line: mean over seeds; band: min–max; a diverged run, or one that ends above its loss at init, "
            f"counts as its loss at init. {constants_text(table)}")
     return fig

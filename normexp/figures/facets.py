@@ -28,17 +28,19 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.text import Annotation
 
 from normexp.analysis.variants import (
     axis_label,
     chance_levels,
     constants,
+    distinct_keys,
     short_number,
     trained_limits,
     value_label,
     variant_label,
 )
-from normexp.results import ResultsError
+from normexp.results import ResultsError, varying_keys
 
 PANEL = (3.6, 2.7)  # one panel's size in inches
 LEGEND_WIDTH = 2.4  # inches beside the panels for the one legend
@@ -201,26 +203,36 @@ def line_styles(frame: pd.DataFrame, facets: Facets) -> tuple[dict[tuple, Style]
 
 def panels(frame: pd.DataFrame, facets: Facets) -> tuple[list[list[tuple[str, pd.DataFrame | None]]], int, int]:
     """The panels as a grid (rows of (title, runs or None for an empty slot)): rows by `facets.row`,
-    columns by `facets.col`; one key of columns alone wraps past WRAP panels."""
+    columns by `facets.col`. One key of columns alone wraps past WRAP panels; a grid of rows and columns
+    that would leave a slot empty (folders compared whose keys do not cross: depth 4 with Post-LN, depth 8
+    with Pre-LN) lists its filled panels instead, wrapped the same way: no empty panel is drawn."""
     rows = groups(frame, facets.row)
     cols = [values for values, _ in groups(frame, facets.col)]
-    if not facets.row and len(cols) > WRAP:  # wrap a long single row of panels
-        n_cols = WRAP if len(cols) > 6 else len(cols)
-        texts = _key_texts(frame, facets.col)
-        cells = [(panel_title(facets.col, v, texts), _select(frame, facets.col, v)) for v in cols]
-        grid = [cells[i:i + n_cols] for i in range(0, len(cells), n_cols)]
-        grid[-1] += [("", None)] * (n_cols - len(grid[-1]))
-        return grid, len(grid), n_cols
+    keys = [*facets.col, *facets.row]
+    texts = _key_texts(frame, keys)
     grid = []
-    texts = _key_texts(frame, [*facets.col, *facets.row])
     for row_values, row_frame in rows:
         line = []
         for col_values in cols:
             runs = _select(row_frame, facets.col, col_values)
-            title = panel_title([*facets.col, *facets.row], (*col_values, *row_values), texts)
+            title = panel_title(keys, (*col_values, *row_values), texts)
             line.append((title, runs if len(runs) else None))
         grid.append(line)
-    return grid, len(grid), max(1, len(cols))
+    if facets.row and all(runs is not None for line in grid for _, runs in line):
+        return grid, len(grid), max(1, len(cols))
+    cells = [cell for line in grid for cell in line if cell[1] is not None] or [("", frame)]
+    n_cols = wrap_columns(len(cells)) if len(cells) > WRAP or facets.row else len(cells)
+    wrapped = [cells[i:i + n_cols] for i in range(0, len(cells), n_cols)]
+    wrapped[-1] += [("", None)] * (n_cols - len(wrapped[-1]))
+    return wrapped, len(wrapped), n_cols
+
+
+def wrap_columns(count: int) -> int:
+    """Panels per row for `count` panels of one list: all in one row up to WRAP + 1, else 3 to WRAP + 1 a
+    row, whichever leaves the fewest empty slots (then the nearest to WRAP)."""
+    if count <= WRAP + 1:
+        return max(1, count)
+    return min(range(3, WRAP + 2), key=lambda n: ((-count) % n, abs(n - WRAP)))
 
 
 def filled_panels(grid: list[list[tuple[str, pd.DataFrame | None]]], axes: np.ndarray):
@@ -272,14 +284,26 @@ def label_bottoms(axes: np.ndarray, label: str) -> None:
 
 
 def figure_title(fig: Figure, head: str, detail: str = "", legend: bool = True) -> None:
-    """The title, then a detail (the runs' constants), each wrapped to the width the panels take and
-    centred over them (the legend beside them has the rest), so that no line is cut at the figure's
-    edge or runs into the legend."""
+    """The title: the question the figure answers (`head`), then in a smaller grey line what is constant
+    among its runs (`detail`), each wrapped to the width the panels take and centred over them (the legend
+    beside them has the rest), so that no line is cut at the figure's edge or runs into the legend. The
+    title reserves blank lines for the detail, so that the layout leaves room for both."""
     width = fig.get_figwidth() - (LEGEND_WIDTH if legend else 0.8)
     chars = max(40, int(width * 10))
-    lines = textwrap.wrap(head, chars) + (textwrap.wrap(detail, int(chars * 1.1)) if detail else [])
+    heads = textwrap.wrap(head, chars)
+    details = textwrap.wrap(detail, int(chars * 1.25)) if detail else []
     centre = width / 2 / fig.get_figwidth() if legend else 0.5
-    fig.suptitle("\n".join(lines), fontsize="medium", x=centre)
+    reserve = math.ceil(len(details) * DETAIL_SIZE / TITLE_SIZE)  # the title's lines the detail takes
+    title = fig.suptitle("\n".join(heads + [""] * reserve), fontsize=TITLE_SIZE, x=centre)
+    if details:  # under the title's own lines, wherever the layout puts the title
+        note = Annotation("\n".join(details), xy=(0.5, 1), xycoords=title, ha="center", va="top",
+                          xytext=(0, -len(heads) * TITLE_SIZE * LINE), textcoords="offset points",
+                          fontsize=DETAIL_SIZE, color="dimgrey")
+        note.set_in_layout(False)
+        fig.add_artist(note)
+
+
+TITLE_SIZE, DETAIL_SIZE, LINE = 11, 8.5, 1.2  # points; matplotlib's line spacing
 
 
 def figure_legend(fig: Figure, handles: list, title: str) -> None:
@@ -339,8 +363,20 @@ def plain_log_ticks(axis) -> None:
 
 
 def constants_text(frame: pd.DataFrame) -> str:
-    """The constants that define the runs, as the report's title says them (arch, task, kind, depth...)."""
-    return constants(frame)
+    """The constants that define the runs, as the report's title says them (arch, task, kind, depth...);
+    folders compared whose sweep varies with a key (each at its own depth) say which is which."""
+    text = constants(frame)
+    if SWEEP_KEY in frame and frame[SWEEP_KEY].nunique() > 1:
+        keys = [k for k in varying_keys(frame) if k not in (SWEEP_KEY, "seed")]
+        _, aliases = distinct_keys(frame, [*keys, SWEEP_KEY])
+        twin = next((key for key, twins in aliases.items() if SWEEP_KEY in twins), None)
+        if twin is not None:
+            pairs = frame[[SWEEP_KEY, twin]].drop_duplicates()
+            texts = _key_texts(frame, [twin]).get(twin, {})
+            said = ", ".join(f"{name} at {_short(twin)}={texts.get(value) or value_label(twin, value)}"
+                             for name, value in zip(pairs[SWEEP_KEY], pairs[twin]))
+            text = f"{text}; sweeps {said}" if text else f"sweeps {said}"
+    return text
 
 
 def reference_lines(ax, frame: pd.DataFrame, trained_below: float | None, chance: bool = True) -> list:

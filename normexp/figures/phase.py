@@ -21,10 +21,17 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from normexp.analysis.finals import final_values, is_sampled
-from normexp.analysis.variants import axis_label, is_trained, n_choices, thresholds, trained_limits, value_label
+from normexp.analysis.variants import (
+    axis_label,
+    distinct_keys,
+    is_trained,
+    n_choices,
+    thresholds,
+    trained_limits,
+    value_label,
+)
 from normexp.figures.facets import (
     LOSSES,
-    SWEEP_KEY,
     Facets,
     choose_facets,
     constants_text,
@@ -53,9 +60,7 @@ def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss
     """The final `metric` (mean over seeds) on the x_key x y_key grid, one panel per other variant
     (`facets`' rows and columns; its hue joins the rows), cells whose every run trained hatched."""
     table = final_values(tidy, metric, trained_below)
-    others = [k for k in varying_keys(table) if k not in ("seed", x_key, y_key)]
-    if SWEEP_KEY in table and table[SWEEP_KEY].nunique() > 1:
-        others = [SWEEP_KEY, *others]
+    others, _ = distinct_keys(table, [k for k in varying_keys(table) if k not in ("seed", x_key, y_key)])
     facets = facets or choose_facets(others)
     facets = Facets([*facets.row, *facets.hue, *facets.style], facets.col, [])
     if is_sampled(table, x_key, y_key):
@@ -101,10 +106,15 @@ def phase_figure(tidy: pd.DataFrame, x_key: str, y_key: str, metric: str = "loss
     fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False,
                ncols=len(handles) if wide else 1)
     diverged = (table["status"] == "diverged").any()
-    figure_title(fig, f"where the runs train: {FINAL_LABELS.get(metric, metric)}, mean over seeds",
+    figure_title(fig, f"Where do the runs train? {_capital(FINAL_LABELS.get(metric, metric))} on {axis_label(x_key)} "
+                      f"× {axis_label(y_key)}, mean over seeds",
            constants_text(table) + (". k/n: the mean of the k of n runs that did not diverge; div: all diverged"
                                     if diverged else ""), legend=False)
     return fig
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _rule_text(table: pd.DataFrame, trained_below: float | None) -> str:
@@ -172,9 +182,11 @@ def _order(value: object) -> float:
 
 def phase_scatter_figure(table: pd.DataFrame, x_key: str, y_key: str, metric: str, facets: Facets,
                          trained_below: float | None = None) -> Figure:
-    """Sampled points (`final_values`' table): each run at its (x, y), coloured by its final `metric`, ringed
-    where it trained, a red cross where it diverged; panels as the phase diagram's. A scatter of what ran,
-    never an interpolated map."""
+    """Sampled points (`final_values`' table): one marker per sampled (x, y) of a panel, coloured by the mean
+    final `metric` of its seeds that did not diverge (never one seed's colour over another's), ringed red
+    where every seed trained and orange where some did, with 'k/n' beside it where only k of its n seeds
+    are in the mean; a red cross where every seed diverged. Panels as the phase diagram's. A scatter of
+    what ran, never an interpolated map."""
     grid, n_rows, n_cols = panels(table, facets)
     values = table["final"].dropna()
     accuracy = metric.endswith("acc")
@@ -185,12 +197,17 @@ def phase_scatter_figure(table: pd.DataFrame, x_key: str, y_key: str, metric: st
     cmap = "viridis" if accuracy else "viridis_r"
     fig, axes = subplots(n_rows, n_cols, legend=False, panel=(4.4, 3.6))
     image = None
+    seeds = int(table.groupby([x_key, y_key, *facets.row, *facets.col], dropna=False).size().max())
     for ax, title, runs in filled_panels(grid, axes):
-        ok, bad = runs[runs["final"].notna()], runs[runs["final"].isna()]
-        image = ax.scatter(ok[x_key], ok[y_key], c=ok["final"], norm=scale, cmap=cmap, s=30,
-                           edgecolors=np.where(ok["trained"], TRAINED_EDGE, "black"),
-                           linewidths=np.where(ok["trained"], 1.6, 0.3))
+        points = _sampled_points(runs, x_key, y_key)
+        ok, bad = points[points["finite"] > 0], points[points["finite"] == 0]
+        edges = np.select([ok["trained"] == ok["runs"], ok["trained"] > 0], [TRAINED_EDGE, PARTLY_EDGE], "black")
+        image = ax.scatter(ok[x_key], ok[y_key], c=ok["mean"], norm=scale, cmap=cmap, s=34, edgecolors=edges,
+                           linewidths=np.where(ok["trained"] > 0, 1.6, 0.3))
         ax.scatter(bad[x_key], bad[y_key], marker="x", color="red", s=30)
+        for _, point in ok[ok["finite"] < ok["runs"]].iterrows():
+            ax.annotate(f"{int(point['finite'])}/{int(point['runs'])}", (point[x_key], point[y_key]),
+                        xytext=(4, 3), textcoords="offset points", fontsize=6, color="darkred")
         for key, set_scale in ((x_key, ax.set_xscale), (y_key, ax.set_yscale)):
             column = table[key].astype(float)
             if (column > 0).all() and column.max() / column.min() > 20:
@@ -200,15 +217,32 @@ def phase_scatter_figure(table: pd.DataFrame, x_key: str, y_key: str, metric: st
         ax.set_title(f"{title} ({coverage(runs)})" if title else coverage(runs), fontsize="small")
         ax.grid(True, which="both", alpha=0.25)
     if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.9,
-                     label=FINAL_LABELS.get(metric, metric) + ("" if accuracy else " (log scale)"))
+        fig.colorbar(image, ax=axes, shrink=0.9, label=FINAL_LABELS.get(metric, metric) + " (mean over seeds"
+                     + ("" if accuracy else ", log scale") + ")")
+    rule = _rule_text(table, trained_below)
     handles = [Line2D([], [], marker="o", linestyle="", markerfacecolor="none", markeredgecolor=TRAINED_EDGE,
-                      markeredgewidth=1.6, label=f"trained: {_rule_text(table, trained_below)}"),
-               Line2D([], [], marker="x", linestyle="", color="red", label="diverged")]
-    fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False, ncols=2)
-    figure_title(fig, f"sampled points, a scatter (not interpolated): {FINAL_LABELS.get(metric, metric)} of each run",
-           constants_text(table), legend=False)
+                      markeredgewidth=1.6, label=f"every seed trained: {rule}"),
+               Line2D([], [], marker="o", linestyle="", markerfacecolor="none", markeredgecolor=PARTLY_EDGE,
+                      markeredgewidth=1.6, label="some seeds trained"),
+               Line2D([], [], marker="x", linestyle="", color="red", label="every seed diverged")]
+    fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False, ncols=3)
+    per = f"the mean over its {seeds} seeds" if seeds > 1 else "one run each"
+    figure_title(fig, f"Where do the sampled runs train? {_capital(FINAL_LABELS.get(metric, metric))} at each "
+                      f"sampled point, {per} (a scatter, not interpolated)",
+                 constants_text(table) + ("; k/n: the mean of the k of n seeds that did not diverge"
+                                          if (table["final"].isna()).any() else ""), legend=False)
     return fig
+
+
+PARTLY_EDGE = "orange"  # a sampled point where some of its seeds trained, not all
+
+
+def _sampled_points(runs: pd.DataFrame, x_key: str, y_key: str) -> pd.DataFrame:
+    """Per sampled (x, y): the mean final value of its runs that did not diverge, and how many runs it has,
+    how many are in the mean and how many trained."""
+    return (runs.groupby([x_key, y_key], dropna=False)
+            .agg(mean=("final", "mean"), finite=("final", "count"), runs=("final", "size"), trained=("trained", "sum"))
+            .reset_index())
 
 
 def _phase_text(mean: float, finite: float, runs: float) -> str:
@@ -255,7 +289,8 @@ def trained_fraction_figure(summary: pd.DataFrame, row_key: str = "norm.placemen
     ax.set_ylabel(axis_label(row_key))
     fig.colorbar(image, ax=ax, label="share of runs trained", shrink=0.8)
     unfinished = len(summary) - len(finished)
-    figure_title(fig, f"runs trained ({_rule_text(finished, trained_below)})",
+    figure_title(fig, f"Which {axis_label(row_key)} and {axis_label(col_key)} train? Share of runs trained "
+                      f"({_rule_text(finished, trained_below)})",
            constants_text(summary) + (f"; {unfinished} runs unfinished, in no cell" if unfinished else ""),
            legend=False)
     return fig

@@ -11,9 +11,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from normexp.analysis.finals import is_sampled, numeric_axes
+from normexp.analysis.finals import hold_stopped, is_sampled, numeric_axes
 from normexp.analysis.sensitivity import LR_KEY, MIN_LRS, lr_table
-from normexp.analysis.variants import engine_note
+from normexp.analysis.variants import distinct_keys, engine_note
 from normexp.figures.curves import curves_figure, lr_figure
 from normexp.figures.facets import Facets, choose_facets, value_counts
 from normexp.figures.phase import phase_figure
@@ -50,14 +50,17 @@ def sweep_figures(folder: Folder, metric: str | None = None, row: Sequence[str] 
     rule = folder.trained_rule(trained_below)
     tidy = folder.metrics(all_config=True)
     check_metric(tidy, metric)
-    keys = [k for k in varying_keys(summary) if k != "seed"]
+    # folders compared whose sweep varies with a key (each at its own depth): one key makes the panels, not two
+    keys, _ = distinct_keys(summary, [k for k in varying_keys(summary) if k != "seed"])
     facets = choose_facets(keys, row, col, hue, value_counts(summary, keys))
     note = "\n".join(filter(None, [engine_note(summary, keys), missing_note(summary, run_dir)]))
-    figures = [("", curves_figure(tidy, keys, metric, facets=facets, trained_below=rule), note)]
+    curves = curves_figure(hold_stopped(tidy), keys, metric, facets=facets, trained_below=rule)  # stopped: held
+    figures = [("", curves, note)]
     axes = numeric_axes(summary)
     sampled_lr = any(is_sampled(finished_runs(summary), LR_KEY, k) for k in axes if k != LR_KEY)
     if LR_KEY in summary and summary[LR_KEY].nunique() >= MIN_LRS and not sampled_lr:  # else: the scatter
         table, others = lr_table(folder)
+        others, _ = distinct_keys(table, others)
         lr_facets = (_lines_first(_without(facets, LR_KEY)) if LR_KEY in facets.keys
                      else choose_facets(others, counts=value_counts(table, others)))
         figures.append(("-lr", lr_figure(table, others, facets=lr_facets, trained_below=rule), note))

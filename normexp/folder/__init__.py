@@ -26,6 +26,7 @@ from normexp.folder.layout import (
     HISTORY_FILE,
     IN_THE_WAY_REMEDY,
     METRICS_FILE,
+    SHARPNESS_FILE,
     SUMMARY_FILE,
     SWEEP_FILE,
     VOUCHED_FILES,
@@ -39,10 +40,12 @@ from normexp.folder.layout import (
 )
 from normexp.folder.lock import SweepLock, folder_writes, lock_owner
 from normexp.folder.sweepfiles import (
+    HISTORY_DAMAGE_EFFECT,
     append_history,
     cached_statuses,
     folder_run_ids,
     folder_runs,
+    history_damage,
     read_history,
     read_sweep,
     rows_csv,
@@ -67,11 +70,13 @@ from normexp.folder.write import (
 )
 
 __all__ = [
-    "BLOCKS_FILE", "CONFIG_FILE", "DONE_FILE", "FAILED_FILE", "FINISHED_STATUSES", "HISTORY_FILE",
-    "IN_THE_WAY_REMEDY", "METRICS_FILE", "SUMMARY_FILE", "SWEEP_FILE", "VOUCHED_FILES",
+    "BLOCKS_FILE", "CONFIG_FILE", "DONE_FILE", "FAILED_FILE", "FINISHED_STATUSES",
+    "HISTORY_DAMAGE_EFFECT", "HISTORY_FILE",
+    "IN_THE_WAY_REMEDY", "METRICS_FILE", "SHARPNESS_FILE", "SUMMARY_FILE", "SWEEP_FILE", "VOUCHED_FILES",
     "FinishedRun", "InTheWay", "RunState", "StoreError", "SweepLock",
     "append_history", "atomic_write", "cached_statuses", "folder_run_ids", "folder_runs", "folder_writes",
-    "foreign_entries", "in_the_way", "inspect_run", "is_run_id", "lock_owner", "not_normexp_s", "other_threads",
+    "foreign_entries", "history_damage", "in_the_way", "inspect_run", "is_run_id", "lock_owner", "not_normexp_s",
+    "other_threads",
     "out_folder_problem", "read_history", "read_sweep", "read_text", "recover_strays", "remove_run_folder",
     "rows_csv", "run_id", "stamp_run", "staged", "stray_paths", "summary_csv", "summary_rows",
     "superseded_folder", "superseded_problem", "swap_in", "sweep_name", "sweep_yaml", "synced_together",

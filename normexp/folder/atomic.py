@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so that `path` holds either the old content or all of the new."""
+def atomic_write(path: Path, text: str | bytes) -> None:
+    """Write `text` (UTF-8; bytes as they are) to `path` so that `path` holds either the old content or all
+    of the new."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
+        with (open(tmp, "wb") if isinstance(text, bytes) else open(tmp, "w", encoding="utf-8", newline="")) as f:
             f.write(text)
             f.flush()
             if not _deferring():

@@ -30,6 +30,7 @@ from normexp.folder.layout import (
     FINISHED_STATUSES,
     METRIC_HEADER,
     METRICS_FILE,
+    SHARPNESS_FILE,
     SUMMARY_STATS,
     VOUCHED_FILES,
     RunState,
@@ -155,12 +156,13 @@ def _checked(run_dir: Path, raw: bytes, cfg: RunConfig | None, thorough: bool) -
 
 def _vouched_texts(run_dir: Path, done: dict[str, Any], stamped: bool) -> dict[str, str]:
     """config.yaml and metrics.csv, read; where done.json is stamped, each file it vouches for (blocks.csv
-    too, where the run logged blocks) has the SHA-256 and rows it records."""
+    and sharpness.csv too, where the run logged them) has the SHA-256 and rows it records."""
     texts = {name: read_text(run_dir / name) for name in VOUCHED_FILES}
     if stamped:
         _check_records(done["files"], texts)
-        if BLOCKS_FILE in done["files"]:  # vouched for where the run logged blocks
-            _check_records(done["files"], {BLOCKS_FILE: read_text(run_dir / BLOCKS_FILE)})
+        for name in (BLOCKS_FILE, SHARPNESS_FILE):
+            if name in done["files"]:  # vouched for where the run logged it
+                _check_records(done["files"], {name: read_text(run_dir / name)})
     return texts
 
 

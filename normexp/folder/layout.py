@@ -15,6 +15,7 @@ not normexp's, and `RunState`, what a run folder is found to be.
                               alone (a sweep of one run, into runs/<run_id> unless --out)
       <run_id>/metrics.csv    step, loss, acc, lr, grad_norm: one row per recorded step, floats as repr()
       <run_id>/blocks.csv     with train.log_blocks only: one row per logged step and block (blocklog.py)
+      <run_id>/sharpness.csv  with train.log_sharpness only: one row per measured step (sharpness.py)
       <run_id>/failed.json    only for a run that raised: the error (the run is retried next time)
       <run_id>/done.json      written last: the run is complete (+ summary numbers, timings, versions)
 
@@ -48,12 +49,14 @@ WRITES_LOCK_FILE = ".lock.writes"
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.csv"
 BLOCKS_FILE = "blocks.csv"
+SHARPNESS_FILE = "sharpness.csv"
 FAILED_FILE = "failed.json"
 DONE_FILE = "done.json"
 
 
 TOP_FILES = (SWEEP_FILE, HISTORY_FILE, SUMMARY_FILE, VERIFIED_FILE)  # the files `atomic_write` writes in a sweep folder
-RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, FAILED_FILE, DONE_FILE)  # ... and in a run folder
+RUN_DIR_FILES = (CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, SHARPNESS_FILE, FAILED_FILE,
+                 DONE_FILE)  # ... and in a run folder
 
 
 METRIC_HEADER = METRIC_COLUMNS  # metrics.csv's first columns

@@ -6,6 +6,7 @@ the verified run folders); and which runs a folder holds (`folder_runs`).
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -228,34 +229,71 @@ def sweep_name(out_dir: Path) -> str | None:
 # ----------------------------------------------------------------------------- history.jsonl
 
 
+HISTORY_CHECKSUM = "checksum"  # a history line's sha256 of its other fields (sorted-key JSON); older lines have none
+
+
+def _record_checksum(record: dict[str, Any]) -> str:
+    body = {k: v for k, v in record.items() if k != HISTORY_CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
 def append_history(out_dir: Path, record: dict[str, Any]) -> None:
-    """Add one invocation's line to history.jsonl (the file is rewritten whole, atomically)."""
+    """Add one invocation's line to history.jsonl (the file is rewritten whole, atomically), with its
+    checksum (a line copied from another folder keeps its own)."""
     path = out_dir / HISTORY_FILE
     try:
-        before = path.read_text(encoding="utf-8")
+        before = path.read_bytes()  # as bytes: a damaged line is kept as it is, for `history_damage` to name
     except FileNotFoundError:
-        before = ""
-    if before and not before.endswith("\n"):
-        before += "\n"  # a line cut by a crash stays apart from the next one
-    atomic_write(path, before + json.dumps(record, sort_keys=False) + "\n")
+        before = b""
+    if before and not before.endswith(b"\n"):
+        before += b"\n"  # a line cut by a crash stays apart from the next one
+    if HISTORY_CHECKSUM not in record:
+        record = {**record, HISTORY_CHECKSUM: _record_checksum(record)}
+    atomic_write(path, before + (json.dumps(record, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def _history(out_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """history.jsonl's intact records, oldest first, and its damaged lines ("line 3: not JSON", ...): a
+    line that is not UTF-8, not a JSON object, or whose checksum disagrees with its fields."""
+    try:
+        data = (Path(out_dir) / HISTORY_FILE).read_bytes()
+    except OSError:
+        return [], []  # a folder of an earlier release has none
+    records, damaged = [], []
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            damaged.append(f"line {number}: not UTF-8")
+            continue
+        except ValueError:
+            damaged.append(f"line {number}: not JSON")
+            continue
+        if not isinstance(record, dict):
+            damaged.append(f"line {number}: not a record")
+        elif HISTORY_CHECKSUM in record and record[HISTORY_CHECKSUM] != _record_checksum(record):
+            damaged.append(f"line {number}: its checksum disagrees with its fields")
+        else:
+            records.append(record)
+    return records, damaged
 
 
 def read_history(out_dir: Path) -> list[dict[str, Any]]:
-    """history.jsonl's invocations, oldest first; unreadable lines are skipped (a folder of an earlier
-    release has none)."""
-    try:
-        lines = (Path(out_dir) / HISTORY_FILE).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return []
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    """history.jsonl's intact invocations, oldest first (a damaged line is left out: `history_damage`
+    names it; a folder of an earlier release has none)."""
+    return _history(out_dir)[0]
+
+
+def history_damage(out_dir: Path) -> list[str]:
+    """history.jsonl's damaged lines ("line 3: not JSON", ...), [] where it is intact (or absent)."""
+    return _history(out_dir)[1]
+
+
+HISTORY_DAMAGE_EFFECT = ("the invocations on those lines are not read, so their runs that did not finish cannot be "
+                         "counted as missing (their verified runs still count); restore the file from a copy, or "
+                         "rerun those sweeps into the folder")
 
 
 # ----------------------------------------------------------------------------- the runs a folder holds

@@ -21,6 +21,7 @@ from normexp.folder.layout import (
     CONFIG_FILE,
     DONE_FILE,
     METRICS_FILE,
+    SHARPNESS_FILE,
     VERIFIED_FILE,
     RunState,
     sha256_hex,
@@ -37,7 +38,7 @@ class Verified:
     Two levels, and what each can prove:
 
     - **Its content** (always): a run whose done.json is byte for byte one that passed is not checked
-      field by field again, but its config.yaml and metrics.csv (and blocks.csv) are read and must have
+      field by field again, but its config.yaml and metrics.csv (and blocks.csv, sharpness.csv) are read and must have
       the SHA-256 and rows done.json vouches for. Any change to any byte of the run is seen (a changed
       done.json has another SHA-256 and is checked in full). What is not redone is re-deriving, from the
       same bytes, the verdict they earned; what it cannot cover is a record written on purpose to vouch
@@ -126,7 +127,7 @@ def file_stamps(run_dir: Path, like: list[list[int] | None] | None = None) -> li
     return stamps
 
 
-STAMPED_FILES = (DONE_FILE, CONFIG_FILE, METRICS_FILE, BLOCKS_FILE)
+STAMPED_FILES = (DONE_FILE, CONFIG_FILE, METRICS_FILE, BLOCKS_FILE, SHARPNESS_FILE)
 
 
 def settled(stamps: list[list[int] | None], taken: int) -> bool:

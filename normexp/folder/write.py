@@ -35,6 +35,7 @@ from normexp.folder.layout import (
     FAILED_FILE,
     METRICS_FILE,
     RUN_DIR_FILES,
+    SHARPNESS_FILE,
     STRAY,
     TOP_FILES,
     VOUCHED_FILES,
@@ -73,6 +74,7 @@ class FinishedRun:
     blocks: dict[str, list[float]] | None = None  # blocks.csv's columns, for a run with train.log_blocks
     stopped_at: int | None = None  # train.stop_when stopped the run after this step (None: it ran every step)
     stop_reason: str | None = None  # train.stop_when's reason, with stopped_at
+    sharpness: dict[str, list[float]] | None = None  # sharpness.csv's columns, for a run with train.log_sharpness
 
 
 def remove_run_folder(run_dir: Path) -> bool:
@@ -197,7 +199,8 @@ def swap_in(staging: Path, run_dir: Path) -> None:
 
 
 def write_run(run_dir: Path, cfg: RunConfig, run: FinishedRun, command: str = "") -> dict[str, Any]:
-    """Write one finished run's folder: config, metrics (and blocks.csv with train.log_blocks), then the
+    """Write one finished run's folder: config, metrics (blocks.csv with train.log_blocks, sharpness.csv
+    with train.log_sharpness: nan and inf as repr() writes them), then the
     done marker that vouches for them. done.json also records what made the run (`provenance`: the
     commit, CPU, torch build) and the sweep's `command` line; neither enters the run id, and a
     done.json without them (written before they were recorded) is as valid as ever.
@@ -215,9 +218,10 @@ def _write_staged(staging: Path, rid: str, cfg: RunConfig, run: FinishedRun, com
     metrics_text = metrics_csv(run.metrics)
     atomic_write(staging / CONFIG_FILE, config_text)
     atomic_write(staging / METRICS_FILE, metrics_text)
-    blocks_text = metrics_csv(run.blocks) if run.blocks is not None else None
-    if blocks_text is not None:
-        atomic_write(staging / BLOCKS_FILE, blocks_text)
+    extra = {name: metrics_csv(columns) for name, columns in ((BLOCKS_FILE, run.blocks),
+                                                               (SHARPNESS_FILE, run.sharpness)) if columns is not None}
+    for name, text in extra.items():
+        atomic_write(staging / name, text)
     done = {
         "run_id": rid,
         "config_hash": config_hash(cfg),
@@ -232,7 +236,7 @@ def _write_staged(staging: Path, rid: str, cfg: RunConfig, run: FinishedRun, com
         "provenance": {**provenance(), "command": command},
         "files": {CONFIG_FILE: file_record(CONFIG_FILE, config_text),
                   METRICS_FILE: file_record(METRICS_FILE, metrics_text),
-                  **({BLOCKS_FILE: file_record(BLOCKS_FILE, blocks_text)} if blocks_text is not None else {})},
+                  **{name: file_record(name, text) for name, text in extra.items()}},
     }
     atomic_write(staging / DONE_FILE, encode_done(done))
     return done

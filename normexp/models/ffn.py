@@ -41,6 +41,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from normexp.config import Init, ModelConfig, NormConfig, mixln_post_count
@@ -49,15 +50,20 @@ from normexp.models.norms import drawing_nothing, make_norm, silence
 from normexp.registry import is_plugin, load_plugin
 
 
-def make_linear(d_in: int, d_out: int, init: Init, gain: float = 1.0, fan_out: int | None = None) -> nn.Linear:
+def make_linear(d_in: int, d_out: int, init: Init, gain: float = 1.0, fan_out: int | None = None,
+                bias: bool = True) -> nn.Linear:
     """nn.Linear with its default init, then re-initialised in place (weights xavier, biases zero). T-Fixup
-    and Fixup draw xavier_uniform too, some with a `gain` or a fused `fan_out` (normexp/models/inits.py)."""
-    linear = nn.Linear(d_in, d_out)
+    and Fixup draw xavier_uniform too, some with a `gain` or a fused `fan_out` (normexp/models/inits.py).
+    `torch_default` keeps the default, and so does `gpt2`, which the Transformer draws after building every
+    layer, in nanoGPT's order (models/transformer.py `gpt2_init`). `bias` False: none (`model.bias`)."""
+    linear = nn.Linear(d_in, d_out, bias=bias)
     if init in ("xavier_uniform", "tfixup", "fixup"):
         xavier_uniform_(linear.weight, gain, fan_out)
-        nn.init.zeros_(linear.bias)
     elif init == "xavier_normal":
         nn.init.xavier_normal_(linear.weight)
+    else:  # torch_default, gpt2
+        return linear
+    if bias:
         nn.init.zeros_(linear.bias)
     return linear
 
@@ -78,15 +84,20 @@ def deepnorm_constants(sublayers: int, cfg: NormConfig) -> tuple[float, float]:
     return alpha, beta
 
 
-class FFN(nn.Module):
-    """The block's branch F(x) = fc2(relu(fc1(x)))."""
+# model.activation: the FFN's nonlinearity (gelu: the exact, erf one, nanoGPT's nn.GELU())
+ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu}
 
-    def __init__(self, fc1: nn.Linear, fc2: nn.Linear) -> None:
+
+class FFN(nn.Module):
+    """The block's branch F(x) = fc2(act(fc1(x))), act ReLU (the article's) or GELU (`model.activation`)."""
+
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, activation: str = "relu") -> None:
         super().__init__()
         self.fc1, self.fc2 = fc1, fc2
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+        return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)))
 
 
 Streams = tuple[torch.Tensor, torch.Tensor]  # ResiDual's (x_a, x_d)
@@ -121,17 +132,18 @@ class FixupFFN(FFN):
     before fc1, before the ReLU and before fc2 (`shift2`, `shift3`, `shift4`), a scalar multiplier after
     fc2 (`scale2`); fc1 and fc2 have no bias (normexp/models/inits.py)."""
 
-    def __init__(self, fc1: nn.Linear, fc2: nn.Linear) -> None:
-        super().__init__(fc1, fc2)
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, activation: str = "relu") -> None:
+        super().__init__(fc1, fc2, activation)
         self.shift_in, self.shift_act, self.shift_out = Shift(), Shift(), Shift()
         self.scale = Scale((), 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale(self.fc2(self.shift_out(torch.relu(self.shift_act(self.fc1(self.shift_in(x)))))))
+        act = ACTIVATIONS[self.activation]
+        return self.scale(self.fc2(self.shift_out(act(self.shift_act(self.fc1(self.shift_in(x)))))))
 
 
-def make_ffn(fc1: nn.Linear, fc2: nn.Linear, init: Init) -> FFN:
-    return FixupFFN(fc1, fc2) if init == FIXUP else FFN(fc1, fc2)
+def make_ffn(fc1: nn.Linear, fc2: nn.Linear, init: Init, activation: str = "relu") -> FFN:
+    return FixupFFN(fc1, fc2, activation) if init == FIXUP else FFN(fc1, fc2, activation)
 
 
 def make_head(head: nn.Linear, init: Init, bias: bool = True) -> nn.Module:

@@ -120,7 +120,8 @@ def rescale_attention(init: str, layers: int, q: nn.Linear, k: nn.Linear, v: nn.
 def zero_head(head: nn.Linear, bias: bool = True) -> None:
     """Fixup's classification layer: weight 0, and its bias 0 (`bias`) or none."""
     head.weight.fill_(0)
-    head.bias.fill_(0)
+    if head.bias is not None:  # model.bias false: built without one
+        head.bias.fill_(0)
     if not bias:
         drop_biases(head)
 

@@ -19,12 +19,16 @@ is computed from the numbers it just measured (nothing in a verdict is written i
 6b. Wortsman et al. 2023's instabilities on the tiny Transformer: qk-norm and the z-loss x Pre / Post /
    Peri-LN x LayerNorm / DyT x lr 1e-4..1, LR sensitivity, attention logits and log Z
    (configs/studies/instabilities.yaml, `train.log_blocks`);
+6c. why warmup rescues Post-LN: warmup, clipping, AGC, T-Fixup, Adam-2k, large epsilon, GI-Adam, both RAdams,
+   Pre-LN as control, across lrs, with sharpness (configs/studies/warmup_explanations.yaml, one sweep per row:
+   explanations.py);
 7. the RMSNorm facts of shared/seeds/001 (`normexp norms props`) and the norm speed table.
 
 Sweeps resume: a second `make studies` only rewrites the report. Verdicts count verified runs only;
 a study with runs missing, failed or corrupt says which under its verdict.
 
-run.py runs them and writes the report; verdicts.py computes the verdicts; figures.py draws the studies'
+run.py runs them and writes the report; verdicts.py computes the verdicts (explanations.py: the
+warmup_explanations study's rows, table, figure and verdict); figures.py draws the studies'
 own figures. The command line is `normexp studies` (normexp/commands/tools.py); __main__.py hands
 `python -m normexp.studies` to it. Nothing is imported here: `python -m normexp.studies` loads this first.
 """

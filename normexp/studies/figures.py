@@ -11,7 +11,7 @@ from normexp.results import Folder, varying_keys
 from normexp.studies.verdicts import flag
 
 BLOCKS_FIGURES = ("fc2_update", "fc2_grad", "stream_rms")
-HEATMAP_LR = 0.1  # the heat maps' learning rate: in the grid and in --quick's, where logits grow without qk-norm
+HEATMAP_LR = 0.1  # the heat maps: the grid's lr nearest this, where logits grow without qk-norm
 
 
 def study_figures(folder: Folder, x_key: str | None = None) -> list[str]:
@@ -43,7 +43,7 @@ def instabilities_figures(folder: Folder) -> list[Path]:
     """final_loss-lr.png: per design (placement across, kind down) the final loss against lr, one line per
     (qk-norm, z-loss), mean over seeds (a diverged run at its loss at init, as the LR sensitivity counts
     it); then the block heat maps of the largest attention logit, the attention entropy and log Z at lr
-    HEATMAP_LR without the z-loss: placements across, kind x qk-norm down."""
+    the grid's lr nearest HEATMAP_LR, the widest width, without the z-loss: placements across, kind x qk-norm down."""
     import matplotlib.pyplot as plt
 
     from normexp.analysis.sensitivity import lr_table
@@ -59,10 +59,13 @@ def instabilities_figures(folder: Folder) -> list[Path]:
                              squeeze=False, sharex=True, sharey=True, layout="constrained")
     for (placement, kind), group in table.groupby(["norm.placement", "norm.kind"], sort=False):
         ax = axes[kinds.index(kind), placements.index(placement)]
-        for (qk, z), line in group.groupby(["model.qk_norm", "train.z_loss"]):
+        widths = sorted(group["model.width"].astype(int).unique())
+        for (qk, z, width), line in group.groupby(["model.qk_norm", "train.z_loss", group["model.width"].astype(int)]):
             mean = line.groupby("optim.lr")["clipped"].mean()
+            shown = f", width {width}" if len(widths) > 1 else ""  # a width axis: one line per width, wider darker
             ax.plot(mean.index, mean.to_numpy(), marker="o", linestyle="-" if qk else "--",
-                    label=f"qk-norm {'on' if qk else 'off'}, z-loss {z:g}")
+                    alpha=0.4 + 0.6 * (widths.index(width) + 1) / len(widths),
+                    label=f"qk-norm {'on' if qk else 'off'}, z-loss {z:g}{shown}")
         ax.set_xscale("log")
         ax.set_title(variant_label({"norm.placement": placement, "norm.kind": kind}))
         ax.set_xlabel("optim.lr")
@@ -75,12 +78,16 @@ def instabilities_figures(folder: Folder) -> list[Path]:
     plt.close(fig)
 
     tidy = folder.blocks(all_config=True)
-    chosen = tidy[(tidy["optim.lr"].astype(float) == HEATMAP_LR) & (tidy["train.z_loss"].astype(float) == 0.0)]
+    lrs = tidy["optim.lr"].astype(float)
+    near = float(lrs.iloc[(lrs - HEATMAP_LR).abs().argmin()])  # the grid's lr nearest HEATMAP_LR
+    widest = tidy["model.width"].astype(int).max()
+    chosen = tidy[(lrs == near) & (tidy["train.z_loss"].astype(float) == 0.0)
+                  & (tidy["model.width"].astype(int) == widest)]
     if chosen.empty:
         return paths
     for metric in ("attn_logit_max", "attn_entropy", "log_z"):
         fig = blocks_figure(chosen.copy(), ["norm.placement", "norm.kind", "model.qk_norm"], metric)
-        fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS[metric]} (lr {HEATMAP_LR:g}, no z-loss)")
+        fig.suptitle(f"per-block dynamics: {BLOCK_METRIC_LABELS[metric]} (lr {near:.3g}, width {widest}, no z-loss)")
         path = folder.path / f"blocks-{metric}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)

@@ -10,11 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from normexp.analysis.sensitivity import build_sensitivity, sensitivity_engines
-from normexp.config import Sweep, load_sweep
+from normexp.config import PACKAGED_CONFIGS, Sweep, load_sweep
 from normexp.executors import usable_cores
 from normexp.folder import StoreError, lock_owner
 from normexp.report import build_report, to_markdown
-from normexp.results import load_folder, missing_note
+from normexp.results import Folder, load_folder, missing_note
+from normexp.studies.explanations import (
+    explanations_table,
+    explanations_verdict,
+    final_loss_by_row,
+    row_specs,
+)
 from normexp.studies.figures import study_figures
 from normexp.studies.verdicts import (
     article_verdict,
@@ -32,7 +38,7 @@ from normexp.studies.verdicts import (
 from normexp.sweep import SweepOptions, refuse_another_sweep, run_sweep
 from normexp.tables import gradnorm_to_markdown, properties_to_markdown, sensitivity_to_markdown, speed_to_markdown
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # package data: a checkout's configs/ links here
+CONFIGS = PACKAGED_CONFIGS
 
 # The speed table's big shape: the article's hidden size 4096 over 8 x 512 tokens (its (64, 512, 4096)
 # takes 8x longer; `normexp norms bench` and `make bench` time that one).
@@ -40,16 +46,43 @@ SPEED_SHAPE = (8, 512, 4096)
 # Workers for the studies' sweeps: one per usable core, at most 8 (each holds torch and a batch of up
 # to ~1 GiB; the studies have ~10-100 batches each, so more would wait anyway).
 MAX_STUDY_WORKERS = 8
+EXPLANATIONS = "warmup_explanations"  # several sweeps, one per row (studies/explanations.py)
 FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
 
 
 # --quick per study where 2 seeds of the whole grid would still take minutes (default: seeds 0 and 1)
-QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "optim.lr=0.001,0.01,0.1,1.0"]}
+# instabilities: seed 0, LayerNorm designs, z-loss off, 4 lrs over the paper's range 3e-4..3e-1, every width
+QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "norm.kind=layernorm", "train.z_loss=0.0",
+                                              "optim.lr=0.0003,0.003,0.03,0.3"]}
+
+
+def _config(name: str) -> Path:
+    return CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
 
 
 def _spec(name: str, quick: bool) -> Sweep:
-    config = CONFIGS / ("warmup.yaml" if name == "warmup" else f"studies/{name}.yaml")
-    return load_sweep(config, QUICK_SETS.get(name, ["seeds=0,1"]) if quick else [])
+    return load_sweep(_config(name), QUICK_SETS.get(name, ["seeds=0,1"]) if quick else [])
+
+
+def _explanations(out: Path, quick: bool) -> tuple[Folder, int, list[str], str]:
+    """warmup_explanations: each row's sweep into OUT/warmup_explanations/<row> (studies/explanations.py),
+    read as one folder; its figures (final loss per row and lr, sharpness against its thresholds) and
+    table."""
+    from normexp.compare import load_folders
+    from normexp.figures import save_sharpness_plot
+    from normexp.studies.verdicts import _judged
+
+    resumed = 0
+    rows = row_specs(_config(EXPLANATIONS), quick)
+    for row, spec in rows.items():
+        resumed += _sweep(row, spec, out / EXPLANATIONS)[1]
+    run_dir = out / EXPLANATIONS
+    folder = load_folders([run_dir / row for row in rows])
+    summary = _judged(folder)
+    paths = [final_loss_by_row(summary, run_dir / "final_loss.png", folder.trained_rule())]
+    if folder.has_sharpness():
+        paths.append(save_sharpness_plot(folder, run_dir / "sharpness.png", ["sweep", "optim.lr"]))
+    return folder, resumed, [str(p.relative_to(out)) for p in paths], explanations_table(summary)
 
 
 def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
@@ -96,6 +129,12 @@ STUDIES = (
           "Wortsman et al. 2023 at toy scale: do qk-norm and the z-loss lower the learning-rate sensitivity of a "
           "4-layer causal Transformer, Pre / Post / Peri-LN, LayerNorm or DyT, and do its attention logits and "
           "output log Z grow at high learning rates as theirs did?", instabilities_verdict),
+    Study(EXPLANATIONS, "why warmup rescues Post-LN: warmup, clipping, AGC, T-Fixup, Adam's variance, sharpness",
+          "Post-LN without warmup on the article's toy: which of warmup, clipping (norm 1), AGC (0.01), T-Fixup "
+          "without norm, Adam-2k (k = 3, 10% of the steps), a large epsilon (1e-3), GI-Adam and both RAdam "
+          "variants rescue it, at which lr; and does warmup's rescue keep the sharpness under its "
+          "edge-of-stability threshold while the failing runs cross it? (Pre-LN: the control)",
+          explanations_verdict),
     Study("gradnorm", "Xiong et al. at init: the last block's gradient and hidden-state norms against depth",
           "Xiong et al. at initialisation: how does the last block's gradient scale with depth, and how do "
           "hidden-state norms grow?"),
@@ -103,6 +142,18 @@ STUDIES = (
           "The RMSNorm facts of shared/seeds/001, measured here; and LayerNorm vs RMSNorm speed"),
 )
 NAMES = tuple(study.name for study in STUDIES)
+
+
+def _what_mattered(folder) -> str:
+    """The study's "what mattered" table (the ANOVA of its final metric on its axes), or why it has none."""
+    from normexp.analysis.anova import what_mattered
+    from normexp.results import ResultsError
+    from normexp.tables import anova_to_markdown
+
+    try:
+        return anova_to_markdown(what_mattered(folder, only_last=True))
+    except ResultsError as exc:
+        return f"What mattered: not computed ({exc}).\n"
 
 
 def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print,
@@ -123,28 +174,36 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     sections, times = [], {}
     studies = [study for study in chosen if study.verdict is not None]  # the sweeps
     specs = {study.name: _spec(study.name, quick) for study in studies}
-    for name, spec in specs.items():  # before anything trains, not after the studies before it
-        refuse_another_sweep(out / name, spec, remedy="choose another --out")
-        owner = lock_owner(out / name)
+    checked = [(out / name, spec) for name, spec in specs.items() if name != EXPLANATIONS]
+    if EXPLANATIONS in specs:
+        checked += [(out / EXPLANATIONS / row, spec) for row, spec in row_specs(_config(EXPLANATIONS), quick).items()]
+    for path, spec in checked:  # before anything trains, not after the studies before it
+        refuse_another_sweep(path, spec, remedy="choose another --out")
+        owner = lock_owner(path)
         if owner is not None:
-            raise StoreError(f"{out / name}: another sweep is writing here ({owner}); wait for it, or choose "
+            raise StoreError(f"{path}: another sweep is writing here ({owner}); wait for it, or choose "
                              "another --out")
     for study in studies:
         name = study.name
         log(f"study {name} ...")
         start = time.perf_counter()
-        run_dir, resumed = _sweep(name, specs[name], out)
-        folder = load_folder(run_dir)  # read and verified once for the study's table, figures and verdict
-        figures = study_figures(folder, study.x_key)
+        if name == EXPLANATIONS:
+            folder, resumed, figures, table = _explanations(out, quick)
+            run_dir = out / name
+        else:
+            run_dir, resumed = _sweep(name, specs[name], out)
+            folder = load_folder(run_dir)  # read and verified once for the study's table, figures and verdict
+            figures = study_figures(folder, study.x_key)
         sensitivity = (sensitivity_to_markdown(build_sensitivity(folder), sensitivity_engines(folder))
                        if name.startswith("lr_") or name == "instabilities" else "")
-        table = (sensitivity if name in ("lr_sensitivity", "instabilities")
+        table = (table if name == EXPLANATIONS else sensitivity if name in ("lr_sensitivity", "instabilities")
                  else to_markdown(build_report(folder, only_last=True)))
         if name == "lr_warmup":
             from normexp.report import build_pivot, pivot_to_markdown
 
             table += "\n" + pivot_to_markdown(build_pivot(folder, "optim.lr", "schedule.warmup_steps"))
             table += "\n" + sensitivity
+        table += "\n" + _what_mattered(folder)
         note = missing_note(folder.latest, run_dir)
         verdict_text = study.verdict(folder) + (f" {note}." if note else "")
         times[name] = time.perf_counter() - start
@@ -182,7 +241,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
               f"Total {total / 60:.1f} min on {usable_cores()} cores.\n")
     report.write_text(header + "\n".join(sections))
     log(f"wrote {report}")
-    from normexp.htmlpage import markdown_page  # the same report as one page to send: figures inline
+    from normexp.page import markdown_page  # the same report as one page to send: figures inline
 
     page = out / "REPORT.html"
     page.write_text(markdown_page(report.read_text(), out), encoding="utf-8")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from normexp.analysis.sensitivity import build_sensitivity
+from normexp.analysis.sensitivity import CANNOT_TELL, ArmChange, Sensitivity, arm_change, build_sensitivity, judge
 from normexp.analysis.variants import PLACEMENT_LABELS, is_trained, n_choices, thresholds, variant_groups, variant_label
 from normexp.report import build_report
 from normexp.results import Folder, as_folder, finished_runs
@@ -297,7 +297,12 @@ def blocks_verdict(source: Path | Folder) -> str:
 # this: e^50 between two logits makes a softmax one-hot (Wortsman et al.'s attention-entropy collapse); at
 # init they are O(1) here (a norm's output through xavier q, k: about 3), and DyT's far smaller
 LOGIT_LIMIT = 50.0
+# ... and has grown there to at least this many times its step-0 value (seeds' mean): a logit that is
+# large from init, or a run that fails before its logits move, shows no growth
+LOGIT_GROWTH = 2.0
 INSTABILITY_KEYS = ("norm.placement", "norm.kind", "model.qk_norm", "train.z_loss")
+WIDTH_KEY = "model.width"
+PAPER_LRS = (3e-4, 3e-1)  # Wortsman et al.'s LR sensitivity range
 
 
 def flag(value: object) -> bool:
@@ -316,69 +321,150 @@ def instability_runs(source: Path | Folder) -> pd.DataFrame:
     finite = per_step[per_step.map(math.isfinite).all(axis=1)].reset_index()
     first = finite.sort_values("step").groupby("run_id").head(1).set_index("run_id")
     peak = finite.groupby("run_id")[["attn_logit_max", "log_z"]].max()
-    keys = tidy.groupby("run_id", sort=False)[[*INSTABILITY_KEYS, "optim.lr", "seed"]].first()
+    keys = tidy.groupby("run_id", sort=False)[[*INSTABILITY_KEYS, WIDTH_KEY, "optim.lr", "seed"]].first()
     runs = keys.join(peak).join(first[["attn_logit_max"]].rename(columns={"attn_logit_max": "logit0"}))
     runs["model.qk_norm"] = runs["model.qk_norm"].map(flag)
     runs["train.z_loss"] = runs["train.z_loss"].astype(float)
+    runs[WIDTH_KEY] = runs[WIDTH_KEY].astype(float).astype(int)
     runs["optim.lr"] = runs["optim.lr"].astype(float)
     runs["growth"] = runs["attn_logit_max"] / runs["logit0"]
     return runs.rename(columns={"log_z": "log_z_peak", "attn_logit_max": "logit_peak"}).reset_index()
 
 
-def _compare(before, after) -> str:
-    """'lowers', 'raises' or 'leaves within noise' the sensitivity, from `before` to `after` (Sensitivity
-    rows; noise: the larger of their seed spreads, 0 with one seed)."""
-    noise = max(_finite(before.spread), _finite(after.spread))
-    delta = after.sensitivity - before.sensitivity
-    return "lowers" if delta < -noise else "raises" if delta > noise else "leaves within noise"
+def grown_lrs(cells: pd.DataFrame) -> list[float]:
+    """The lrs (`cells`' index) where the attention logits grow: the seeds' mean largest logit reaches
+    LOGIT_LIMIT and the seeds' mean growth over step 0 is at least LOGIT_GROWTH."""
+    return [float(lr) for lr, row in cells.iterrows()
+            if row["logit_peak"] >= LOGIT_LIMIT and row["growth"] >= LOGIT_GROWTH]
+
+
+def _says(change: ArmChange, what: str, verb: str = "moves") -> str:
+    """'qk-norm lowers its LR sensitivity (...)': both readings, the judgement on the shared one."""
+    (s0, s1), (o0, o1) = change.shared, change.own
+    if change.effect == CANNOT_TELL:
+        head = f"{verb} {what} (one seed: cannot tell whether beyond the seed spread)"
+    else:
+        head = f"{change.effect} {what}"
+    text = (f"{head}: {s0:.3f} -> {s1:.3f} against the best loss of both arms; {o0:.3f} -> {o1:.3f} against "
+            f"each arm's own best (the paper's formula)")
+    if CANNOT_TELL not in (change.effect, change.own_effect) and change.own_effect != change.effect:
+        text += (f", which alone would say it {change.own_effect.replace('leaves', 'leaves it')}, because the best "
+                 f"loss itself moves {change.best[0]:.3f} -> {change.best[1]:.3f}")
+    return text
+
+
+def width_trend(by_width: dict[int, Sensitivity]) -> str:
+    """'grows', 'shrinks', 'stays flat' (narrowest to widest, against the larger seed spread) or CANNOT_TELL
+    (one seed, or under 2 widths with a sensitivity)."""
+    rows = [by_width[w] for w in sorted(by_width) if not math.isnan(by_width[w].sensitivity)]
+    if len(rows) < 2:
+        return CANNOT_TELL
+    spreads = [r.spread for r in rows if math.isfinite(r.spread)]
+    effect = judge(rows[0].sensitivity, rows[-1].sensitivity, max(spreads) if spreads else math.nan,
+                   min(r.seeds for r in rows))
+    return {"lowers": "shrinks", "raises": "grows", "leaves within noise": "stays flat"}.get(effect, effect)
+
+
+def _limits(runs: pd.DataFrame, widths: list[int]) -> str:
+    """What this grid cannot conclude: one seed, under 3 widths, an lr range short of the paper's."""
+    cannot = []
+    if runs["seed"].nunique() < 2:
+        cannot.append("whether any change is beyond the seed spread (one seed; the full study has 2)")
+    if len(widths) < 3:
+        cannot.append(f"how the LR sensitivity moves with width ({len(widths)} width{'s' if len(widths) > 1 else ''}; "
+                      "the paper's claim needs at least 3)")
+    lo, hi = float(runs["optim.lr"].min()), float(runs["optim.lr"].max())
+    if lo > PAPER_LRS[0] * 1.05 or hi < PAPER_LRS[1] * 0.95:
+        cannot.append(f"the sensitivity over the paper's lr range {PAPER_LRS[0]:g}..{PAPER_LRS[1]:g} "
+                      f"(this grid: {lo:g}..{hi:g})")
+    return f" This grid cannot conclude {'; nor '.join(cannot)}." if cannot else ""
 
 
 def instabilities_verdict(source: Path | Folder) -> str:
-    """Per design (placement x kind): where its attention logits grow without qk-norm, and what qk-norm
-    does to its LR sensitivity; then the z-loss's effect on sensitivity and on log Z; then whether the
-    paper's two trends show here."""
+    """Per design (placement x kind), at the widest width: where its attention logits grow without qk-norm,
+    and what qk-norm does to its LR sensitivity; then the z-loss's effect on sensitivity and on log Z; then,
+    with a width axis, how the sensitivity moves with width without and with qk-norm (the paper's claim);
+    then what the grid cannot conclude. Changes are scored against the best loss of both arms, the paper's
+    own-best reading given alongside (normexp/analysis/sensitivity.py, `arm_change`)."""
     folder = as_folder(source)
     runs = instability_runs(folder)
     fixed = runs.iloc[0]  # a key the grid does not vary: its one value
     sens = {}
     for row in build_sensitivity(folder):
-        v = {key: row.values.get(key, fixed[key]) for key in INSTABILITY_KEYS}
-        sens[(v["norm.placement"], v["norm.kind"], flag(v["model.qk_norm"]), float(v["train.z_loss"]))] = row
-    seeds = runs["seed"].nunique()
+        v = {key: row.values.get(key, fixed[key]) for key in (*INSTABILITY_KEYS, WIDTH_KEY)}
+        sens[(v["norm.placement"], v["norm.kind"], flag(v["model.qk_norm"]), float(v["train.z_loss"]),
+              int(float(v[WIDTH_KEY])))] = row
     summary = _finished_summary(folder)
     threshold = float(thresholds(summary, folder.trained_rule()).iloc[0])  # the folder's trained rule
-    cells = runs.groupby([*INSTABILITY_KEYS, "optim.lr"])[["logit_peak", "log_z_peak"]].mean()
-    designs = list(dict.fromkeys((p, k) for p, k, _, _ in sens))
-    z_on = max((z for *_, z in sens), default=0.0)
-    parts, grows, helped = [], [], []
+    diverged = int((summary["status"] == "diverged").sum())
+    return instabilities_text(runs, sens, threshold, diverged)
+
+
+def _peak_text(value: float) -> str:
+    """A logit peak as the verdict prints it: 3 significant digits, more where those would round it across
+    LOGIT_LIMIT (49.96 is not printed "50" beside "grows to 50 at no lr")."""
+    text = f"{value:.3g}"
+    if math.isfinite(value) and (float(text) >= LOGIT_LIMIT) != (value >= LOGIT_LIMIT):
+        text = repr(float(value))
+    return text
+
+
+def instabilities_text(runs: pd.DataFrame, sens: dict, threshold: float, diverged: int) -> str:
+    """The instabilities verdict from its inputs: `runs` (instability_runs' rows), `sens` (Sensitivity rows
+    keyed by (placement, kind, qk_norm, z_loss, width)), the folder's trained threshold and its diverged
+    count. Every sentence follows from the numbers printed beside it."""
+    seeds = runs["seed"].nunique()
+    cells = runs.groupby([*INSTABILITY_KEYS, WIDTH_KEY, "optim.lr"])[["logit_peak", "log_z_peak", "growth"]].mean()
+    widths = sorted({w for *_, w in sens})
+    wide = widths[-1]
+    designs = list(dict.fromkeys((p, k) for p, k, *_ in sens))
+    z_on = max((z for _, _, _, z, _ in sens), default=0.0)
+    at = f" at width {wide}" if len(widths) > 1 else ""
+    parts, grows, helped, reached, untallied = [], [], [], [], []
     for placement, kind in designs:
         label = variant_label({"norm.placement": placement, "norm.kind": kind})
-        off, on = sens.get((placement, kind, False, 0.0)), sens.get((placement, kind, True, 0.0))
+        off, on = sens.get((placement, kind, False, 0.0, wide)), sens.get((placement, kind, True, 0.0, wide))
+        key = (placement, kind, False, 0.0, wide)
+        design_cells = cells.loc[key] if key in cells.index.droplevel("optim.lr") else cells.iloc[:0]
+        grown = grown_lrs(design_cells)
+        if grown:
+            reached.append(label)
+        by_lr = ", ".join(_peak_text(p) for p in design_cells["logit_peak"])
         if off is None or on is None or math.isnan(off.sensitivity) or math.isnan(on.sensitivity):
-            parts.append(f"{label}: no LR sensitivity with and without qk-norm (an lr has no finished run)")
+            parts.append(f"{label}{at}: no LR sensitivity with and without qk-norm (an lr has no finished run)"
+                         + (f"; without qk-norm its largest attention logit peaks at {by_lr} over the lrs"
+                            if by_lr else ""))
+            if grown:
+                untallied.append(label)
             continue
-        peak = cells.loc[(placement, kind, False, 0.0), "logit_peak"]
-        grown = [lr for lr, g in peak.items() if g >= LOGIT_LIMIT]
-        qk_peak = cells.loc[(placement, kind, True, 0.0), "logit_peak"]
-        effect = _compare(off, on)
-        where = (f"at least {LOGIT_LIMIT:g} from lr {min(grown):g} up" if grown
-                 else f"under {LOGIT_LIMIT:g} at every lr")
-        by_lr = ", ".join(f"{p:.3g}" for p in peak)
-        text = (f"{label}: without qk-norm its largest attention logit peaks at {by_lr} over the lrs ({where}); "
-                f"with qk-norm at {', '.join(f'{p:.3g}' for p in qk_peak)}; qk-norm {effect} its LR sensitivity "
-                f"({off.sensitivity:.3f} -> {on.sensitivity:.3f})")
-        parts.append(text)
+        qk_peak = cells.loc[(placement, kind, True, 0.0, wide), "logit_peak"]
+        change = arm_change(off, on)
+        where = (f"at least {LOGIT_LIMIT:g} and {LOGIT_GROWTH:g}x its step-0 value at lr "
+                 f"{', '.join(f'{lr:g}' for lr in grown)}" if grown
+                 else f"it grows to {LOGIT_LIMIT:g} at no lr")
+        parts.append(f"{label}{at}: without qk-norm its largest attention logit peaks at {by_lr} over the lrs "
+                     f"({where}); with qk-norm at {', '.join(_peak_text(p) for p in qk_peak)}; qk-norm "
+                     + _says(change, "its LR sensitivity"))
         if min(off.best_loss, on.best_loss) >= threshold:  # a design that never trains: its sensitivity is no evidence
             parts[-1] += (f" (it trains at no lr of the grid, l* {min(off.best_loss, on.best_loss):.2f}: a design "
                           "that never trains, left out of the tally below)")
+            if grown:
+                untallied.append(label)
             continue
         if grown:
             grows.append(label)
-            if effect == "lowers":
+            if change.effect == "lowers":
                 helped.append(label)
-    if not grows:
-        qk = (f"No design's attention logits reach {LOGIT_LIMIT:g} at any learning rate here: the toy does not "
-              "reach the regime of the paper's attention-logit growth, so it cannot test qk-norm's fix")
+    if not reached:
+        qk = (f"No design's attention logits grow to {LOGIT_LIMIT:g} (and {LOGIT_GROWTH:g}x their step-0 value) "
+              "at any learning rate here: the toy does not reach the regime of the paper's attention-logit growth, "
+              "so it cannot test qk-norm's fix")
+    elif not grows:
+        qk = (f"The attention logits grow to {LOGIT_LIMIT:g} in {', '.join(reached)}, but only in designs that "
+              "never train or lack an LR sensitivity here, so this grid cannot test qk-norm's fix")
+    elif seeds < 2:
+        qk = (f"Where the attention logits grow ({', '.join(grows)}), one seed cannot tell whether qk-norm's change "
+              "in LR sensitivity is beyond the seed spread: the paper's trend is neither confirmed nor refuted here")
     elif len(helped) == len(grows):
         qk = (f"Where the attention logits grow ({', '.join(grows)}), qk-norm lowers the LR sensitivity in every "
               "design: the paper's trend reproduces here")
@@ -392,36 +478,62 @@ def instabilities_verdict(source: Path | Folder) -> str:
     top = float(runs["optim.lr"].max())
     for placement, kind in designs:
         label = variant_label({"norm.placement": placement, "norm.kind": kind})
-        without, with_z = sens.get((placement, kind, False, 0.0)), sens.get((placement, kind, False, z_on))
+        without, with_z = sens.get((placement, kind, False, 0.0, wide)), sens.get((placement, kind, False, z_on, wide))
         if z_on == 0.0 or without is None or with_z is None or math.isnan(without.sensitivity) \
                 or math.isnan(with_z.sensitivity):
             continue
-        effect = _compare(without, with_z)
-        peak_off = cells.loc[(placement, kind, False, 0.0, top), "log_z_peak"]
-        peak_on = cells.loc[(placement, kind, False, z_on, top), "log_z_peak"]
-        z_parts.append(f"{label} {without.sensitivity:.3f} -> {with_z.sensitivity:.3f} ({effect}; peak |log Z| at "
-                       f"lr {top:g} {peak_off:.1f} -> {peak_on:.1f})")
-        if effect != "leaves within noise":
+        change = arm_change(without, with_z)
+        peak_off = cells.loc[(placement, kind, False, 0.0, wide, top), "log_z_peak"]
+        peak_on = cells.loc[(placement, kind, False, z_on, wide, top), "log_z_peak"]
+        z_parts.append(f"{label} {_says(change, 'it')} (peak |log Z| at lr {top:g} {peak_off:.1f} -> {peak_on:.1f})")
+        if change.effect in ("lowers", "raises"):
             z_changed.append(label)
         if peak_on < 0.9 * peak_off:
             z_tamed.append(label)
     if z_parts:
-        z_text = (f"The z-loss ({z_on:g}, without qk-norm) moves the LR sensitivity thus: {'; '.join(z_parts)}. "
-                  + (f"It moves the sensitivity beyond the seed spread for {', '.join(z_changed)}"
-                     + (" (one seed: beyond zero, with no spread to judge it by)" if seeds < 2 else "")
-                     if z_changed else "It moves no design's sensitivity beyond the seed spread: at these sizes "
-                     "the z-loss does not matter for the loss, as the paper expects of models without output-logit "
-                     "divergence")
+        moved = (f"It moves the sensitivity beyond the seed spread for {', '.join(z_changed)}" if z_changed else
+                 "With one seed it cannot tell whether the z-loss moves any design's sensitivity beyond the seed "
+                 "spread" if seeds < 2 else
+                 "It moves no design's sensitivity beyond the seed spread: at these sizes the z-loss does not "
+                 "matter for the loss, as the paper expects of models without output-logit divergence")
+        z_text = (f"The z-loss ({z_on:g}, without qk-norm{at}): {'; '.join(z_parts)}. {moved}"
                   + (f"; it keeps log Z nearer 0 (peak |log Z| at least 10% lower) for {', '.join(z_tamed)}."
                      if z_tamed else "; it does not lower the peak |log Z| by 10% for any design."))
     else:
         z_text = "The grid has no z-loss axis, or no sensitivity to compare it on."
-    if seeds < 2:
-        qk += " (one seed: no change is judged against seed noise)"
-    diverged = int((summary["status"] == "diverged").sum())
-    return (". ".join(parts) + f". {qk}. {z_text} ({len(runs)} runs, {seeds} seed{'s' if seeds > 1 else ''} per "
-            f"cell, {diverged} diverged: a diverged run counts at its loss at init in the sensitivity, and "
-            "up to its last finite logged step in the logit peaks.)")
+    width_text = _width_text(sens, designs, widths) if len(widths) > 1 else ""
+    if grows and untallied:
+        qk += (f" (the logits also grow to {LOGIT_LIMIT:g} in {', '.join(untallied)}, left out: a design that "
+               "never trains or has no LR sensitivity to judge)")
+    return (". ".join(parts) + f". {qk}. {z_text}{width_text} ({len(runs)} runs, "
+            f"{seeds} seed{'s' if seeds > 1 else ''} per cell, {diverged} diverged: a diverged run counts at its "
+            "loss at init in the sensitivity, and up to its last finite logged step in the logit peaks. Each "
+            "qk-norm and z-loss change is judged on "
+            "the sensitivities scored against the best loss of both arms, so that an arm is not called more "
+            "sensitive for reaching a lower loss; each arm against its own best, the paper's formula for one "
+            "arm, is given alongside.)" + _limits(runs, widths))
+
+
+def _width_text(sens: dict, designs: list, widths: list[int]) -> str:
+    """The paper's claim across widths: without qk-norm the LR sensitivity grows with width, with it it stays
+    flat (each arm against its own best, the paper's formula, z-loss off)."""
+    parts, holds, judged = [], [], 0
+    for placement, kind in designs:
+        label = variant_label({"norm.placement": placement, "norm.kind": kind})
+        arms = {qk: {w: sens[(placement, kind, qk, 0.0, w)] for w in widths if (placement, kind, qk, 0.0, w) in sens}
+                for qk in (False, True)}
+        trends = {qk: width_trend(arms[qk]) for qk in arms}
+        shown = {qk: ", ".join(f"{arms[qk][w].sensitivity:.3f}" for w in sorted(arms[qk])) for qk in arms}
+        parts.append(f"{label} without qk-norm {shown[False]} ({trends[False]}), with {shown[True]} ({trends[True]})")
+        if CANNOT_TELL not in trends.values():
+            judged += 1
+            if trends[False] == "grows" and trends[True] in ("stays flat", "shrinks"):
+                holds.append(label)
+    claim = ("one seed cannot tell whether any trend is beyond the seed spread" if not judged else
+             f"the paper's claim (grows without qk-norm, stays flat with it) holds for {', '.join(holds)}"
+             if holds else "the paper's claim (grows without qk-norm, stays flat with it) holds for no design")
+    return (f" Across widths {', '.join(map(str, widths))} (LR sensitivity, each arm against its own best, z-loss "
+            f"off): {'; '.join(parts)}: {claim}.")
 
 
 LEMMA_TOLERANCE = 0.25  # a measured branch energy c within 25% of the computed one: Lemma 2 holds in form

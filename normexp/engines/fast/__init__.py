@@ -53,12 +53,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from normexp.engines.fast.plan import COMPILED_CHUNK, MAX_CHUNK, compile_choice, fast_key, fast_serves, plan_fast
+from normexp.engines.fast.plan import (
+    COMPILED_CHUNK,
+    MAX_CHUNK,
+    compile_choice,
+    fast_key,
+    fast_serves,
+    fast_unserved,
+    plan_fast,
+)
 
 if TYPE_CHECKING:
     from normexp.engines.fast.train import train_fast
 
-__all__ = ["COMPILED_CHUNK", "MAX_CHUNK", "compile_choice", "fast_key", "fast_serves", "plan_fast", "train_fast"]
+__all__ = ["COMPILED_CHUNK", "MAX_CHUNK", "compile_choice", "fast_key", "fast_serves", "fast_unserved", "plan_fast",
+           "train_fast"]
 
 
 def __getattr__(name: str) -> Any:

@@ -107,7 +107,17 @@ def kept_steps() -> dict[tuple, Callable | None]:
 def compiled_structure(cfg: RunConfig) -> tuple:
     """What one compiled step serves (with the device): the model, norm, data, z-loss, and whether the Adam
     update is inside it. A step that fails to compile is refused for exactly this (`train_fast`)."""
-    return (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, cfg.optim.name in FUSED_OPTIMIZERS)
+    return (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, fuses(cfg))
+
+
+def fuses(cfg: RunConfig) -> bool:
+    """Whether the compiled step of `cfg`'s runs carries their update (`adam_update`): Adam and AdamW
+    (optim.independent_weight_decay is a number of `adam_hypers`), not with a control that acts between the
+    gradient and the update or changes the update's form (optim.clip_norm, optim.agc, optim.v_only_steps,
+    optim.v0: the compiled gradient step, then `FastOptimizer`)."""
+    optim = cfg.optim
+    return (optim.name in FUSED_OPTIMIZERS and optim.clip_norm is None and optim.agc is None
+            and optim.v_only_steps == 0 and optim.v0 == "zero")
 
 
 def _step_key(cfg: RunConfig, batch: Batch) -> tuple:
@@ -141,7 +151,7 @@ def compiled_step(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Ba
     is part of it, its numbers for each update made from `schedule` (each step's learning rates, `train._train`'s),
     a stretch of updates ahead; `base` makes the batch's model, which a step not compiled yet traces. Compile errors,
     and a compiled step that does not reproduce the eager one, surface at the first call."""
-    fused = cfg.optim.name in FUSED_OPTIMIZERS
+    fused = fuses(cfg)
     key = _step_key(cfg, batch)
     if key not in _COMPILED:
         compile_cache_dir()

@@ -11,6 +11,7 @@ from typing import TypeVar
 import torch
 
 from normexp.config import OptimConfig
+from normexp.optim import adaptive_clip_, clip_grad_norms_, decoupled_rate
 
 MAX_STRETCHES = 16  # Adam: more stretches of equal learning rates than this, and a scratch pass is cheaper
 AHEAD = 64  # steps whose learning rates (and compiled Adam numbers) a batch makes at once: `MadeAhead`
@@ -53,12 +54,29 @@ class FastOptimizer:
     would be short (more than MAX_STRETCHES), it instead runs once per stretch of equal betas and eps
     with learning rate 1, writing the update direction -m_hat / (sqrt(v_hat) + eps) into a scratch
     tensor, and each run's learning rate multiplies that afterwards. Weight decay is applied outside
-    the kernel (L2 into the gradient, or AdamW's decoupled shrink). State starts at zero, which equals
-    torch's first-step initialisation. A frozen run (`live` False) gets a zero gradient and a zero
-    learning rate: its parameters stay as they are."""
+    the kernel (L2 into the gradient, or AdamW's decoupled shrink, at `decoupled_rate`: per run
+    optim.independent_weight_decay). State starts at zero, which equals torch's first-step
+    initialisation. A frozen run (`live` False) gets a zero gradient and a zero learning rate: its
+    parameters stay as they are.
 
-    def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor]) -> None:
+    The controls of normexp/optim.py, as the exact engines apply them: optim.clip_norm clips each run's
+    gradients by its own global norm and threshold (`clip_grad_norms_`) before the update (a batch's runs
+    all clip or none: `fast_key`), optim.agc each run's units by its own factor and eps (`adaptive_clip_`;
+    `agc_units` are the reference model's units of each parameter, in `params`' order); Adam's
+    optim.v_only_steps k (Adam-2k: updates 1..k move the second moment only, while the step count, hence
+    both bias corrections, advances) and optim.v0 grad_sq (GI-Adam: the second moment starts at the first
+    update's gradient squared), both shared by a batch; RAdam's optim.radam_variant official (the authors'
+    radam.py, `OfficialRAdam`: no update at all while rho_t < 5, decay decoupled and only with an update)."""
+
+    def __init__(self, name: str, optims: Sequence[OptimConfig], params: list[torch.Tensor],
+                 agc_units: Sequence[int | str | None] | None = None) -> None:
         self.name, self.optims, self.params, self.t = name, list(optims), params, 0
+        self.clip_norms = [o.clip_norm for o in optims] if optims[0].clip_norm is not None else None
+        self.agc_units = agc_units if optims[0].agc is not None else None
+        if optims[0].agc is not None and agc_units is None:
+            raise ValueError("optim.agc: FastOptimizer needs each parameter's unit (agc_units)")
+        self.v_only_steps, self.v0 = optims[0].v_only_steps, optims[0].v0  # a batch shares them: `fast_key`
+        self.official = name == "radam" and optims[0].radam_variant == "official"  # and this
         self.decay = any(o.weight_decay != 0 for o in optims)  # torch skips weight decay at 0
         self.kernel_hypers = [(tuple(o.betas), o.eps) for o in optims]  # what the fused kernel takes as one
         slots = ("momentum",) if name == "sgd" else ("exp_avg", "exp_avg_sq")
@@ -66,20 +84,30 @@ class FastOptimizer:
         self.direction: list[torch.Tensor] | None = None  # Adam's scratch, made when first needed
         self._step = torch.zeros((), dtype=torch.float32, device=params[0].device)  # the fused kernel's t
 
+    def values(self, values: Sequence[float]) -> torch.Tensor:
+        """Per-run values as one float32 (R,) tensor on the parameters' device."""
+        return torch.tensor(values, dtype=torch.float32, device=self._step.device)
+
     def per_run(self, values: Sequence[float]) -> list[torch.Tensor]:
         """(R,) values as one (R, 1, ...) view per parameter."""
-        tensor = torch.tensor(values, dtype=torch.float32, device=self._step.device)
+        tensor = self.values(values)
         return [tensor.view(-1, *([1] * (p.dim() - 1))) for p in self.params]
 
     def step(self, grads: list[torch.Tensor], lrs: Sequence[float], live: Sequence[bool]) -> None:
         """One update: run r steps with learning rate lrs[r] if live[r]."""
         self.t += 1
+        if self.clip_norms is not None:  # before the frozen runs' gradients are zeroed: each run's own norm
+            with torch.no_grad():
+                clip_grad_norms_(grads, run_norms(grads), self.clip_norms)
+        if self.agc_units is not None:
+            adaptive_clip_(self.params, grads, self.agc_units, self.values([o.agc for o in self.optims]),
+                           self.values([o.agc_eps for o in self.optims]))
         if not all(live):
             alive = self.per_run([float(a) for a in live])
             grads = [torch.where(a > 0, g, 0.0) for g, a in zip(grads, alive)]
             lrs = [lr if a else 0.0 for lr, a in zip(lrs, live)]
         with torch.no_grad():
-            if self.decay and self.name != "adamw":  # L2: grad + weight_decay * param
+            if self.decay and self.name != "adamw" and not self.official:  # L2: grad + weight_decay * param
                 torch._foreach_addcmul_(grads, self.params, self.per_run([o.weight_decay for o in self.optims]))
             if self.name in ("adam", "adamw"):
                 self._adam(grads, lrs)
@@ -89,8 +117,18 @@ class FastOptimizer:
                 self._sgd(grads, lrs)
 
     def _adam(self, grads: list[torch.Tensor], lrs: Sequence[float]) -> None:
-        if self.decay and self.name == "adamw":  # decoupled: param * (1 - lr * weight_decay)
-            torch._foreach_mul_(self.params, self.per_run([1 - lr * o.weight_decay for lr, o in zip(lrs, self.optims)]))
+        exp_avg_sq = self.state["exp_avg_sq"]
+        if self.t == 1 and self.v0 == "grad_sq":  # GI-Adam: v0 = g0^2, so the first update's v is g0^2 too
+            for v, grad in zip(exp_avg_sq, grads):
+                v.copy_(grad * grad)
+        if self.t <= self.v_only_steps:  # Adam-2k's frozen update: v = beta2 v + (1 - beta2) g^2, nothing else
+            torch._foreach_mul_(exp_avg_sq, self.per_run([o.betas[1] for o in self.optims]))
+            weighted = torch._foreach_mul(grads, self.per_run([1 - o.betas[1] for o in self.optims]))
+            torch._foreach_addcmul_(exp_avg_sq, weighted, grads)
+            return
+        if self.decay and self.name == "adamw":  # decoupled: param * (1 - lr * weight_decay), or weight_decay / lr
+            shrink = [1 - lr * decoupled_rate(o) for lr, o in zip(lrs, self.optims)]
+            torch._foreach_mul_(self.params, self.per_run(shrink))
         self._step.fill_(self.t)
         moments = (self.state["exp_avg"], self.state["exp_avg_sq"])
         each_lr = stretches([(*hypers, lr) for hypers, lr in zip(self.kernel_hypers, lrs)])
@@ -120,7 +158,10 @@ class FastOptimizer:
         torch._foreach_addcmul_(exp_avg, grads, self.per_run([1 - x.betas[0] for x in o]))
         torch._foreach_mul_(exp_avg_sq, self.per_run([x.betas[1] for x in o]))
         torch._foreach_addcmul_(exp_avg_sq, torch._foreach_mul(grads, self.per_run([1 - x.betas[1] for x in o])), grads)
-        rect, plain = zip(*(radam_rectification(x.betas[1], t) for x in o))
+        rect, plain = zip(*(radam_rectification(x.betas[1], t, self.official) for x in o))
+        if self.official and self.decay:  # the authors' decoupled decay, only where they update
+            shrink = [1 - lr * x.weight_decay if r else 1.0 for lr, r, x in zip(lrs, rect, o)]
+            torch._foreach_mul_(self.params, self.per_run(shrink))
         # adaptive = rect * sqrt(1 - beta2^t) / (sqrt(v) + eps) once rectified, else 1 (plain momentum)
         adaptive = torch._foreach_sqrt(exp_avg_sq)
         torch._foreach_add_(adaptive, self.per_run([x.eps for x in o]))
@@ -138,6 +179,13 @@ class FastOptimizer:
         torch._foreach_addcmul_(self.params, momentum, self.per_run([-lr for lr in lrs]))
 
 
+def run_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each run's global gradient L2 norm (R,) over its stacked gradients (R, ...), as clip_grad_norm_ takes
+    it: each tensor's norm, then the norm of those."""
+    per_tensor = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)
+
+
 def stretches(keys: Sequence[Hashable]) -> list[tuple[int, int, Hashable]]:
     """Maximal stretches [start, stop) of consecutive runs with equal keys: (start, stop, key)."""
     found: list[tuple[int, int, Hashable]] = []
@@ -149,14 +197,16 @@ def stretches(keys: Sequence[Hashable]) -> list[tuple[int, int, Hashable]]:
     return found
 
 
-def radam_rectification(beta2: float, t: int) -> tuple[float, float]:
+def radam_rectification(beta2: float, t: int, official: bool = False) -> tuple[float, float]:
     """RAdam's (rect, plain) at update t (Liu et al. 2020, as torch computes it): the adaptive step
-    weighted by `rect` once the variance is tractable (rho_t > 5), else the plain momentum step."""
+    weighted by `rect` once the variance is tractable (rho_t > 5), else the plain momentum step; with
+    `official` (optim.radam_variant, `OfficialRAdam`: the authors' radam.py) rectified where rho_t >= 5 and
+    else no step at all, (0, 0)."""
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * t * beta2**t / (1 - beta2**t)
-    if rho_t > 5.0:
+    if rho_t > 5.0 or (official and rho_t >= 5.0):
         return math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)), 0.0
-    return 0.0, 1.0
+    return 0.0, 0.0 if official else 1.0
 
 HYPERS = ("step_size", "decay", "l2", "1-beta1", "beta2", "1-beta2", "eps", "bias_correction2_sqrt", "live")  # its rows
 
@@ -166,12 +216,12 @@ def adam_hypers(optims: Sequence[OptimConfig], name: str, t: int, lrs: Sequence[
     """`adam_update`'s per-run numbers for update `t` (1, 2, ...) at learning rates `lrs`: a (len(HYPERS), R)
     tensor. Bias corrections, step sizes and 1 - beta are computed in double, as torch computes them (1 - beta2
     in float32 is 1e-5 off at beta2 = 0.999);
-    AdamW's decay is decoupled (param * (1 - lr * weight_decay)), Adam's is L2 (grad + weight_decay * param)."""
+    AdamW's decay is decoupled (param * (1 - lr * decoupled_rate)), Adam's is L2 (grad + weight_decay * param)."""
     decoupled = name == "adamw"
     rows = []
     for o, lr, alive in zip(optims, lrs, live):
         beta1, beta2 = o.betas
-        rows.append((lr / (1 - beta1**t), 1 - lr * o.weight_decay if decoupled else 1.0,
+        rows.append((lr / (1 - beta1**t), 1 - lr * decoupled_rate(o) if decoupled else 1.0,
                      0.0 if decoupled else o.weight_decay, 1 - beta1, beta2, 1 - beta2, o.eps, math.sqrt(1 - beta2**t),
                      float(alive)))
     return torch.tensor(rows, dtype=torch.float32).t().contiguous()

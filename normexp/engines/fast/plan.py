@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from normexp.config import OptimConfig, RunConfig
+from normexp.config import TEXT_TASKS, TRANSFORMER_ONLY, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from normexp.engines.cost import model_step_flops
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
@@ -25,22 +25,44 @@ EAGER_FLOP_RATE = 40e9  # FLOP/s the fast engine's eager step reaches on the art
 
 # Optimizer keys the fast engine does not replay yet: a run that sets one away from its default trains on the
 # exact engines instead (`fast_serves`), as a run with train.log_blocks does.
-FAST_UNSERVED_OPTIM = ("clip_norm", "agc", "v_only_steps", "v0", "radam_variant", "independent_weight_decay")
+FAST_UNSERVED_OPTIM: tuple[str, ...] = ()
 
 
 def fast_serves(cfg: RunConfig) -> bool:
     """Whether the fast engine trains `cfg` as the exact engines define it: not with train.log_blocks
     (blocks.csv is the reference's bits or nothing), nor train.log_sharpness (the reference measures it), nor
-    with an optimizer key of FAST_UNSERVED_OPTIM set."""
-    defaults = OptimConfig.model_fields
-    return (not cfg.train.log_blocks and cfg.train.log_sharpness is None
-            and all(getattr(cfg.optim, key) == defaults[key].default for key in FAST_UNSERVED_OPTIM))
+    with an optimizer key of FAST_UNSERVED_OPTIM set; nor, until its stacked step carries them, a run of the
+    text task (its windows drawn per run and step), with train.eval_every, or with nanoGPT's model keys
+    (model.activation, bias, tie_embeddings, init gpt2: docs/realtext.md)."""
+    return not fast_unserved(cfg)
+
+
+def fast_unserved(cfg: RunConfig) -> list[str]:
+    """The keys set in `cfg` that the fast engine does not serve (see `fast_serves`), e.g. ['train.log_blocks']."""
+    defaults, model_defaults = OptimConfig.model_fields, ModelConfig.model_fields
+    return ([*(["train.log_blocks"] if cfg.train.log_blocks else []),
+             *(["train.log_sharpness"] if cfg.train.log_sharpness is not None else []),
+             *(f"optim.{key}" for key in FAST_UNSERVED_OPTIM if getattr(cfg.optim, key) != defaults[key].default),
+             *([f"data.task {cfg.data.task}"] if cfg.data.task in TEXT_TASKS else []),
+             *(["model.init gpt2"] if cfg.model.init == "gpt2" else []),
+             *(["train.eval_every"] if cfg.train.eval_every != TrainConfig.model_fields["eval_every"].default else []),
+             *(f"model.{key}" for key in TRANSFORMER_ONLY if getattr(cfg.model, key) != model_defaults[key].default)])
 
 
 def fast_key(cfg: RunConfig) -> tuple:
     """Runs with equal keys train in one batch of the fast engine: same model, norm, data, steps and optimizer
-    family; seeds, learning rates, optimizer hyper-parameters and schedules vary per run."""
-    return (cfg.model, cfg.norm, cfg.data, cfg.optim.name, cfg.train)
+    family and the optimizer's controls that shape its step (`optim_structure`); seeds, learning rates,
+    optimizer hyper-parameters (clipping thresholds, independent weight decay among them) and schedules vary
+    per run."""
+    return (cfg.model, cfg.norm, cfg.data, optim_structure(cfg.optim), cfg.train)
+
+
+def optim_structure(optim: OptimConfig) -> tuple:
+    """What a fast batch's runs share of their optimizer: its family, whether clipping by the global norm
+    acts (its threshold is per run), whether AGC acts (its factor and eps are per run), Adam-2k's k and
+    GI-Adam's v0, RAdam's variant."""
+    return (optim.name, optim.clip_norm is not None, optim.agc is not None, optim.v_only_steps, optim.v0,
+            optim.radam_variant)
 
 
 def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: float = COMPILE_ESTIMATE_S,

@@ -16,6 +16,7 @@ from torch.func import functional_call, grad_and_value, vmap
 import normexp.engines.fast.starts as starts
 from normexp.config import RunConfig
 from normexp.engines.common import batch_order, loss_and_acc, z_loss
+from normexp.engines.fast.optim import run_norms
 
 Tensors = dict[str, torch.Tensor]
 
@@ -134,8 +135,6 @@ def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None,
         # vmap may hand back a strided gradient (the position embedding's is); the fused Adam kernel
         # reads its tensors as contiguous, so give it contiguous ones (a no-op for the others)
         grads = {name: g.contiguous() for name, g in grads.items()}
-        per_tensor = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads.values()]
-        norms = torch.linalg.vector_norm(torch.stack(per_tensor, dim=1), dim=1)  # clip_grad_norm_'s norm
-        return grads, torch.stack([loss, acc, norms, *z])
+        return grads, torch.stack([loss, acc, run_norms(list(grads.values())), *z])  # clip_grad_norm_'s norm
 
     return grad_step

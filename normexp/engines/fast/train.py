@@ -24,7 +24,7 @@ from normexp.engines.fast.compiled import (
 from normexp.engines.fast.optim import FastOptimizer, MadeAhead
 from normexp.engines.fast.plan import COMPILED_CHUNK, compile_choice, fast_key
 from normexp.engines.fast.step import batch_model, make_grad_step, make_loss_fn, stack_runs
-from normexp.optim import step_lr
+from normexp.optim import agc_units, step_lr
 
 
 def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | None = None,
@@ -68,7 +68,11 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
     with torch_threads(first.train.threads) as threads:
         batch = stack_runs(runs, device)
         base = functools.cache(functools.partial(batch_model, first))  # made where needed, once
-        optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()))
+        units = None
+        if first.optim.agc is not None:  # each parameter's unit, by name, from the reference's own model
+            by_name = dict(zip([name for name, _ in base().named_parameters()], agc_units(base())))
+            units = [by_name[name] for name in batch.params]
+        optimizer = FastOptimizer(first.optim.name, [cfg.optim for cfg in runs], list(batch.params.values()), units)
         if compiled and not has_step(first, batch):
             base()  # the model the step is traced from, made outside the compiler's wrap: what it raises is the batch's
         steps = first.train.steps
