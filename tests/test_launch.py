@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO, done_markers
 
 pytest.importorskip("submitit")
+pytestmark = pytest.mark.process  # every test runs `normexp sweep --launcher local` or a shard in a process
 
 SWEEP = """\
 name: arr
@@ -88,7 +89,6 @@ def stopped_mid_way(tmp_path: Path, signum: int, group: bool, twice: bool = Fals
     return proc, stderr
 
 
-@pytest.mark.process
 @pytest.mark.parametrize(("signum", "group"), [
     (signal.SIGTERM, False),  # kill PID: it exited 143 silently, and the whole array went on training
     pytest.param(signal.SIGHUP, False, marks=pytest.mark.slow),
@@ -156,7 +156,6 @@ def test_failed_runs_give_the_sweeps_exit_code_and_are_named(tmp_path):
     assert array_processes(tmp_path) == []
 
 
-@pytest.mark.process
 def test_the_slurm_checkpoint_stops_the_shard_cleanly_and_requeues_it_as_itself(tmp_path):
     """Slurm's --signal=USR2@90 reaches every process of the job. The shard's normexp died of it (no handler:
     SIGUSR2 terminates), its run in progress and summary lost, and submitit's handler in the task then

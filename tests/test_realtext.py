@@ -146,6 +146,7 @@ def test_a_step_costs_its_windows():
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.equivalence
 def test_a_run_repeats_bit_for_bit_and_scores_its_held_out_set_every_eval_every_steps():
     cfg = validate_run({**text_run(steps=7).model_dump(), "train": {"steps": 7, "threads": 1, "eval_every": 3}})
     a, b = train_run(cfg), train_run(cfg)

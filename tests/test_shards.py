@@ -351,6 +351,7 @@ def test_a_compiled_fast_sweep_is_dealt_out_by_its_compiled_batches(tmp_path, wr
     assert shown.exit_code == 0 and "shard 3/8 trains 8 runs of the 64" in shown.output, shown.output
 
 
+@pytest.mark.equivalence
 def test_a_resumed_or_sharded_fast_sweep_keeps_the_unsharded_bits(tmp_path):
     """The fast engine's bits depend on the order of the runs in a batch (docs/fast-contract.md). What that
     implies: a resumed sweep trains each batch with a run to redo whole, in the planned order, and records
