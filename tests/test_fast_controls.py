@@ -146,7 +146,7 @@ def test_radam_variants_train_in_batches_of_their_own():
 
 
 @pytest.mark.slow
-def test_compiled_steps_with_controls_stay_within_the_contract(tmp_path, monkeypatch, fresh_fast_engine):
+def test_compiled_steps_with_controls_stay_within_the_contract(tmp_path, monkeypatch):
     """A compiled batch with clip_norm compiles its gradient step only (the update eager, after the clipping);
     AdamW's independent decay stays inside the compiled update (`adam_hypers`). Both within the contract."""
     from normexp.engines.fast import compiled as compiling
