@@ -1,4 +1,4 @@
-"""`normexp export` (normexp/export.py): a sweep read back from TensorBoard's event files (its own event
+"""`normexp export` (normexp/export/): a sweep read back from TensorBoard's event files (its own event
 accumulator and the HParams plugin's data) and from MLflow (its client's search_runs and metric history),
 every value compared with the run folders."""
 
@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import build_sweep, chance_classes, flatten, parse_yaml, trained_threshold
-from normexp.export import EVENTS_FILE, FINAL
+from normexp.export.runs import FINAL
+from normexp.export.tensorboard import EVENTS_FILE
 from normexp.folder import BLOCKS_FILE, METRICS_FILE, FinishedRun, write_run
 from normexp.folder.layout import read_json
 from normexp.sweep import SweepOptions, run_sweep
@@ -166,7 +167,7 @@ def test_a_changed_run_replaces_its_mlflow_run(folder, tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    from normexp.export_mlflow import to_mlflow
+    from normexp.export.mlflow import to_mlflow
 
     copy = tmp_path / "tiny"
     shutil.copytree(folder, copy)

@@ -25,6 +25,7 @@ FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves"
 FAST_DOOR = "normexp.engines.fast"
 FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}" for m in ("plan", "starts", "step", "optim", "aot", "compiled", "train"))]
 
+EXPORT = ["normexp.export", "normexp.export.runs", "normexp.export.tensorboard", "normexp.export.mlflow"]
 PAGE = ["normexp.page", "normexp.page.document", "normexp.page.data", "normexp.page.tables", "normexp.page.report",
         "normexp.page.markdown"]
 # Bottom to top: a module imports from its own layer or below, never above.
@@ -47,7 +48,7 @@ LAYERS = {
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
     "presentation": ["normexp.output", "normexp.tables", "normexp.report", "normexp.progress",
-                     "normexp.export", "normexp.export_mlflow", *FIGURES, *PAGE],
+                     *EXPORT, *FIGURES, *PAGE],
     # the shipped studies: verdicts < figures < run; __main__ is `python -m normexp.studies`
     "studies": ["normexp.studies", "normexp.studies.verdicts", "normexp.studies.explanations",
                 "normexp.studies.figures", "normexp.studies.run",
@@ -65,7 +66,7 @@ NO_TORCH = ("normexp.config", "normexp.engines.cost", FAST_DOOR, f"{FAST_DOOR}.p
             "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
             "normexp.analysis.finals", "normexp.analysis.anova", "normexp.analysis.realtext", *FIGURES,
             "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", *PAGE,
-            "normexp.export", "normexp.export_mlflow", "normexp.merge", "normexp.config.sample",
+            *EXPORT, "normexp.merge", "normexp.config.sample",
             "normexp.corpus")
 
 

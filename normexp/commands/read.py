@@ -358,8 +358,9 @@ def export(
                                                           "name].")] = None,
 ) -> None:
     """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
-    from normexp.export import TARGETS, to_tensorboard
-    from normexp.export_mlflow import to_mlflow
+    from normexp.export import TARGETS
+    from normexp.export.mlflow import to_mlflow
+    from normexp.export.tensorboard import to_tensorboard
     from normexp.folder import StoreError
 
     check_choice("--to", to, TARGETS)

@@ -1,4 +1,4 @@
-"""`normexp export DIR URI --to mlflow`: a sweep folder's verified runs (read by normexp/export.py) as
+"""`normexp export DIR URI --to mlflow`: a sweep folder's verified runs (read by export/runs.py) as
 MLflow runs.
 
 MLflow (`pip install 'normexp[mlflow]'`; a `sqlite:///path.db` URI, or a local `file:` store, which MLflow 3
@@ -30,7 +30,15 @@ from pathlib import Path
 
 from normexp import stopping
 from normexp.config import ConfigError, flatten
-from normexp.export import ExportedRun, ExportResult, hparam_value, missing_extra, read_folder, run_count, varying_first
+from normexp.export.runs import (
+    ExportedRun,
+    ExportResult,
+    hparam_value,
+    missing_extra,
+    read_folder,
+    run_count,
+    varying_first,
+)
 
 MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call (params: 100)
 
