@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
+from normexp.export.tensorboard import exported_folders
 from normexp.folder import METRICS_FILE, FinishedRun, write_run
 from normexp.folder.layout import read_json
 from normexp.registry import load_plugin
@@ -245,12 +246,14 @@ def test_a_run_that_no_longer_verifies_loses_its_tensorboard_copy(folder, tmp_pa
     damaged = _runs(folder)[1]
     _damage(damaged)
     (tb / "notes.txt").write_text("the user's")
+    folders = exported_folders(tb)
     result = runner.invoke(app, ["export", str(folder), str(tb)])
     assert result.exit_code == 1 and "3 runs exported" in result.output
     assert (f"removed this folder's earlier export of 1 run that no longer verifies: {damaged.name}"
             in result.output), result.output
-    assert not (tb / damaged.name).exists() and (tb / "notes.txt").is_file()
-    assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == [r.name for r in _runs(folder) if r != damaged]
+    assert not (tb / folders[damaged.name]).exists() and (tb / "notes.txt").is_file()
+    assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == sorted(folders[r.name] for r in _runs(folder)
+                                                                       if r != damaged)
 
 
 def test_a_run_that_no_longer_verifies_loses_its_mlflow_copy_of_this_folder_only(folder, tmp_path, mlflow_client):

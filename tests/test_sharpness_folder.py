@@ -142,7 +142,10 @@ def test_tensorboard_export_has_the_sharpness_tags(folder, tmp_path):
     result = runner.invoke(app, ["export", str(folder), str(tmp_path / "tb"), "--to", "tensorboard"])
     assert result.exit_code == 0, result.output
     run = _measured(folder)[0]
-    acc = EventAccumulator(str(tmp_path / "tb" / run.name), size_guidance={"scalars": 0})
+    from normexp.export.tensorboard import exported_folders
+
+    acc = EventAccumulator(str(tmp_path / "tb" / exported_folders(tmp_path / "tb")[run.name]),
+                           size_guidance={"scalars": 0})
     acc.Reload()
     assert "sharpness/lambda_max" in acc.Tags()["scalars"]
     assert [e.step for e in acc.Scalars("sharpness/threshold_gd")] == [0, 2, 4]

@@ -356,6 +356,10 @@ def export(
     to: Annotated[str, typer.Option("--to", help="tensorboard | mlflow.")] = "tensorboard",
     experiment: Annotated[str | None, typer.Option(help="--to mlflow: the experiment [default: the sweep's "
                                                           "name].")] = None,
+    run_name: str | None = typer.Option(None, "--run-name", help="Runs' display names, a template such as "
+                                        "'{norm.placement}-d{model.depth}-s{seed}' [default: the varying keys]."),
+    block_scalars: bool = typer.Option(False, "--block-scalars", help="--to tensorboard: also one scalar chart "
+                                       "per block and column of blocks.csv (histograms over blocks always)."),
 ) -> None:
     """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
     from normexp.export import TARGETS
@@ -368,9 +372,11 @@ def export(
         raise fail("DEST: empty; name a log folder (--to tensorboard) or a tracking URI (--to mlflow)")
     if experiment is not None and to != "mlflow":
         raise fail("--experiment: only --to mlflow has experiments (a TensorBoard log folder is DEST)")
+    if block_scalars and to != "tensorboard":
+        raise fail(f"--block-scalars: only --to tensorboard draws histograms; --to {to} has every block's scalars")
     try:
         if to == "tensorboard":
-            done = to_tensorboard(run_dir, Path(dest))
+            done = to_tensorboard(run_dir, Path(dest), run_name=run_name, block_scalars=block_scalars)
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest} · tensorboard --logdir {dest}")
         else:
             done = to_mlflow(run_dir, dest, experiment)
