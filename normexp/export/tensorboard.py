@@ -13,7 +13,8 @@ sweep: `post-d8-lr0.001-s0`, names.py), holding one event file, `events.out.tfev
   blocks, `per_block/<column>` (its Histograms and Distributions tabs); with `block_scalars` also one
   scalar per block, `per_block/<column>/<block>`;
 - a text summary `run_id` (the Text tab), and the HParams plugin's session: every config key, and the
-  group of its configuration (the same for each seed, so that HParams aggregates them).
+  group of its configuration (the same for each seed, so that HParams aggregates them: TensorBoard shows a
+  group's hparams as its first session's, so the seed is left out of the sessions of a group of seeds).
 
 `OUT/events.out.tfevents.normexp` defines the HParams experiment: every config key with its type, its domain
 (the values seen, or their interval for many numbers) and whether it varies, so that the HParams table opens
@@ -51,6 +52,8 @@ from normexp.export.runs import (
 EVENTS_FILE = "events.out.tfevents.normexp"  # a fixed name: a re-export replaces it, and only it
 MANIFEST = ".normexp-export.json"  # run id -> folder, of every run exported into OUT
 DISCRETE_NUMBERS = 12  # a number key with at most this many values has them as its domain, else their interval
+SEED_NOTE = ("The runs of a row (a session group: one configuration) differ in their seed alone: the row shows "
+             "their metrics averaged, and no seed; each run's folder name has its seed.")
 GROUPS = {"final": "result", "blocks": "per_block"}  # runs.scalars()' prefixes, as TensorBoard's tags group them
 
 
@@ -88,7 +91,9 @@ def to_tensorboard(run_dir: Path, out_dir: Path, run_name: str | None = None,
     groups = _groups([r.run_id for r in runs], flats)
     for run, flat in zip(runs, flats):
         (out_dir / folders[run.run_id]).mkdir(exist_ok=True)
-        events = [(0, _session_start(run, {k: _typed(flat[k], kinds[k]) for k in keys}, groups[run.run_id])),
+        seeds = list(groups.values()).count(groups[run.run_id]) > 1  # a row of several seeds: it shows none
+        hparams = {k: _typed(flat[k], kinds[k]) for k in keys if not (seeds and k == "seed")}
+        events = [(0, _session_start(run, hparams, groups[run.run_id])),
                   (0, _text("run_id", run.run_id, "The run's folder in the sweep (normexp's run id)."))]
         events += _run_events(run, block_scalars)
         events.sort(key=lambda e: e[0])  # by step, each tag's points in order
@@ -212,7 +217,8 @@ def _experiment_summary(flats: list[dict[str, Any]], keys: list[str], kinds: dic
     infos = []
     for key in keys:
         values = sorted({_typed(f[key], kinds[key]) for f in flats})
-        info = api_pb2.HParamInfo(name=key, type=types[kinds[key]], differs=len(values) > 1)
+        info = api_pb2.HParamInfo(name=key, type=types[kinds[key]], differs=len(values) > 1,
+                                  description=SEED_NOTE if key == "seed" else "")
         if kinds[key] != "number" or (len(values) <= DISCRETE_NUMBERS and all(map(math.isfinite, values))):
             info.domain_discrete.extend(values)
         elif all(map(math.isfinite, values)):  # an inf or nan would not pass the plugin's JSON
