@@ -389,3 +389,17 @@ def test_tensorboards_own_server_lists_the_varying_keys_and_the_seed_groups(expo
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+def test_a_name_that_is_no_folder_name_is_made_one(folder, tmp_path):
+    """A `/` made nested runs of one name, and a long template a name over the file system's 255 bytes."""
+    tb = tmp_path / "tb"
+    result = runner.invoke(app, ["export", str(folder), str(tb), "--run-name", "{norm.placement}/s{seed}-{run_id}"])
+    assert result.exit_code == 0, result.output
+    assert sorted(exported_folders(tb).values()) == sorted(f"{_flat(r)['norm.placement']}_s{_flat(r)['seed']}-{r.name}"
+                                                          for r in _runs(folder))
+    result = runner.invoke(app, ["export", str(folder), str(tb), "--run-name", "{run_id}" * 12])
+    assert result.exit_code == 0, result.output
+    folders = exported_folders(tb)
+    assert all(len(name.encode()) <= 200 and name.startswith(rid) for rid, name in folders.items())
+    assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == sorted(folders.values())

@@ -132,13 +132,16 @@ def _run_events(run: ExportedRun, block_scalars: bool) -> list[tuple[int, Any]]:
 
 def _folders(out_dir: Path, names: dict[str, str], manifest: dict[str, str]) -> dict[str, str]:
     """run id -> its folder in `out_dir`: its name, made a folder name; with its run id's hash appended where
-    another run id of the manifest holds that folder, or a folder normexp did not write has that name."""
+    another run id of the manifest holds that folder, or a folder normexp did not write has that name (or it
+    is cut short: a name over 200 bytes)."""
     folders = {}
     for rid, name in names.items():
         folder = re.sub(r"[/\\\x00-\x1f]", "_", name)
         folder = "_" + folder if folder.startswith(".") or folder in ("", EVENTS_FILE) else folder
         others = {f for r, f in manifest.items() if r != rid and r not in names} | set(folders.values())
-        if folder in others or (manifest.get(rid) != folder and not _ours(out_dir / folder)):
+        if len(folder.encode()) > 200:  # a file name's limit is 255 bytes
+            folder = folder.encode()[:180].decode(errors="ignore") + "-" + rid.rsplit("-", 1)[-1][:6]
+        elif folder in others or (manifest.get(rid) != folder and not _ours(out_dir / folder)):
             folder = f"{folder}-{rid.rsplit('-', 1)[-1][:6]}"
         folders[rid] = folder
     return folders
