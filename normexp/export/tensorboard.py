@@ -72,17 +72,7 @@ def to_tensorboard(run_dir: Path, out_dir: Path, run_name: str | None = None,
     manifest = _read_manifest(out_dir)
     folders = _folders(out_dir, names, {rid: f for rid, f in manifest.items() if rid not in left})
     out_dir.mkdir(parents=True, exist_ok=True)
-    replaced, dropped = {}, []
-    for rid in [r.run_id for r in runs] + left:  # before writing: a name can move from one run to another
-        old, new = manifest.pop(rid, rid), folders.get(rid)  # an export without the manifest: by run id
-        if old == new or not (out_dir / old / EVENTS_FILE).is_file():
-            continue
-        if old not in folders.values():
-            _remove(out_dir / old)
-        if new is not None:
-            replaced[rid] = f"now {new}, was {old}"
-        else:
-            dropped.append(rid)  # no longer verified finished: its copy goes, the folder is its truth
+    replaced, dropped = _clear_earlier(out_dir, manifest, folders, [r.run_id for r in runs] + left)
     keys = varying_first(runs)
     flats = [flatten(r.cfg) for r in runs]
     kinds = _hparam_kinds(flats, keys)
@@ -100,6 +90,25 @@ def to_tensorboard(run_dir: Path, out_dir: Path, run_name: str | None = None,
         _write_events(out_dir / folders[run.run_id] / EVENTS_FILE, run.time_s, events)
     _write_manifest(out_dir, {**manifest, **folders})
     return ExportResult([r.run_id for r in runs], replaced=replaced, dropped=dropped, left=left)
+
+
+def _clear_earlier(out_dir: Path, manifest: dict[str, str], folders: dict[str, str],
+                   run_ids: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Remove the earlier export of each of `run_ids` whose folder is not its folder now (`folders`, none for
+    a run no longer verified finished), taking it off `manifest`: (run id -> why) of those moved, and the run
+    ids of those dropped. Before anything is written: a name can move from one run to another."""
+    replaced, dropped = {}, []
+    for rid in run_ids:
+        old, new = manifest.pop(rid, rid), folders.get(rid)  # an export without the manifest: by run id
+        if old == new or not (out_dir / old / EVENTS_FILE).is_file():
+            continue
+        if old not in folders.values():
+            _remove(out_dir / old)
+        if new is not None:
+            replaced[rid] = f"now {new}, was {old}"
+        else:
+            dropped.append(rid)  # no longer verified finished: its copy goes, the folder is its truth
+    return replaced, dropped
 
 
 def tag(name: str) -> str:
