@@ -403,3 +403,20 @@ def test_a_name_that_is_no_folder_name_is_made_one(folder, tmp_path):
     folders = exported_folders(tb)
     assert all(len(name.encode()) <= 200 and name.startswith(rid) for rid, name in folders.items())
     assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == sorted(folders.values())
+
+
+def test_a_run_alone_in_its_group_keeps_its_seed(folder, tmp_path):
+    import shutil
+
+    from tensorboard.plugins.hparams import metadata
+
+    copy = tmp_path / "seeded"
+    shutil.copytree(folder, copy)
+    for run in _runs(copy):
+        if _flat(run)["seed"] == 1:
+            shutil.rmtree(run)
+    assert runner.invoke(app, ["export", str(copy), str(tmp_path / "tb")]).exit_code == 1  # 4 runs missing
+    for rid, name in exported_folders(tmp_path / "tb").items():
+        start = metadata.parse_session_start_info_plugin_data(_accumulator(tmp_path / "tb" / name).SummaryMetadata(
+            metadata.SESSION_START_INFO_TAG).plugin_data.content)
+        assert start.hparams["seed"].number_value == 0, rid
