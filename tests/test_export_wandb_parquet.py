@@ -1,6 +1,7 @@
-"""`normexp export --to parquet` (normexp/export/parquet.py), read back by the tools themselves: the Parquet
-tables by DuckDB and pandas. Every value is compared with the run folders' own files (config.yaml, done.json,
-metrics.csv, summary.csv)."""
+"""`normexp export --to wandb` and `--to parquet` (normexp/export/wandb.py, parquet.py), read back by the tools
+themselves: the W&B offline runs by wandb's own transaction-log reader (`wandb leet inspect --json`, the
+records `wandb sync` uploads) and `wandb sync --dry-run`; the Parquet tables by DuckDB and pandas. Every value
+is compared with the run folders' own files (config.yaml, done.json, metrics.csv, blocks.csv, summary.csv)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import builtins
 import csv
 import json
 import math
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +22,7 @@ from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import build_sweep, flatten, parse_yaml
-from normexp.folder import METRICS_FILE
+from normexp.folder import BLOCKS_FILE, METRICS_FILE
 from normexp.folder.layout import read_json
 from normexp.sweep import SweepOptions, run_sweep
 
@@ -188,7 +193,7 @@ def test_a_run_that_no_longer_verifies_leaves_the_tables_and_is_named(folder, tm
     assert gone.name not in {r[0] for r in duckdb.sql(f"select run_id from '{out / 'steps.parquet'}'").fetchall()}
 
 
-@pytest.mark.parametrize(("target", "package"), [("parquet", "pyarrow")])
+@pytest.mark.parametrize(("target", "package"), [("wandb", "wandb"), ("parquet", "pyarrow")])
 def test_a_missing_extra_is_named(folder, tmp_path, monkeypatch, target, package):
     real = builtins.__import__
 
@@ -201,3 +206,137 @@ def test_a_missing_extra_is_named(folder, tmp_path, monkeypatch, target, package
     result = runner.invoke(app, ["export", str(folder), str(tmp_path / "x"), "--to", target])
     assert result.exit_code == 2 and f"pip install 'normexp[{target}]'" in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "x").exists()
+
+
+# --- W&B -------------------------------------------------------------------------------------------------
+
+
+def _wandb(*args: str, cwd: Path | None = None) -> subprocess.Popen:
+    """wandb's CLI, offline and quiet, in a process of its own."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.Popen([sys.executable, "-m", "wandb", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=cwd)
+
+
+def _value(value: Any) -> Any:
+    """A number as wandb's record reader prints it (NaN and infinities as strings)."""
+    return float(value) if value in ("NaN", "Infinity", "-Infinity") else value
+
+
+def _read_offline_runs(wandb_dir: Path) -> dict[str, dict[str, Any]]:
+    """W&B id -> the run's records as wandb's own reader of the .wandb transaction log gives them: the run
+    record, config (its updates merged), history per step, summary (its updates applied in order), exit."""
+    folders = sorted(wandb_dir.glob("offline-run-*"))
+    procs = [_wandb("leet", "inspect", "--json", str(f)) for f in folders]
+    runs = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        run: dict[str, Any] = {"config": {}, "history": {}, "summary": {}, "exit": None}
+        for line in stdout.splitlines():
+            record = json.loads(line)
+            kind = record["type"]
+            if kind == "run":
+                run["run"] = record["run"]
+                run["config"].update(record["run"].get("config", {}).get("update", {}))
+            elif kind == "config":
+                run["config"].update(record["config"].get("update", {}))
+            elif kind == "history":
+                item = {k: _value(v) for k, v in record["history"]["item"].items()}
+                run["history"][int(record["history"]["step"]["num"])] = item
+            elif kind == "summary":
+                run["summary"].update({k: _value(v) for k, v in record["summary"].get("update", {}).items()})
+            elif kind == "exit":
+                run["exit"] = record["exit"].get("exit_code", 0)
+        runs[run["run"]["run_id"]] = run
+    return runs
+
+
+def _marked(wandb_dir: Path) -> list[str]:
+    return sorted(p.name for p in wandb_dir.glob("offline-run-*") if (p / "normexp-export.json").is_file())
+
+
+@pytest.mark.process
+def test_the_wandb_export_reads_back_with_wandbs_own_reader(folder, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    out = tmp_path / "wb"
+    monkeypatch.setenv("WANDB_MODE", "online")  # the user's: the export stays offline, and leaves it as it was
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    result = runner.invoke(app, ["export", str(folder), str(out), "--to", "wandb", "--run-name", TEMPLATE])
+    assert result.exit_code == 0, result.output
+    assert os.environ["WANDB_MODE"] == "online" and "WANDB_SILENT" not in os.environ
+    assert "8 runs exported" in result.output and f"wandb sync {out / 'wandb'}" in result.output
+    found = _read_offline_runs(out / "wandb")
+    runs = _runs(folder)
+    assert sorted(found) == [r.name for r in runs]  # the W&B id is the run id
+    trained = _trained(folder)
+    for run in runs:
+        got, done, flat = found[run.name], json.loads((run / "done.json").read_text()), _config(run)
+        assert got["run"]["display_name"] == _name(flat) and got["run"]["project"] == "tiny"
+        assert got["exit"] == 0
+        config = _flat({k: v for k, v in got["config"].items() if k not in ("_wandb", "normexp")})
+        assert config == flat, run.name
+        assert got["config"]["normexp"]["run_id"] == run.name
+        assert got["config"]["normexp"]["provenance"] == done["provenance"]
+        rows = _rows(run / METRICS_FILE)
+        assert sorted(got["history"]) == [int(r["step"]) for r in rows]  # `_step` is normexp's step
+        for row in rows:
+            item = got["history"][int(row["step"])]
+            assert item["_step"] == int(row["step"])
+            for column, text in row.items():
+                if column != "step":
+                    assert _same(float(item[column]), float(text)), (run.name, row["step"], column)
+        if (run / BLOCKS_FILE).is_file():
+            for row in _rows(run / BLOCKS_FILE):
+                item = got["history"][int(row["step"])]
+                for column, text in row.items():
+                    if column not in ("step", "block"):
+                        key = f"blocks/{column}/{int(row['block']):02d}"
+                        assert _same(float(item[key]), float(text)), (run.name, key)
+        summary = got["summary"]
+        for key in ("final_loss", "min_loss", "final_acc"):
+            assert _same(float(summary[f"final/{key}"]), float(done[key])), (run.name, key)
+        assert summary["final/diverged"] == float(done["diverged"])
+        assert summary["final/trained"] == float(trained[run.name])
+        assert _same(float(summary["loss"]), float(rows[-1]["loss"]))  # the last step's value
+    sync = _wandb("sync", "--dry-run", str(out / "wandb"))
+    stdout, stderr = sync.communicate(timeout=120)
+    assert sync.returncode == 0 and "Would sync 8 run(s)" in stdout + stderr, stdout + stderr
+
+
+@pytest.mark.process
+def test_a_wandb_reexport_keeps_what_is_there_and_replaces_what_changed(folder, tmp_path):
+    pytest.importorskip("wandb")
+    copy, out = tmp_path / "tiny", tmp_path / "wb"
+    shutil.copytree(folder, copy)
+    assert runner.invoke(app, ["export", str(copy), str(out), "--to", "wandb"]).exit_code == 0
+    wandb_dir = out / "wandb"
+    first = _marked(wandb_dir)
+    assert len(first) == 8
+    theirs = wandb_dir / "offline-run-20200101_000000-theirs"  # not normexp's: never touched
+    theirs.mkdir()
+    result = runner.invoke(app, ["export", str(copy), str(out), "--to", "wandb"])
+    assert result.exit_code == 0 and "0 runs exported to" in result.output and "8 already there" in result.output
+    assert _marked(wandb_dir) == first
+    result = runner.invoke(app, ["export", str(copy), str(out), "--to", "wandb", "--run-name", TEMPLATE])
+    assert result.exit_code == 0 and "8 runs exported" in result.output, result.output
+    assert "its name changed" in result.output
+    assert len(_marked(wandb_dir)) == 8 and theirs.is_dir()  # each run's earlier folder replaced, not added to
+    gone = _runs(copy)[0]
+    shutil.rmtree(gone)
+    result = runner.invoke(app, ["export", str(copy), str(out), "--to", "wandb", "--run-name", TEMPLATE])
+    assert result.exit_code == 1, result.output
+    assert f"no longer verifies: {gone.name}" in result.output and "1 run of the sweep not exported" in result.output
+    assert len(_marked(wandb_dir)) == 7 and not any(p.name.endswith(gone.name) for p in wandb_dir.iterdir())
+    assert theirs.is_dir()
+
+
+def test_a_run_id_wandb_would_refuse_gets_a_stable_id_it_takes():
+    from normexp.export.wandb import wandb_id
+
+    assert wandb_id("post-layernorm-s0-28ac1dd0a1") == "post-layernorm-s0-28ac1dd0a1"
+    odd = ["mypkg.norms:Mine-layernorm-s0-28ac1dd0a1", "mypkg.norms/Mine-layernorm-s0-28ac1dd0a1", "x" * 70]
+    ids = [wandb_id(rid) for rid in odd]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", i) for i in ids) and len(set(ids)) == 3
+    assert ids == [wandb_id(rid) for rid in odd]
