@@ -158,7 +158,7 @@ def test_a_missing_extra_is_named(folder, tmp_path, monkeypatch, target, package
 
 
 def test_bad_targets_are_refused(folder, tmp_path):
-    result = runner.invoke(app, ["export", str(folder), str(tmp_path / "x"), "--to", "wandb"])
+    result = runner.invoke(app, ["export", str(folder), str(tmp_path / "x"), "--to", "comet"])
     assert result.exit_code == 2 and "--to" in result.output
     result = runner.invoke(app, ["export", str(tmp_path / "nowhere"), str(tmp_path / "x")])
     assert result.exit_code == 2 and "no sweep.yaml" in result.output

@@ -327,6 +327,22 @@ def test_a_blown_up_run_clips_the_shared_loss_axis_and_says_so(tmp_path_factory)
     assert not any("clipped" in text.get_text() for legend in calm.legends for text in legend.get_texts())
 
 
+
+def test_a_grid_key_that_takes_null_gets_its_own_line(tmp_path_factory):
+    """A null in the grid (train.log_sharpness: [null, 2]) is NaN in the frame, and NaN is not equal to
+    itself: the line's style, keyed by it, was never found again (KeyError: (nan,))."""
+    from normexp.figures import curves_figure
+    from normexp.results import as_folder
+
+    out = sweep(tmp_path_factory, "nullkey", FFN, "--set", "norm.kind=layernorm", "--set", "norm.placement=pre",
+                "--set", "train.log_sharpness=null,2")
+    tidy = as_folder(out).metrics(all_config=True)
+    assert tidy["train.log_sharpness"].isna().any()  # the premise: the null arm reads as NaN
+    fig = curves_figure(tidy, ["train.log_sharpness"])
+    labels = [text.get_text() for legend in fig.legends for text in legend.get_texts()]
+    assert any(label.startswith("null") for label in labels) and any(label.startswith("2") for label in labels)
+    assert sum(len(ax.lines) for ax in fig.axes) >= 2
+
 # ----------------------------------------------------------------------------- labels of the keys
 
 

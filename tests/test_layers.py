@@ -26,7 +26,7 @@ FAST_DOOR = "normexp.engines.fast"
 FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}" for m in ("plan", "starts", "step", "optim", "aot", "compiled", "train"))]
 
 EXPORT = ["normexp.export", "normexp.export.runs", "normexp.export.tensorboard", "normexp.export.mlflow",
-          "normexp.export.names"]
+          "normexp.export.names", "normexp.export.wandb", "normexp.export.parquet"]
 PAGE = ["normexp.page", "normexp.page.document", "normexp.page.data", "normexp.page.tables", "normexp.page.report",
         "normexp.page.markdown"]
 # Bottom to top: a module imports from its own layer or below, never above.

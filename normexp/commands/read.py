@@ -352,36 +352,50 @@ def verify(
 def export(
     run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A sweep's output folder.", parser=folder_argument)],
     dest: Annotated[str, typer.Argument(metavar="DEST", help="tensorboard: a log folder; mlflow: a tracking URI "
-                                                               "(sqlite:///mlflow.db).")],
-    to: Annotated[str, typer.Option("--to", help="tensorboard | mlflow.")] = "tensorboard",
+                                                               "(sqlite:///mlflow.db); wandb: a folder for offline "
+                                                               "runs; parquet: a folder for the tables.")],
+    to: Annotated[str, typer.Option("--to", help="tensorboard | mlflow | wandb | parquet.")] = "tensorboard",
     experiment: Annotated[str | None, typer.Option(help="--to mlflow: the experiment [default: the sweep's "
                                                           "name].")] = None,
-    run_name: str | None = typer.Option(None, "--run-name", help="Runs' display names, a template such as "
-                                        "'{norm.placement}-d{model.depth}-s{seed}' [default: the varying keys]."),
-    block_scalars: bool = typer.Option(False, "--block-scalars", help="--to tensorboard: also one scalar chart "
-                                       "per block and column of blocks.csv (histograms over blocks always)."),
+    run_name: Annotated[str | None, typer.Option("--run-name", help="Name runs by a template of config keys, "
+                                                 "e.g. '{norm.placement}-d{model.depth}-s{seed}' [default: the "
+                                                 "keys that vary].")] = None,
+    block_scalars: Annotated[bool, typer.Option("--block-scalars", help="--to tensorboard: also one scalar chart "
+                                                "per block and column of blocks.csv (histograms over blocks "
+                                                "always).")] = False,
 ) -> None:
-    """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
+    """Export a sweep's verified runs to TensorBoard (scalars per step, HParams), MLflow (one run per run),
+    W&B offline runs (for `wandb sync`) or Parquet tables (runs.parquet, steps.parquet)."""
     from normexp.export import TARGETS
     from normexp.export.mlflow import to_mlflow
+    from normexp.export.parquet import RUNS_FILE, STEPS_FILE, to_parquet
     from normexp.export.tensorboard import to_tensorboard
+    from normexp.export.wandb import to_wandb
     from normexp.folder import StoreError
 
     check_choice("--to", to, TARGETS)
     if not dest.strip():  # an empty DEST would mean the current folder (or MLflow's ./mlruns)
-        raise fail("DEST: empty; name a log folder (--to tensorboard) or a tracking URI (--to mlflow)")
+        raise fail("DEST: empty; name a folder (--to tensorboard, wandb, parquet) or a tracking URI (--to mlflow)")
     if experiment is not None and to != "mlflow":
         raise fail("--experiment: only --to mlflow has experiments (a TensorBoard log folder is DEST)")
     if block_scalars and to != "tensorboard":
-        raise fail(f"--block-scalars: only --to tensorboard draws histograms; --to {to} has every block's scalars")
+        raise fail(f"--block-scalars: only --to tensorboard draws blocks.csv as histograms, not --to {to}")
     try:
         if to == "tensorboard":
             done = to_tensorboard(run_dir, Path(dest), run_name=run_name, block_scalars=block_scalars)
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest} · tensorboard --logdir {dest}")
-        else:
+        elif to == "mlflow":
             done = to_mlflow(run_dir, dest, experiment)
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest}, {done.kept} already there · "
                       f"mlflow ui --backend-store-uri {dest}")
+        elif to == "wandb":
+            done = to_wandb(run_dir, Path(dest), run_name)
+            out.print(f"{plural(len(done.exported), 'run')} exported to {dest}, {done.kept} already there · "
+                      f"wandb sync {shlex.quote(str(Path(dest) / 'wandb'))}", soft_wrap=True)
+        else:
+            done = to_parquet(run_dir, Path(dest), run_name)
+            out.print(f"{plural(len(done.exported), 'run')} exported to {Path(dest) / RUNS_FILE} and {STEPS_FILE}",
+                      soft_wrap=True)
     except (ConfigError, StoreError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:

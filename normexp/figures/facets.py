@@ -155,7 +155,10 @@ def groups(frame: pd.DataFrame, keys: Sequence[str]) -> list[tuple[object, pd.Da
 
 
 def _tuple(values: object) -> tuple:
-    return values if isinstance(values, tuple) else (values,)
+    """A group's key as a tuple, a missing value (a null in the grid, NaN in the frame) as None: NaN is not
+    equal to itself, so no style or label keyed by it could be found again."""
+    values = values if isinstance(values, tuple) else (values,)
+    return tuple(None if isinstance(v, float) and math.isnan(v) else v for v in values)
 
 
 @dataclass(frozen=True)
