@@ -15,6 +15,14 @@ session of its own, and submitit's controllers and tasks ignore Ctrl-C and SIGHU
 is handled here once: each shard is stopped cleanly (SIGTERM), and the controllers end with them; a
 second signal kills every process of the array at once (`run_local`). Its result names the failed runs.
 
+Before anything is submitted, `plan_array` finds the shards with runs left (finished runs verified in the
+folder: a resubmit submits only the others) and the time of their largest batch, measured where the folder's
+finished runs tell this machine's speed, else estimated from FLOPs (engines/cost.py); `check_time` refuses a
+`--time` that leaves a task no time to train before it is told to stop (it would be requeued over and over),
+and warns where the largest batch needs more than the task has; `max_requeues` caps the requeues past
+`--time` by the shard's time left. The array is named after the sweep, and under Slurm a task whose runs
+failed ends in an error (`RunsFailed`), so that `sacct` says FAILED.
+
 The submitit extra: `pip install 'normexp[slurm]'`.
 """
 
@@ -25,11 +33,12 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from normexp import stopping
@@ -37,6 +46,12 @@ from normexp.config import ConfigError, RunConfig
 from normexp.folder import inspect_run, run_id
 
 LAUNCHERS = ("slurm", "local")
+# how long before a task's --time runs out submitit has it warned to stop and requeue: Slurm's
+# --signal=USR2@90 (to every process of the job), the local executor's own 30 s
+SIGNAL_DELAY_S = {"slurm": 90, "local": 30}
+TASK_START_S = 30  # a task's Python, torch and the sweep's plan, before its first batch trains
+MAX_REQUEUES = 100  # submitit's own cap on the requeues past --time (preemptions are not counted)
+LOCAL_REQUEUES = 3  # submitit's LocalExecutor's
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,7 @@ class ArraySettings:
     """What the job array asks Slurm for (None: the cluster's default)."""
 
     shards: int
+    name: str = "normexp"  # the job's name (sbatch --job-name): the sweep's
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -52,16 +68,120 @@ class ArraySettings:
     mem: str | None = None  # e.g. 8G
     parallelism: int | None = None  # tasks running at once (sbatch --array=0-N%K)
     setup: tuple[str, ...] = field(default_factory=tuple)  # shell lines before the task (module load ...)
+    requeues: int = MAX_REQUEUES  # past --time, a task is requeued at most this many times (`max_requeues`)
+    tasks: int | None = None  # how many tasks are submitted (None: all the shards; see `ArrayPlan.todo`)
 
     def slurm_parameters(self) -> dict:
         """SlurmExecutor's parameters (submitit's names)."""
-        params = {"job_name": "normexp", "time": self.time_min, "cpus_per_task": self.cpus, "signal_delay_s": 90,
-                  "array_parallelism": self.parallelism or self.shards}
+        params = {"job_name": self.name, "time": self.time_min, "cpus_per_task": self.cpus,
+                  "signal_delay_s": SIGNAL_DELAY_S["slurm"],
+                  "array_parallelism": min(self.parallelism or self.shards, self.task_count)}
         for key, value in (("partition", self.partition), ("account", self.account), ("qos", self.qos),
                            ("mem", self.mem), ("setup", list(self.setup) or None)):
             if value is not None:
                 params[key] = value
         return params
+
+    @property
+    def task_count(self) -> int:
+        return self.shards if self.tasks is None else self.tasks
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """What the array's shards have left: `todo`, the shards with runs to train (in order); `batch_s`, the
+    time of the largest batch left and `shard_s` of the largest shard's work left, in seconds (None where
+    nothing tells: a GPU sweep with no finished run); `measured`: scaled by the speed the folder's finished
+    runs were trained at (their wall_s against the estimate), not only estimated."""
+
+    todo: tuple[int, ...]
+    batch_s: float | None = None
+    shard_s: float | None = None
+    measured: bool = False
+
+    @property
+    def basis(self) -> str:
+        return ("at the speed this folder's finished runs were trained at" if self.measured else
+                "estimated from its FLOPs at rates measured on 2 CPU cores: docs/performance.md")
+
+
+def plan_array(runs: Sequence[RunConfig], engine: str, shards: int, target: Path, compile_: bool | None = None,
+               force: bool = False, device: str = "cpu") -> ArrayPlan:
+    """The array's plan (`ArrayPlan`) over the sweep's `runs` dealt to `shards` shards (shard.deal_units) for
+    the folder `target`; with `force` every run is left to do."""
+    from normexp.engines.cost import estimated_seconds
+    from normexp.shard import deal_units
+
+    finished, speeds = set(), []
+    for cfg in [] if force else runs:
+        rid = run_id(cfg)
+        if not os.path.isfile(os.path.join(target, rid, "done.json")):
+            continue
+        state = inspect_run(Path(target) / rid, cfg)
+        if state.finished:
+            finished.add(rid)
+            wall, estimate = (state.done or {}).get("wall_s"), estimated_seconds([cfg], engine)
+            if isinstance(wall, (int, float)) and wall > 0 and estimate > 0:
+                speeds.append(wall / estimate)
+    speed = statistics.median(speeds) if speeds else 1.0 if device == "cpu" else None
+    todo, batch_s, shard_s = [], 0.0, 0.0
+    for index, units in sorted(deal_units(runs, engine, shards, compile_).items()):
+        left = [estimated_seconds(unit, engine) for unit in units if any(run_id(c) not in finished for c in unit)]
+        if left:
+            todo.append(index)
+            batch_s, shard_s = max(batch_s, *left), max(shard_s, sum(left))
+    if speed is None:
+        return ArrayPlan(tuple(todo))
+    return ArrayPlan(tuple(todo), batch_s * speed, shard_s * speed, bool(speeds))
+
+
+def check_time(time_min: int, plan: ArrayPlan, launcher: str) -> tuple[str | None, str | None]:
+    """(why `--time` is refused, or None; a warning about it, or None). A task is told to stop and requeue
+    SIGNAL_DELAY_S before its time runs out: a --time that leaves it less than TASK_START_S would be
+    requeued over and over without training anything (refused); one shorter than its largest batch left
+    would be requeued without finishing it, up to its requeue cap (warned)."""
+    delay = SIGNAL_DELAY_S[launcher]
+    window = time_min * 60 - delay  # seconds a task trains before it is told to stop
+    batch = plan.batch_s or 0.0
+    need = math.ceil((delay + TASK_START_S + batch) / 60)
+    who = ("Slurm tells", f"--signal=USR2@{delay}") if launcher == "slurm" else \
+        ("submitit's local executor tells", f"SIGUSR2, its signal_delay_s={delay}")
+    told = (f"{who[0]} a task to stop and requeue {delay} s before its time runs out ({who[1]}), so a "
+            f"{time_min}-minute task trains for {max(window, 0)} s")
+    per_task = (f"Estimated minutes per task: {(TASK_START_S + batch) / 60:.1f} ({TASK_START_S} s to start, "
+                f"{batch / 60:.1f} min for its largest batch left, {plan.basis}), against a limit of {time_min} "
+                f"({max(window, 0) / 60:.1f} before the stop signal)" if plan.batch_s is not None else
+                "Its batches' time is unknown on this device until some of its runs have finished")
+    if window < TASK_START_S:
+        return (f"--time {time_min} is too short: {told} and would be requeued over and over without finishing "
+                f"a batch. {per_task}. Give --time {need} or more"), None
+    if plan.batch_s is not None and TASK_START_S + batch > window:
+        return None, (f"warning: --time {time_min} is too short for the largest batch left: {told}, and a task "
+                      f"that cannot finish a batch is requeued without progress (at most "
+                      f"{max_requeues(time_min, plan, launcher)} times). {per_task}. Give --time {need} or more")
+    return None, None
+
+
+def max_requeues(time_min: int, plan: ArrayPlan, launcher: str) -> int:
+    """How many times a task past its --time is requeued (submitit's max_num_timeout): its shard's time
+    left over what a task trains, twice, and 3 more; at most MAX_REQUEUES (also where nothing tells the
+    time). A task past them ends; a resubmit goes on with the shards with runs left. The local executor keeps
+    its own cap, LOCAL_REQUEUES."""
+    if launcher == "local":
+        return LOCAL_REQUEUES
+    if plan.shard_s is None:
+        return MAX_REQUEUES
+    window = max(time_min * 60 - SIGNAL_DELAY_S[launcher] - TASK_START_S, 60)
+    return min(MAX_REQUEUES, 3 + 2 * math.ceil(plan.shard_s / window))
+
+
+def settle(settings: ArraySettings, plan: ArrayPlan) -> ArraySettings:
+    """Slurm's `settings` for the tasks `plan` leaves (only the shards with runs left), with their requeue cap."""
+    return replace(settings, tasks=len(plan.todo), requeues=max_requeues(settings.time_min, plan, "slurm"))
+
+
+class RunsFailed(RuntimeError):
+    """A shard's runs failed (under Slurm: the task ends in this error, so that `sacct` says FAILED)."""
 
 
 STOP_GRACE_S = 60  # a shard stopped cleanly ends its run in progress and writes its summary; past this, killed
@@ -71,17 +191,20 @@ class ShardTask:
     """One array task: `python -m normexp <argv> --shard I/N`. A plain class with `checkpoint` (which
     submitit looks for), so that this module imports without submitit. `own_session`: the shard runs in
     a session of its own (--launcher local: only `run_local` stops it; under Slurm the job's own process
-    tracking must see it, so it stays in the task's)."""
+    tracking must see it, so it stays in the task's). `fail_on_failed_runs`: a shard whose runs failed
+    (normexp's exit code 1) ends the task in `RunsFailed` (Slurm: FAILED), not a result of 1."""
 
-    def __init__(self, argv: Sequence[str], shards: int, own_session: bool = False) -> None:
+    def __init__(self, argv: Sequence[str], shards: int, own_session: bool = False,
+                 fail_on_failed_runs: bool = False) -> None:
         self.argv, self.shards, self.own_session = list(argv), shards, own_session
+        self.fail_on_failed_runs = fail_on_failed_runs
         self._child: subprocess.Popen | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_child": None}  # the running shard stays with the process that started it
 
     def __setstate__(self, state: dict) -> None:  # a task pickled by an earlier normexp has neither attribute
-        self.__dict__.update({"own_session": False, **state, "_child": None})
+        self.__dict__.update({"own_session": False, "fail_on_failed_runs": False, **state, "_child": None})
 
     def command(self, index: int) -> list[str]:
         return [sys.executable, "-m", "normexp", *self.argv, "--shard", f"{index}/{self.shards}"]
@@ -97,6 +220,10 @@ class ShardTask:
                 raise
         if code not in (0, 1):  # 1: some run failed, recorded in the folder; anything else: the task failed
             raise RuntimeError(f"shard {index}/{self.shards}: normexp exited with {code}")
+        if code == 1 and self.fail_on_failed_runs:
+            out = self.argv[self.argv.index("--out") + 1] if "--out" in self.argv else "the sweep's folder"
+            raise RunsFailed(f"shard {index}/{self.shards}: some of its runs failed, each with its error in its "
+                             f"folder's failed.json (normexp verify {out}); a resubmit retries them")
         return code
 
     def checkpoint(self, index: int):  # noqa: ANN201 - a submitit DelayedSubmission
@@ -177,16 +304,18 @@ def sbatch_script(argv: Sequence[str], settings: ArraySettings, logs: Path) -> s
 
     del submitit
     command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(logs))])
-    return _make_sbatch_string(command=command, folder=logs / "%j", map_count=settings.shards,
+    return _make_sbatch_string(command=command, folder=logs / "%j", map_count=settings.task_count,
                                **settings.slurm_parameters())
 
 
-def submit(argv: Sequence[str], settings: ArraySettings, logs: Path) -> list:
-    """Submit the array to Slurm; returns submitit's jobs."""
+def submit(argv: Sequence[str], settings: ArraySettings, logs: Path, shards: Sequence[int] | None = None) -> list:
+    """Submit the array to Slurm, one task for each of `shards` (None: all; task K runs the K-th of them);
+    returns submitit's jobs."""
     submitit = _submitit()
-    executor = submitit.SlurmExecutor(folder=logs / "%j", max_num_timeout=100)
-    executor.update_parameters(**settings.slurm_parameters())
-    return executor.map_array(ShardTask(argv, settings.shards), range(settings.shards))
+    shards = list(range(settings.shards) if shards is None else shards)
+    executor = submitit.SlurmExecutor(folder=logs / "%j", max_num_timeout=settings.requeues)
+    executor.update_parameters(**replace(settings, tasks=len(shards)).slurm_parameters())
+    return executor.map_array(ShardTask(argv, settings.shards, fail_on_failed_runs=True), shards)
 
 
 @dataclass

@@ -39,6 +39,14 @@ def shard_runs(runs: Sequence[RunConfig], engine: str, index: int, count: int,
     the sweep's (auto plans as batched); `compile`: its --compile/--no-compile (None: decided per structure,
     as the sweep decides it), so that a compiled fast sweep is dealt out by the compiled batches it trains
     (COMPILED_CHUNK runs), not by the larger uncompiled ones."""
+    mine = {run_id(cfg) for unit in deal_units(runs, engine, count, compile).get(index, []) for cfg in unit}
+    return [cfg for cfg in runs if run_id(cfg) in mine]
+
+
+def deal_units(runs: Sequence[RunConfig], engine: str, count: int,
+               compile: bool | None = None) -> dict[int, list[list[RunConfig]]]:
+    """Shard index -> its work units (each the runs trained together), as `shard_runs` deals them; a shard
+    dealt nothing (N past the number of units) is absent."""
     from normexp.units import plan_units
 
     engine = engine if engine in ("reference", "fast") else "batched"
@@ -46,10 +54,9 @@ def shard_runs(runs: Sequence[RunConfig], engine: str, index: int, count: int,
     cost = [sum(c["train"]["steps"] + 1 for c in unit.configs) for unit in units]
     # the least loaded shard, ties to the lowest index, from a heap: bounded time whatever N (past one shard
     # per unit the others get nothing: every cost is > 0, so a unit always goes to an empty shard first)
-    heap, mine = [(0, i) for i in range(min(count, len(units)))], set()
+    heap, dealt = [(0, i) for i in range(min(count, len(units)))], {}
     for k in sorted(range(len(units)), key=lambda k: -cost[k]):  # stable: plan order among equals
         load, shard = heapq.heappop(heap)
         heapq.heappush(heap, (load + cost[k], shard))
-        if shard == index:
-            mine |= {run_id(cfg) for cfg in units[k].runs}
-    return [cfg for cfg in runs if run_id(cfg) in mine]
+        dealt.setdefault(shard, []).append(units[k].runs)
+    return dealt

@@ -103,8 +103,8 @@ def sweep(
         passed = tuple(sweep_options(device, compile_, workers, cluster,  # each task runs as this command asked
                                      None if max_runs == DEFAULT_MAX_RUNS else max_runs, fail_fast))
         _launch(config, set_ or [], spec, out_folder(out_dir, spec.name), engine, force, launcher, dry_run,
-                ArraySettings(shards or 0, partition, account, qos, time_min, cpus, mem, array_parallelism,
-                              tuple(setup or ())), logs, passed)
+                ArraySettings(shards or 0, spec.name, partition, account, qos, time_min, cpus, mem,
+                              array_parallelism, tuple(setup or ())), logs, passed, (compile_, device))
         return
     shard_of = _shard(shard)
     target = out_folder(out_dir, spec.name)
@@ -154,9 +154,11 @@ def _print_shard(spec: Sweep, engine: str, shard: tuple[int, int], compile_: boo
 
 
 def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engine: str, force: bool,
-            launcher: str | None, dry_run: bool, settings, logs: Path | None, passed: tuple[str, ...] = ()) -> None:
-    """`sweep --launcher`: submit (or show, with --dry-run) the job array of `settings.shards` shards."""
-    from normexp.launch import LAUNCHERS, run_local, sbatch_script, submit, task_argv
+            launcher: str | None, dry_run: bool, settings, logs: Path | None, passed: tuple[str, ...] = (),
+            compile_device: tuple[bool | None, str] = (None, "cpu")) -> None:
+    """`sweep --launcher`: submit (or show, with --dry-run) the job array of `settings.shards` shards; under
+    Slurm, only the shards with runs left. A --time too short for a task is refused or warned first."""
+    from normexp.launch import LAUNCHERS, check_time, plan_array, run_local, sbatch_script, settle, submit, task_argv
 
     if launcher is None or not settings.shards:
         raise fail("--launcher and --shards go together: e.g. --launcher slurm --shards 8")
@@ -164,26 +166,42 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
     check_choice("--engine", engine, ("auto", "reference", "batched", "fast"))
     argv = task_argv(config, overrides, target, engine, force, passed)
     logs = (logs or target / ".submitit").resolve()
+    plan = plan_array(spec.runs, engine, settings.shards, target, compile_device[0], force, compile_device[1])
+    refusal, warning = check_time(settings.time_min, plan, launcher)
+    if refusal:
+        raise fail(refusal)
+    if warning:
+        err.print(warning, soft_wrap=True)
+    if launcher == "slurm":
+        settings = settle(settings, plan)
     try:
         if dry_run:
             _print_grid(spec, target, engine)
             out.print(f"\n{settings.shards} array tasks, task I running: "
                       + " ".join(shlex.quote(a) for a in ["python", "-m", "normexp", *argv, "--shard", "I/N"]))
             if launcher == "slurm":
-                out.print("\n" + sbatch_script(argv, settings, logs))
+                out.print(_shards_left(plan.todo, settings.shards, target))
+                if plan.todo:
+                    out.print("\n" + sbatch_script(argv, settings, logs))
             return
         if launcher == "local":
             done = run_local(argv, settings, logs, target, spec.runs, lambda line: err.print(line, soft_wrap=True))
+        elif not plan.todo:
+            out.print(_shards_left(plan.todo, settings.shards, target))
+            return
         else:
-            jobs = submit(argv, settings, logs)
+            jobs = submit(argv, settings, logs, plan.todo)
     except ConfigError as exc:
         raise fail(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - sbatch refused the array, or the local executor could not start
         last = (str(exc).strip().splitlines() or [""])[-1]
         raise fail(f"--launcher {launcher}: {type(exc).__name__}: {last}") from None
     if launcher == "slurm":
-        out.print(f"submitted job array {jobs[0].job_id.split('_')[0]} ({settings.shards} tasks) into {target}; "
-                  f"logs in {logs}; `normexp report {target}` when it is done")
+        out.print(f"submitted job array {jobs[0].job_id.split('_')[0]} '{settings.name}' "
+                  f"({plural(len(plan.todo), 'task')}) into {target}; logs in {logs}; `normexp report {target}` "
+                  "when it is done", soft_wrap=True)
+        out.print(f"{_shards_left(plan.todo, settings.shards, target)}; past --time {settings.time_min}, a task is "
+                  f"requeued and resumes, at most {settings.requeues} times", soft_wrap=True)
         return
     if done.stopped is not None:  # as a sweep stopped so says: what is kept, and the command that resumes
         resume = " ".join(shlex.quote(a) for a in ["normexp", *sys.argv[1:]])
@@ -198,6 +216,17 @@ def _launch(config: Path, overrides: list[str], spec: Sweep, target: Path, engin
         err.print(f"{done.finished} of {done.total} runs finished, {plural(len(done.failed), 'run')} failed "
                   f"(normexp verify {shlex.quote(str(target))})", soft_wrap=True)
         raise typer.Exit(Exit.FAILED)
+
+
+def _shards_left(todo: tuple[int, ...], shards: int, target: Path) -> str:
+    """Which shards the array runs: those with runs left in `target` (finished runs verified there)."""
+    if not todo:
+        return f"every run of the {shards} shards is finished in {target} (verified): no task to submit"
+    if len(todo) == shards:
+        return f"all {shards} shards have runs left: task K runs shard K"
+    return (f"{len(todo)} of the {shards} shards {'has' if len(todo) == 1 else 'have'} runs left "
+            f"({', '.join(map(str, todo))}; the others have none left in {target}, verified): task K runs the K-th "
+            "of them")
 
 
 def _say_if_output_lost(outcome: SweepOutcome | None, target: Path) -> None:
