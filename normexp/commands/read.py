@@ -356,6 +356,8 @@ def export(
     to: Annotated[str, typer.Option("--to", help="tensorboard | mlflow.")] = "tensorboard",
     experiment: Annotated[str | None, typer.Option(help="--to mlflow: the experiment [default: the sweep's "
                                                           "name].")] = None,
+    run_name: str | None = typer.Option(None, "--run-name", help="Each run's name in the tool, from its config: "
+                                        "'{norm.placement}-d{model.depth}-s{seed}' [default: the keys that vary]."),
 ) -> None:
     """Export a sweep's verified runs to TensorBoard (scalars per step, HParams) or MLflow (one run per run)."""
     from normexp.export import TARGETS
@@ -373,9 +375,9 @@ def export(
             done = to_tensorboard(run_dir, Path(dest))
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest} · tensorboard --logdir {dest}")
         else:
-            done = to_mlflow(run_dir, dest, experiment)
+            done = to_mlflow(run_dir, dest, experiment, run_name)
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest}, {done.kept} already there · "
-                      f"mlflow ui --backend-store-uri {dest}")
+                      f"{done.viewer(dest)}", soft_wrap=True)
     except (ConfigError, StoreError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
