@@ -131,20 +131,32 @@ def newer_store_problem(uri: str) -> str | None:
     path = sqlite_path(uri)
     if path is None or not path.is_file():
         return None
-    try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
-            revision = db.execute("SELECT version_num FROM alembic_version").fetchone()
-            wrote = [row[0] for row in db.execute("SELECT DISTINCT value FROM tags WHERE key = ?", (VERSION_TAG,))]
-    except sqlite3.Error:  # not an MLflow database (yet): MLflow's own message says what it is
-        return None
-    if revision is None or revision[0] in _known_revisions():
+    revision, wrote = _schema_and_writers(path)
+    if revision is None or revision in _known_revisions():
         return None
     newest = max(wrote, key=_version_key, default=None)
+    if newest is not None and _version_key(newest) <= _version_key(installed_version()):
+        newest = None  # migrated since by an MLflow that left no tag: which one is not known
     by = f"MLflow {newest}" if newest else "a newer MLflow"
     need = f"pip install 'mlflow>={newest}'" if newest else "pip install --upgrade mlflow"
-    return (f"MLflow at {uri}: the database was written by {by} (schema revision {revision[0]}, unknown to the "
+    return (f"MLflow at {uri}: the database was written by {by} (schema revision {revision}, unknown to the "
             f"installed mlflow {installed_version()}); an older MLflow cannot read or write it: {need}, or "
             "export into another database")
+
+
+def _schema_and_writers(path: Path) -> tuple[str | None, list[str]]:
+    """A sqlite database's schema revision (None where it is not an MLflow database, yet) and the MLflow
+    versions its runs' `normexp.mlflow_version` tags name. Only read."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+            try:
+                wrote = [v for (v,) in db.execute("SELECT DISTINCT value FROM tags WHERE key = ?", (VERSION_TAG,))]
+            except sqlite3.Error:  # no tags table: the versions are not known
+                wrote = []
+    except sqlite3.Error:  # not an MLflow database, or unreadable: MLflow's own message says what it is
+        return None, []
+    return (row[0] if row else None), wrote
 
 
 def sqlite_path(uri: str) -> Path | None:
