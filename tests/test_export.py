@@ -76,30 +76,46 @@ def _same(a: float, b: float) -> bool:
 @pytest.mark.parametrize("store", ["file", pytest.param("sqlite", marks=pytest.mark.slow)])  # sqlite: ~20 s
 def test_mlflow_export_reads_back_value_for_value_and_is_idempotent(folder, tmp_path, store, monkeypatch):
     pytest.importorskip("mlflow")
+    import mlflow
     from mlflow.tracking import MlflowClient
+
+    if store == "sqlite":
+        pytest.importorskip("sqlalchemy")
 
     if store == "sqlite":
         pytest.importorskip("sqlalchemy")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}" if store == "sqlite" else (tmp_path / "mlruns").as_uri()
     result = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
     assert result.exit_code == 0 and "8 runs exported" in result.output, result.output
+    viewer = f"mlflow ui --backend-store-uri {uri} (MLflow {mlflow.__version__} or newer: pip install 'mlflow>="
+    assert viewer in result.output, result.output  # the store's own URI, and an MLflow that can read it
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only so (export sets it)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("tiny")
     found = client.search_runs([experiment.experiment_id])
-    by_id = {r.data.tags["normexp.run_id"]: r for r in found}
+    (parent,) = [r for r in found if "normexp.run_id" not in r.data.tags]
+    by_id = {r.data.tags["normexp.run_id"]: r for r in found if r is not parent}
     assert sorted(by_id) == [r.name for r in _runs(folder)]
+    assert parent.info.run_name == "tiny" and parent.data.tags["normexp.folder"] == str(folder.resolve())
+    assert sorted(a.path for a in client.list_artifacts(parent.info.run_id)) == ["summary.csv", "sweep.yaml"]
     for run in _runs(folder):
         exported, done = by_id[run.name], read_json(run / "done.json")
         flat = flatten(build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0])
         assert exported.data.params == {k: str("None" if v is None else json.dumps(list(v))
                                                 if isinstance(v, (list, tuple)) else v) for k, v in flat.items()}
-        assert exported.info.run_name == run.name
+        assert exported.info.run_name == (f"{flat['norm.placement']}-lr{flat['optim.lr']:g}-log_blocks="
+                                          f"{str(flat['train.log_blocks']).lower()}-s{flat['seed']}")  # the axes
         tags = exported.data.tags
         assert (tags["normexp.sweep"], tags["normexp.engine"], tags["normexp.status"]) == (
             "tiny", done["engine"], done["status"])
         assert tags["normexp.provenance.command"] == done["provenance"]["command"]
         assert tags["normexp.trained"] == str(_expected(run)["final/trained"][0][1] == 1.0).lower()
+        assert tags["mlflow.parentRunId"] == parent.info.run_id
+        assert tags["normexp.mlflow_version"] == mlflow.__version__
+        assert sorted(a.path for a in client.list_artifacts(exported.info.run_id)) == ["config.yaml", "metrics.csv"]
+        for name in ("config.yaml", "metrics.csv"):
+            local = client.download_artifacts(exported.info.run_id, name, str(tmp_path / "down" / run.name))
+            assert Path(local).read_bytes() == (run / name).read_bytes(), name
         expected = _expected(run)
         assert sorted(exported.data.metrics) == sorted(expected)
         for key, points in expected.items():
@@ -110,7 +126,9 @@ def test_mlflow_export_reads_back_value_for_value_and_is_idempotent(folder, tmp_
                 assert _same(m.value, math.copysign(1.7976931348623157e308, value) if clipped else value), key
     again = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
     assert "0 runs exported" in again.output and "8 already there" in again.output
-    assert len(client.search_runs([experiment.experiment_id])) == 8
+    after = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_id for r in after) == sorted(r.info.run_id for r in found)  # the parent kept too
+    assert all(len(client.list_artifacts(r.info.run_id)) == 2 for r in found)  # none logged twice
 
 
 @pytest.mark.slow  # MLflow's SQL store, twice: ~10 s
@@ -182,7 +200,8 @@ def test_trained_follows_the_folders_rule_as_summary_csv_does(tmp_path):
     assert runner.invoke(app, ["export", str(out), uri, "--to", "mlflow"]).exit_code == 0
     client = MlflowClient(tracking_uri=uri)
     tags = {r.data.tags["normexp.run_id"]: r.data.tags["normexp.trained"]
-            for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])}
+            for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+            if "normexp.run_id" in r.data.tags}
     for rid, trained in summary.items():
         acc = EventAccumulator(str(tmp_path / "tb" / exported_folders(tmp_path / "tb")[rid]),
                                size_guidance={"scalars": 0})
@@ -207,7 +226,7 @@ def test_a_new_trained_rule_is_exported_again_to_mlflow(tmp_path):
     assert result.exit_code == 0 and "2 runs exported" in result.output, result.output
     client = MlflowClient(tracking_uri=uri)
     found = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
-    assert sorted(r.data.tags["normexp.trained"] for r in found) == ["true", "true"]
+    assert sorted(r.data.tags["normexp.trained"] for r in found if "normexp.run_id" in r.data.tags) == ["true"] * 2
 
 
 @pytest.mark.parametrize("command", [["export", "{folder}", "", "--to", "tensorboard"],

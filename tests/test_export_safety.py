@@ -82,8 +82,10 @@ def _rerun(run: Path, shift: float) -> None:
 
 
 def _exported(client) -> list:
+    """The experiment's MLflow runs of normexp runs (not the folders' parent runs)."""
     experiment = client.get_experiment_by_name("tiny")
-    return client.search_runs([experiment.experiment_id], max_results=1000)
+    return [r for r in client.search_runs([experiment.experiment_id], max_results=1000)
+            if "normexp.run_id" in r.data.tags]
 
 
 def test_an_export_never_deletes_another_folders_mlflow_runs(folder, tmp_path, mlflow_client):

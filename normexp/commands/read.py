@@ -385,9 +385,9 @@ def export(
             done = to_tensorboard(run_dir, Path(dest), run_name=run_name, block_scalars=block_scalars)
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest} · tensorboard --logdir {dest}")
         elif to == "mlflow":
-            done = to_mlflow(run_dir, dest, experiment)
+            done = to_mlflow(run_dir, dest, experiment, run_name)
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest}, {done.kept} already there · "
-                      f"mlflow ui --backend-store-uri {dest}")
+                      f"{done.viewer(dest)}", soft_wrap=True)
         elif to == "wandb":
             done = to_wandb(run_dir, Path(dest), run_name)
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest}, {done.kept} already there · "
