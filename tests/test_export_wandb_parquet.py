@@ -230,7 +230,7 @@ def _read_offline_runs(wandb_dir: Path) -> dict[str, dict[str, Any]]:
     procs = [_wandb("leet", "inspect", "--json", str(f)) for f in folders]
     runs = {}
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr
         run: dict[str, Any] = {"config": {}, "history": {}, "summary": {}, "exit": None}
         for line in stdout.splitlines():
