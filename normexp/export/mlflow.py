@@ -8,7 +8,9 @@ one parent run (named by the sweep, tag `normexp.role` = `sweep`) holding the sw
 (`SWEEP_ARTIFACTS`: sweep.yaml, summary.csv, report.html, the figures), and each normexp run one MLflow run
 nested under it (tag `mlflow.parentRunId`), named by `--run-name` or the keys that vary (export/names.py),
 with `config.yaml` and `metrics.csv` as artifacts. Params: the flattened config (`optim.lr`, ...; null as
-"None"), metrics: the same names as TensorBoard's with their step, tags: `normexp.run_id`, `normexp.folder`
+"None"), metrics: `ExportedRun.scalars()`'s names (metrics.csv's columns, `blocks/<column>/<block>`,
+`sharpness/*`, `final/*`; TensorBoard files the same values under loss/, metrics/, per_block/, result/) with
+their step, tags: `normexp.run_id`, `normexp.folder`
 (the folder's absolute path), `normexp.sweep`, `normexp.engine`, `normexp.status`, `normexp.trained`,
 `normexp.threads`, `normexp.device`, `normexp.config_hash`, `normexp.done_checksum`, `normexp.mlflow_version`
 (the MLflow that wrote it) and `normexp.provenance.*` (commit, CPU, torch build, command). A new experiment in

@@ -8,7 +8,7 @@ synced twice is one W&B run; its project is the sweep's name (`wandb sync --proj
 display name the run's name (`--run-name`, names.py). Config: the run's config as nested sections
 (`model.depth` shows as `model.depth`), and under `normexp` the run id, the sweep, the folder, config hash,
 done.json's checksum, engine, threads, device and provenance (commit, CPU, torch build, command). History:
-per recorded step (`_step` is normexp's step) the same scalars as TensorBoard's and MLflow's (metrics.csv's
+per recorded step (`_step` is normexp's step) the same scalars as MLflow's (metrics.csv's
 columns, `blocks/<column>/<block>`, `sharpness/*`), and at the last step `final/final_loss`, `final/min_loss`,
 `final/final_acc`, `final/diverged` and `final/trained` (1 or 0), which the summary holds with each metric's
 last value. Tags: the run's status. NaN and +-inf go as they are (W&B shows them as such).
