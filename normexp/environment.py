@@ -69,7 +69,8 @@ def describe() -> Environment:
         ("platform", f"{platform.platform()} {platform.machine()}, {os.cpu_count()} CPUs"),
     ]
     cpu = cpu_info()
-    lines += [("cpu", cpu.model), ("cpu features", cpu.features_text())]
+    lines += [("cpu", cpu.model), *([("cpu id", cpu.ident)] if cpu.ident else []),
+              ("cpu features", cpu.features_text())]
     lines += _torch_lines()
     lines.append(("dask extra", _dask_extra()))
     lines += [(name, os.environ[name]) for name in RELEVANT_VARIABLES if name in os.environ]
@@ -85,6 +86,7 @@ def _torch_lines() -> list[tuple[str, str]]:
         ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
         ("torch build", torch_build(torch.version.cuda, getattr(torch.version, "hip", None))),
         ("torch cpu kernels", torch_cpu_capability(torch)),
+        ("torch blas", torch_blas(torch)),
         ("threads", f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op"),
         ("devices", visible_devices(torch)),
     ]
@@ -142,6 +144,16 @@ class CpuInfo:
     model: str  # the processor's name, or "unknown"
     features: tuple[str, ...] = ()  # of KERNEL_FEATURES, those this CPU has, in that order
     source: str = ""  # where they were read: /proc/cpuinfo, sysctl, or nothing
+    ident: str = ""  # vendor, family and model numbers ("AuthenticAMD family 25 model 17"), where given
+
+    def isa_text(self) -> str:
+        """The features a reader of a speed figure asks about first: `avx2 avx512f amx_tile`, with `no
+        avx512f` / `no amx` said where the CPU lacks them (an x86-64 CPU; elsewhere `features_text`)."""
+        if not any(f in self.features for f in ("sse4_2", "avx", "avx2")):
+            return self.features_text()
+        named = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile") if f in self.features]
+        missing = [f"no {f}" for f, lead in (("avx512f", "avx512f"), ("amx", "amx_tile")) if lead not in self.features]
+        return " ".join(named + missing)
 
     def features_text(self) -> str:
         if self.features:
@@ -185,7 +197,10 @@ def _from_cpuinfo(text: str) -> CpuInfo:
     if not model and "CPU part" in fields:  # ARM Linux names no model: give its implementer and part
         model = f"ARM implementer {fields.get('CPU implementer', '?')} part {fields['CPU part']}"
     found = set((fields.get("flags") or fields.get("Features") or "").split())
-    return CpuInfo(model or "unknown", tuple(f for f in KERNEL_FEATURES if f in found), "/proc/cpuinfo")
+    ident = " ".join(f"{name} {fields[key]}" if name else fields[key]
+                     for key, name in (("vendor_id", ""), ("cpu family", "family"), ("model", "model"))
+                     if fields.get(key))
+    return CpuInfo(model or "unknown", tuple(f for f in KERNEL_FEATURES if f in found), "/proc/cpuinfo", ident)
 
 
 def _sysctl() -> dict[str, str]:
@@ -200,6 +215,38 @@ def _sysctl() -> dict[str, str]:
         if done.returncode == 0:
             values[key] = done.stdout.strip()
     return values
+
+
+def torch_blas(torch: ModuleType) -> str:
+    """The BLAS torch's CPU matrix products call and the oneDNN beside it, with their versions, from the build's
+    own description (`MKL 2024.2, oneDNN 3.12.0`; `OpenBLAS`...): MKL takes another code path on a CPU that
+    is not Intel's (docs/performance.md)."""
+    try:
+        text = torch.__config__.show()
+    except Exception:  # noqa: BLE001 - an older or a broken torch: say so, never raise
+        return "unknown"
+    found = []
+    mkl = re.search(r"Math Kernel Library Version ([\w.]+)", text)
+    if mkl:
+        found.append(f"MKL {mkl.group(1)}")
+    else:
+        blas = re.search(r"BLAS_INFO=(\w+)", text)
+        found.append(blas.group(1) if blas else "no BLAS named")
+    dnn = re.search(r"MKL-DNN v([\w.]+)", text)
+    if dnn:
+        found.append(f"oneDNN {dnn.group(1)}")
+    return ", ".join(found)
+
+
+def cpu_summary() -> str:
+    """One line naming the machine a speed figure was measured on: the CPU, its ISA, torch and its BLAS
+    (imports torch). `make bench` prints it beside every figure."""
+    import torch
+
+    cpu = cpu_info()
+    ident = f", {cpu.ident}" if cpu.ident else ""
+    return (f"{cpu.model}{ident}, {os.cpu_count()} CPUs, {cpu.isa_text()}; torch {torch.__version__} "
+            f"({torch_cpu_capability(torch)} kernels), {torch_blas(torch)}")
 
 
 def torch_cpu_capability(torch: ModuleType) -> str:
