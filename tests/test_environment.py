@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -240,3 +241,31 @@ def test_doctor_names_the_cpu_torch_s_kernels_and_the_commit(tmp_path):
     assert git_commit(str(tmp_path)) is None  # not a checkout: no commit, no error
     with mock.patch("subprocess.run", side_effect=FileNotFoundError("git")):
         assert git_commit() is None  # no git installed
+
+
+def test_mkl_s_intel_path_is_refused_once_torch_is_loaded():
+    """MKL picks its path at its first call: a library loaded after torch could answer nothing in time."""
+    from normexp.environment import take_mkl_intel_path
+
+    assert "torch" in sys.modules
+    assert "torch is loaded already" in (take_mkl_intel_path() or "")
+
+
+@pytest.mark.process
+def test_mkl_takes_its_intel_path_only_where_the_user_asks():
+    """NORMEXP_MKL_PATH=intel: every normexp process loads, before torch, the library that answers MKL's
+    vendor question, and MKL asks it (its count moves at the first product); without it, nothing is loaded."""
+    from normexp.environment import torch_blas
+
+    if not torch_blas(torch).startswith("MKL") or not sys.platform.startswith("linux"):
+        pytest.skip("torch's BLAS here is not MKL on Linux")
+    if not any(shutil.which(cc) for cc in ("cc", "gcc")):
+        pytest.skip("no C compiler")
+    env = {k: v for k, v in os.environ.items() if k != "NORMEXP_MKL_PATH"}
+    asked = subprocess.run([sys.executable, "-m", "normexp", "doctor"], capture_output=True, text=True, check=True,
+                           env={**env, "NORMEXP_MKL_PATH": "intel"}).stdout
+    line = next(line for line in asked.splitlines() if line.startswith("mkl path:"))
+    assert "Intel's" in line and int(line.split("asked ")[1].split()[0]) > 0, line
+    left = subprocess.run([sys.executable, "-m", "normexp", "doctor"], capture_output=True, text=True, check=True,
+                          env=env).stdout
+    assert "MKL's own choice" in next(line for line in left.splitlines() if line.startswith("mkl path:"))
