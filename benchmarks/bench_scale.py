@@ -203,7 +203,8 @@ def folder_commands(runs: int) -> tuple[int, float]:
 def summary(per_run: tuple[float, float, float] | None, auto: float, folder: tuple[int, float]) -> str:
     """The one line `make bench` ends with: the issue's four figures, each measured in this run, and the CPU."""
     fast = (f"fast/reference per run {per_run[0]:.2f}x ({per_run[1] * 1e3:.1f} vs {per_run[2] * 1e3:.1f} ms a run), "
-            f"10,240 runs ~{10_240 * per_run[1] / 60:.1f} min" if per_run else "fast/reference not measured (--quick)")
+            f"10,240 runs ~{10_240 * per_run[1] / 60:.1f} min at that rate (step on disk)"
+            if per_run else "fast/reference not measured (--quick)")
     return (f"SUMMARY: {fast}; auto {auto:.2f}x the reference (article's 64-run grid); report of a {folder[0]}-run "
             f"folder {folder[1]:.1f} s; {load()}")
 
