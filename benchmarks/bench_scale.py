@@ -25,12 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from normexp.environment import cpu_info, cpu_summary, set_thread_defaults, torch_blas
+
+set_thread_defaults()  # before torch loads: its threads wait, and MKL takes its path, as under the normexp command
+
 import torch
 
 from normexp.config import RunConfig, load_sweep
 from normexp.engines.fast import train_fast
 from normexp.engines.reference import train_run
-from normexp.environment import cpu_info, cpu_summary, torch_blas
 from normexp.folder import (
     SWEEP_FILE,
     FinishedRun,
