@@ -88,16 +88,18 @@ studies: install
 lint: install-dev
 	$(VENV)/bin/ruff check normexp tests benchmarks examples docs
 
-# issue 29's figures (the phase diagram's shape, auto vs reference, a large folder), engines and executors
-# side by side, then the norm speed table at the article's (64, 512, 4096)
+# engines and executors side by side, the norm speed table at the article's (64, 512, 4096), then issue 29's
+# figures (the phase diagram's shape, auto vs reference, a large folder), whose last line sums them up; each
+# benchmark names the CPU (model, family and model, ISA, torch's BLAS) it measured on
 bench: install-dev
-	$(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_sweep.py
 	$(PY) benchmarks/bench_engines.py
 	$(PY) benchmarks/bench_workers.py
 	$(PY) benchmarks/bench_fast.py
 	$(PY) benchmarks/bench_kernels.py
+	$(PY) -c "from normexp.environment import cpu_summary; print('CPU:', cpu_summary())"
 	$(PY) -m normexp norms bench --repeats 3
+	$(PY) benchmarks/bench_scale.py
 
 # the documentation site (mkdocs.yml): a broken link, a missing anchor or a page left out of the nav fails.
 # It needs MkDocs only: the docs extra, not the test tools and bridges of install-dev.

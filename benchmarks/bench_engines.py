@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from normexp.environment import set_thread_defaults
+from normexp.environment import cpu_summary, set_thread_defaults
 
 set_thread_defaults()  # before torch loads: its threads wait as under the normexp command
 
@@ -167,6 +167,7 @@ def main() -> None:
     seeds = 4 if args.quick else 16
     runs = grid(seeds)
     model_steps = len(runs) * (runs[0].train.steps + 1)
+    print(f"CPU: {cpu_summary()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
           f"grid: {len(runs)} runs x {runs[0].train.steps + 1} steps (post/pre x layernorm/rmsnorm x {seeds} seeds)")
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-from normexp.environment import set_thread_defaults
+from normexp.environment import cpu_summary, set_thread_defaults
 
 set_thread_defaults()  # before torch loads: its threads wait as under the normexp command
 
@@ -301,6 +301,7 @@ def main() -> None:
     parser.add_argument("--speed-only", action="store_true", help="skip the contract and the memory measurement")
     args = parser.parse_args()
     quick, compiled = args.quick, not args.no_compile
+    print(f"CPU: {cpu_summary()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} (the figures below are only comparable side by side)")
 

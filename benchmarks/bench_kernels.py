@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from normexp.engines.fast import COMPILED_CHUNK
+from normexp.environment import cpu_summary
 
 RUNS, SAMPLES, WIDTH, HIDDEN, LAYERS = COMPILED_CHUNK, 64, 32, 128, 24
 EVICT_FLOATS = 400_000  # the write between two calls: 1.6 MB, about an L2 (what it was at 16 runs), whatever RUNS is
@@ -70,12 +71,16 @@ def matmuls() -> None:
     }
     print(f"the step's matmuls, {RUNS} runs a call, us in cache / out of cache:")
     print(f"  {'product':<20} {'as the step calls it':>22} {'the other layout':>22}")
-    sums = [0.0, 0.0]
+    sums = [0.0, 0.0, 0.0]
     for name, (called, other) in products.items():
         a, b = in_and_out_of_cache(called), in_and_out_of_cache(other)
-        sums[0], sums[1] = sums[0] + a[0], sums[1] + b[0]
+        sums[0], sums[1], sums[2] = sums[0] + a[0], sums[1] + b[0], sums[2] + a[1]
         print(f"  {name:<20} {a[0]:9.1f} / {a[1]:8.1f}   {b[0]:9.1f} / {b[1]:8.1f}")
     print(f"  in cache, a layer's six: {sums[0]:.0f} us as called, {sums[1]:.0f} us in the other layouts")
+    flops = 6 * 2 * SAMPLES * WIDTH * HIDDEN * LAYERS  # per run per model-step: 24 layers' six products
+    print(f"  the matmul floor per run and model-step ({LAYERS} layers, {flops / 1e6:.1f} MFLOP): "
+          f"{sums[0] * LAYERS / RUNS / 1e3:.3f} ms in cache ({flops * RUNS / (sums[0] * LAYERS) / 1e3:.0f} GFLOP/s), "
+          f"{sums[2] * LAYERS / RUNS / 1e3:.3f} ms out of cache")
 
 
 def adam() -> None:
@@ -105,6 +110,7 @@ def adam() -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    print(f"CPU: {cpu_summary()}")
     print(f"torch {torch.__version__}, 1 thread")
     matmuls()
     adam()

@@ -6,8 +6,10 @@ lr x warmup x seeds, 60 steps) per model-step on each engine, `auto` against the
     python benchmarks/bench_scale.py --quick      # smaller: a smoke run of every measurement
     python benchmarks/bench_scale.py --runs 10000 # the folder figures at the issue's size
 
-Engines run side by side in one process, alternated; sweeps in fresh processes, alternated. The load
-average is printed with each figure: other work on the machine slows every side. Nothing here asserts.
+Engines run side by side in one process, alternated; sweeps in fresh processes, alternated. The CPU (model,
+family and model numbers, ISA, torch's BLAS) and the load average are printed with each figure: a speed is a
+claim about one CPU, and other work on the machine slows every side. The last line sums the issue's figures
+up, all measured in that run. Nothing here asserts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from normexp.environment import cpu_info, cpu_summary, set_thread_defaults, torch_blas
+
+set_thread_defaults()  # before torch loads: its threads wait, and MKL takes its path, as under the normexp command
 
 import torch
 
@@ -59,7 +65,9 @@ def phase_runs(n: int, steps: int) -> list[RunConfig]:
 
 
 def load() -> str:
-    return f"load {os.getloadavg()[0]:.1f}"
+    """The load average, and the CPU in short, that a figure was measured under."""
+    cpu = cpu_info()
+    return f"load {os.getloadavg()[0]:.1f}, {cpu.model} ({cpu.ident or 'no id'}; {cpu.isa_text()}; {torch_blas(torch)})"
 
 
 def per_model_step(runs: list[RunConfig], quick: bool) -> None:
@@ -100,7 +108,7 @@ def sweep_seconds(args: list[str]) -> tuple[float, str]:
 ARTICLE_SEEDS = "--set=seeds=" + ",".join(map(str, range(16)))  # the article's grid: 4 structures x 16 seeds
 
 
-def auto_vs_reference(rounds: int) -> None:
+def auto_vs_reference(rounds: int) -> float:
     """`normexp sweep configs/warmup.yaml` with 16 seeds (64 runs: configs/warmup.yaml alone has one seed, 4 runs,
     where no runs share a batch and auto measures nothing) with --engine auto and reference, fresh processes
     (auto with this machine's cache: a shape not measured before is measured on the first round's runs)."""
@@ -120,9 +128,10 @@ def auto_vs_reference(rounds: int) -> None:
         print(f"  --engine {engine:<10} {' / '.join(f'{v:.1f}' for v in values)} s   "
               f"{ref / statistics.median(values):5.2f}x the reference")
     print(f"  auto chose: {chose}")
+    return ref / statistics.median(times["auto"])
 
 
-def sweep_per_run(fast_seeds: int) -> None:
+def sweep_per_run(fast_seeds: int) -> tuple[float, float, float]:
     """The issue's hidden check, as a user runs it: `normexp sweep` of the phase grid end to end with the fast
     engine (its defaults: compiled, worker pool), against the reference on a 32-run slice of it (2 learning
     rates x 8 warmups x 2 seeds); seconds per run of each, and their ratio. The fast sweep's time includes
@@ -144,6 +153,7 @@ def sweep_per_run(fast_seeds: int) -> None:
     print(f"  fast per run: {ref / fast:.2f}x the reference (target >= 10x); a 10,000-run grid at this rate: "
           f"~{10_000 * fast / 60:.1f} min (target 10)")
     print(f"  fast's engine line: {first}")
+    return ref / fast, fast, ref
 
 
 def synthetic_folder(out: Path, seeds: int) -> int:
@@ -167,7 +177,9 @@ def synthetic_folder(out: Path, seeds: int) -> int:
     return len(sweep.runs)
 
 
-def folder_commands(runs: int) -> None:
+def folder_commands(runs: int) -> tuple[int, float]:
+    """report, verify and plot of a synthetic folder of about `runs` runs, each a fresh process; returns the
+    folder's runs and report's seconds."""
     seeds = max(1, runs // (len(LRS) * len(WARMUPS)))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "phase"
@@ -175,16 +187,29 @@ def folder_commands(runs: int) -> None:
         n = synthetic_folder(folder, seeds)
         print(f"\na {n}-run folder (written in {time.perf_counter() - start:.0f} s), each command a fresh process, "
               f"{load()} (target: <= 10 s each at 10,000 runs):")
+        report_s = 0.0
         for command in (["report", str(folder)], ["verify", str(folder)], ["verify", str(folder)],
                         ["plot", str(folder), "-o", str(Path(tmp) / "fig.png")]):
             start = time.perf_counter()
             done = subprocess.run([sys.executable, "-m", "normexp", *command], cwd=REPO, capture_output=True, text=True)
-            print(f"  normexp {command[0]:<8} {time.perf_counter() - start:6.1f} s  (exit {done.returncode})")
+            seconds = time.perf_counter() - start
+            report_s = seconds if command[0] == "report" else report_s
+            print(f"  normexp {command[0]:<8} {seconds:6.1f} s  (exit {done.returncode})")
         (Path(tmp) / "grid.yaml").write_text(phase_grid_yaml(79))
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "normexp", "sweep", str(Path(tmp) / "grid.yaml"), "--dry-run",
                         "--max-runs", "20000", "--out", str(folder)], cwd=REPO, check=True, capture_output=True)
         print(f"  sweep --dry-run of the 10,112-run grid against it: {time.perf_counter() - start:.1f} s (target 2 s)")
+    return n, report_s
+
+
+def summary(per_run: tuple[float, float, float] | None, auto: float, folder: tuple[int, float]) -> str:
+    """The one line `make bench` ends with: the issue's four figures, each measured in this run, and the CPU."""
+    fast = (f"fast/reference per run {per_run[0]:.2f}x ({per_run[1] * 1e3:.1f} vs {per_run[2] * 1e3:.1f} ms a run), "
+            f"10,240 runs ~{10_240 * per_run[1] / 60:.1f} min at that rate (step on disk)"
+            if per_run else "fast/reference not measured (--quick)")
+    return (f"SUMMARY: {fast}; auto {auto:.2f}x the reference (article's 64-run grid); report of a {folder[0]}-run "
+            f"folder {folder[1]:.1f} s; {load()}")
 
 
 def main() -> None:
@@ -194,12 +219,13 @@ def main() -> None:
     parser.add_argument("--fast-seeds", type=int, default=16, help="seeds of the phase grid the fast sweep trains "
                         "(128 runs each; from 16 its defaults compile)")
     args = parser.parse_args()
+    print(f"CPU: {cpu_summary()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {load()}")
     per_model_step(phase_runs(16 if args.quick else 64, 5 if args.quick else 10), args.quick)
-    if not args.quick:
-        sweep_per_run(args.fast_seeds)
-    auto_vs_reference(1 if args.quick else 2)
-    folder_commands(128 if args.quick else args.runs)
+    per_run = None if args.quick else sweep_per_run(args.fast_seeds)
+    auto = auto_vs_reference(1 if args.quick else 2)
+    folder = folder_commands(128 if args.quick else args.runs)
+    print(f"\n{summary(per_run, auto, folder)}")
 
 
 if __name__ == "__main__":

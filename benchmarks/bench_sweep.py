@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from normexp.environment import set_thread_defaults
+from normexp.environment import cpu_summary, set_thread_defaults
 
 set_thread_defaults()  # torch's threading defaults in os.environ, which both sides inherit
 
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="fresh processes per side (median)")
     parser.add_argument("--also", type=Path, help="a checkout whose normexp runs as a third side")
     args = parser.parse_args()
+    print(f"CPU: {cpu_summary()}")
     with tempfile.TemporaryDirectory() as tmp:
         sides = commands(Path(tmp), args.also)
         times: dict[str, list[float]] = {name: [] for name in sides}

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from normexp.environment import cpu_summary
 from normexp.results import load_metrics
 
 
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--engine", default="batched")
     args = parser.parse_args()
     seeds = args.runs // 4
+    print(f"CPU: {cpu_summary()}")
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "grid.yaml"
         config.write_text("name: workers\nbase: {train: {steps: 30}}\n"

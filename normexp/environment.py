@@ -22,7 +22,7 @@ from normexp import __version__
 
 # Environment variables that change torch's threads or the devices it sees.
 RELEVANT_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "MKL_DYNAMIC",
-                      "CUDA_VISIBLE_DEVICES")
+                      "CUDA_VISIBLE_DEVICES", "NORMEXP_MKL_PATH")
 
 
 def set_thread_defaults() -> None:
@@ -41,12 +41,89 @@ def set_thread_defaults() -> None:
       7 ms with 1 thread; 25 ms under a full load of other work, 16 ms asleep at once, 86 ms after a
       10,000-loop spin: docs/performance.md). GOMP_SPINCOUNT is set only where neither it nor
       OMP_WAIT_POLICY is: a policy the user chose is theirs.
-    Importing normexp sets none of them: a library's import leaves its importer's environment alone."""
+    Importing normexp sets none of them: a library's import leaves its importer's environment alone.
+    Where the user asks for it (`NORMEXP_MKL_PATH=intel`), MKL's Intel code path is taken too
+    (`take_mkl_intel_path`: every normexp process of a sweep, its workers included, inherits the variable)."""
     if not os.environ.get("OMP_WAIT_POLICY") and not os.environ.get("GOMP_SPINCOUNT"):
         os.environ["GOMP_SPINCOUNT"] = "2000"  # libgomp: overrides the policy's spin count (PASSIVE alone: none)
     for variable, value in (("MKL_DYNAMIC", "FALSE"), ("OMP_WAIT_POLICY", "PASSIVE")):
         if not os.environ.get(variable):  # unset or empty: the library's own default
             os.environ[variable] = value
+    if os.environ.get(MKL_PATH_VARIABLE, "").strip().lower() == "intel":
+        take_mkl_intel_path()
+
+
+# ----------------------------------------------------------------------------- MKL's code path on other CPUs
+
+MKL_PATH_VARIABLE = "NORMEXP_MKL_PATH"
+# The question MKL asks once per process, at its first call, before it picks its kernels: "is this an Intel
+# CPU?". On any other it takes its generic path whatever the CPU's ISA (on an AMD Zen 4 with AVX-512: AVX2
+# "zen" kernels that copy both operands of every small product first; docs/performance.md).
+_MKL_SHIM = "int mkl_serv_intel_cpu_true(void) { ++normexp_mkl_asked; return 1; }\n"
+_MKL_SHIM_HEAD = "long normexp_mkl_asked = 0;\n"
+_MKL_SHIM_LOADED: list[str] = []  # the library's path, once this process loaded it
+
+
+def take_mkl_intel_path() -> str | None:
+    """Have MKL take its Intel code path on this CPU whatever its vendor: a one-function library (built once
+    with the C compiler into a per-user temporary folder) loaded into the process's global scope before torch,
+    so that MKL's own vendor check, which torch's MKL calls through its symbol table, finds its answer there.
+    MKL then picks its kernels by the CPU's ISA (AVX-512 on a Zen 4), as it does on an Intel CPU. Every result
+    that goes through MKL may change in its last bits (another order of summation in another kernel), the
+    exact engines' included, so it is the user's choice (`NORMEXP_MKL_PATH=intel`), never a default. Returns
+    why it was not taken (torch loaded already, not Linux, no C compiler, the build failed), or None."""
+    if _MKL_SHIM_LOADED:
+        return None
+    if "torch" in sys.modules:
+        return "torch is loaded already (MKL chose its path at its first call)"
+    if not sys.platform.startswith("linux"):
+        return f"not on {sys.platform} (Linux only)"
+    import ctypes
+    import hashlib
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    if compiler is None:
+        return "no C compiler (cc, gcc) to build its library"
+    source = _MKL_SHIM_HEAD + _MKL_SHIM
+    folder = Path(tempfile.gettempdir()) / f"normexp-{os.getuid()}"
+    library = folder / f"mkl-intel-path-{hashlib.sha256(source.encode()).hexdigest()[:12]}.so"
+    if not library.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        c_file = library.with_suffix(f".{os.getpid()}.c")
+        built = library.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            c_file.write_text(source)
+            done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(built), str(c_file)],
+                                  capture_output=True, text=True, timeout=60)
+            if done.returncode != 0:
+                return f"{compiler} failed: {(done.stderr.strip().splitlines() or [''])[0][:200]}"
+            os.replace(built, library)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"building its library failed ({type(exc).__name__}: {exc})"
+        finally:
+            for stray in (c_file, built):
+                stray.unlink(missing_ok=True)
+    try:
+        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+    except OSError as exc:
+        return f"loading its library failed ({exc})"
+    _MKL_SHIM_LOADED.append(str(library))
+    return None
+
+
+def mkl_path(torch: ModuleType) -> str:
+    """What `normexp doctor` says of MKL's code path in this process (after one matrix product, MKL's first
+    call): taken as Intel's, with whether MKL asked the library loaded for it, or MKL's own choice."""
+    if not _MKL_SHIM_LOADED:
+        return f"MKL's own choice ({MKL_PATH_VARIABLE}=intel: its Intel code path on any CPU)"
+    import ctypes
+
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    asked = ctypes.c_long.in_dll(ctypes.CDLL(_MKL_SHIM_LOADED[0]), "normexp_mkl_asked").value
+    return f"Intel's, on any CPU ({MKL_PATH_VARIABLE}=intel; MKL asked {asked} times so far)"
 
 
 @dataclass(frozen=True)
@@ -69,7 +146,8 @@ def describe() -> Environment:
         ("platform", f"{platform.platform()} {platform.machine()}, {os.cpu_count()} CPUs"),
     ]
     cpu = cpu_info()
-    lines += [("cpu", cpu.model), ("cpu features", cpu.features_text())]
+    lines += [("cpu", cpu.model), *([("cpu id", cpu.ident)] if cpu.ident else []),
+              ("cpu features", cpu.features_text())]
     lines += _torch_lines()
     lines.append(("dask extra", _dask_extra()))
     lines += [(name, os.environ[name]) for name in RELEVANT_VARIABLES if name in os.environ]
@@ -85,6 +163,8 @@ def _torch_lines() -> list[tuple[str, str]]:
         ("torch", f"{torch.__version__} ({os.path.dirname(torch.__file__)})"),
         ("torch build", torch_build(torch.version.cuda, getattr(torch.version, "hip", None))),
         ("torch cpu kernels", torch_cpu_capability(torch)),
+        ("torch blas", torch_blas(torch)),
+        ("mkl path", mkl_path(torch)),
         ("threads", f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op"),
         ("devices", visible_devices(torch)),
     ]
@@ -142,6 +222,16 @@ class CpuInfo:
     model: str  # the processor's name, or "unknown"
     features: tuple[str, ...] = ()  # of KERNEL_FEATURES, those this CPU has, in that order
     source: str = ""  # where they were read: /proc/cpuinfo, sysctl, or nothing
+    ident: str = ""  # vendor, family and model numbers ("AuthenticAMD family 25 model 17"), where given
+
+    def isa_text(self) -> str:
+        """The features a reader of a speed figure asks about first: `avx2 avx512f amx_tile`, with `no
+        avx512f` / `no amx` said where the CPU lacks them (an x86-64 CPU; elsewhere `features_text`)."""
+        if not any(f in self.features for f in ("sse4_2", "avx", "avx2")):
+            return self.features_text()
+        named = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile") if f in self.features]
+        missing = [f"no {f}" for f, lead in (("avx512f", "avx512f"), ("amx", "amx_tile")) if lead not in self.features]
+        return " ".join(named + missing)
 
     def features_text(self) -> str:
         if self.features:
@@ -185,7 +275,10 @@ def _from_cpuinfo(text: str) -> CpuInfo:
     if not model and "CPU part" in fields:  # ARM Linux names no model: give its implementer and part
         model = f"ARM implementer {fields.get('CPU implementer', '?')} part {fields['CPU part']}"
     found = set((fields.get("flags") or fields.get("Features") or "").split())
-    return CpuInfo(model or "unknown", tuple(f for f in KERNEL_FEATURES if f in found), "/proc/cpuinfo")
+    ident = " ".join(f"{name} {fields[key]}" if name else fields[key]
+                     for key, name in (("vendor_id", ""), ("cpu family", "family"), ("model", "model"))
+                     if fields.get(key))
+    return CpuInfo(model or "unknown", tuple(f for f in KERNEL_FEATURES if f in found), "/proc/cpuinfo", ident)
 
 
 def _sysctl() -> dict[str, str]:
@@ -200,6 +293,38 @@ def _sysctl() -> dict[str, str]:
         if done.returncode == 0:
             values[key] = done.stdout.strip()
     return values
+
+
+def torch_blas(torch: ModuleType) -> str:
+    """The BLAS torch's CPU matrix products call and the oneDNN beside it, with their versions, from the build's
+    own description (`MKL 2024.2, oneDNN 3.12.0`; `OpenBLAS`...): MKL takes another code path on a CPU that
+    is not Intel's (docs/performance.md)."""
+    try:
+        text = torch.__config__.show()
+    except Exception:  # noqa: BLE001 - an older or a broken torch: say so, never raise
+        return "unknown"
+    found = []
+    mkl = re.search(r"Math Kernel Library Version ([\w.]+)", text)
+    if mkl:
+        found.append(f"MKL {mkl.group(1)}")
+    else:
+        blas = re.search(r"BLAS_INFO=(\w+)", text)
+        found.append(blas.group(1) if blas else "no BLAS named")
+    dnn = re.search(r"MKL-DNN v([\w.]+)", text)
+    if dnn:
+        found.append(f"oneDNN {dnn.group(1)}")
+    return ", ".join(found)
+
+
+def cpu_summary() -> str:
+    """One line naming the machine a speed figure was measured on: the CPU, its ISA, torch and its BLAS
+    (imports torch). `make bench` prints it beside every figure."""
+    import torch
+
+    cpu = cpu_info()
+    ident = f", {cpu.ident}" if cpu.ident else ""
+    return (f"{cpu.model}{ident}, {os.cpu_count()} CPUs, {cpu.isa_text()}; torch {torch.__version__} "
+            f"({torch_cpu_capability(torch)} kernels), {torch_blas(torch)}")
 
 
 def torch_cpu_capability(torch: ModuleType) -> str:

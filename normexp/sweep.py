@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -174,7 +175,8 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     if pool:
         workers, threads = pool, 1
         emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled, {pool} worker processes "
-                        "x 1 thread each (faster than one process x all threads: docs/performance.md)"))
+                        "x 1 thread each (faster than one process x all threads: docs/performance.md)"
+                        + mkl_path_note()))
     else:
         threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
     executor = make_executor(workers, options.cluster,  # fails before anything is written
@@ -210,6 +212,16 @@ def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
     from normexp.engines.fast import compile_choice
 
     return cores if any(compile_choice(sweep.runs).values()) else 0
+
+
+def mkl_path_note() -> str:
+    """What the engine line adds where the user asked for MKL's Intel code path (`NORMEXP_MKL_PATH=intel`,
+    inherited by the workers): the step's matrix products take other kernels than MKL's own choice."""
+    from normexp.environment import MKL_PATH_VARIABLE
+
+    if os.environ.get(MKL_PATH_VARIABLE, "").strip().lower() != "intel":
+        return ""
+    return f"; MKL's Intel code path on any CPU ({MKL_PATH_VARIABLE}=intel)"
 
 
 def _import_engine() -> None:

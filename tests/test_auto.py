@@ -286,3 +286,14 @@ def test_the_cache_file_is_made_with_the_users_umask(cache, umask):
         os.umask(before)
     assert stat.S_IMODE(cache.stat().st_mode) == 0o666 & ~umask
     assert [p.name for p in cache.parent.iterdir()] == [cache.name]
+
+
+def test_a_measurement_under_mkl_s_intel_path_is_another_machine_s(monkeypatch):
+    """NORMEXP_MKL_PATH=intel makes MKL take other kernels (docs/reproducibility.md): a choice measured under
+    one path is not looked up under the other; unset (or any other value), the key is what it always was."""
+    monkeypatch.delenv("NORMEXP_MKL_PATH", raising=False)
+    before = auto.machine_key()
+    monkeypatch.setenv("NORMEXP_MKL_PATH", "auto")
+    assert auto.machine_key() == before
+    monkeypatch.setenv("NORMEXP_MKL_PATH", "intel")
+    assert auto.machine_key() != before

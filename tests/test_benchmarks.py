@@ -27,3 +27,18 @@ def test_bench_kernels_evicts_an_l2_between_calls_whatever_the_batch_size():
     import bench_kernels
 
     assert 1_000_000 <= 4 * bench_kernels.EVICT_FLOATS <= 2 * 1024 * 1024
+
+
+def test_bench_scale_ends_with_one_line_of_the_issue_s_figures_and_the_cpu():
+    """`make bench` ends with bench_scale's summary: fast/reference per run, the 10,240-run extrapolation from the
+    fast sweep's own rate, auto against the reference, report of the folder, and the CPU they were measured on."""
+    import bench_scale
+
+    from normexp.environment import cpu_info
+
+    line = bench_scale.summary((9.5, 0.05, 0.475), 1.74, (2048, 3.1))
+    assert line.startswith("SUMMARY: ") and "\n" not in line
+    for part in ("fast/reference per run 9.50x", "50.0 vs 475.0 ms a run", "10,240 runs ~8.5 min",
+                 "auto 1.74x the reference", "report of a 2048-run folder 3.1 s", cpu_info().model, "load "):
+        assert part in line, (part, line)
+    assert "not measured" in bench_scale.summary(None, 1.0, (128, 1.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -176,6 +177,40 @@ def test_cpu_info_names_the_model_and_the_features_that_change_kernels(text, mod
     assert (found.model, found.features_text()) == (model, features)
 
 
+ZEN4 = ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+        "flags\t\t: fpu sse4_2 fma avx avx2 avx512f avx512bw avx512_bf16\n")
+
+
+@pytest.mark.parametrize("text,ident,isa", [
+    (ZEN4, "AuthenticAMD family 25 model 17", "avx2 fma avx512f avx512_bf16 no amx"),
+    (XEON, "GenuineIntel", "avx2 fma avx512f amx_tile"),
+    (EPYC, "", "avx2 fma no avx512f no amx"),
+    (GRAVITON, "", "asimd sve sve2 bf16 i8mm"),
+])
+def test_cpu_info_names_family_and_model_and_what_a_speed_figure_depends_on(text, ident, isa):
+    from normexp.environment import cpu_info
+
+    found = cpu_info(text)
+    assert (found.ident, found.isa_text()) == (ident, isa)
+
+
+def test_torch_blas_names_mkl_or_the_blas_of_the_build_and_onednn():
+    from types import SimpleNamespace
+
+    from normexp.environment import torch_blas
+
+    def fake(text: str) -> SimpleNamespace:
+        return SimpleNamespace(__config__=SimpleNamespace(show=lambda: text))
+
+    mkl = ("  - Intel(R) oneAPI Math Kernel Library Version 2024.2-Product Build 20240605 for Intel(R) 64\n"
+           "  - Intel(R) MKL-DNN v3.12.0 (Git Hash 80afa71)\n  - Build settings: BLAS_INFO=mkl, BUILD_TYPE=Release\n")
+    assert torch_blas(fake(mkl)) == "MKL 2024.2, oneDNN 3.12.0"
+    assert torch_blas(fake("  - Build settings: BLAS_INFO=open, LAPACK_INFO=open\n")) == "open"
+    assert torch_blas(fake("")) == "no BLAS named"
+    assert torch_blas(SimpleNamespace()) == "unknown"  # no __config__: said, not raised
+    assert torch_blas(torch).startswith(("MKL", "open", "accelerate", "no BLAS", "blis", "eigen"))
+
+
 def test_cpu_info_reads_macos_sysctl_and_never_fails_without_a_source():
     from normexp.environment import cpu_info
 
@@ -200,8 +235,37 @@ def test_doctor_names_the_cpu_torch_s_kernels_and_the_commit(tmp_path):
     assert facts["cpu"] == cpu_info().model and facts["cpu"] != ""
     assert facts["cpu features"] == cpu_info().features_text()
     assert facts["torch cpu kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert facts["torch blas"] != "" and facts.get("cpu id", cpu_info().ident) == cpu_info().ident
     commit = git_commit()
     assert facts["commit"] == (commit or "unknown (not run from a git checkout)")
     assert git_commit(str(tmp_path)) is None  # not a checkout: no commit, no error
     with mock.patch("subprocess.run", side_effect=FileNotFoundError("git")):
         assert git_commit() is None  # no git installed
+
+
+def test_mkl_s_intel_path_is_refused_once_torch_is_loaded():
+    """MKL picks its path at its first call: a library loaded after torch could answer nothing in time."""
+    from normexp.environment import take_mkl_intel_path
+
+    assert "torch" in sys.modules
+    assert "torch is loaded already" in (take_mkl_intel_path() or "")
+
+
+@pytest.mark.process
+def test_mkl_takes_its_intel_path_only_where_the_user_asks():
+    """NORMEXP_MKL_PATH=intel: every normexp process loads, before torch, the library that answers MKL's
+    vendor question, and MKL asks it (its count moves at the first product); without it, nothing is loaded."""
+    from normexp.environment import torch_blas
+
+    if not torch_blas(torch).startswith("MKL") or not sys.platform.startswith("linux"):
+        pytest.skip("torch's BLAS here is not MKL on Linux")
+    if not any(shutil.which(cc) for cc in ("cc", "gcc")):
+        pytest.skip("no C compiler")
+    env = {k: v for k, v in os.environ.items() if k != "NORMEXP_MKL_PATH"}
+    asked = subprocess.run([sys.executable, "-m", "normexp", "doctor"], capture_output=True, text=True, check=True,
+                           env={**env, "NORMEXP_MKL_PATH": "intel"}).stdout
+    line = next(line for line in asked.splitlines() if line.startswith("mkl path:"))
+    assert "Intel's" in line and int(line.split("asked ")[1].split()[0]) > 0, line
+    left = subprocess.run([sys.executable, "-m", "normexp", "doctor"], capture_output=True, text=True, check=True,
+                          env=env).stdout
+    assert "MKL's own choice" in next(line for line in left.splitlines() if line.startswith("mkl path:"))

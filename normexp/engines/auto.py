@@ -87,13 +87,14 @@ def choice_cache_file() -> Path:
 
 
 def machine_key() -> str:
-    """What makes a measurement this machine's: CPU, its kernel-changing features, torch, threads, and how
+    """What makes a measurement this machine's: CPU, its kernel-changing features, torch, threads, how
     idle OpenMP threads wait (asleep at once, batched steps paid a wake-up per kernel:
-    environment.set_thread_defaults)."""
+    environment.set_thread_defaults), and MKL's code path where the user chose Intel's (NORMEXP_MKL_PATH)."""
     cpu = cpu_info()
     waiting = [os.environ.get(name, "") for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")]
+    mkl = os.environ.get("NORMEXP_MKL_PATH", "").strip().lower()
     text = "|".join([cpu.model, cpu.features_text(), platform.machine(), torch.__version__,
-                     str(torch.get_num_threads()), *waiting])
+                     str(torch.get_num_threads()), *waiting, *([f"mkl {mkl}"] if mkl == "intel" else [])])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
