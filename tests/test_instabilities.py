@@ -498,3 +498,20 @@ def test_the_study_has_no_biases_and_a_bias_free_run_logs_its_blocks_with_qk_nor
         assert all(math.isfinite(v) for column in ("attn_logit_max", "attn_entropy", "log_z")
                    for v in logged.blocks[column])
 
+
+def test_the_quick_study_keeps_the_papers_lr_range_and_steps_at_three_widths_an_octave_down():
+    """--quick: the full study's 320 steps and lr range end to end at widths 16, 32, 64 (head dim 16, as the full
+    study's 32, 64, 128), one seed, LayerNorm, z-loss off: 72 runs, each reduction named in the config."""
+    from normexp.studies.run import _config, _spec
+
+    quick, full = _spec("instabilities", quick=True), _spec("instabilities", quick=False)
+    assert len(quick.runs) == 72
+    assert sorted({(c.model.width, c.model.n_heads) for c in quick.runs}) == [(16, 1), (32, 2), (64, 4)]
+    assert sorted({(c.model.width, c.model.n_heads) for c in full.runs}) == [(32, 2), (64, 4), (128, 8)]
+    for spec in (quick, full):
+        lrs = sorted({c.optim.lr for c in spec.runs})
+        assert lrs[0] == pytest.approx(3e-4) and lrs[-1] == pytest.approx(0.3)
+        assert {c.train.steps for c in spec.runs} == {320} and {c.model.bias for c in spec.runs} == {False}
+    comment = " ".join(line.lstrip("# ") for line in _config("instabilities").read_text().splitlines()
+                       if line.startswith("#"))
+    assert "widths 16, 32, 64" in comment and "biases everywhere" not in comment
