@@ -7,7 +7,7 @@ The contract (docs/fast-contract.md): on a fixed grid, per norm kind, F = fast v
 the reference vs itself with its training rows summed in another order (`reordered_run`, the mean over
 ROW_ORDERS seeded orders: the same computation, rounded differently, for every placement and kind),
 each compared the same way:
-  flips   runs whose trained / not-trained verdict differs; F <= 2 S + 1% of runs
+  flips   runs whose trained / not-trained verdict differs; F <= 2 S + 1% of runs + 2 (FLIP_ALLOWANCE)
   share   (variant, step) cells whose seed means differ by more than 0.1 x the reference's seed sd
           + 1e-3; F <= 2 S + 2 points
   max |d loss| over every run and step, per norm kind.
@@ -172,9 +172,22 @@ def per_kind(configs: Sequence[RunConfig], a: Sequence[RunResult], b: Sequence[R
             for kind in kinds}
 
 
+# Flips a grid may show beyond 2 S + 1% of its runs: a flip count of a few is a small count, and a run
+# whose final loss straddles the trained threshold under rounding alone flips as a coin does. With such
+# runs, one draw (F) against the mean of two (S) breaks 2 S + 1% for 6-18% of engines that round exactly
+# as validly as the reference (the reference itself in another order included); with 2 more, for at most
+# 2.3% (docs/fast-contract.md: the numbers, and the grid where it happened).
+FLIP_ALLOWANCE = 2
+
+
+def flip_bound(f: Comparison, s: Comparison) -> float:
+    """The most verdict flips F may have: 2 flips(S) + 1% of the runs + FLIP_ALLOWANCE."""
+    return 2 * s.flips + 0.01 * f.runs + FLIP_ALLOWANCE
+
+
 def contract_holds(f: Comparison, s: Comparison) -> bool:
-    """The contract: flips(F) <= 2 flips(S) + 1% of runs; share(F) <= 2 share(S) + 2 points."""
-    return f.flips <= 2 * s.flips + 0.01 * f.runs and f.share <= 2 * s.share + 0.02
+    """The contract: flips(F) <= flip_bound; share(F) <= 2 share(S) + 2 points."""
+    return f.flips <= flip_bound(f, s) and f.share <= 2 * s.share + 0.02
 
 
 def with_threads(cfg: RunConfig, threads: int) -> RunConfig:

@@ -474,3 +474,44 @@ def test_the_figures_draw_a_line_per_width_and_the_heat_maps_at_the_nearest_lr(t
     paths = instabilities_figures(folder)
     assert [p.name for p in paths] == ["final_loss-lr.png", "blocks-attn_logit_max.png", "blocks-attn_entropy.png",
                                        "blocks-log_z.png"]
+
+
+def test_the_study_has_no_biases_and_a_bias_free_run_logs_its_blocks_with_qk_norm():
+    """The paper's models have no biases: every run of the study sets model.bias false, which drops every
+    Linear's and LayerNorm's bias (the qk-norms have none anyway; DyT keeps its own, outside the paper), and
+    composes with qk-norm and block logging: the same losses logged or not, every diagnostic finite."""
+    from normexp.studies.run import _spec
+
+    assert {cfg.model.bias for cfg in _spec("instabilities", quick=False).runs} == {False}
+    for kind in ("layernorm", "dyt"):
+        cfg = validate_run({"model": {"arch": "transformer", "depth": 2, "width": WIDTH, "n_heads": HEADS,
+                                      "qk_norm": True, "qk_norm_eps": 1e-6, "bias": False},
+                            "norm": {"placement": "peri", "kind": kind},
+                            "data": {"task": "assoc_recall", "seq_len": 8, "n_samples": 16, "n_val": 8},
+                            "optim": {"lr": 0.03}, "train": {"steps": 3}})
+        model, _ = seeded_init(cfg)
+        biased = {type(m).__name__ for m in model.modules() if getattr(m, "bias", None) is not None}
+        assert biased == (set() if kind == "layernorm" else {"DyT"}), biased
+        assert model.layers[0].attn.branch.q_norm.bias is None
+        logged = train_run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"log_blocks": True})}))
+        assert logged.metrics == train_run(cfg).metrics
+        assert all(math.isfinite(v) for column in ("attn_logit_max", "attn_entropy", "log_z")
+                   for v in logged.blocks[column])
+
+
+def test_the_quick_study_keeps_the_papers_lr_range_and_steps_at_three_widths_an_octave_down():
+    """--quick: the full study's 320 steps and lr range end to end at widths 16, 32, 64 (head dim 16, as the full
+    study's 32, 64, 128), one seed, LayerNorm, z-loss off: 72 runs, each reduction named in the config."""
+    from normexp.studies.run import _config, _spec
+
+    quick, full = _spec("instabilities", quick=True), _spec("instabilities", quick=False)
+    assert len(quick.runs) == 72
+    assert sorted({(c.model.width, c.model.n_heads) for c in quick.runs}) == [(16, 1), (32, 2), (64, 4)]
+    assert sorted({(c.model.width, c.model.n_heads) for c in full.runs}) == [(32, 2), (64, 4), (128, 8)]
+    for spec in (quick, full):
+        lrs = sorted({c.optim.lr for c in spec.runs})
+        assert lrs[0] == pytest.approx(3e-4) and lrs[-1] == pytest.approx(0.3)
+        assert {c.train.steps for c in spec.runs} == {320} and {c.model.bias for c in spec.runs} == {False}
+    comment = " ".join(line.lstrip("# ") for line in _config("instabilities").read_text().splitlines()
+                       if line.startswith("#"))
+    assert "widths 16, 32, 64" in comment and "biases everywhere" not in comment
