@@ -10,6 +10,7 @@ reference's weights. A small sweep is within the fast engine's contract of the r
 from __future__ import annotations
 
 import math
+import re
 import sys
 from itertools import islice
 from pathlib import Path
@@ -121,3 +122,15 @@ def test_an_uncompiled_text_batch_holds_as_many_runs_as_its_activations_allow():
     assert 1 < size < 16 and chunk_runs(deep, compiled=True) == 8
     runs = [deep.model_copy(update={"seed": seed}) for seed in range(20)]
     assert [len(batch) for batch in plan_fast(runs)] == [size] * (20 // size) + ([20 % size] if 20 % size else [])
+
+
+def test_the_benchmark_times_the_real_text_studys_shape_and_prints_its_own_ratio():
+    from bench_fast import text_grid, text_ratio
+
+    runs = text_grid(2, steps=1)
+    assert {(c.model.depth, c.model.width, c.data.batch_size, c.data.task, c.train.steps) for c in runs} == {
+        (12, 64, 32, "shakespeare_char", 1)} and len(runs) == 2
+    tiny = text_grid(2, steps=1, **{"model.depth": 1, "model.width": 8, "model.n_heads": 2, "data.batch_size": 2})
+    line = text_ratio(tiny, repeats=1)
+    assert re.search(r"real text \(2 runs, depth 1, width 8, 2 windows a step\): reference +[\d.]+ ms, "
+                     r"fast eager +[\d.]+ ms +[\d.]+x$", line), line
