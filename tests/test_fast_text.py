@@ -134,3 +134,15 @@ def test_the_benchmark_times_the_real_text_studys_shape_and_prints_its_own_ratio
     line = text_ratio(tiny, repeats=1)
     assert re.search(r"real text \(2 runs, depth 1, width 8, 2 windows a step\): reference +[\d.]+ ms, "
                      r"fast eager +[\d.]+ ms +[\d.]+x$", line), line
+
+
+@pytest.mark.slow
+@pytest.mark.equivalence
+def test_a_compiled_text_step_trains_each_run_on_its_own_windows_as_the_eager_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    configs = [text_run(seed=seed, steps=4, eval_every=2, depth=1, **NANOGPT) for seed in range(3)]
+    compiled, eager = train_fast(configs, compile=True), train_fast(configs, compile=False)
+    for got, want in zip(compiled, eager):
+        assert got.metrics["step"] == want.metrics["step"]
+        for column in ("loss", "val_loss"):
+            assert got.metrics[column] == pytest.approx(want.metrics[column], abs=1e-4, nan_ok=True), column
