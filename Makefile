@@ -81,7 +81,8 @@ reproduce: install
 	$(NORMEXP) sweep configs/warmup.yaml --force
 
 # `normexp studies`: every study in configs/studies (the FFN ones on the batched engine, the Transformer's on the fast one,
-# a worker process per core), then runs/REPORT.md with computed verdicts
+# a worker process per core), then runs/REPORT.md with computed verdicts; realtext_warmup (hours) only when named:
+# `normexp studies realtext_warmup [--quick]`
 studies: install
 	$(NORMEXP) studies --out runs
 

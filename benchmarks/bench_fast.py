@@ -21,7 +21,9 @@ trajectories are chaotic).
 Speed: ms per model-step at 64 runs, reference vs fast uncompiled and compiled (with the compile
 time, cold and warm cache, in fresh processes), both for the training steps alone (each run's
 `seeded_init`, the same model building and data drawing for every engine, timed and left out) and for a
-whole call; `normexp sweep` of the 256-run grid end to end with
+whole call; the same per model-step for the real-text study's shape, on its own ratio line (`text_ratio`:
+depth 12, width 64, 32 windows of 64 characters a step, uncompiled as the study trains it); `normexp sweep`
+of the 256-run grid end to end with
 each engine; peak RSS of a 4096-run grid. Timings are medians of alternating repeats in one process;
 nothing here asserts a number (the tests do: tests/test_fast.py).
 """
@@ -81,6 +83,29 @@ def deep_grid(seeds: int, steps: int = 40, kinds: Sequence[str] = ("layernorm", 
               depth: int = 8) -> list[RunConfig]:
     """A second chaotic grid: Post-LN, depth 8, Adam lr {0.003, 0.01, 0.03} x warmup {0, 10} x seeds."""
     return unstable_grid(seeds, steps, kinds, lrs=(0.003, 0.01, 0.03), warmups=(0, 10), depth=depth)
+
+
+def text_grid(seeds: int, steps: int = 20, study: str = "realtext_warmup", **sets: object) -> list[RunConfig]:
+    """The real-text study's runs at its largest shape (configs/studies/realtext_warmup.yaml: depth 12, width 64,
+    32 windows of 64 characters a step), Post-LN at lr 3e-3 without warmup, `seeds` seeds, `steps` steps;
+    `sets` overrides keys (`model.depth=2`)."""
+    from normexp.config import PACKAGED_CONFIGS, load_sweep
+
+    overrides = {"model.depth": 12, "optim.lr": 0.003, "norm.placement": "post", "schedule.warmup_steps": 0,
+                 "train.steps": steps, "seeds": ",".join(map(str, range(seeds))), **sets}
+    return load_sweep(PACKAGED_CONFIGS / "studies" / f"{study}.yaml",
+                      [f"{key}={value}" for key, value in overrides.items()]).runs
+
+
+def text_ratio(configs: Sequence[RunConfig], repeats: int) -> str:
+    """The real-text shape's line: ms per model-step of the training steps, the reference (on two of the
+    runs: its time per model-step does not depend on the count) and the fast engine uncompiled on them all,
+    and the ratio."""
+    ref_ms, _ = ms_per_model_step(lambda c: [train_run(x) for x in c], configs[:2], repeats)
+    fast_ms, _ = ms_per_model_step(lambda c: train_fast(c, compile=False), configs, repeats)
+    return (f"  real text ({len(configs)} runs, depth {configs[0].model.depth}, width {configs[0].model.width}, "
+            f"{configs[0].data.batch_size} windows a step): reference {ref_ms:8.3f} ms, fast eager {fast_ms:8.3f} ms "
+            f"{ref_ms / fast_ms:6.2f}x")
 
 
 @dataclass(frozen=True)
@@ -338,6 +363,9 @@ def main() -> None:
         compiled_ms, compiled_call = ms_per_model_step(lambda c: train_fast(c, compile=True), runs, args.repeats)
         print(f"  fast, compiled   {compiled_ms:8.3f} ms {ref_ms / compiled_ms:6.2f}x    {compiled_call:8.3f} ms "
               f"{ref_call / compiled_call:6.2f}x   (compile {cold:.1f} s cold, {warm:.1f} s warm cache)")
+
+    print(f"\nper model-step, the real-text study's shape (Post-LN, 1 thread a run, {'3' if quick else '20'} steps):")
+    print(text_ratio(text_grid(4 if quick else 6, 3 if quick else 20), args.repeats))
 
     seeds = 2 if quick else 16
     steps = 10 if quick else 60

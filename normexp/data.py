@@ -130,8 +130,19 @@ def draw_windows(x: torch.Tensor, y: torch.Tensor, length: int, count: int,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """`count` windows of `length` tokens at random starts, (count, length) inputs and targets: nanoGPT's
     get_batch, `ix = torch.randint(len(data) - block_size, (batch_size,))`, from `generator`."""
-    starts = torch.randint(len(x) - length + 1, (count,), generator=generator)
-    index = (starts[:, None] + torch.arange(length)).to(x.device)
+    return read_windows(x, y, window_starts(len(x), length, count, generator), length)
+
+
+def window_starts(tokens: int, length: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` random starts of `length`-token windows in `tokens` tokens, (count,), from `generator`: the
+    one draw `draw_windows` makes."""
+    return torch.randint(tokens - length + 1, (count,), generator=generator)
+
+
+def read_windows(x: torch.Tensor, y: torch.Tensor, starts: torch.Tensor,
+                 length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows of `length` tokens at `starts` (any shape S): inputs and targets, (*S, length) each."""
+    index = (starts[..., None] + torch.arange(length)).to(x.device)
     return x[index], y[index]
 
 

@@ -63,7 +63,7 @@ def test_only_the_named_studies_run_and_have_their_folders_checked(studies, tmp_
     assert result.exit_code == 0, result.output
     report = (out / "REPORT.md").read_text()
     assert [line for line in report.splitlines() if line.startswith("## ")] == ["## norms"]
-    assert "Written by `normexp studies norms --quick` (1 of the 11 studies)" in report
+    assert "Written by `normexp studies norms --quick` (1 of the 12 studies)" in report
     assert sorted(p.name for p in out.iterdir()) == ["REPORT.html", "REPORT.md", "depth"]
     refused = studies("depth", "norms", "--quick", "--out", out)
     assert refused.exit_code == 2 and "holds sweep 'not-depth'" in refused.stderr, refused.output

@@ -2,6 +2,7 @@
 
     runs = final_val_losses(metrics)                    # one row per run: its keys and its last val_loss
     verdict(runs, floors().unigram)                     # the paragraph; findings(...) the numbers behind it
+    text_floors(tidy)                                   # the floors a loss figure of text runs draws
 
 The study asks three things of each depth and learning rate, on Shakespeare by character (docs/realtext.md):
 
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from normexp.analysis.variants import PLACEMENT_LABELS
+from normexp.config.data import TEXT_TASKS
+from normexp.corpus import floors
 
 FLOOR_MARGIN = 0.1  # nats below the unigram floor that a run must reach to have escaped it
 KEYS = ("norm.placement", "model.depth", "optim.lr", "schedule.warmup_steps")  # the study's axes; then seed
@@ -45,6 +48,15 @@ def final_val_losses(metrics: pd.DataFrame) -> pd.DataFrame:
     last = ordered.dropna(subset=["val_loss"]).groupby("run_id")["val_loss"].last()
     runs = ordered.groupby("run_id", sort=True)[keys].first()
     return runs.assign(val_loss=last.reindex(runs.index)).reset_index()
+
+
+def text_floors(frame: pd.DataFrame) -> dict[str, float]:
+    """The reference lines of a loss of text-task runs (a `data.task` column naming one): the unigram and
+    bigram floors of the shipped text's val split (normexp/corpus.py `floors`), by label; {} for others."""
+    if "data.task" not in frame or not frame["data.task"].isin(TEXT_TASKS).any():
+        return {}
+    found = floors()
+    return {f"unigram floor {found.unigram:.2f}": found.unigram, f"bigram floor {found.bigram:.2f}": found.bigram}
 
 
 def _at_floor(losses: pd.Series, floor: float, margin: float) -> pd.Series:

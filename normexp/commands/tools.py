@@ -81,7 +81,7 @@ def studies(
     out_dir: Annotated[str, typer.Option("--out", help="Folder for every study's runs and REPORT.md.")] = "runs",
     quick: Annotated[bool, typer.Option(
         "--quick", help="A smoke test: 2 seeds per sweep (the article's table its 1, instabilities 1 at 4 lrs, "
-                        "gradnorm 3), no big-shape speed table.")] = False,
+                        "gradnorm 3, realtext_warmup 8 runs at depth 12), no big-shape speed table.")] = False,
     list_: Annotated[bool, typer.Option("--list", help="Name every study, with what it asks; run nothing.")] = False,
 ) -> None:
     """Run the studies shipped with normexp (configs/studies), every one or the NAMEs given, and write

@@ -29,7 +29,7 @@ from normexp.config import (
     chance_classes,
     trained_threshold,
 )
-from normexp.data import Task, draw_windows, make_task
+from normexp.data import Task, make_task, read_windows, window_starts
 from normexp.models.ffn import Net
 from normexp.models.transformer import Transformer
 
@@ -240,19 +240,26 @@ def batch_order(n_samples: int, batch_size: int, seed: int, steps: int) -> list[
 def minibatches(cfg: RunConfig, task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each step's training inputs and targets, step 0 first: the whole split (no data.batch_size);
     `batch_order`'s seeded epochs; or, for a text task, data.batch_size random windows of its train split
-    a step (`draw_windows`, nanoGPT's get_batch), drawn from a generator seeded with the run's seed (not
+    a step (nanoGPT's get_batch) at `text_starts`, drawn from a generator seeded with the run's seed (not
     the global one: the model keeps its draws), one draw a step."""
     data = cfg.data
     if data.task in TEXT_TASKS:
-        generator = torch.Generator().manual_seed(cfg.seed)
-        length = len(task.positions)
-        while True:
-            yield draw_windows(task.x, task.y, length, data.batch_size, generator)
+        for starts in text_starts(cfg, task):
+            yield read_windows(task.x, task.y, starts, len(task.positions))
     if data.batch_size is None:
         while True:
             yield task.x, task.y
     for index in batch_order(data.n_samples, data.batch_size, cfg.seed, cfg.train.steps):
         yield task.x[index], task.y[index]
+
+
+def text_starts(cfg: RunConfig, task: Task) -> Iterator[torch.Tensor]:
+    """A text task's window starts, step after step from step 0, (data.batch_size,) each: `window_starts`
+    from a generator seeded with the run's seed, one draw a step (`minibatches` reads them; the fast
+    engine draws them ahead)."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    while True:
+        yield window_starts(len(task.x), len(task.positions), cfg.data.batch_size, generator)
 
 
 NOT_EVALUATED = (math.nan, math.nan)  # val_loss, val_acc of a step between two of train.eval_every's
@@ -264,9 +271,19 @@ def held_out(model: torch.nn.Module, task: Task, cfg: RunConfig, step: int) -> t
     data.batch_size at a time."""
     if task.val_x is None:
         return None
-    if step % cfg.train.eval_every and step != cfg.train.steps:
+    if not evaluates(cfg, step):
         return NOT_EVALUATED
-    return validate(model, task, cfg.data.batch_size if cfg.data.task in TEXT_TASKS else None)
+    return validate(model, task, validation_rows(cfg))
+
+
+def evaluates(cfg: RunConfig, step: int) -> bool:
+    """Whether the held-out split is scored at `step`: 0, k, 2k, ... (k = train.eval_every) and the last."""
+    return step % cfg.train.eval_every == 0 or step == cfg.train.steps
+
+
+def validation_rows(cfg: RunConfig) -> int | None:
+    """How many held-out sequences go through the model at once: a text task's data.batch_size, else all."""
+    return cfg.data.batch_size if cfg.data.task in TEXT_TASKS else None
 
 
 @torch.no_grad()

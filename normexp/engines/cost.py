@@ -21,6 +21,20 @@ def model_step_flops(cfg: RunConfig) -> float:
     return 3 * 2 * n * (2 * d * hidden * depth + d * cfg.model.n_classes)
 
 
+def activation_bytes(cfg: RunConfig) -> int:
+    """A Transformer run's float32 activations a training step keeps for its backward, roughly: per token and
+    layer the norms, q k v, the attention's output, the residual stream (~8 d), the FFN's hidden layer twice
+    and the attention's scores and weights (3 heads x T); then the logits. (An FFN run: its samples' layers.)"""
+    n, d, depth = cfg.data.n_samples, cfg.model.width, cfg.model.depth
+    if cfg.data.task in TEXT_TASKS:
+        n = cfg.data.batch_size
+    hidden = d * cfg.model.hidden_mult
+    if cfg.model.arch == "transformer":
+        t = sequence_shape(cfg.data).seq_len - 1
+        return 4 * n * t * (depth * (8 * d + 2 * hidden + 3 * cfg.model.n_heads * t) + 2 * cfg.data.vocab)
+    return 4 * n * depth * (2 * hidden + 6 * d)
+
+
 # FLOP/s a run reaches per engine on 2 CPU cores (an AMD EPYC Zen 4, torch CPU, docs/performance.md):
 # the Post-LN depth-24 width-32 phase diagram's runs. A dry run's estimate, not a promise.
 ESTIMATE_FLOP_RATES = {"reference": 5e9, "batched": 5e9, "auto": 5e9, "fast": 25e9}

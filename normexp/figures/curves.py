@@ -3,8 +3,10 @@ numeric key.
 
 - `curves_figure`: per panel, one line per value of the hue (the mean over seeds) with a shaded
   min–max band over seeds; panels by row and column keys (`Facets`); log y for a loss, chance level
-  ln(n) as a dotted line (n: n_classes, or a Transformer's vocab) and the trained threshold as a
-  dashed one. Each panel's title says how many runs it covers and how many diverged.
+  ln(n) as a dotted line (n: n_classes, or a Transformer's vocab), a text task's unigram and bigram
+  floors dash-dotted, and the trained threshold as a dashed one. Steps without a value (val_loss
+  between evaluations, `train.eval_every`) are left out of a line, not gaps in it. Each panel's title
+  says how many runs it covers and how many diverged.
 - `lr_figure`: final training loss against the learning rate (log x), the trained threshold dashed.
 - `final_loss_figure`: final training loss against a numeric key (e.g. model.depth), one line per variant.
 """
@@ -74,7 +76,7 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
     """Mean curve per hue value with a min–max band over seeds, in panels by `facets` (default:
     `choose_facets(keys)`); the chance level and the trained threshold on a loss."""
     facets = facets or choose_facets(keys, counts=value_counts(tidy, keys))
-    used = [*facets.keys, "run_id", "status", "step", "loss", metric, *CHOICE_KEYS]  # what the panels read
+    used = [*facets.keys, "run_id", "status", "step", "loss", metric, *CHOICE_KEYS, "data.task"]  # the panels read
     frame = tidy[[c for c in dict.fromkeys(used) if c in tidy]]  # each panel a copy of these alone
     grid, n_rows, n_cols = panels(frame, facets)
     styles, handles = line_styles(frame, facets)
@@ -83,7 +85,8 @@ def curves_figure(tidy: pd.DataFrame, keys: list[str], metric: str = "loss", tit
     for ax, panel, runs in filled_panels(grid, axes):
         for values, group in groups(runs, facets.lines):
             style = styles[values]
-            finite = group[np.isfinite(group["loss"].astype(float))]
+            # a step without a value (val_loss between two of train.eval_every's) is left out, not a gap
+            finite = group[np.isfinite(group["loss"].astype(float)) & group[metric].notna()]
             stats = finite.groupby("step")[metric].agg(["mean", "min", "max"])
             ax.plot(stats.index, stats["mean"], color=style.color, linestyle=style.linestyle,
                     marker=style.marker, markevery=max(1, len(stats) // 6), markersize=3, linewidth=1.3,

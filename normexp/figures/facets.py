@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.text import Annotation
 
+from normexp.analysis.realtext import text_floors
 from normexp.analysis.variants import (
     axis_label,
     chance_levels,
@@ -383,11 +384,14 @@ def constants_text(frame: pd.DataFrame) -> str:
 
 
 def reference_lines(ax, frame: pd.DataFrame, trained_below: float | None, chance: bool = True) -> list:
-    """Chance (dotted) and the trained threshold (dashed) on a loss axis; their legend handles."""
+    """Chance (dotted), a text task's floors (dash-dot: `text_floors`) and the trained threshold (dashed) on
+    a loss axis; their legend handles."""
     handles = []
     if chance and "model.n_classes" in frame:
         for n in chance_levels(frame):
             handles.append(ax.axhline(math.log(n), color="grey", linestyle=":", linewidth=1, label=f"chance, ln {n}"))
+    for (label, floor), color in zip(text_floors(frame).items(), ("tab:brown", "tab:olive")):
+        handles.append(ax.axhline(floor, color=color, linestyle="-.", linewidth=0.9, label=label))
     for limit in trained_limits(frame, trained_below):
         handles.append(ax.axhline(limit, color="black", linestyle="--", linewidth=0.9,
                                   label=f"trained below {limit:.3g}"))

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from normexp.analysis.finals import final_values, is_sampled, last_rows
+from normexp.analysis.realtext import text_floors
 from normexp.analysis.variants import axis_label, chance_levels, is_null, trained_limits, value_label, variant_label
 
 MAX_LINES = 24  # curves in one chart; more variants: the keys with the most values are pooled
@@ -123,10 +124,12 @@ def curves_data(tidy: pd.DataFrame, keys: Sequence[str], metric: str, trained_be
     order = sorted(range(len(lines)), key=lambda i: [_order(v) if _numeric(runs[k]) else str(v)
                                                      for k, v in zip(kept, combos[i])])
     limits = trained_limits(runs, trained_below) if metric in LOSSES else []
+    floors = text_floors(runs) if metric in LOSSES else {}
     log = metric in ("loss", "val_loss", "grad_norm")
     shown, clipped = _clip(tidy, [lines[i] for i in order], metric, log)
     return {"metric": metric, "lines": [lines[i] for i in order], "log": log, "range": shown, "clipped": clipped,
             "pooled": pooled_note(pooled, runs, "curve"), "limits": numbers(limits),
+            "floors": [{"name": name, "y": rounded(value)} for name, value in floors.items()],
             "keys": [axis_label(k) for k in kept]}
 
 
@@ -155,7 +158,8 @@ def _clip(tidy: pd.DataFrame, lines: list[dict], metric: str, log: bool) -> tupl
 def _curve(group: pd.DataFrame, metric: str) -> dict:
     loss = group["loss"].astype(float).to_numpy()
     finite = group[np.isfinite(loss)]
-    stats = finite[metric].astype(float).groupby(finite["step"]).agg(["mean", "std", "count"])
+    valued = finite[finite[metric].notna()]  # a step without a value (val_loss between evaluations): no point
+    stats = valued[metric].astype(float).groupby(valued["step"]).agg(["mean", "std", "count"])
     ends = last_rows(group)
     total = len(ends)
     diverged = (ends["status"] == "diverged").to_numpy()

@@ -43,6 +43,21 @@
     });
   }
 
+  /* a text task's floors (unigram, bigram): dash-dotted, each named at its right end */
+  function floorShapes(floors) {
+    return (floors || []).map(function (floor) {
+      return {type: "line", xref: "paper", x0: 0, x1: 1, yref: "y", y0: floor.y, y1: floor.y,
+              line: {color: "#8c564b", width: 1, dash: "dashdot"}};
+    });
+  }
+
+  function floorLabels(floors, log) {
+    return (floors || []).map(function (floor) {
+      return {xref: "paper", x: 1, xanchor: "right", yref: "y", y: log ? Math.log10(floor.y) : floor.y,
+              yanchor: "bottom", text: floor.name, showarrow: false, font: {size: 10, color: "#8c564b"}};
+    });
+  }
+
   /* ---------------------------------------------------------------- curves: mean ± standard error */
   function drawCurves() {
     var c = data.curves;
@@ -81,7 +96,8 @@
       xaxis: {title: {text: "optimizer step"}, zeroline: false},
       yaxis: {title: {text: c.label}, type: c.log ? "log" : "linear", exponentformat: "none"},
       legend: {title: {text: c.keys.join(", ")}, font: {size: 11}, itemclick: "toggle", itemdoubleclick: "toggleothers"},
-      shapes: thresholdShapes(c.limits)
+      shapes: thresholdShapes(c.limits).concat(floorShapes(c.floors)),
+      annotations: floorLabels(c.floors, c.log)
     };
     if (c.range) { layout.yaxis.range = c.range; }
     return Plotly.newPlot(box, traces, layout, CONFIG);

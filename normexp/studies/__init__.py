@@ -14,6 +14,9 @@ is computed from the numbers it just measured (nothing in a verdict is written i
 5. Xiong et al.'s gradients and hidden-state norms at init (configs/studies/gradnorm.yaml);
 5b. Xiong et al.'s warmup question on the tiny causal Transformer, assoc_recall
    (configs/studies/transformer_warmup.yaml, fast engine);
+5c. the same question on real text, Shakespeare by character: Post / Pre / Peri-LN x depth 6, 12 x lr x warmup
+   (configs/studies/realtext_warmup.yaml, fast engine; run when named, `normexp studies realtext_warmup`:
+   its full grid is hours of runs, its --quick set minutes);
 6. per-block dynamics over the first steps, Post-LN vs Pre-LN with and without warmup
    (configs/studies/blocks.yaml, `train.log_blocks`);
 6b. Wortsman et al. 2023's instabilities on the tiny Transformer: qk-norm and the z-loss x Pre / Post /

@@ -32,6 +32,7 @@ from normexp.studies.verdicts import (
     lr_warmup_verdict,
     placements_verdict,
     props_verdict,
+    realtext_warmup_verdict,
     speed_verdict,
     transformer_warmup_verdict,
 )
@@ -47,18 +48,27 @@ SPEED_SHAPE = (8, 512, 4096)
 # to ~1 GiB; the studies have ~10-100 batches each, so more would wait anyway).
 MAX_STUDY_WORKERS = 8
 EXPLANATIONS = "warmup_explanations"  # several sweeps, one per row (studies/explanations.py)
-FAST_STUDIES = ("transformer_warmup",)  # the Transformer: the exact engine would hand each run to the reference
+FAST_STUDIES = ("transformer_warmup", "realtext_warmup")  # the Transformer: the exact engine would hand each run to
+# the reference
 
 
 # --quick per study where 2 seeds of the whole grid would still take minutes (default: seeds 0 and 1)
 # instabilities: seed 0, LayerNorm designs, z-loss off, 4 lrs over the paper's range 3e-4..3e-1
+# realtext_warmup: depth 12, lr 3e-3 (where Post-LN without warmup stays at the unigram floor), Post-LN and
+# Pre-LN, no warmup and the long one, seeds 0 and 1: 8 runs of 300 steps (docs/studies.md: its time on 2 cores)
 QUICK_SETS = {"warmup": [], "instabilities": ["seeds=0", "norm.kind=layernorm", "train.z_loss=0.0",
-                                              "optim.lr=0.0003,0.003,0.03,0.3"]}
+                                              "optim.lr=0.0003,0.003,0.03,0.3"],
+              "realtext_warmup": ["seeds=0,1", "model.depth=12", "optim.lr=0.003", "norm.placement=post,pre",
+                                  "schedule.warmup_steps=0,200"]}
 # --quick's own points of a study's `sample:` section (a sampled key cannot be `--set`). instabilities: widths
 # 16, 32, 64 (heads 1, 2, 4: head dim 16, as the full study's 32, 64, 128): one width-128 run costs more CPU
 # than one run of each of the three together (docs/studies.md), and the quick's 72 runs then end in minutes.
 QUICK_POINTS = {"instabilities": [{"model.width": 16, "model.n_heads": 1}, {"model.width": 32, "model.n_heads": 2},
                                   {"model.width": 64, "model.n_heads": 4}]}
+# Studies whose fast step is not compiled: realtext_warmup's runs are 2,048 tokens a step, their time the matmuls'
+# (a compile's fixed batches of 8 would pad its quick set's 4 runs per structure to 8, and its depth-12 step's
+# trace held 4.4 GB and had not compiled after 16 min on a shared 2-core machine)
+UNCOMPILED_STUDIES = ("realtext_warmup",)
 
 
 def _config(name: str) -> Path:
@@ -103,7 +113,8 @@ def _sweep(name: str, spec: Sweep, out: Path) -> tuple[Path, int]:
     earlier call had already finished."""
     workers = min(usable_cores(), MAX_STUDY_WORKERS)
     outcome = run_sweep(spec, out / name, SweepOptions(engine="fast" if name in FAST_STUDIES else "batched",
-                                                       workers=workers if workers > 1 else None))
+                                                       workers=workers if workers > 1 else None,
+                                                       compile=False if name in UNCOMPILED_STUDIES else None))
     return out / name, outcome.count("skipped")
 
 
@@ -114,6 +125,7 @@ class Study:
     question: str  # REPORT.md's question
     verdict: Callable[..., str] | None = None  # None: gradnorm and norms, which have their own measurements
     x_key: str | None = None  # a final-loss figure against this key
+    when_named: bool = False  # run only when named (`normexp studies NAME`), not by `make studies`: hours of runs
 
 
 # Every study, in the order they run and REPORT.md shows them: the sweeps (configs/warmup.yaml and
@@ -133,6 +145,11 @@ STUDIES = (
     Study("transformer_warmup", "Xiong et al.'s warmup question on a 16-layer causal Transformer (fast engine)",
           "On a 16-layer causal Transformer (assoc_recall), where does Post-LN train, and where does warmup "
           "rescue it? Post / Pre / B2T / DeepNorm x Adam lr x warmup (fast engine)", transformer_warmup_verdict),
+    Study("realtext_warmup", "Xiong et al.'s warmup question on Shakespeare by character (fast engine; run when named)",
+          "On Shakespeare's plays by character, does Post-LN without warmup stay at the unigram floor, does warmup "
+          "rescue it and from which length, and is Pre-LN (and Peri-LN) indifferent to warmup? Post / Pre / Peri "
+          "x depth 6, 12 x Adam lr x warmup 0, 50, 200 of 300 steps (fast engine)", realtext_warmup_verdict,
+          when_named=True),
     Study("blocks", "per-block gradients and Adam updates over the first steps, Post-LN vs Pre-LN",
           "Inside the blocks: how large are each block's gradients and Adam updates over the first steps, "
           "Post-LN vs Pre-LN, with and without warmup?", blocks_verdict),
@@ -169,10 +186,10 @@ def _what_mattered(folder) -> str:
 
 def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = print,
                 names: Sequence[str] | None = None) -> Path:
-    """Run (or resume) the studies named (every study by default; in STUDIES' order whatever the order
-    given) into `out` and write out/REPORT.md and REPORT.html; return REPORT.md's path. Every chosen
-    study's folder is checked before the first trains: one in use, or holding another sweep, is refused
-    (StoreError) with nothing trained."""
+    """Run (or resume) the studies named (by default every study but those run only when named,
+    `Study.when_named`; in STUDIES' order whatever the order given) into `out` and write out/REPORT.md
+    and REPORT.html; return REPORT.md's path. Every chosen study's folder is checked before the first
+    trains: one in use, or holding another sweep, is refused (StoreError) with nothing trained."""
     from normexp.config import RunConfig  # noqa: F401 - torch-backed modules below
     from normexp.diagnostics import gradnorm_study, norm_properties, norm_speed
     from normexp.figures import save_gradnorm_plot
@@ -180,7 +197,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     unknown = sorted(set(names or ()) - set(NAMES))
     if unknown:
         raise ValueError(f"no such study: {', '.join(unknown)}")
-    chosen = [study for study in STUDIES if names is None or study.name in names]
+    chosen = [study for study in STUDIES if (study.name in names if names is not None else not study.when_named)]
     out.mkdir(parents=True, exist_ok=True)
     sections, times = [], {}
     studies = [study for study in chosen if study.verdict is not None]  # the sweeps
@@ -245,7 +262,7 @@ def run_studies(out: Path, quick: bool = False, log: Callable[[str], None] = pri
     report = out / "REPORT.md"
     total = sum(times.values())
     quick_flag = " --quick" if quick else ""
-    written = (f"`make studies` (`normexp studies{quick_flag}`)" if len(chosen) == len(STUDIES) else
+    written = (f"`make studies` (`normexp studies{quick_flag}`)" if names is None else
                f"`normexp studies {' '.join(s.name for s in chosen)}{quick_flag}` ({len(chosen)} of the "
                f"{len(STUDIES)} studies)")
     header = (f"# normexp studies\n\nWritten by {written}; every verdict below is computed from these runs. "

@@ -145,6 +145,16 @@ def transformer_warmup_verdict(source: Path | Folder) -> str:
     return ". ".join(parts) + ". " + coverage(summary, keys)
 
 
+def realtext_warmup_verdict(source: Path | Folder) -> str:
+    """Per depth and lr (normexp/analysis/realtext.py): does Post-LN without warmup stay at the unigram floor,
+    from which warmup does every seed get below it, is Pre-LN (Peri-LN) indifferent; from each run's last
+    val_loss against the floor computed from the text."""
+    from normexp.analysis.realtext import final_val_losses, verdict
+    from normexp.corpus import floors
+
+    return verdict(final_val_losses(as_folder(source).metrics(all_config=True)), floors().unigram)
+
+
 def depth_verdict(source: Path | Folder) -> str:
     summary = _judged(source)
     by = summary.groupby(["norm.placement", "model.depth"]).agg(trained=("trained", "mean"),

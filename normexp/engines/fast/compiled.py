@@ -157,13 +157,13 @@ def compiled_step(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Ba
         compile_cache_dir()
         what = {"step": "train-adam" if fused else "grad", "model": cfg.model.model_dump(mode="json"),
                 "norm": cfg.norm.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
-                "z_loss": cfg.train.z_loss, "runs": len(batch.x)}
+                "z_loss": cfg.train.z_loss, "runs": batch.runs}
         step = make_grad_step(base(), batch.positions, cfg.train.z_loss)
         name, vouching = aot.step_key(what, str(batch.x.device)), aot.vouchable(what)
         x, y = batch.step_data(0)
         if fused:  # the check's update: each run's base learning rate (a warmup may start at 0), live
             hyper = adam_hypers(optimizer.optims, optimizer.name, 1, [o.lr for o in optimizer.optims],
-                                [True] * len(batch.x)).to(batch.x.device)
+                                [True] * batch.runs).to(batch.x.device)
             _COMPILED[key] = compile_train_step(step, batch.params, x, y, hyper, name, vouching)
         else:
             _COMPILED[key] = compile_grad_step(step, batch.params, x, y, key=name, vouching=vouching)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from normexp.config import TEXT_TASKS, TRANSFORMER_ONLY, ModelConfig, OptimConfig, RunConfig, TrainConfig
-from normexp.engines.cost import model_step_flops
+from normexp.config import TEXT_TASKS, OptimConfig, RunConfig
+from normexp.engines.cost import activation_bytes, model_step_flops
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
 COMPILED_CHUNK = 8  # runs per compiled batch: 8 runs' parameters, moments and activations stay nearer the cache
 # than 16's, with two workers sharing it (a 2,048-run phase sweep 90.3 vs 99.0 s, metrics identical; 4 runs no faster
 # than 8, 32 slower than 16: docs/performance.md)
+
+TEXT_CHUNK_BYTES = 2**30  # an uncompiled text batch's activations: a step reads thousands of tokens a run (a
+# 12-layer, 64-wide run's 32 windows of 64 characters: ~180 MB), so its runs are chunked by memory, not MAX_CHUNK
 
 COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam step (Intel Xeon, 2 cores: 104 s)
 COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
@@ -31,22 +34,16 @@ FAST_UNSERVED_OPTIM: tuple[str, ...] = ()
 def fast_serves(cfg: RunConfig) -> bool:
     """Whether the fast engine trains `cfg` as the exact engines define it: not with train.log_blocks
     (blocks.csv is the reference's bits or nothing), nor train.log_sharpness (the reference measures it), nor
-    with an optimizer key of FAST_UNSERVED_OPTIM set; nor, until its stacked step carries them, a run of the
-    text task (its windows drawn per run and step), with train.eval_every, or with nanoGPT's model keys
-    (model.activation, bias, tie_embeddings, init gpt2: docs/realtext.md)."""
+    with an optimizer key of FAST_UNSERVED_OPTIM set."""
     return not fast_unserved(cfg)
 
 
 def fast_unserved(cfg: RunConfig) -> list[str]:
     """The keys set in `cfg` that the fast engine does not serve (see `fast_serves`), e.g. ['train.log_blocks']."""
-    defaults, model_defaults = OptimConfig.model_fields, ModelConfig.model_fields
+    defaults = OptimConfig.model_fields
     return ([*(["train.log_blocks"] if cfg.train.log_blocks else []),
              *(["train.log_sharpness"] if cfg.train.log_sharpness is not None else []),
-             *(f"optim.{key}" for key in FAST_UNSERVED_OPTIM if getattr(cfg.optim, key) != defaults[key].default),
-             *([f"data.task {cfg.data.task}"] if cfg.data.task in TEXT_TASKS else []),
-             *(["model.init gpt2"] if cfg.model.init == "gpt2" else []),
-             *(["train.eval_every"] if cfg.train.eval_every != TrainConfig.model_fields["eval_every"].default else []),
-             *(f"model.{key}" for key in TRANSFORMER_ONLY if getattr(cfg.model, key) != model_defaults[key].default)])
+             *(f"optim.{key}" for key in FAST_UNSERVED_OPTIM if getattr(cfg.optim, key) != defaults[key].default)])
 
 
 def fast_key(cfg: RunConfig) -> tuple:
@@ -92,10 +89,19 @@ def compile_choice(planned: Iterable[RunConfig], compile: bool | None = None) ->
 
 def plan_fast(runs: Sequence[RunConfig], compiled: Callable[[RunConfig], bool] = lambda cfg: False
               ) -> list[list[RunConfig]]:
-    """Group runs by `fast_key`, in chunks of at most MAX_CHUNK runs, or COMPILED_CHUNK for a structure
-    that `compiled` says compiles (a group of one is a batch too)."""
+    """Group runs by `fast_key`, in chunks of at most `chunk_runs` runs (a group of one is a batch too)."""
     groups: dict[tuple, list[RunConfig]] = {}
     for cfg in runs:
         groups.setdefault(fast_key(cfg), []).append(cfg)
     return [group[i:i + size] for group in groups.values()
-            for size in [COMPILED_CHUNK if compiled(group[0]) else MAX_CHUNK] for i in range(0, len(group), size)]
+            for size in [chunk_runs(group[0], compiled(group[0]))] for i in range(0, len(group), size)]
+
+
+def chunk_runs(cfg: RunConfig, compiled: bool) -> int:
+    """Runs per batch of `cfg`'s structure: COMPILED_CHUNK where its step compiles, else MAX_CHUNK, or for
+    the text task as many as TEXT_CHUNK_BYTES of activations hold (`activation_bytes`), at least one."""
+    if compiled:
+        return COMPILED_CHUNK
+    if cfg.data.task in TEXT_TASKS:
+        return max(1, min(MAX_CHUNK, TEXT_CHUNK_BYTES // activation_bytes(cfg)))
+    return MAX_CHUNK

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from normexp.config import RunConfig
 from normexp.data import Task, make_task
-from normexp.engines.common import INIT_LOCK, build_model, seeded_init
+from normexp.engines.common import INIT_LOCK, build_model, init_batch, seeded_init
 
 Params = dict[str, torch.Tensor]
 _Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
@@ -193,7 +193,7 @@ def seeded_start(cfg: RunConfig) -> tuple[Params, Task]:
         if structure(cfg) not in _KNOWN:
             net, task = seeded_init(cfg)
             built = dict(net.named_parameters())
-            _KNOWN[structure(cfg)] = _Known(_record(cfg, built), copy.deepcopy(net).to("meta"))
+            _KNOWN[structure(cfg)] = _Known(_record(cfg, built), on_meta(net))
             return built, task
         recording = _KNOWN[structure(cfg)].recording
     if recording is None:
@@ -280,6 +280,14 @@ def meta_model(cfg: RunConfig) -> torch.nn.Module:
     return _KNOWN[structure(cfg)].meta
 
 
+def on_meta(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `net` on the "meta" device, a parameter that several modules share (tied embeddings: the
+    token embedding's weight is the head's) still one parameter, so that `functional_call` given it once
+    puts it in both places. (`Module.to` alone makes a new parameter in each module that holds it.)"""
+    memo = {id(p): torch.nn.Parameter(p.detach().to("meta"), p.requires_grad) for p in net.parameters()}
+    return copy.deepcopy(net, memo).to("meta")
+
+
 def _record(cfg: RunConfig, built: Params) -> Recording | None:
     """The recording of `cfg`'s model construction, or None where replaying it could differ from building it:
     checked on `cfg`'s own seed against the parameters `built` by `seeded_init`."""
@@ -290,8 +298,9 @@ def _record(cfg: RunConfig, built: Params) -> Recording | None:
         task = make_task(cfg.data, cfg.model)
     names = dict(net.named_parameters())
     before = {name: p.detach().clone() for name, p in names.items()}
+    inputs = init_batch(cfg, task)[0]  # a text task's first windows: drawn from the run's own generator
     with _Reads() as profile_reads, _Recorder() as profiling:
-        net.profile_at_init(task.x)
+        net.profile_at_init(inputs)
     if (not recorder.exact or not profiling.exact or reads.read or profile_reads.read or not _same(names, before)
             or any(_key(p) not in recorder.slots for p in names.values())):
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 import normexp.engines.fast.starts as starts
-from normexp.config import RunConfig
-from normexp.engines.common import batch_order, loss_and_acc, z_loss
+from normexp.config import TEXT_TASKS, RunConfig
+from normexp.data import read_windows
+from normexp.engines.common import batch_order, loss_and_acc, text_starts, z_loss
 from normexp.engines.fast.optim import run_norms
 
 Tensors = dict[str, torch.Tensor]
@@ -25,7 +27,9 @@ Tensors = dict[str, torch.Tensor]
 class Batch:
     """R runs stacked: parameters by name, (R, ...) each; data x (R, n, d) and y (R, n), or for a
     sequence task tokens x (R, n, T), answers y (R, n, A), the answer positions (A,), the held-out
-    split, and with minibatches each step's indices (steps + 1, R, batch_size)."""
+    split, and with minibatches each step's indices (steps + 1, R, batch_size). The text task's x and y
+    are its train split, one for every run (N,), and `starts` each step's windows of each run (steps + 1,
+    R, batch_size), drawn as the reference draws them (`common.text_starts`)."""
 
     params: Tensors
     x: torch.Tensor
@@ -34,9 +38,16 @@ class Batch:
     val_x: torch.Tensor | None = None
     val_y: torch.Tensor | None = None
     order: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+
+    @property
+    def runs(self) -> int:
+        return len(next(iter(self.params.values())))
 
     def step_data(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (x, y) each run trains on at `step`: everything, or its own minibatch."""
+        """The (x, y) each run trains on at `step`: everything, its own minibatch, or its own windows."""
+        if self.starts is not None:
+            return read_windows(self.x, self.y, self.starts[step], len(self.positions))
         if self.order is None:
             return self.x, self.y
         runs = torch.arange(len(self.x), device=self.x.device)[:, None]
@@ -59,13 +70,19 @@ def stack_runs(runs: Sequence[RunConfig], device: str) -> Batch:
         return None if values[0] is None else torch.stack(values).to(device)
 
     first = runs[0]
+    # a copy: the tasks may be kept starts (`starts.Starts`), and `.to` a tensor's own device is the tensor
+    positions = tasks[0].positions.to(device, copy=True) if tasks[0].positions is not None else None
+    held = (stacked("val_x"), stacked("val_y"))
+    if first.data.task in TEXT_TASKS:  # one train split for all; each run's windows, every step's ahead
+        windows = [list(itertools.islice(text_starts(cfg, task), cfg.train.steps + 1))
+                   for cfg, task in zip(runs, tasks)]
+        drawn = torch.stack([torch.stack(steps) for steps in zip(*windows)]).to(device)
+        return Batch(params, tasks[0].x.to(device), tasks[0].y.to(device), positions, *held, starts=drawn)
     order = None
     if first.data.batch_size is not None:
         per_run = [batch_order(cfg.data.n_samples, cfg.data.batch_size, cfg.seed, cfg.train.steps) for cfg in runs]
         order = torch.stack([torch.stack(steps) for steps in zip(*per_run)]).to(device)
-    # a copy: the tasks may be kept starts (`starts.Starts`), and `.to` a tensor's own device is the tensor
-    positions = tasks[0].positions.to(device, copy=True) if tasks[0].positions is not None else None
-    return Batch(params, stacked("x"), stacked("y"), positions, stacked("val_x"), stacked("val_y"), order)
+    return Batch(params, stacked("x"), stacked("y"), positions, *held, order)
 
 
 def batch_model(cfg: RunConfig) -> torch.nn.Module:
@@ -103,6 +120,20 @@ def make_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None) -> ValSt
         return loss_and_acc(functional_call(base, params, (x,)), y, positions)
 
     return loss_fn
+
+
+def held_out(val_step: ValStep, batch: Batch, rows: int | None) -> list[tuple[float, float]]:
+    """Each run's (val_loss, val_acc) on the held-out split, `val_step` a vmapped `make_loss_fn`: the split
+    whole, or `rows` sequences at a time as the reference's `validate` reads a text task's (each part's
+    mean weighted by its tokens, then divided once)."""
+    with torch.no_grad():
+        if rows is None:  # the split in one forward: its mean, as it is
+            total = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
+        else:
+            parts = [(torch.stack(val_step(batch.params, batch.val_x[:, i:i + rows], batch.val_y[:, i:i + rows])),
+                      batch.val_y[0, i:i + rows].numel()) for i in range(0, batch.val_x.shape[1], rows)]
+            total = sum(part * tokens for part, tokens in parts) / sum(tokens for _, tokens in parts)
+    return [tuple(v) for v in total.t().tolist()]
 
 
 def make_z_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None, coef: float) -> Callable:

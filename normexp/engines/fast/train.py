@@ -8,11 +8,19 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
-import torch
 from torch.func import vmap
 
 from normexp.config import RunConfig
-from normexp.engines.common import EarlyStop, RunResult, record_live, share_wall_time, torch_threads
+from normexp.engines.common import (
+    NOT_EVALUATED,
+    EarlyStop,
+    RunResult,
+    evaluates,
+    record_live,
+    share_wall_time,
+    torch_threads,
+    validation_rows,
+)
 from normexp.engines.fast.compiled import (
     CompileFailed,
     compiled_step,
@@ -23,7 +31,7 @@ from normexp.engines.fast.compiled import (
 )
 from normexp.engines.fast.optim import FastOptimizer, MadeAhead
 from normexp.engines.fast.plan import COMPILED_CHUNK, compile_choice, fast_key
-from normexp.engines.fast.step import batch_model, make_grad_step, make_loss_fn, stack_runs
+from normexp.engines.fast.step import batch_model, held_out, make_grad_step, make_loss_fn, stack_runs
 from normexp.optim import agc_units, step_lr
 
 
@@ -80,15 +88,14 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
         step_fn = compiler_call(compiled_step, first, base, batch, optimizer, schedule) if compiled else None
         grad_step = make_grad_step(base(), batch.positions, first.train.z_loss) if step_fn is None else None
         val_step = vmap(make_loss_fn(base(), batch.positions)) if batch.val_x is not None else None
+        rows = validation_rows(first)
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
         for step in range(steps + 1):
             lrs = schedule[step]
             vals = [None] * len(runs)
             if val_step is not None:  # before the step: a compiled Adam step updates the parameters in place
-                with torch.no_grad():
-                    held_out = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
-                vals = [tuple(v) for v in held_out.t().tolist()]
+                vals = held_out(val_step, batch, rows) if evaluates(first, step) else [NOT_EVALUATED] * len(runs)
             if step_fn is not None:
                 metrics = compiler_call(step_fn.step, batch.params, *batch.step_data(step), lrs, live)
             else:

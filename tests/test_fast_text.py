@@ -1,0 +1,148 @@
+"""The fast engine on the real-text task (`data.task: shakespeare_char`) and nanoGPT's model keys.
+
+Each run of a batch trains on its own windows, the ones the reference draws for it step by step; the
+held-out split is scored at train.eval_every's steps, as the reference scores it; a tied embedding is one
+parameter of the stacked step; nanoGPT's GELU, bias-free layers and GPT-2 init start each run from the
+reference's weights. A small sweep is within the fast engine's contract of the reference
+(docs/fast-contract.md), its held-out losses too.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+
+from normexp.config import validate_run
+from normexp.engines.common import minibatches, seeded_init
+from normexp.engines.fast import plan_fast, train_fast
+from normexp.engines.fast.plan import MAX_CHUNK, chunk_runs
+from normexp.engines.fast.starts import on_meta, seeded_start
+from normexp.engines.fast.step import stack_runs
+from normexp.engines.reference import train_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_fast import compare, contract_holds, run_fast, yardstick  # noqa: E402
+
+NANOGPT = {"activation": "gelu", "bias": False, "tie_embeddings": True, "init": "gpt2"}
+
+
+def text_run(placement="pre", seed=0, steps=6, lr=0.01, warmup=0, eval_every=1, depth=2, **model):
+    return validate_run({"model": {"arch": "transformer", "depth": depth, "width": 16, "n_heads": 2, **model},
+                         "norm": {"placement": placement},
+                         "data": {"task": "shakespeare_char", "seq_len": 12, "n_val": 7, "batch_size": 3},
+                         "optim": {"name": "adam", "lr": lr},
+                         "schedule": {"kind": "linear_warmup", "warmup_steps": warmup},
+                         "train": {"steps": steps, "threads": 1, "eval_every": eval_every}, "seed": seed})
+
+
+def test_each_run_of_a_batch_trains_on_the_windows_the_reference_draws_for_it():
+    configs = [text_run(seed=seed, steps=5) for seed in (3, 0, 7)]
+    batch = stack_runs(configs, "cpu")
+    for r, cfg in enumerate(configs):
+        _, task = seeded_init(cfg)
+        for step, (x, y) in enumerate(islice(minibatches(cfg, task), cfg.train.steps + 1)):
+            got_x, got_y = batch.step_data(step)
+            assert torch.equal(got_x[r], x) and torch.equal(got_y[r], y), (cfg.seed, step)
+    assert not torch.equal(batch.step_data(0)[0][0], batch.step_data(0)[0][1])  # seeds draw their own
+    assert batch.x.dim() == 1  # the train split once for the batch, not once per run
+
+
+def test_the_held_out_split_is_scored_at_eval_every_steps_and_the_last_as_the_reference_scores_it():
+    configs = [text_run(seed=seed, steps=7, eval_every=3) for seed in (0, 1)]
+    for cfg, fast in zip(configs, train_fast(configs, compile=False)):
+        reference = train_run(cfg)
+        scored = [not math.isnan(v) for v in fast.metrics["val_loss"]]
+        assert scored == [not math.isnan(v) for v in reference.metrics["val_loss"]]
+        assert [s for s, v in zip(fast.metrics["step"], scored) if v] == [0, 3, 6, 7]
+        for column in ("val_loss", "val_acc"):
+            for got, want in zip(fast.metrics[column], reference.metrics[column]):
+                assert got == pytest.approx(want, abs=1e-4, nan_ok=True), column
+
+
+def test_a_tied_embedding_is_one_parameter_of_the_stacked_step_and_of_its_meta_model():
+    cfg = text_run(**NANOGPT)
+    batch = stack_runs([cfg, text_run(seed=1, **NANOGPT)], "cpu")
+    assert "token.weight" in batch.params and "head.weight" not in batch.params
+    net, _ = seeded_init(cfg)
+    meta = on_meta(net)
+    assert meta.token.weight is meta.head.weight and meta.token.weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("model", [NANOGPT, {"activation": "gelu"}, {"bias": False}, {"tie_embeddings": True}],
+                         ids=["nanogpt", "gelu", "bias-free", "tied"])
+def test_nanogpts_keys_start_from_the_references_weights(model):
+    cfg = text_run(seed=5, **model)
+    net, _ = seeded_init(cfg)
+    for seed_cfg in (cfg, cfg):  # a structure's first run is built, the next replayed
+        params, _ = seeded_start(seed_cfg)
+        assert list(params) == [name for name, _ in net.named_parameters()]
+        assert all(torch.equal(params[name], p) for name, p in net.named_parameters())
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("model", [NANOGPT, {}], ids=["nanogpt", "default"])
+def test_a_batch_with_nanogpts_keys_follows_the_reference_over_a_few_steps(model):
+    configs = [text_run(seed=seed, lr=lr, **model) for seed, lr in ((0, 0.01), (1, 0.003), (2, 0.001))]
+    for cfg, fast in zip(configs, train_fast(configs, compile=False)):
+        reference = train_run(cfg)
+        assert fast.engine == "fast" and fast.metrics["step"] == reference.metrics["step"]
+        for column in ("loss", "val_loss"):
+            for got, want in zip(fast.metrics[column], reference.metrics[column]):
+                assert got == pytest.approx(want, abs=1e-4), column
+
+
+@pytest.mark.equivalence
+def test_a_small_sweep_is_within_the_fast_engines_contract_of_the_reference():
+    """Post-LN and Pre-LN x lr x warmup x 2 seeds, 12 steps: F (fast vs reference) against S (the reference
+    with each step's windows in another order), and the held-out losses within rounding of the reference's."""
+    configs = [text_run(placement, seed, steps=12, lr=lr, warmup=warmup, eval_every=4, **NANOGPT)
+               for placement in ("post", "pre") for lr in (0.003, 0.03) for warmup in (0, 6) for seed in (0, 1)]
+    reference = [train_run(cfg) for cfg in configs]
+    fast = run_fast(configs)
+    f = compare(configs, fast, reference)
+    assert contract_holds(f, yardstick(configs, reference)), f
+    for got, want in zip(fast, reference):
+        pairs = list(zip(got.metrics["val_loss"], want.metrics["val_loss"]))
+        assert all(math.isnan(a) == math.isnan(b) for a, b in pairs)
+        assert max(abs(a - b) for a, b in pairs if not math.isnan(b)) < 1e-2
+
+
+def test_an_uncompiled_text_batch_holds_as_many_runs_as_its_activations_allow():
+    deep = validate_run({**text_run().model_dump(), "model": {"arch": "transformer", "depth": 12, "width": 64,
+                                                              "n_heads": 4},
+                         "data": {"task": "shakespeare_char", "seq_len": 64, "batch_size": 32, "n_val": 8}})
+    assert chunk_runs(text_run(), compiled=False) == MAX_CHUNK
+    size = chunk_runs(deep, compiled=False)
+    assert 1 < size < 16 and chunk_runs(deep, compiled=True) == 8
+    runs = [deep.model_copy(update={"seed": seed}) for seed in range(20)]
+    assert [len(batch) for batch in plan_fast(runs)] == [size] * (20 // size) + ([20 % size] if 20 % size else [])
+
+
+def test_the_benchmark_times_the_real_text_studys_shape_and_prints_its_own_ratio():
+    from bench_fast import text_grid, text_ratio
+
+    runs = text_grid(2, steps=1)
+    assert {(c.model.depth, c.model.width, c.data.batch_size, c.data.task, c.train.steps) for c in runs} == {
+        (12, 64, 32, "shakespeare_char", 1)} and len(runs) == 2
+    tiny = text_grid(2, steps=1, **{"model.depth": 1, "model.width": 8, "model.n_heads": 2, "data.batch_size": 2})
+    line = text_ratio(tiny, repeats=1)
+    assert re.search(r"real text \(2 runs, depth 1, width 8, 2 windows a step\): reference +[\d.]+ ms, "
+                     r"fast eager +[\d.]+ ms +[\d.]+x$", line), line
+
+
+@pytest.mark.slow
+@pytest.mark.equivalence
+def test_a_compiled_text_step_trains_each_run_on_its_own_windows_as_the_eager_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    configs = [text_run(seed=seed, steps=4, eval_every=2, depth=1, **NANOGPT) for seed in range(3)]
+    compiled, eager = train_fast(configs, compile=True), train_fast(configs, compile=False)
+    for got, want in zip(compiled, eager):
+        assert got.metrics["step"] == want.metrics["step"]
+        for column in ("loss", "val_loss"):
+            assert got.metrics[column] == pytest.approx(want.metrics[column], abs=1e-4, nan_ok=True), column
