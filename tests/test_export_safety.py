@@ -258,6 +258,38 @@ def test_a_run_that_no_longer_verifies_loses_its_tensorboard_copy(folder, tmp_pa
                                                                        if r != damaged)
 
 
+def test_a_run_that_no_longer_verifies_elsewhere_keeps_another_folders_tensorboard_copy(folder, tmp_path):
+    """Two folders share run ids (`runs/warmup` and `runs/seeds`): exporting the one whose copy of a run is
+    corrupt removed the other's event file of it, though that run still verifies in its own folder."""
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+    assert runner.invoke(app, ["export", str(folder), str(tb)]).exit_code == 0
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    damaged = _runs(other)[1]
+    _damage(damaged)
+    folders = exported_folders(tb)
+    result = runner.invoke(app, ["export", str(other), str(tb)])
+    assert result.exit_code == 1 and "removed" not in result.output, result.output
+    assert (tb / folders[damaged.name] / "events.out.tfevents.normexp").is_file()
+    assert exported_folders(tb) == folders
+    _damage(_runs(folder)[1])  # now corrupt in the folder that exported it too: its copy goes
+    result = runner.invoke(app, ["export", str(folder), str(tb)])
+    assert f"no longer verifies: {damaged.name}" in result.output, result.output
+    assert not (tb / folders[damaged.name]).exists()
+    shutil.copytree(folder, tmp_path / "again")
+    assert runner.invoke(app, ["export", str(tmp_path / "again"), str(tb)]).exit_code == 1  # the others' exports
+    shutil.rmtree(folder)  # a folder moved away: its copies are the moved folder's to drop
+    shutil.move(tmp_path / "other", folder)
+    result = runner.invoke(app, ["export", str(folder), str(tb)])
+    assert f"no longer verifies: {damaged.name}" not in result.output  # not exported since: nothing to drop
+    moved = _runs(folder)[2]
+    _damage(moved)
+    shutil.rmtree(tmp_path / "again")
+    result = runner.invoke(app, ["export", str(folder), str(tb)])
+    assert f"no longer verifies: {moved.name}" in result.output, result.output
+
+
 def test_a_run_that_no_longer_verifies_loses_its_mlflow_copy_of_this_folder_only(folder, tmp_path, mlflow_client):
     uri, client = mlflow_client
     other = tmp_path / "other"
