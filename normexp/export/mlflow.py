@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -85,7 +86,7 @@ class MlflowExport(ExportResult):
             return f"open {uri.rstrip('/')}/#/experiments/{self.experiment_id}"
         store = uri if "://" in uri or uri.startswith("file:") else Path(uri).resolve().as_uri()
         allow = "MLFLOW_ALLOW_FILE_STORE=true " if store.startswith("file:") else ""
-        return (f"{allow}mlflow ui --backend-store-uri {store} (MLflow {installed_version()} or newer: "
+        return (f"{allow}mlflow ui --backend-store-uri {shlex.quote(store)} (MLflow {installed_version()} or newer: "
                 f"pip install 'mlflow>={installed_version()}')")
 
 
