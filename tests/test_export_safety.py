@@ -168,6 +168,27 @@ def test_an_unreachable_tracking_server_is_one_line_in_bounded_time(folder, monk
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # set for the export only
 
 
+def test_a_database_mlflow_cannot_open_is_one_line_at_once(folder, tmp_path):
+    """A `sqlite:///` path that is a folder, a file that is not a database, or a database in a folder that
+    cannot be written: MLflow retried opening it for about 100 s, then printed a traceback (exit 1)."""
+    pytest.importorskip("mlflow")
+    (tmp_path / "folder.db").mkdir()
+    (tmp_path / "notes.db").write_text("not a database\n")
+    cases = {"folder.db": "is a folder, not a database file", "notes.db": "is not an SQLite database"}
+    if os.geteuid() != 0:  # root writes whatever the permissions say
+        (tmp_path / "locked").mkdir(mode=0o555)
+        cases["locked/mlflow.db"] = "cannot write"
+    for path, says in cases.items():
+        uri = f"sqlite:///{tmp_path / path}"
+        start = time.monotonic()
+        result = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
+        assert time.monotonic() - start < 30
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: MLflow at {uri}: ") and says in lines[0], lines
+    assert (tmp_path / "notes.db").read_text() == "not a database\n"
+
+
 def test_a_deleted_experiment_is_one_line_and_not_restored(folder, mlflow_client):
     uri, client = mlflow_client
     assert runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"]).exit_code == 0
