@@ -175,6 +175,10 @@ def test_a_parquet_reexport_is_byte_identical_and_another_folders_tables_are_kep
     result = runner.invoke(app, ["export", str(other), str(out), "--to", "parquet"])
     assert result.exit_code == 2 and f"holds the export of {folder.resolve()}" in result.output, result.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "runs.parquet").unlink()  # steps.parquet alone is still the first folder's: kept too
+    result = runner.invoke(app, ["export", str(other), str(out), "--to", "parquet"])
+    assert result.exit_code == 2 and f"holds the export of {folder.resolve()}" in result.output, result.output
+    assert (out / "steps.parquet").read_bytes() == before["steps.parquet"]
 
 
 def test_a_run_that_no_longer_verifies_leaves_the_tables_and_is_named(folder, tmp_path):
