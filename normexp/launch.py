@@ -140,6 +140,8 @@ def check_time(time_min: int, plan: ArrayPlan, launcher: str) -> tuple[str | Non
     SIGNAL_DELAY_S before its time runs out: a --time that leaves it less than TASK_START_S would be
     requeued over and over without training anything (refused); one shorter than its largest batch left
     would be requeued without finishing it, up to its requeue cap (warned)."""
+    if not plan.todo:  # no task is left to submit: its time is nobody's
+        return None, None
     delay = SIGNAL_DELAY_S[launcher]
     window = time_min * 60 - delay  # seconds a task trains before it is told to stop
     batch = plan.batch_s or 0.0

@@ -7,6 +7,7 @@ import builtins
 import csv
 import json
 import math
+import shlex
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,13 @@ def test_runs_left_out_of_an_export_are_counted_and_exit_1(folder, tmp_path):
     assert "7 runs exported" in result.output and "1 run of the sweep not exported" in result.output
     assert f"normexp verify {copy}" in result.output
     assert len([p for p in (tmp_path / "tb").iterdir() if p.is_dir()]) == 7
+
+
+def test_the_tensorboard_command_printed_runs_as_printed(folder, tmp_path):
+    """`tensorboard --logdir my runs/tb` was printed unquoted: pasted, it names two folders."""
+    pytest.importorskip("tensorboard")
+    dest = tmp_path / "my runs" / "tb"
+    result = runner.invoke(app, ["export", str(folder), str(dest)])
+    assert result.exit_code == 0, result.output
+    command = " ".join(result.output.split()).split(" · ", 1)[1]
+    assert shlex.split(command) == ["tensorboard", "--logdir", str(dest)], command

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import sqlite3
@@ -177,6 +178,9 @@ def test_the_success_line_fits_the_uri(folder, tmp_path, monkeypatch):
             f"(MLflow {mlflow.__version__} or newer: pip install 'mlflow>={mlflow.__version__}')") in line, line
     assert MlflowExport([], experiment_id="7").viewer("http://127.0.0.1:5000/") == \
         "open http://127.0.0.1:5000/#/experiments/7"
+    spaced = f"sqlite:///{tmp_path}/my runs/mlflow.db"  # the line is a command: it runs as printed
+    command = MlflowExport([]).viewer(spaced).split(" (MLflow ")[0]
+    assert shlex.split(command) == ["mlflow", "ui", "--backend-store-uri", spaced], command
 
 
 def test_a_database_of_a_newer_mlflow_is_refused_naming_the_version(folder, tmp_path):

@@ -168,6 +168,27 @@ def test_an_unreachable_tracking_server_is_one_line_in_bounded_time(folder, monk
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # set for the export only
 
 
+def test_a_database_mlflow_cannot_open_is_one_line_at_once(folder, tmp_path):
+    """A `sqlite:///` path that is a folder, a file that is not a database, or a database in a folder that
+    cannot be written: MLflow retried opening it for about 100 s, then printed a traceback (exit 1)."""
+    pytest.importorskip("mlflow")
+    (tmp_path / "folder.db").mkdir()
+    (tmp_path / "notes.db").write_text("not a database\n")
+    cases = {"folder.db": "is a folder, not a database file", "notes.db": "is not an SQLite database"}
+    if os.geteuid() != 0:  # root writes whatever the permissions say
+        (tmp_path / "locked").mkdir(mode=0o555)
+        cases["locked/mlflow.db"] = "cannot write"
+    for path, says in cases.items():
+        uri = f"sqlite:///{tmp_path / path}"
+        start = time.monotonic()
+        result = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])
+        assert time.monotonic() - start < 30
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: MLflow at {uri}: ") and says in lines[0], lines
+    assert (tmp_path / "notes.db").read_text() == "not a database\n"
+
+
 def test_a_deleted_experiment_is_one_line_and_not_restored(folder, mlflow_client):
     uri, client = mlflow_client
     assert runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"]).exit_code == 0
@@ -256,6 +277,38 @@ def test_a_run_that_no_longer_verifies_loses_its_tensorboard_copy(folder, tmp_pa
     assert not (tb / folders[damaged.name]).exists() and (tb / "notes.txt").is_file()
     assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == sorted(folders[r.name] for r in _runs(folder)
                                                                        if r != damaged)
+
+
+def test_a_run_that_no_longer_verifies_elsewhere_keeps_another_folders_tensorboard_copy(folder, tmp_path):
+    """Two folders share run ids (`runs/warmup` and `runs/seeds`): exporting the one whose copy of a run is
+    corrupt removed the other's event file of it, though that run still verifies in its own folder."""
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+    assert runner.invoke(app, ["export", str(folder), str(tb)]).exit_code == 0
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    damaged = _runs(other)[1]
+    _damage(damaged)
+    folders = exported_folders(tb)
+    result = runner.invoke(app, ["export", str(other), str(tb)])
+    assert result.exit_code == 1 and "removed" not in result.output, result.output
+    assert (tb / folders[damaged.name] / "events.out.tfevents.normexp").is_file()
+    assert exported_folders(tb) == folders
+    _damage(_runs(folder)[1])  # now corrupt in the folder that exported it too: its copy goes
+    result = runner.invoke(app, ["export", str(folder), str(tb)])
+    assert f"no longer verifies: {damaged.name}" in result.output, result.output
+    assert not (tb / folders[damaged.name]).exists()
+    shutil.copytree(folder, tmp_path / "again")
+    assert runner.invoke(app, ["export", str(tmp_path / "again"), str(tb)]).exit_code == 1  # the others' exports
+    shutil.rmtree(folder)  # a folder moved away: its copies are the moved folder's to drop
+    shutil.move(tmp_path / "other", folder)
+    result = runner.invoke(app, ["export", str(folder), str(tb)])
+    assert f"no longer verifies: {damaged.name}" not in result.output  # not exported since: nothing to drop
+    moved = _runs(folder)[2]
+    _damage(moved)
+    shutil.rmtree(tmp_path / "again")
+    result = runner.invoke(app, ["export", str(folder), str(tb)])
+    assert f"no longer verifies: {moved.name}" in result.output, result.output
 
 
 def test_a_run_that_no_longer_verifies_loses_its_mlflow_copy_of_this_folder_only(folder, tmp_path, mlflow_client):

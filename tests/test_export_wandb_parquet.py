@@ -175,6 +175,10 @@ def test_a_parquet_reexport_is_byte_identical_and_another_folders_tables_are_kep
     result = runner.invoke(app, ["export", str(other), str(out), "--to", "parquet"])
     assert result.exit_code == 2 and f"holds the export of {folder.resolve()}" in result.output, result.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "runs.parquet").unlink()  # steps.parquet alone is still the first folder's: kept too
+    result = runner.invoke(app, ["export", str(other), str(out), "--to", "parquet"])
+    assert result.exit_code == 2 and f"holds the export of {folder.resolve()}" in result.output, result.output
+    assert (out / "steps.parquet").read_bytes() == before["steps.parquet"]
 
 
 def test_a_run_that_no_longer_verifies_leaves_the_tables_and_is_named(folder, tmp_path):
@@ -330,6 +334,41 @@ def test_a_wandb_reexport_keeps_what_is_there_and_replaces_what_changed(folder, 
     assert f"no longer verifies: {gone.name}" in result.output and "1 run of the sweep not exported" in result.output
     assert len(_marked(wandb_dir)) == 7 and not any(p.name.endswith(gone.name) for p in wandb_dir.iterdir())
     assert theirs.is_dir()
+
+
+INTERRUPTED = """\
+import os, sys
+from pathlib import Path
+from normexp.export import wandb as export_wandb
+real, calls = export_wandb._mark, []
+def interrupted(path, mark):  # Ctrl-C in the CLI ends the process at once (normexp/__main__.py)
+    calls.append(mark)
+    if len(calls) == 3:  # the second run's folder is made, and not marked yet
+        os._exit(130)
+    real(path, mark)
+export_wandb._mark = interrupted
+export_wandb.to_wandb(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
+@pytest.mark.process
+def test_a_wandb_export_interrupted_as_a_run_starts_leaves_no_unmarked_run(folder, tmp_path):
+    """A Ctrl-C between wandb.init (which makes the offline folder) and normexp's mark left an offline run that
+    no export ever removed (not marked: not normexp's), which `wandb sync` would upload beside the run's
+    complete one, under the same id."""
+    pytest.importorskip("wandb")
+    out = tmp_path / "wb"
+    mine = out / "wandb" / "offline-run-20200101_000000-mine"  # the user's own, never touched
+    mine.mkdir(parents=True)
+    stopped = subprocess.run([sys.executable, "-c", INTERRUPTED, str(folder), str(out)], timeout=600,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert stopped.returncode == 130
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 3 and len(_marked(out / "wandb")) == 1
+    result = runner.invoke(app, ["export", str(folder), str(out), "--to", "wandb"])
+    assert result.exit_code == 0, result.output
+    assert len(_marked(out / "wandb")) == 8 and mine.is_dir()
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 9
+    assert not list((out / "wandb").glob(".normexp-*"))
 
 
 def test_a_run_id_wandb_would_refuse_gets_a_stable_id_it_takes():

@@ -135,6 +135,14 @@ def test_the_time_check_weighs_the_largest_batch_left():
     assert "unknown on this device" in unknown
 
 
+def test_no_time_is_refused_where_no_task_is_left():
+    """A resubmit of a finished sweep with --time 1 was refused as too short for its batches left, though
+    none is left and nothing would be submitted (`no task to submit`)."""
+    assert check_time(1, ArrayPlan((), 0.0, 0.0), "slurm") == (None, None)
+    assert check_time(1, ArrayPlan(()), "slurm") == (None, None)
+    assert check_time(1, ArrayPlan((2,), 0.0, 0.0), "slurm")[0].startswith("--time 1 is too short")
+
+
 def test_the_time_is_measured_from_the_folders_finished_runs(tmp_path, monkeypatch):
     """The estimate's rates are 2 CPU cores'; runs finished in the folder tell the speed of the machine
     that trained them (their wall_s against the estimate)."""

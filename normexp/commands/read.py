@@ -383,7 +383,8 @@ def export(
     try:
         if to == "tensorboard":
             done = to_tensorboard(run_dir, Path(dest), run_name=run_name, block_scalars=block_scalars)
-            out.print(f"{plural(len(done.exported), 'run')} exported to {dest} · tensorboard --logdir {dest}")
+            out.print(f"{plural(len(done.exported), 'run')} exported to {dest} · tensorboard --logdir "
+                      f"{shlex.quote(dest)}", soft_wrap=True)
         elif to == "mlflow":
             done = to_mlflow(run_dir, dest, experiment, run_name)
             out.print(f"{plural(len(done.exported), 'run')} exported to {dest}, {done.kept} already there · "

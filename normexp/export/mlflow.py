@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -62,6 +63,7 @@ from normexp.folder import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, SWEEP_FILE
 
 MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call (params: 100)
 RUN_ARTIFACTS = (CONFIG_FILE, METRICS_FILE)  # each run's, from its folder
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first bytes of every SQLite database file
 SWEEP_ARTIFACTS = (SWEEP_FILE, SUMMARY_FILE, "report.html", "*.png", "*.svg", "*.pdf")  # the parent run's
 
 
@@ -85,7 +87,7 @@ class MlflowExport(ExportResult):
             return f"open {uri.rstrip('/')}/#/experiments/{self.experiment_id}"
         store = uri if "://" in uri or uri.startswith("file:") else Path(uri).resolve().as_uri()
         allow = "MLFLOW_ALLOW_FILE_STORE=true " if store.startswith("file:") else ""
-        return (f"{allow}mlflow ui --backend-store-uri {store} (MLflow {installed_version()} or newer: "
+        return (f"{allow}mlflow ui --backend-store-uri {shlex.quote(store)} (MLflow {installed_version()} or newer: "
                 f"pip install 'mlflow>={installed_version()}')")
 
 
@@ -103,7 +105,7 @@ def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None, run_name: 
         from mlflow.tracking import MlflowClient
     except ImportError:
         raise missing_extra("mlflow", "mlflow") from None
-    problem = newer_store_problem(uri)
+    problem = sqlite_problem(uri) or newer_store_problem(uri)
     if problem is not None:
         raise ConfigError(problem)
     folder = str(Path(run_dir).resolve())
@@ -123,6 +125,33 @@ def installed_version() -> str:
     import mlflow
 
     return mlflow.__version__
+
+
+def sqlite_problem(uri: str) -> str | None:
+    """Where `uri` is a `sqlite:///` database MLflow cannot open (a folder, a file that is not an SQLite
+    database, a database or a folder for it that cannot be written), the line that says so; MLflow's client
+    retries opening it for about 100 s, then raises SQLAlchemy's error. None for any other store."""
+    path = sqlite_path(uri)
+    if path is None:
+        return None
+    if path.is_dir():
+        return (f"MLflow at {uri}: {path} is a folder, not a database file; name a file in it "
+                f"(sqlite:///{path}/mlflow.db)")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        head = None
+    except OSError as exc:
+        return f"MLflow at {uri}: cannot read {path}: {exc.strerror}"
+    if head and head != SQLITE_HEADER:
+        return f"MLflow at {uri}: {path} is not an SQLite database; export into another file"
+    # sqlite writes its journal beside the database; a missing database is made in the nearest folder there is
+    there = path.parent if head is not None else next(p for p in [path.parent, *path.parent.parents] if p.exists())
+    if not (there.is_dir() and os.access(there, os.W_OK | os.X_OK)) or (head is not None
+                                                                       and not os.access(path, os.W_OK)):
+        return f"MLflow at {uri}: cannot write {path} (a read-only file system, or no permission)"
+    return None
 
 
 def newer_store_problem(uri: str) -> str | None:

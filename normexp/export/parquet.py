@@ -50,6 +50,7 @@ def to_parquet(run_dir: Path, out_dir: Path, template: str | None = None) -> Exp
     out_dir, folder = Path(out_dir), str(Path(run_dir).resolve())
     names = run_names([r.cfg for r in runs], [r.run_id for r in runs], template)
     earlier = _earlier_ids(pq, out_dir / RUNS_FILE, folder)
+    _earlier_ids(pq, out_dir / STEPS_FILE, folder)  # refused as well where it is another folder's
     metadata = {FOLDER_KEY: folder.encode(), b"normexp.sweep": sweep.encode()}
     out_dir.mkdir(parents=True, exist_ok=True)
     _write(pq, steps_table(pa, runs).replace_schema_metadata(metadata), out_dir / STEPS_FILE)
@@ -58,14 +59,14 @@ def to_parquet(run_dir: Path, out_dir: Path, template: str | None = None) -> Exp
 
 
 def _earlier_ids(pq, path: Path, folder: str) -> set[str]:
-    """The run ids of this folder's earlier runs.parquet at `path` (none if there is none). ConfigError
-    where it is another folder's, or not a table normexp wrote."""
+    """The run ids of this folder's earlier table at `path` (runs.parquet or steps.parquet; none if there is
+    none). ConfigError where it is another folder's, or not a table normexp wrote."""
     if not path.exists():
         return set()
     try:
         table = pq.read_table(path, columns=["run_id"])
     except Exception as exc:  # pyarrow's errors for a file that is not Parquet, or lacks the column
-        raise ConfigError(f"{path}: not a runs table normexp wrote ({' '.join(str(exc).split())[:200]}); "
+        raise ConfigError(f"{path}: not a table normexp wrote ({' '.join(str(exc).split())[:200]}); "
                           "export into another folder, or remove it") from None
     owner = (table.schema.metadata or {}).get(FOLDER_KEY, b"").decode()
     if owner != folder:

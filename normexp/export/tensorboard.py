@@ -19,11 +19,12 @@ sweep: `post-d8-lr0.001-s0`, names.py), holding one event file, `events.out.tfev
 `OUT/events.out.tfevents.normexp` defines the HParams experiment: every config key with its type, its domain
 (the values seen, or their interval for many numbers) and whether it varies, so that the HParams table opens
 on the grid's axes, against the `result/` metrics. `OUT/.normexp-export.json` records which folder holds which
-run id: a re-export that names a run otherwise, or a run that no longer verifies, removes the event file
-normexp wrote before (and its folder, if nothing else is in it), never another file. Scalars are float32
-`simple_value`s, as TensorBoard's own writers make them (the exact numbers stay in the run folder). Every
-message is serialised deterministically and a run's wall time is its done.json's modification time, so a
-re-export, in any process, writes the same bytes.
+run id, and which sweep folder exported it: a re-export that names a run otherwise, or a run that no longer
+verifies, removes the event file normexp wrote before (and its folder, if nothing else is in it), never another
+file, nor the export of a run id another sweep folder shares (and whose copy of it may still verify).
+Scalars are float32 `simple_value`s, as TensorBoard's own writers make them (the exact numbers stay in the run
+folder). Every message is serialised deterministically and a run's wall time is its done.json's modification
+time, so a re-export, in any process, writes the same bytes.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from normexp.export.runs import (
     read_folder,
     varying_first,
 )
+from normexp.folder import DONE_FILE
 
 EVENTS_FILE = "events.out.tfevents.normexp"  # a fixed name: a re-export replaces it, and only it
 MANIFEST = ".normexp-export.json"  # run id -> folder, of every run exported into OUT
@@ -67,12 +69,15 @@ def to_tensorboard(run_dir: Path, out_dir: Path, run_name: str | None = None,
         from tensorboard.compat.proto.event_pb2 import Event  # noqa: F401 - checks the package is there
     except ImportError:
         raise missing_extra("tensorboard", "tensorboard") from None
-    out_dir = Path(out_dir)
+    out_dir, source = Path(out_dir), str(Path(run_dir).resolve())
     names = run_names([r.cfg for r in runs], [r.run_id for r in runs], run_name)
-    manifest = _read_manifest(out_dir)
-    folders = _folders(out_dir, names, {rid: f for rid, f in manifest.items() if rid not in left})
+    manifest, sources = _read_manifest(out_dir), _read_sources(out_dir)
+    # a run id this folder shares with another folder, whose export holds it: that run is there's, and stays
+    left_here = [rid for rid in left if sources.get(rid, source) == source
+                 or not (Path(sources[rid]) / rid / DONE_FILE).is_file()]  # (that folder moved, or the run gone)
+    folders = _folders(out_dir, names, {rid: f for rid, f in manifest.items() if rid not in left_here})
     out_dir.mkdir(parents=True, exist_ok=True)
-    replaced, dropped = _clear_earlier(out_dir, manifest, folders, [r.run_id for r in runs] + left)
+    replaced, dropped = _clear_earlier(out_dir, manifest, folders, [r.run_id for r in runs] + left_here)
     keys = varying_first(runs)
     flats = [flatten(r.cfg) for r in runs]
     kinds = _hparam_kinds(flats, keys)
@@ -88,7 +93,8 @@ def to_tensorboard(run_dir: Path, out_dir: Path, run_name: str | None = None,
         events += _run_events(run, block_scalars)
         events.sort(key=lambda e: e[0])  # by step, each tag's points in order
         _write_events(out_dir / folders[run.run_id] / EVENTS_FILE, run.time_s, events)
-    _write_manifest(out_dir, {**manifest, **folders})
+    _write_manifest(out_dir, {**manifest, **folders},
+                    {**{rid: f for rid, f in sources.items() if rid in manifest}, **dict.fromkeys(folders, source)})
     return ExportResult([r.run_id for r in runs], replaced=replaced, dropped=dropped, left=left)
 
 
@@ -181,8 +187,18 @@ def _read_manifest(out_dir: Path) -> dict[str, str]:
     return {str(rid): str(folder) for rid, folder in runs.items()} if isinstance(runs, dict) else {}
 
 
-def _write_manifest(out_dir: Path, folders: dict[str, str]) -> None:
-    text = json.dumps({"runs": dict(sorted(folders.items()))}, indent=1) + "\n"
+def _read_sources(out_dir: Path) -> dict[str, str]:
+    """run id -> the sweep folder whose export holds it (none for an export before the manifest said)."""
+    try:
+        sources = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))["sources"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {str(rid): str(folder) for rid, folder in sources.items()} if isinstance(sources, dict) else {}
+
+
+def _write_manifest(out_dir: Path, folders: dict[str, str], sources: dict[str, str]) -> None:
+    text = json.dumps({"runs": dict(sorted(folders.items())), "sources": dict(sorted(sources.items()))},
+                      indent=1) + "\n"
     _replace(out_dir / MANIFEST, text.encode("utf-8"))
 
 

@@ -19,7 +19,8 @@ verdict, name and project is left as it is (so a synced run is not synced again)
 or name changed, or that an interrupted export left unfinished (marked complete last), has its offline folder
 replaced, and named. The offline folder of a run this folder exported that no longer verifies is removed,
 and named. What normexp did not write (other runs, another folder's) is never touched. wandb's service
-process runs while the export does, and is stopped after it.
+process runs while the export does, and is stopped after it; an offline folder an export made and did not
+mark (stopped between wandb.init and the mark) is removed by the next export of the folder.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from normexp.export.names import run_names
 from normexp.export.runs import ExportedRun, ExportResult, missing_extra, read_folder
 
 MARKER = "normexp-export.json"  # in each offline run folder normexp wrote: whose run it is, and its result
+PENDING = ".normexp-starting-"  # OUT/wandb/<this><W&B id>.json while wandb.init makes a run's folder
 
 # While the export runs: offline whatever the user's environment says, quiet (no banner, no prompt), and
 # no error reports sent.
@@ -66,6 +68,7 @@ def to_wandb(run_dir: Path, out_dir: Path, template: str | None = None) -> Expor
     earlier = _earlier(wandb_dir, folder)
     done = ExportResult([], left=left)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _clear_unstarted(wandb_dir, folder)
     with _environ(ENVIRONMENT):
         try:
             for run in runs:
@@ -87,6 +90,7 @@ def to_wandb(run_dir: Path, out_dir: Path, template: str | None = None) -> Expor
             raise ConfigError(f"wandb: {' '.join(str(exc).split())[:300]}") from None
         finally:
             wandb.teardown()  # stops wandb's service process
+            _clear_unstarted(wandb_dir, folder)
     for rid in left:  # exported before, and no longer verified finished: its copy goes
         for path, _ in earlier.pop(rid, []):
             shutil.rmtree(path)
@@ -126,11 +130,17 @@ def _write_run(wandb, out_dir: Path, run: ExportedRun, sweep: str, mark: dict[st
     known = getattr(wandb.Settings, "model_fields", SETTINGS)
     settings = wandb.Settings(**{k: v for k, v in SETTINGS.items() if k in known})
     status = str(done.get("status", ""))
-    wb = wandb.init(mode="offline", dir=str(out_dir), id=wandb_id(run.run_id), name=mark["name"],
+    wandb_dir, wid = out_dir / "wandb", wandb_id(run.run_id)
+    wandb_dir.mkdir(exist_ok=True)
+    note = wandb_dir / f"{PENDING}{wid}.json"
+    note.write_text(json.dumps({"folder": mark["folder"], "id": wid, "before": sorted(
+        p.name for p in wandb_dir.glob(f"offline-run-*-{wid}"))}) + "\n", encoding="utf-8")
+    wb = wandb.init(mode="offline", dir=str(out_dir), id=wid, name=mark["name"],
                     project=mark["project"], config={**run.cfg.model_dump(mode="json"), "normexp": meta},
                     tags=[status] if status else None, settings=settings)
     path = Path(wb.settings.sync_dir)
     _mark(path, {**mark, "complete": False})
+    note.unlink()
     for step, values in history(run):
         wb.log(values, step=step)
     wb.finish()
@@ -141,6 +151,26 @@ def _mark(path: Path, mark: dict[str, Any]) -> None:
     tmp = path / f".{MARKER}.tmp"
     tmp.write_text(json.dumps(mark, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path / MARKER)
+
+
+def _clear_unstarted(wandb_dir: Path, folder: str) -> None:
+    """Remove the offline folders an export of `folder` made and never marked (a Ctrl-C between wandb.init,
+    which makes the folder, and normexp's mark: the CLI ends at once): the note `_write_run` leaves
+    before wandb.init names the run's W&B id and the folders it had already. Unmarked, no export would
+    know them as normexp's, and `wandb sync` would upload each beside its run's complete folder."""
+    for note in wandb_dir.glob(f"{PENDING}*.json") if wandb_dir.is_dir() else []:
+        try:
+            pending = json.loads(note.read_text(encoding="utf-8"))
+            if pending["folder"] != folder:
+                continue
+            made = set(wandb_dir.glob(f"offline-run-*-{pending['id']}")) - {wandb_dir / name
+                                                                            for name in pending["before"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for path in made:
+            if path.name.split("-", 3)[-1] == pending["id"] and not (path / MARKER).exists():
+                shutil.rmtree(path, ignore_errors=True)
+        note.unlink(missing_ok=True)
 
 
 def _earlier(wandb_dir: Path, folder: str) -> dict[str, list[tuple[Path, dict[str, Any]]]]:
