@@ -41,10 +41,12 @@ INDIFFERENT = ("pre", "peri")  # the placements asked whether warmup matters to 
 
 def final_val_losses(metrics: pd.DataFrame) -> pd.DataFrame:
     """One row per run of a tidy metrics frame (`load_metrics(folder, all_config=True)`: run_id, the keys,
-    seed, step, val_loss): its keys and seed, and `val_loss`, its last evaluated (not nan) held-out loss;
-    nan if it has none."""
+    seed, status, step, val_loss): its keys and seed, and `val_loss`, its last evaluated (not nan) held-out
+    loss; nan if it has none or diverged (its last evaluated loss then predates the divergence)."""
     keys = [k for k in (*KEYS, "seed") if k in metrics]
     ordered = metrics.sort_values(["run_id", "step"])
+    if "status" in ordered:
+        ordered = ordered.assign(val_loss=ordered["val_loss"].mask(ordered["status"] == "diverged"))
     last = ordered.dropna(subset=["val_loss"]).groupby("run_id")["val_loss"].last()
     runs = ordered.groupby("run_id", sort=True)[keys].first()
     return runs.assign(val_loss=last.reindex(runs.index)).reset_index()
