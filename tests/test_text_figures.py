@@ -70,3 +70,10 @@ def test_the_page_carries_the_floors_and_only_the_evaluated_steps():
     assert data.curves_data(tidy("copy"), ["norm.placement"], "val_loss", None)["floors"] == []
     training = data.curves_data(tidy(), ["norm.placement"], "loss", None)
     assert training["lines"][0]["x"] == list(range(8))  # the training loss: every step
+
+
+def test_a_panel_mixing_text_and_other_runs_names_the_text_its_floors_belong_to():
+    mixed = pd.concat([tidy(), tidy("copy").assign(run_id=lambda f: "copy-" + f["run_id"])])
+    labels = list(text_floors(mixed))
+    assert len(labels) == 2 and all(label.startswith("shakespeare_char ") for label in labels), labels
+    assert not any(label.startswith("shakespeare_char") for label in text_floors(tidy()))

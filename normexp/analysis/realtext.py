@@ -54,11 +54,14 @@ def final_val_losses(metrics: pd.DataFrame) -> pd.DataFrame:
 
 def text_floors(frame: pd.DataFrame) -> dict[str, float]:
     """The reference lines of a loss of text-task runs (a `data.task` column naming one): the unigram and
-    bigram floors of the shipped text's val split (normexp/corpus.py `floors`), by label; {} for others."""
-    if "data.task" not in frame or not frame["data.task"].isin(TEXT_TASKS).any():
+    bigram floors of the shipped text's val split (normexp/corpus.py `floors`), by label; {} for others. Beside
+    runs of another task, each label names the text task: those runs' losses have no such floor."""
+    if "data.task" not in frame or not (text := frame["data.task"].isin(TEXT_TASKS)).any():
         return {}
     found = floors()
-    return {f"unigram floor {found.unigram:.2f}": found.unigram, f"bigram floor {found.bigram:.2f}": found.bigram}
+    task = "" if text.all() else f"{frame['data.task'][text].iloc[0]} "
+    return {f"{task}unigram floor {found.unigram:.2f}": found.unigram,
+            f"{task}bigram floor {found.bigram:.2f}": found.bigram}
 
 
 def _at_floor(losses: pd.Series, floor: float, margin: float) -> pd.Series:
