@@ -10,8 +10,9 @@ runs that differ only in seed are one column. Labels follow the article: `Post-L
 
 Every aggregate says what it covers. A mean is taken over the runs whose loss is finite at that step;
 where that is not every run of the cell, the cell says so (`0.0512 ± 0.0031 (2 of 4)`: the other two
-diverged), a cell whose runs all diverged reads `diverged` (never `—`, which means "no run"), and the
-verdict line counts diverged runs per column. Each run is judged against its own n_classes.
+diverged), a cell whose runs all diverged reads `diverged` (never `—`, which means "no run", or no
+measurement: val_loss between two of train.eval_every's), and the verdict line counts diverged runs per
+column. Each run is judged against its own n_classes.
 Only verified runs count; a line under the table names the runs missing, failed or corrupt.
 """
 
@@ -76,9 +77,10 @@ def aggregate_cell(mean: float, std: float, finite: int, runs: int, missing: int
 
 
 PARTIAL_NOTE = ("(k of n): the mean covers the k runs of the cell whose loss is still finite; the other n - k diverged "
-                "or are missing (named below). A run that ended before a step (a shorter train.steps) counts in no "
-                "cell past its last step; a run that train.stop_when stopped early (and did not diverge) is not among "
-                "them: it holds its last value in every later cell of its train.steps.")
+                "or are missing (named below), or did not measure it there (val_loss between evaluations). A run "
+                "that ended before a step (a shorter train.steps) counts in no cell past its last step; a run that "
+                "train.stop_when stopped early (and did not diverge) is not among them: it holds its last value in "
+                "every later cell of its train.steps.")
 
 
 @dataclass(frozen=True)
@@ -271,11 +273,13 @@ def _column(label: str, group: pd.DataFrame, finals: pd.DataFrame, keys: list[st
     last, diverged_run = finals["step"].to_numpy(), (finals["status"] == "diverged").to_numpy()
     step_of, finite = group["step"].to_numpy(), np.isfinite(group["loss"].astype(float).to_numpy())
     measured = group[metric].astype(float).to_numpy()
+    unmeasured = finite & np.isnan(measured)  # val_loss between two of train.eval_every's: no measurement
     cells = {}
     for step in steps:
-        # the runs that reached this step, or would have but diverged (they stop at a non-finite loss)
-        runs = int(((last >= step) | diverged_run).sum()) + missing
-        series = pd.Series(measured[(step_of == step) & finite])  # the runs' values at this step, in run order
+        # the runs that reached this step, or would have but diverged (they stop at a non-finite loss), less
+        # those that did not measure the metric there
+        runs = int(((last >= step) | diverged_run).sum()) + missing - int((unmeasured & (step_of == step)).sum())
+        series = pd.Series(measured[(step_of == step) & finite & ~unmeasured])  # the runs' values, in run order
         std = float(series.std(ddof=1)) if len(series) > 1 else math.nan  # one run has no spread, not 0
         if runs:
             cells[step] = (float(series.mean()) if len(series) else math.nan, std, len(series), runs)

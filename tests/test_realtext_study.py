@@ -79,3 +79,19 @@ def test_make_studies_leaves_it_out_and_naming_it_runs_it_alone(tmp_path, monkey
     assert expected.startswith("Depth 2, lr 0.01: without warmup Post-LN") and expected in report
     assert realtext_warmup_verdict(out / "realtext_warmup") == expected
     assert (out / "realtext_warmup" / "loss.png").is_file() and "realtext_warmup/loss.png" in report
+
+
+@pytest.mark.process
+def test_the_verdict_judges_the_folders_last_sweep_only_as_every_studys_verdict(tmp_path):
+    """A run another invocation left in the folder (here 3 steps instead of 4) is not a seed of the study's
+    cells: the verdict counts 2 seeds per cell, not 4 (verdicts.py: a study judges its own grid)."""
+    config = tmp_path / "realtext_warmup.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "runs"
+    for extra in (["--set", "train.steps=3"], []):
+        result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "batched", *extra])
+        assert result.exit_code == 0, result.output
+    assert len(as_folder(out).summary) == 16
+    text = realtext_warmup_verdict(out)
+    assert "Post-LN stays at the unigram floor (3.33) in " in text and " of 2 seeds" in text
+    assert " of 4 seeds" not in text

@@ -126,3 +126,15 @@ def test_final_val_losses_keeps_each_runs_last_evaluated_loss():
     runs = final_val_losses(metrics.sample(frac=1, random_state=0)).set_index("run_id")
     assert runs.loc["a", "val_loss"] == 3.3 and runs.loc["b", "val_loss"] == 2.9
     assert runs.loc["b", "norm.placement"] == "pre"
+
+
+def test_a_diverged_run_counts_as_at_the_floor_not_by_its_loss_before_it_diverged():
+    # a Post-LN run that learnt to 2.5 by step 25, then diverged at step 31 (stopped there, its val nan):
+    # the study counts it at the floor, not escaped on the loss it had before diverging
+    metrics = pd.DataFrame({
+        "run_id": ["a"] * 3 + ["b"] * 3, "status": ["diverged"] * 3 + ["completed"] * 3,
+        "norm.placement": "post", "model.depth": 12, "optim.lr": 3e-3, "schedule.warmup_steps": 0,
+        "seed": [0] * 3 + [1] * 3, "step": [0, 25, 31, 0, 25, 50], "val_loss": [4.4, 2.5, math.nan, 4.4, 2.6, 2.5]})
+    runs = final_val_losses(metrics).set_index("run_id")
+    assert math.isnan(runs.loc["a", "val_loss"]) and runs.loc["b", "val_loss"] == 2.5
+    assert "stays at the unigram floor (3.33) in 1 of 2 seeds" in verdict(runs.reset_index(), FLOOR)

@@ -70,3 +70,43 @@ def test_the_page_carries_the_floors_and_only_the_evaluated_steps():
     assert data.curves_data(tidy("copy"), ["norm.placement"], "val_loss", None)["floors"] == []
     training = data.curves_data(tidy(), ["norm.placement"], "loss", None)
     assert training["lines"][0]["x"] == list(range(8))  # the training loss: every step
+
+
+def test_a_panel_mixing_text_and_other_runs_names_the_text_its_floors_belong_to():
+    mixed = pd.concat([tidy(), tidy("copy").assign(run_id=lambda f: "copy-" + f["run_id"])])
+    labels = list(text_floors(mixed))
+    assert len(labels) == 2 and all(label.startswith("shakespeare_char ") for label in labels), labels
+    assert not any(label.startswith("shakespeare_char") for label in text_floors(tidy()))
+
+
+EVERY = """\
+name: every
+base:
+  model: {arch: transformer, depth: 2, width: 16, n_heads: 2}
+  data: {task: shakespeare_char, seq_len: 12, n_val: 6, batch_size: 3}
+  train: {steps: 4, threads: 1}
+grid:
+  train.eval_every: [1, 4]
+seeds: [0]
+"""
+
+
+@pytest.mark.process
+def test_the_report_counts_a_step_without_an_evaluation_as_no_measurement(tmp_path):
+    """val_loss at step 1 exists for the eval_every 1 run only: its own column reads '—' for eval_every 4 (not
+    'nan ± nan'), and a column pooling both says its mean covers 1 of 2 runs."""
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+    from normexp.report import build_report
+
+    config = tmp_path / "every.yaml"
+    config.write_text(EVERY)
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(tmp_path / "runs"), "--engine", "batched"])
+    assert result.exit_code == 0, result.output
+    report = build_report(tmp_path / "runs", metric="val_loss", steps=[1, 4])
+    cells = {column.label: [report.cell(column, s) for s in (1, 4)] for column in report.columns}
+    assert [cell for label, (cell, _) in cells.items() if "4" in label] == ["—"], cells
+    assert all("nan" not in cell and "(" not in cell for pair in cells.values() for cell in pair[1:]), cells
+    pooled = build_report(tmp_path / "runs", metric="val_loss", steps=[1, 4], by=["norm.placement"])
+    assert [pooled.cell(column, 1) for column in pooled.columns][0].endswith("(1 of 2)")

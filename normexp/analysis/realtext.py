@@ -41,10 +41,12 @@ INDIFFERENT = ("pre", "peri")  # the placements asked whether warmup matters to 
 
 def final_val_losses(metrics: pd.DataFrame) -> pd.DataFrame:
     """One row per run of a tidy metrics frame (`load_metrics(folder, all_config=True)`: run_id, the keys,
-    seed, step, val_loss): its keys and seed, and `val_loss`, its last evaluated (not nan) held-out loss;
-    nan if it has none."""
+    seed, status, step, val_loss): its keys and seed, and `val_loss`, its last evaluated (not nan) held-out
+    loss; nan if it has none or diverged (its last evaluated loss then predates the divergence)."""
     keys = [k for k in (*KEYS, "seed") if k in metrics]
     ordered = metrics.sort_values(["run_id", "step"])
+    if "status" in ordered:
+        ordered = ordered.assign(val_loss=ordered["val_loss"].mask(ordered["status"] == "diverged"))
     last = ordered.dropna(subset=["val_loss"]).groupby("run_id")["val_loss"].last()
     runs = ordered.groupby("run_id", sort=True)[keys].first()
     return runs.assign(val_loss=last.reindex(runs.index)).reset_index()
@@ -52,11 +54,14 @@ def final_val_losses(metrics: pd.DataFrame) -> pd.DataFrame:
 
 def text_floors(frame: pd.DataFrame) -> dict[str, float]:
     """The reference lines of a loss of text-task runs (a `data.task` column naming one): the unigram and
-    bigram floors of the shipped text's val split (normexp/corpus.py `floors`), by label; {} for others."""
-    if "data.task" not in frame or not frame["data.task"].isin(TEXT_TASKS).any():
+    bigram floors of the shipped text's val split (normexp/corpus.py `floors`), by label; {} for others. Beside
+    runs of another task, each label names the text task: those runs' losses have no such floor."""
+    if "data.task" not in frame or not (text := frame["data.task"].isin(TEXT_TASKS)).any():
         return {}
     found = floors()
-    return {f"unigram floor {found.unigram:.2f}": found.unigram, f"bigram floor {found.bigram:.2f}": found.bigram}
+    task = "" if text.all() else f"{frame['data.task'][text].iloc[0]} "
+    return {f"{task}unigram floor {found.unigram:.2f}": found.unigram,
+            f"{task}bigram floor {found.bigram:.2f}": found.bigram}
 
 
 def _at_floor(losses: pd.Series, floor: float, margin: float) -> pd.Series:

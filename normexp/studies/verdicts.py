@@ -148,11 +148,11 @@ def transformer_warmup_verdict(source: Path | Folder) -> str:
 def realtext_warmup_verdict(source: Path | Folder) -> str:
     """Per depth and lr (normexp/analysis/realtext.py): does Post-LN without warmup stay at the unigram floor,
     from which warmup does every seed get below it, is Pre-LN (Peri-LN) indifferent; from each run's last
-    val_loss against the floor computed from the text."""
+    val_loss against the floor computed from the text; the folder's latest sweep only (its own grid)."""
     from normexp.analysis.realtext import final_val_losses, verdict
     from normexp.corpus import floors
 
-    return verdict(final_val_losses(as_folder(source).metrics(all_config=True)), floors().unigram)
+    return verdict(final_val_losses(as_folder(source).metrics(all_config=True, only_last=True)), floors().unigram)
 
 
 def depth_verdict(source: Path | Folder) -> str:
