@@ -64,6 +64,34 @@ def trained_sweep(tmp_path_factory, name: str, text: str, *options: str) -> Path
     return folder / "out"
 
 
+def batched_sweep(tmp_path_factory, text: str) -> Path:
+    """The folder of the sweep file `text`, trained in process on the batched engine into a fresh folder named
+    after the sweep: what the export tests read, or change copies of."""
+    from normexp.config import build_sweep, parse_yaml
+    from normexp.sweep import SweepOptions, run_sweep
+
+    sweep = build_sweep(parse_yaml(text))
+    out = tmp_path_factory.mktemp("export") / sweep.name
+    run_sweep(sweep, out, SweepOptions(engine="batched"))
+    return out
+
+
+def run_folders(folder: Path) -> list[Path]:
+    """A sweep folder's finished run folders (those holding a done.json), sorted by name."""
+    return sorted(p for p in folder.iterdir() if (p / "done.json").is_file())
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """(URI, client) of an empty MLflow file store in tmp_path (skipped without mlflow)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the file store here (export sets it)
+    uri = (tmp_path / "mlruns").as_uri()
+    return uri, MlflowClient(tracking_uri=uri)
+
+
 def fresh_copy(pristine: Path, tmp_path: Path) -> tuple[Path, Path]:
     """(config, out) of a copy of a `trained_sweep`'s folder (symbolic links kept as links)."""
     shutil.copytree(pristine, tmp_path / "copy", symlinks=True)

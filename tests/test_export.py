@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from conftest import batched_sweep, run_folders
 from typer.testing import CliRunner
 
 from normexp.cli import app
@@ -38,9 +39,7 @@ grid:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "tiny"
-    run_sweep(build_sweep(parse_yaml(TINY)), out, SweepOptions(engine="batched"))
-    return out
+    return batched_sweep(tmp_path_factory, TINY)
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -64,10 +63,6 @@ def _expected(run: Path) -> dict[str, list[tuple[int, float]]]:
     final = {"final_loss": done["final_loss"], "min_loss": done["min_loss"], "final_acc": done["final_acc"],
              "diverged": float(done["diverged"]), "trained": float(trained)}
     return {**series, **{f"final/{k}": [(last, float(v))] for k, v in final.items()}}
-
-
-def _runs(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if (p / "done.json").is_file())
 
 
 def _same(a: float, b: float) -> bool:
@@ -96,10 +91,10 @@ def test_mlflow_export_reads_back_value_for_value_and_is_idempotent(folder, tmp_
     found = client.search_runs([experiment.experiment_id])
     (parent,) = [r for r in found if "normexp.run_id" not in r.data.tags]
     by_id = {r.data.tags["normexp.run_id"]: r for r in found if r is not parent}
-    assert sorted(by_id) == [r.name for r in _runs(folder)]
+    assert sorted(by_id) == [r.name for r in run_folders(folder)]
     assert parent.info.run_name == "tiny" and parent.data.tags["normexp.folder"] == str(folder.resolve())
     assert sorted(a.path for a in client.list_artifacts(parent.info.run_id)) == ["summary.csv", "sweep.yaml"]
-    for run in _runs(folder):
+    for run in run_folders(folder):
         exported, done = by_id[run.name], read_json(run / "done.json")
         flat = flatten(build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0])
         assert exported.data.params == {k: str("None" if v is None else json.dumps(list(v))
@@ -146,7 +141,7 @@ def test_a_changed_run_replaces_its_mlflow_run(folder, tmp_path):
     shutil.copytree(folder, copy)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert len(to_mlflow(copy, uri).exported) == 8
-    run = next(r for r in _runs(copy) if read_json(r / "done.json")["status"] == "completed"
+    run = next(r for r in run_folders(copy) if read_json(r / "done.json")["status"] == "completed"
                and not (r / BLOCKS_FILE).is_file())
     cfg = build_sweep({"name": "x", "base": parse_yaml((run / "config.yaml").read_text())}).runs[0]
     rows = _rows(run / METRICS_FILE)
@@ -247,7 +242,7 @@ def test_runs_left_out_of_an_export_are_counted_and_exit_1(folder, tmp_path):
 
     copy = tmp_path / "tiny"
     shutil.copytree(folder, copy)
-    shutil.rmtree(_runs(copy)[0])
+    shutil.rmtree(run_folders(copy)[0])
     result = runner.invoke(app, ["export", str(copy), str(tmp_path / "tb"), "--to", "tensorboard"])
     assert result.exit_code == 1, result.output
     assert "7 runs exported" in result.output and "1 run of the sweep not exported" in result.output

@@ -22,12 +22,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, batched_sweep, run_folders
 from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import build_sweep, parse_yaml
-from normexp.sweep import SweepOptions, run_sweep
 
 runner = CliRunner()
 
@@ -46,29 +45,13 @@ grid:
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "tiny"
-    run_sweep(build_sweep(parse_yaml(GRID)), out, SweepOptions(engine="batched"))
-    return out
+    return batched_sweep(tmp_path_factory, GRID)
 
 
 @pytest.fixture
 def folder(pristine, tmp_path) -> Path:
     shutil.copytree(pristine, tmp_path / "tiny")
     return tmp_path / "tiny"
-
-
-@pytest.fixture
-def store(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the file store here (export sets it)
-    uri = (tmp_path / "mlruns").as_uri()
-    return uri, MlflowClient(tracking_uri=uri)
-
-
-def _runs(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if (p / "done.json").is_file())
 
 
 def _split(client) -> tuple[object, dict[str, object]]:
@@ -96,15 +79,15 @@ def test_the_extra_installs_the_viewer_the_docs_name():
         assert "mlflow" in names and "mlflow-skinny" not in names, extra
 
 
-def test_run_names_name_the_varying_keys_and_follow_a_template(folder, store):
+def test_run_names_name_the_varying_keys_and_follow_a_template(folder, mlflow_store):
     """Run names were `placement-kind-s<seed>-<hash>`: depth 2 and 3 differed only in the hash that the UI
     cuts off. Now the keys that vary, or `--run-name`; a re-export under another template renames the
     same MLflow runs (none made, none deleted) and run ids stay."""
-    uri, client = store
+    uri, client = mlflow_store
     _export(folder, uri)
     _, by_id = _split(client)
     names = {rid: r.info.run_name for rid, r in by_id.items()}
-    for run in _runs(folder):
+    for run in run_folders(folder):
         text = (run / "config.yaml").read_text()
         cfg = build_sweep({"name": "x", "base": parse_yaml(text)}).runs[0]
         assert names[run.name] == f"d{cfg.model.depth}-{cfg.norm.placement}-s{cfg.seed}", names  # config order
@@ -119,10 +102,10 @@ def test_run_names_name_the_varying_keys_and_follow_a_template(folder, store):
     assert bad.exit_code == 2 and "--run-name: {depth} is not a config key" in bad.output, bad.output
 
 
-def test_the_sweeps_files_are_a_parent_runs_artifacts_replaced_only_when_they_change(folder, store, tmp_path):
+def test_the_sweeps_files_are_a_parent_runs_artifacts_replaced_only_when_they_change(folder, mlflow_store, tmp_path):
     """No artifacts were logged. Now each run holds config.yaml and metrics.csv (byte for byte), and a parent
     run the sweep's files; re-exports log nothing twice, and a changed figure replaces the parent run alone."""
-    uri, client = store
+    uri, client = mlflow_store
     (folder / "loss.png").write_bytes(b"\x89PNG first")
     (folder / "report.html").write_text("<html>report</html>")
     (folder / "notes.txt").write_text("not a sweep file")
@@ -130,7 +113,7 @@ def test_the_sweeps_files_are_a_parent_runs_artifacts_replaced_only_when_they_ch
     parent, by_id = _split(client)
     assert [a.path for a in client.list_artifacts(parent.info.run_id)] == [
         "loss.png", "report.html", "summary.csv", "sweep.yaml"]
-    for run in _runs(folder):
+    for run in run_folders(folder):
         rid = by_id[run.name].info.run_id
         assert by_id[run.name].data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert [a.path for a in client.list_artifacts(rid)] == ["config.yaml", "metrics.csv"]
@@ -150,12 +133,12 @@ def test_the_sweeps_files_are_a_parent_runs_artifacts_replaced_only_when_they_ch
     assert {r.data.tags["mlflow.parentRunId"] for r in kept.values()} == {newer.info.run_id}
 
 
-def test_an_earlier_export_without_artifacts_gets_them(folder, store):
+def test_an_earlier_export_without_artifacts_gets_them(folder, mlflow_store):
     """A run that an earlier release exported (no artifacts) is kept, and its artifacts are logged."""
-    uri, client = store
+    uri, client = mlflow_store
     _export(folder, uri)
     _, by_id = _split(client)
-    run = by_id[_runs(folder)[0].name]
+    run = by_id[run_folders(folder)[0].name]
     client.delete_tag(run.info.run_id, "normexp.artifacts")
     artifacts = Path(urllib.parse.urlparse(run.info.artifact_uri).path)
     shutil.rmtree(artifacts)
@@ -310,9 +293,9 @@ def test_a_real_tracking_server_serves_the_export(folder, server):
     found = search()
     (parent,) = [r for r in found if "normexp.run_id" not in tags(r)]
     runs = {tags(r)["normexp.run_id"]: r for r in found if r is not parent}
-    assert sorted(runs) == [r.name for r in _runs(folder)]
+    assert sorted(runs) == [r.name for r in run_folders(folder)]
     assert artifacts(parent["info"]["run_id"]) == ["loss.png", "summary.csv", "sweep.yaml"]
-    for run in _runs(folder):
+    for run in run_folders(folder):
         got = runs[run.name]
         uuid = got["info"]["run_id"]
         assert tags(got)["mlflow.parentRunId"] == parent["info"]["run_id"]

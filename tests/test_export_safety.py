@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, batched_sweep, run_folders
 from typer.testing import CliRunner
 
 from normexp.cli import app
@@ -44,29 +44,13 @@ grid:
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "tiny"
-    run_sweep(build_sweep(parse_yaml(TINY)), out, SweepOptions(engine="batched"))
-    return out
+    return batched_sweep(tmp_path_factory, TINY)
 
 
 @pytest.fixture
 def folder(pristine, tmp_path) -> Path:
     shutil.copytree(pristine, tmp_path / "tiny")
     return tmp_path / "tiny"
-
-
-@pytest.fixture
-def mlflow_client(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the file store here (export sets it)
-    uri = (tmp_path / "mlruns").as_uri()
-    return uri, MlflowClient(tracking_uri=uri)
-
-
-def _runs(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if (p / "done.json").is_file())
 
 
 def _rerun(run: Path, shift: float) -> None:
@@ -88,13 +72,13 @@ def _exported(client) -> list:
             if "normexp.run_id" in r.data.tags]
 
 
-def test_an_export_never_deletes_another_folders_mlflow_runs(folder, tmp_path, mlflow_client):
+def test_an_export_never_deletes_another_folders_mlflow_runs(folder, tmp_path, mlflow_store):
     """The README's runs/warmup, then runs/seeds, of one sweep name and overlapping run ids: the second
     export deleted every run of the first whose result differed. Idempotence is per folder and run."""
-    uri, client = mlflow_client
+    uri, client = mlflow_store
     other = tmp_path / "seeds"
     shutil.copytree(folder, other)
-    changed = _runs(other)[0]
+    changed = run_folders(other)[0]
     _rerun(changed, 1.0)
     assert runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"]).exit_code == 0
     first = {r.info.run_id: r.data.tags["normexp.done_checksum"] for r in _exported(client)}
@@ -115,10 +99,10 @@ def test_an_export_never_deletes_another_folders_mlflow_runs(folder, tmp_path, m
 
 
 @pytest.mark.process
-def test_an_export_stopped_half_way_is_finished_by_the_next(folder, tmp_path, mlflow_client):
+def test_an_export_stopped_half_way_is_finished_by_the_next(folder, tmp_path, mlflow_store):
     """A stop signal while an MLflow run is written left it orphaned (no normexp tag, never removed). Now
     the export stops in one line, and the next one replaces the half-made run and names it."""
-    uri, client = mlflow_client
+    uri, client = mlflow_store
     script = textwrap.dedent(f"""
         import os, signal, sys
         from mlflow.tracking import MlflowClient
@@ -146,7 +130,7 @@ def test_an_export_stopped_half_way_is_finished_by_the_next(folder, tmp_path, ml
     assert "(left unfinished by an interrupted export)" in result.output
     found = _exported(client)
     assert len(found) == 4 and {r.info.status for r in found} == {"FINISHED"}
-    assert sorted(r.data.tags["normexp.run_id"] for r in found) == [r.name for r in _runs(folder)]
+    assert sorted(r.data.tags["normexp.run_id"] for r in found) == [r.name for r in run_folders(folder)]
 
 
 def test_an_unreachable_tracking_server_is_one_line_in_bounded_time(folder, monkeypatch):
@@ -189,8 +173,8 @@ def test_a_database_mlflow_cannot_open_is_one_line_at_once(folder, tmp_path):
     assert (tmp_path / "notes.db").read_text() == "not a database\n"
 
 
-def test_a_deleted_experiment_is_one_line_and_not_restored(folder, mlflow_client):
-    uri, client = mlflow_client
+def test_a_deleted_experiment_is_one_line_and_not_restored(folder, mlflow_store):
+    uri, client = mlflow_store
     assert runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"]).exit_code == 0
     experiment = client.get_experiment_by_name("tiny")
     client.delete_experiment(experiment.experiment_id)
@@ -237,9 +221,9 @@ def test_runs_of_a_plugin_not_installed_are_named_before_anything_is_written(tmp
                                  "--to", target])
     load_plugin.cache_clear()
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    plugged = sorted(r.name for r in _runs(out) if r.name.startswith("ext_"))
+    plugged = sorted(r.name for r in run_folders(out) if r.name.startswith("ext_"))
     assert len(plugged) == 2 and all(rid in result.output for rid in plugged)
-    assert not any(r.name in result.output for r in _runs(out) if r.name not in plugged)
+    assert not any(r.name in result.output for r in run_folders(out) if r.name not in plugged)
     assert "exportnorms:Halfway, which is not installed" in result.output and "nothing written" in result.output
     assert not dest.exists()
 
@@ -266,7 +250,7 @@ def test_a_run_that_no_longer_verifies_loses_its_tensorboard_copy(folder, tmp_pa
     pytest.importorskip("tensorboard")
     tb = tmp_path / "tb"
     assert runner.invoke(app, ["export", str(folder), str(tb)]).exit_code == 0
-    damaged = _runs(folder)[1]
+    damaged = run_folders(folder)[1]
     _damage(damaged)
     (tb / "notes.txt").write_text("the user's")
     folders = exported_folders(tb)
@@ -275,7 +259,7 @@ def test_a_run_that_no_longer_verifies_loses_its_tensorboard_copy(folder, tmp_pa
     assert (f"removed this folder's earlier export of 1 run that no longer verifies: {damaged.name}"
             in result.output), result.output
     assert not (tb / folders[damaged.name]).exists() and (tb / "notes.txt").is_file()
-    assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == sorted(folders[r.name] for r in _runs(folder)
+    assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == sorted(folders[r.name] for r in run_folders(folder)
                                                                        if r != damaged)
 
 
@@ -287,14 +271,14 @@ def test_a_run_that_no_longer_verifies_elsewhere_keeps_another_folders_tensorboa
     assert runner.invoke(app, ["export", str(folder), str(tb)]).exit_code == 0
     other = tmp_path / "other"
     shutil.copytree(folder, other)
-    damaged = _runs(other)[1]
+    damaged = run_folders(other)[1]
     _damage(damaged)
     folders = exported_folders(tb)
     result = runner.invoke(app, ["export", str(other), str(tb)])
     assert result.exit_code == 1 and "removed" not in result.output, result.output
     assert (tb / folders[damaged.name] / "events.out.tfevents.normexp").is_file()
     assert exported_folders(tb) == folders
-    _damage(_runs(folder)[1])  # now corrupt in the folder that exported it too: its copy goes
+    _damage(run_folders(folder)[1])  # now corrupt in the folder that exported it too: its copy goes
     result = runner.invoke(app, ["export", str(folder), str(tb)])
     assert f"no longer verifies: {damaged.name}" in result.output, result.output
     assert not (tb / folders[damaged.name]).exists()
@@ -304,20 +288,20 @@ def test_a_run_that_no_longer_verifies_elsewhere_keeps_another_folders_tensorboa
     shutil.move(tmp_path / "other", folder)
     result = runner.invoke(app, ["export", str(folder), str(tb)])
     assert f"no longer verifies: {damaged.name}" not in result.output  # not exported since: nothing to drop
-    moved = _runs(folder)[2]
+    moved = run_folders(folder)[2]
     _damage(moved)
     shutil.rmtree(tmp_path / "again")
     result = runner.invoke(app, ["export", str(folder), str(tb)])
     assert f"no longer verifies: {moved.name}" in result.output, result.output
 
 
-def test_a_run_that_no_longer_verifies_loses_its_mlflow_copy_of_this_folder_only(folder, tmp_path, mlflow_client):
-    uri, client = mlflow_client
+def test_a_run_that_no_longer_verifies_loses_its_mlflow_copy_of_this_folder_only(folder, tmp_path, mlflow_store):
+    uri, client = mlflow_store
     other = tmp_path / "other"
     shutil.copytree(folder, other)
     for source in (folder, other):
         assert runner.invoke(app, ["export", str(source), uri, "--to", "mlflow"]).exit_code == 0
-    damaged = _runs(folder)[2]
+    damaged = run_folders(folder)[2]
     _damage(damaged)
     assert read_json(damaged / "done.json")  # the marker is there; the files it vouches for are not
     result = runner.invoke(app, ["export", str(folder), uri, "--to", "mlflow"])

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, batched_sweep, run_folders
 from typer.testing import CliRunner
 
 from normexp.cli import app
@@ -25,7 +25,6 @@ from normexp.config import build_sweep, chance_classes, flatten, parse_yaml, tra
 from normexp.export.tensorboard import EVENTS_FILE, MANIFEST, exported_folders
 from normexp.folder import BLOCKS_FILE, METRICS_FILE
 from normexp.folder.layout import read_json
-from normexp.sweep import SweepOptions, run_sweep
 
 pytest.importorskip("tensorboard")
 runner = CliRunner()
@@ -47,9 +46,7 @@ VARYING = ["norm.placement", "optim.lr", "seed"]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tb") / "seeded"
-    run_sweep(build_sweep(parse_yaml(SEEDED)), out, SweepOptions(engine="batched"))
-    return out
+    return batched_sweep(tmp_path_factory, SEEDED)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +60,6 @@ def exported(folder, tmp_path_factory) -> Path:
 def _rows(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-def _runs(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if (p / "done.json").is_file())
 
 
 def _flat(run: Path) -> dict:
@@ -115,7 +108,7 @@ def test_every_value_reads_back_and_blocks_are_histograms_over_blocks(folder, tm
     tb = tmp_path / "tb"
     result = runner.invoke(app, ["export", str(folder), str(tb)] + ["--block-scalars"] * block_scalars)
     assert result.exit_code == 0, result.output
-    runs = _runs(folder)
+    runs = run_folders(folder)
     assert any(read_json(r / "done.json")["status"] == "diverged" for r in runs)  # lr 1e8: inf, nan
     folders = exported_folders(tb)
     assert sorted(folders) == [r.name for r in runs]
@@ -168,7 +161,7 @@ def test_hparams_declare_domains_mark_the_varying_keys_and_group_the_seeds(folde
                                                               "trained")]
     folders = exported_folders(exported)
     groups = {}
-    for run in _runs(folder):
+    for run in run_folders(folder):
         start = metadata.parse_session_start_info_plugin_data(
             _accumulator(exported / folders[run.name]).SummaryMetadata(metadata.SESSION_START_INFO_TAG)
             .plugin_data.content)
@@ -268,7 +261,7 @@ def _number(text: str) -> float:
 
 
 def test_loss_comes_first_in_the_dashboard_and_the_one_point_charts_after_the_curves(folder, exported):
-    run = _runs(folder)[0]
+    run = run_folders(folder)[0]
     tags = list(_accumulator(exported / exported_folders(exported)[run.name]).Tags()["scalars"])
     tags += [f"per_block/{c}" for c in _rows(run / BLOCKS_FILE)[0] if c not in ("step", "block")]
     cards = sorted(tags, key=functools.cmp_to_key(_tb_compare))
@@ -281,7 +274,7 @@ def test_loss_comes_first_in_the_dashboard_and_the_one_point_charts_after_the_cu
 
 def test_runs_are_named_by_the_varying_keys_or_a_template_and_renamed_in_place(folder, tmp_path):
     tb = tmp_path / "tb"
-    runs = _runs(folder)
+    runs = run_folders(folder)
     result = runner.invoke(app, ["export", str(folder), str(tb), "--run-name", "{norm.placement}-{run_id}"])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == sorted(f"{_flat(r)['norm.placement']}-{r.name}"
@@ -397,7 +390,7 @@ def test_a_name_that_is_no_folder_name_is_made_one(folder, tmp_path):
     result = runner.invoke(app, ["export", str(folder), str(tb), "--run-name", "{norm.placement}/s{seed}-{run_id}"])
     assert result.exit_code == 0, result.output
     assert sorted(exported_folders(tb).values()) == sorted(f"{_flat(r)['norm.placement']}_s{_flat(r)['seed']}-{r.name}"
-                                                          for r in _runs(folder))
+                                                          for r in run_folders(folder))
     result = runner.invoke(app, ["export", str(folder), str(tb), "--run-name", "{run_id}" * 12])
     assert result.exit_code == 0, result.output
     folders = exported_folders(tb)
@@ -412,7 +405,7 @@ def test_a_run_alone_in_its_group_keeps_its_seed(folder, tmp_path):
 
     copy = tmp_path / "seeded"
     shutil.copytree(folder, copy)
-    for run in _runs(copy):
+    for run in run_folders(copy):
         if _flat(run)["seed"] == 1:
             shutil.rmtree(run)
     assert runner.invoke(app, ["export", str(copy), str(tmp_path / "tb")]).exit_code == 1  # 4 runs missing

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import batched_sweep, run_folders
 from typer.testing import CliRunner
 
 from normexp.cli import app
 from normexp.config import build_sweep, flatten, parse_yaml
 from normexp.folder import BLOCKS_FILE, METRICS_FILE
 from normexp.folder.layout import read_json
-from normexp.sweep import SweepOptions, run_sweep
 
 runner = CliRunner()
 
@@ -45,18 +45,12 @@ TEMPLATE = "{norm.placement}-lr{optim.lr}-b{train.log_blocks}"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "tiny"
-    run_sweep(build_sweep(parse_yaml(TINY)), out, SweepOptions(engine="batched"))
-    return out
+    return batched_sweep(tmp_path_factory, TINY)
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-def _runs(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if (p / "done.json").is_file())
 
 
 def _config(run: Path) -> dict[str, Any]:
@@ -106,7 +100,7 @@ def _expected_run_row(folder: Path, run: Path) -> dict[str, Any]:
 
 def _check_tables(folder: Path, runs_rows: list[dict[str, Any]], steps_rows: list[dict[str, Any]]) -> None:
     """Every value of both tables (as a reader gives them: rows of column -> value) against the run folders."""
-    runs = _runs(folder)
+    runs = run_folders(folder)
     assert sorted(r["run_id"] for r in runs_rows) == [r.name for r in runs]
     by_id = {r["run_id"]: r for r in runs_rows}
     for run in runs:
@@ -135,7 +129,7 @@ def test_parquet_reads_back_exactly_in_duckdb_and_pandas(folder, tmp_path):
     result = runner.invoke(app, ["export", str(folder), str(out), "--to", "parquet", "--run-name", TEMPLATE])
     assert result.exit_code == 0, result.output
     assert "8 runs exported" in result.output
-    assert any(read_json(r / "done.json")["status"] == "diverged" for r in _runs(folder))  # NaN in the tables
+    assert any(read_json(r / "done.json")["status"] == "diverged" for r in run_folders(folder))  # NaN in the tables
 
     def rows(relation) -> list[dict[str, Any]]:
         return [dict(zip(relation.columns, values)) for values in relation.fetchall()]
@@ -186,7 +180,7 @@ def test_a_run_that_no_longer_verifies_leaves_the_tables_and_is_named(folder, tm
     copy, out = tmp_path / "tiny", tmp_path / "tables"
     shutil.copytree(folder, copy)
     assert runner.invoke(app, ["export", str(copy), str(out), "--to", "parquet"]).exit_code == 0
-    gone = _runs(copy)[0]
+    gone = run_folders(copy)[0]
     (gone / METRICS_FILE).write_text("step,loss\n")  # corrupt: no longer verifies
     result = runner.invoke(app, ["export", str(copy), str(out), "--to", "parquet"])
     assert result.exit_code == 1, result.output
@@ -272,7 +266,7 @@ def test_the_wandb_export_reads_back_with_wandbs_own_reader(folder, tmp_path, mo
     assert os.environ["WANDB_MODE"] == "online" and "WANDB_SILENT" not in os.environ
     assert "8 runs exported" in result.output and f"wandb sync {out / 'wandb'}" in result.output
     found = _read_offline_runs(out / "wandb")
-    runs = _runs(folder)
+    runs = run_folders(folder)
     assert sorted(found) == [r.name for r in runs]  # the W&B id is the run id
     trained = _trained(folder)
     for run in runs:
@@ -327,7 +321,7 @@ def test_a_wandb_reexport_keeps_what_is_there_and_replaces_what_changed(folder, 
     assert result.exit_code == 0 and "8 runs exported" in result.output, result.output
     assert "its name changed" in result.output
     assert len(_marked(wandb_dir)) == 8 and theirs.is_dir()  # each run's earlier folder replaced, not added to
-    gone = _runs(copy)[0]
+    gone = run_folders(copy)[0]
     shutil.rmtree(gone)
     result = runner.invoke(app, ["export", str(copy), str(out), "--to", "wandb", "--run-name", TEMPLATE])
     assert result.exit_code == 1, result.output
