@@ -49,10 +49,10 @@ from urllib.parse import unquote, urlparse
 
 from normexp import stopping
 from normexp.config import ConfigError, flatten
-from normexp.export.names import run_names
 from normexp.export.runs import (
     ExportedRun,
     ExportResult,
+    display_names,
     hparam_value,
     missing_extra,
     read_folder,
@@ -99,7 +99,7 @@ def to_mlflow(run_dir: Path, uri: str, experiment: str | None = None, run_name: 
         raise ConfigError("--experiment: empty; name an MLflow experiment, or leave the option out for the "
                           "sweep's name")
     name, runs, left = read_folder(Path(run_dir))
-    names = run_names([r.cfg for r in runs], [r.run_id for r in runs], run_name)
+    names = display_names(runs, run_name)
     try:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from normexp.config import ConfigError, RunConfig, flatten
-from normexp.export.names import run_names
-from normexp.export.runs import ExportedRun, ExportResult, missing_extra, read_folder
+from normexp.export.runs import ExportedRun, ExportResult, display_names, missing_extra, read_folder
 
 RUNS_FILE, STEPS_FILE = "runs.parquet", "steps.parquet"
 FOLDER_KEY = b"normexp.folder"  # in each table's key-value metadata: the sweep folder's absolute path
@@ -48,7 +47,7 @@ def to_parquet(run_dir: Path, out_dir: Path, template: str | None = None) -> Exp
     except ImportError:
         raise missing_extra("parquet", "pyarrow") from None
     out_dir, folder = Path(out_dir), str(Path(run_dir).resolve())
-    names = run_names([r.cfg for r in runs], [r.run_id for r in runs], template)
+    names = display_names(runs, template)
     earlier = _earlier_ids(pq, out_dir / RUNS_FILE, folder)
     _earlier_ids(pq, out_dir / STEPS_FILE, folder)  # refused as well where it is another folder's
     metadata = {FOLDER_KEY: folder.encode(), b"normexp.sweep": sweep.encode()}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from normexp.config import ConfigError, RunConfig, chance_classes, flatten, trained_threshold
+from normexp.export.names import run_names
 from normexp.folder import (
     BLOCKS_FILE,
     DONE_FILE,
@@ -98,6 +99,11 @@ class ExportResult:
                          f"verif{'ies' if len(self.dropped) == 1 else 'y'}: {', '.join(self.dropped)} "
                          f"(normexp verify {shlex.quote(str(run_dir))})")
         return lines
+
+
+def display_names(runs: list[ExportedRun], template: str | None = None) -> dict[str, str]:
+    """run id -> the name each tool shows for `runs` (`--run-name` `template`, else the keys that vary: names.py)."""
+    return run_names([r.cfg for r in runs], [r.run_id for r in runs], template)
 
 
 def run_count(ids: Any) -> str:

@@ -39,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from normexp.config import flatten
-from normexp.export.names import DEFAULT_SHORT, run_names, value_text
+from normexp.export.names import DEFAULT_SHORT, value_text
 from normexp.export.runs import (
     FINAL,
     ExportedRun,
     ExportResult,
+    display_names,
     hparam_value,
     missing_extra,
     read_folder,
@@ -70,7 +71,7 @@ def to_tensorboard(run_dir: Path, out_dir: Path, run_name: str | None = None,
     except ImportError:
         raise missing_extra("tensorboard", "tensorboard") from None
     out_dir, source = Path(out_dir), str(Path(run_dir).resolve())
-    names = run_names([r.cfg for r in runs], [r.run_id for r in runs], run_name)
+    names = display_names(runs, run_name)
     manifest, sources = _read_manifest(out_dir), _read_sources(out_dir)
     # a run id this folder shares with another folder, whose export holds it: that run is there's, and stays
     left_here = [rid for rid in left if sources.get(rid, source) == source

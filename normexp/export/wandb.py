@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from normexp.config import ConfigError
-from normexp.export.names import run_names
-from normexp.export.runs import ExportedRun, ExportResult, missing_extra, read_folder
+from normexp.export.runs import ExportedRun, ExportResult, display_names, missing_extra, read_folder
 
 MARKER = "normexp-export.json"  # in each offline run folder normexp wrote: whose run it is, and its result
 PENDING = ".normexp-starting-"  # OUT/wandb/<this><W&B id>.json while wandb.init makes a run's folder
@@ -62,7 +61,7 @@ def to_wandb(run_dir: Path, out_dir: Path, template: str | None = None) -> Expor
     except ImportError:
         raise missing_extra("wandb", "wandb") from None
     out_dir, folder = Path(out_dir), str(Path(run_dir).resolve())
-    names = run_names([r.cfg for r in runs], [r.run_id for r in runs], template)
+    names = display_names(runs, template)
     project = re.sub(r"[/\\#?%:]", "-", sweep)[:128] or "normexp"
     wandb_dir = out_dir / "wandb"
     earlier = _earlier(wandb_dir, folder)
