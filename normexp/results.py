@@ -235,12 +235,8 @@ def _blocks(run_dir: Path, summary: pd.DataFrame, all_config: bool) -> pd.DataFr
         finished = finished[finished["train.log_blocks"].astype(str) == "True"]
     else:  # a folder written before per-block logging existed
         finished = finished.iloc[:0]
-    if finished.empty:
-        raise ResultsError(f"{run_dir}: no finished run logged per-block dynamics (set train.log_blocks: true)")
-    for run in finished["run_id"]:
-        if not (Path(run_dir) / run / BLOCKS_FILE).is_file():
-            raise ResultsError(f"{run_dir}/{run}: {BLOCKS_FILE} is missing; rerun the sweep with --force")
-    return _attach(run_dir, summary, finished, BLOCKS_FILE, all_config)
+    return _attach_logged(run_dir, summary, finished, BLOCKS_FILE, all_config,
+                          "logged per-block dynamics (set train.log_blocks: true)")
 
 
 def load_sharpness(run_dir: str | Path | Folder, all_config: bool = False) -> pd.DataFrame:
@@ -258,13 +254,20 @@ def _sharpness_runs(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def _sharpness(run_dir: Path, summary: pd.DataFrame, all_config: bool) -> pd.DataFrame:
-    finished = _sharpness_runs(summary)
+    return _attach_logged(run_dir, summary, _sharpness_runs(summary), SHARPNESS_FILE, all_config,
+                          "measured sharpness (set train.log_sharpness: K)")
+
+
+def _attach_logged(run_dir: Path, summary: pd.DataFrame, finished: pd.DataFrame, name: str, all_config: bool,
+                   what: str) -> pd.DataFrame:
+    """`_attach` of the optional per-run file `name` that the `finished` runs logged: ResultsError where none
+    did ("no finished run <what>") or where one's file is missing."""
     if finished.empty:
-        raise ResultsError(f"{run_dir}: no finished run measured sharpness (set train.log_sharpness: K)")
+        raise ResultsError(f"{run_dir}: no finished run {what}")
     for run in finished["run_id"]:
-        if not (Path(run_dir) / run / SHARPNESS_FILE).is_file():
-            raise ResultsError(f"{run_dir}/{run}: {SHARPNESS_FILE} is missing; rerun the sweep with --force")
-    return _attach(run_dir, summary, finished, SHARPNESS_FILE, all_config)
+        if not (Path(run_dir) / run / name).is_file():
+            raise ResultsError(f"{run_dir}/{run}: {name} is missing; rerun the sweep with --force")
+    return _attach(run_dir, summary, finished, name, all_config)
 
 
 METRIC_RECORDED_BY = {"val_loss": "val_loss and val_acc: sequence tasks only",
