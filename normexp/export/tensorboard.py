@@ -72,7 +72,7 @@ def to_tensorboard(run_dir: Path, out_dir: Path, run_name: str | None = None,
         raise missing_extra("tensorboard", "tensorboard") from None
     out_dir, source = Path(out_dir), str(Path(run_dir).resolve())
     names = display_names(runs, run_name)
-    manifest, sources = _read_manifest(out_dir), _read_sources(out_dir)
+    manifest, sources = _read_manifest(out_dir)
     # a run id this folder shares with another folder, whose export holds it: that run is there's, and stays
     left_here = [rid for rid in left if sources.get(rid, source) == source
                  or not (Path(sources[rid]) / rid / DONE_FILE).is_file()]  # (that folder moved, or the run gone)
@@ -177,24 +177,22 @@ def _remove(folder: Path) -> None:
 
 def exported_folders(out_dir: Path) -> dict[str, str]:
     """run id -> the folder of `out_dir` that holds its TensorBoard run (as exports recorded them)."""
-    return _read_manifest(Path(out_dir))
+    return _read_manifest(Path(out_dir))[0]
 
 
-def _read_manifest(out_dir: Path) -> dict[str, str]:
+def _read_manifest(out_dir: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The manifest's two maps: run id -> its folder in OUT, and run id -> the sweep folder whose export holds
+    it (none for an export made before the manifest said). Empty where the file is missing or unreadable."""
     try:
-        runs = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))["runs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return {str(rid): str(folder) for rid, folder in runs.items()} if isinstance(runs, dict) else {}
+        manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}, {}
 
+    def part(key: str) -> dict[str, str]:
+        found = manifest.get(key) if isinstance(manifest, dict) else None
+        return {str(rid): str(folder) for rid, folder in found.items()} if isinstance(found, dict) else {}
 
-def _read_sources(out_dir: Path) -> dict[str, str]:
-    """run id -> the sweep folder whose export holds it (none for an export before the manifest said)."""
-    try:
-        sources = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))["sources"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return {str(rid): str(folder) for rid, folder in sources.items()} if isinstance(sources, dict) else {}
+    return part("runs"), part("sources")
 
 
 def _write_manifest(out_dir: Path, folders: dict[str, str], sources: dict[str, str]) -> None:
