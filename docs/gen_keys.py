@@ -136,8 +136,8 @@ MEANINGS = {
                         "ln(C)/10",
     "train.z_loss": "transformer only: add z_loss * mean(log(Z)^2) to the objective (PaLM's z-loss; 1e-4 is "
                     "Wortsman's); `loss` stays the cross-entropy, the term goes to metrics.csv's `z_loss` column",
-    "train.eval_every": "transformer only: val_loss and val_acc at steps 0, k, 2k, ... and the last; nan at "
-                        "the others",
+    "train.eval_every": "transformer only: val_loss and val_acc at steps 0, k, 2k, ..., the last and the step "
+                        "a run stops at (train.stop_when, a non-finite loss); nan at the others",
     "seed": "set by the sweep's `seeds` list",
     "report.steps": "rows of the table (each run's last step is always one)",
     "report.columns": "keys that make the table's columns; unset: the keys that vary",

@@ -240,7 +240,8 @@ class TrainConfig(_Section):
     stop_patience: int = Field(STOP_PATIENCE, ge=1, le=10_000_000)  # acts only under stop_when
     stop_below: PositiveFloat | None = None  # stop_when: trained only
     log_sharpness: int | None = Field(None, ge=1, le=10_000_000)  # every K steps: sharpness rows (sharpness.py)
-    # sequence tasks: val_loss and val_acc at steps 0, k, 2k, ... and the last step; nan at the others
+    # sequence tasks: val_loss and val_acc at steps 0, k, 2k, ..., the last step and the step a run stops at
+    # (train.stop_when, a non-finite loss: engines/common.py `evaluates`); nan at the others
     eval_every: int = Field(1, ge=1, le=10_000_000)
 
     @model_validator(mode="after")

@@ -2,8 +2,9 @@
 
 Each engine (reference, batched, fast) builds a run's model and task with `seeded_init` (the article's
 order of random draws), computes the loss with `loss_and_acc`, draws minibatches with `batch_order` (a text
-task's windows: `minibatches`), scores the held-out split with `held_out` (every train.eval_every steps), and
-returns one `RunResult` per run. Nothing here imports an engine, the store, the sweep or an executor.
+task's windows: `minibatches`), scores the held-out split with `held_out` (at the steps `evaluates` names:
+every train.eval_every steps, the last, and the step at which a run stops), and returns one `RunResult` per
+run. Nothing here imports an engine, the store, the sweep or an executor.
 """
 
 from __future__ import annotations
@@ -148,6 +149,12 @@ class RunResult:
         if z is not None:
             self.metrics.setdefault(Z_LOSS_COLUMN, []).append(z)
 
+    def score_stop(self, val: tuple[float, float]) -> None:
+        """Write `val` (val_loss, val_acc) into the last recorded step, the one at which the run stopped: an
+        engine learns of a stop from the step's loss, after the step was recorded (`evaluates`' stop)."""
+        for column, value in zip(VAL_COLUMNS, val):
+            self.metrics[column][-1] = value
+
 
 StepCallback = Callable[[int, float], None]
 
@@ -265,20 +272,25 @@ def text_starts(cfg: RunConfig, task: Task) -> Iterator[torch.Tensor]:
 NOT_EVALUATED = (math.nan, math.nan)  # val_loss, val_acc of a step between two of train.eval_every's
 
 
-def held_out(model: torch.nn.Module, task: Task, cfg: RunConfig, step: int) -> tuple[float, float] | None:
-    """(val_loss, val_acc) at steps 0, k, 2k, ... (k = train.eval_every) and the last, NOT_EVALUATED at the
-    others; None for a task without a held-out split. A text task's windows go through the model
-    data.batch_size at a time."""
+def held_out(model: torch.nn.Module, task: Task, cfg: RunConfig, step: int,
+             stops: bool = False) -> tuple[float, float] | None:
+    """(val_loss, val_acc) at the steps `evaluates` names (`stops`: the run stops at this step),
+    NOT_EVALUATED at the others; None for a task without a held-out split. A text task's windows go
+    through the model data.batch_size at a time."""
     if task.val_x is None:
         return None
-    if not evaluates(cfg, step):
+    if not evaluates(cfg, step, stops):
         return NOT_EVALUATED
     return validate(model, task, validation_rows(cfg))
 
 
-def evaluates(cfg: RunConfig, step: int) -> bool:
-    """Whether the held-out split is scored at `step`: 0, k, 2k, ... (k = train.eval_every) and the last."""
-    return step % cfg.train.eval_every == 0 or step == cfg.train.steps
+def evaluates(cfg: RunConfig, step: int, stops: bool = False) -> bool:
+    """Whether the held-out split is scored at `step`: 0, k, 2k, ... (k = train.eval_every), the last, and
+    the step at which the run stops before its last (`stops`: train.stop_when fired there, or its loss is
+    non-finite under train.stop_on_nonfinite), so a run's last recorded step always carries its score.
+    An engine learns of a stop from the step's loss: it scores that step then (`RunResult.score_stop`), on
+    the weights the step's loss was taken on, before any update."""
+    return stops or step % cfg.train.eval_every == 0 or step == cfg.train.steps
 
 
 def validation_rows(cfg: RunConfig) -> int | None:
@@ -315,16 +327,21 @@ def validate(model: torch.nn.Module, task: Task, rows: int | None = None) -> tup
 
 def record_live(results: list[RunResult], live: list[bool], step: int, losses: list[float], accs: list[float],
                 lrs: list[float], norms: list[float], stop_on_nonfinite: bool,
-                vals: list[tuple[float, float] | None] | None = None, zs: list[float] | None = None) -> None:
+                vals: list[tuple[float, float] | None] | None = None, zs: list[float] | None = None) -> list[int]:
     """Record step `step` of each run still `live`; a run whose loss is non-finite is diverged, and with
     `stop_on_nonfinite` it stops there: its gradient norm is recorded as nan and it is live no more. A run
-    that train.stop_when stops (`RunResult.check_early_stop`) records this step whole, and is live no more."""
+    that train.stop_when stops (`RunResult.check_early_stop`) records this step whole, and is live no more.
+    Returns the runs that stopped at this step (their held-out score is the caller's: `evaluates`)."""
+    stopped = []
     for r, result in enumerate(results):
         if live[r]:
             stop = result.check_loss(losses[r], stop_on_nonfinite)
             result.record(step, losses[r], accs[r], lrs[r], math.nan if stop else norms[r],
                           vals[r] if vals is not None else None, zs[r] if zs is not None else None)
             live[r] = not stop and not result.check_early_stop(step, losses[r])
+            if not live[r]:
+                stopped.append(r)
+    return stopped
 
 
 def share_wall_time(results: list[RunResult], start: float) -> list[RunResult]:

@@ -12,10 +12,12 @@
 The loop reports each recorded step through an optional callback and returns a `RunResult`; it prints
 nothing. A non-finite loss is recorded as it is and marks the run diverged; with
 `train.stop_on_nonfinite` (the default) the run stops there. With `train.stop_when` the run stops after
-the step at which its rule (`EarlyStop`) fires, before that step's update. With `train.log_blocks` a
-`BlockRecorder` (normexp/blocklog.py) also records each block's gradients, updates and activations; with
-`train.log_sharpness` a `SharpnessRecorder` (normexp/sharpness.py) the Hessian's top eigenvalues, from a
-forward of its own after the step's backward (the run's numbers are the same bits with it or without).
+the step at which its rule (`EarlyStop`) fires, before that step's update. The held-out split (sequence
+tasks) is scored at train.eval_every's steps, the last, and the step at which the run stops (`evaluates`).
+With `train.log_blocks` a `BlockRecorder` (normexp/blocklog.py) also records each block's gradients, updates
+and activations; with `train.log_sharpness` a `SharpnessRecorder` (normexp/sharpness.py) the Hessian's top
+eigenvalues, from a forward of its own after the step's backward (the run's numbers are the same bits with
+it or without).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from normexp.engines.common import (
     EarlyStop,
     RunResult,
     StepCallback,
+    evaluates,
     grad_norm,
     held_out,
     loss_and_acc,
@@ -147,6 +150,7 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         for step in range(steps + 1):
             x, y = next(batches)
             val = held_out(model, task, cfg, step)  # before the training forward, whose activations blocks read
+            # (a step at which the run stops is scored once the stop is known: `score_stop`)
             logits = model(x)
             loss, acc_tensor = loss_and_acc(logits, y, task.positions)
             z = z_loss(logits, task.positions, coef) if coef else None
@@ -158,6 +162,7 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
                 result.record(step, loss_value, acc, lr, math.nan, val, z_value)
                 if logged:
                     blocks.observe(step, [0], [False])  # activations only: no backward at this step
+                score_stop(result, model, task, cfg, step)
                 break
             optimizer.zero_grad()
             (loss if z is None else loss + z).backward()
@@ -168,6 +173,7 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
                 sharpness.observe(step, functools.partial(objective, model, x, y, task.positions, coef), params,
                                   lr, optimizer.second_moment())
             if result.check_early_stop(step, loss_value):  # train.stop_when: this step recorded whole, then stop
+                score_stop(result, model, task, cfg, step)
                 break
             if on_step is not None:
                 on_step(step, loss_value)
@@ -181,6 +187,14 @@ def train_run(cfg: RunConfig, device: str = "cpu", on_step: StepCallback | None 
         if sharpness is not None:
             result.sharpness = sharpness.rows()
     return share_wall_time([result], start)[0]
+
+
+def score_stop(result: RunResult, model: torch.nn.Module, task: Task, cfg: RunConfig, step: int) -> None:
+    """The held-out score of `step`, at which the run stops, into its last row where the schedule had not
+    scored it (`evaluates`): after the step's forwards, whose activations blocks have read, and before any
+    update, so on the weights the step's loss was taken on (the same bits as a score before its forward)."""
+    if task.val_x is not None and not evaluates(cfg, step):
+        result.score_stop(held_out(model, task, cfg, step, stops=True))
 
 
 def objective(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None,

@@ -9,7 +9,8 @@
   without a second definition.
 - Each run starts exactly as the reference starts it (`seeded_init`: same weights, same data).
 - The Transformer (`model.arch: transformer`) trains here the same way: token inputs, the loss read
-  at the answer positions, the held-out split evaluated at train.eval_every's steps (val_loss, val_acc),
+  at the answer positions, the held-out split evaluated at train.eval_every's steps, the last, and each run's
+  stopping step (val_loss, val_acc: `common.evaluates`),
   and minibatches (`data.batch_size`) gathered per run from the reference's seeded order; the text
   task's windows are each run's own, drawn as the reference draws them. A tied embedding
   (`model.tie_embeddings`) is one parameter, which `functional_call` puts in both places. qk-norm is part

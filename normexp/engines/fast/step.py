@@ -122,15 +122,17 @@ def make_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None) -> ValSt
     return loss_fn
 
 
-def held_out(val_step: ValStep, batch: Batch, rows: int | None) -> list[tuple[float, float]]:
+def held_out(val_step: ValStep, batch: Batch, rows: int | None,
+             params: Tensors | None = None) -> list[tuple[float, float]]:
     """Each run's (val_loss, val_acc) on the held-out split, `val_step` a vmapped `make_loss_fn`: the split
     whole, or `rows` sequences at a time as the reference's `validate` reads a text task's (each part's
-    mean weighted by its tokens, then divided once)."""
+    mean weighted by its tokens, then divided once). `params`: the runs' parameters (default the batch's)."""
+    params = batch.params if params is None else params
     with torch.no_grad():
         if rows is None:  # the split in one forward: its mean, as it is
-            total = torch.stack(val_step(batch.params, batch.val_x, batch.val_y))  # (2, R)
+            total = torch.stack(val_step(params, batch.val_x, batch.val_y))  # (2, R)
         else:
-            parts = [(torch.stack(val_step(batch.params, batch.val_x[:, i:i + rows], batch.val_y[:, i:i + rows])),
+            parts = [(torch.stack(val_step(params, batch.val_x[:, i:i + rows], batch.val_y[:, i:i + rows])),
                       batch.val_y[0, i:i + rows].numel()) for i in range(0, batch.val_x.shape[1], rows)]
             total = sum(part * tokens for part, tokens in parts) / sum(tokens for _, tokens in parts)
     return [tuple(v) for v in total.t().tolist()]

@@ -8,6 +8,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
+import torch
 from torch.func import vmap
 
 from normexp.config import RunConfig
@@ -91,17 +92,29 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
         rows = validation_rows(first)
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
+        # a step at which runs stop is scored for them once their losses say so (`evaluates`), on the weights
+        # of that step: a compiled Adam step has moved the batch's on by then, so they are kept before it
+        fused = step_fn is not None and step_fn.fused
+        kept = ({name: torch.empty_like(p) for name, p in batch.params.items()}
+                if val_step is not None and fused else None)
         for step in range(steps + 1):
             lrs = schedule[step]
             vals = [None] * len(runs)
+            scheduled = evaluates(first, step)
             if val_step is not None:  # before the step: a compiled Adam step updates the parameters in place
-                vals = held_out(val_step, batch, rows) if evaluates(first, step) else [NOT_EVALUATED] * len(runs)
+                vals = held_out(val_step, batch, rows) if scheduled else [NOT_EVALUATED] * len(runs)
+                if kept is not None and not scheduled:
+                    torch._foreach_copy_(list(kept.values()), list(batch.params.values()))
             if step_fn is not None:
                 metrics = compiler_call(step_fn.step, batch.params, *batch.step_data(step), lrs, live)
             else:
                 grads, metrics = grad_step(batch.params, *batch.step_data(step))
             losses, accs, norms, *zs = metrics.tolist()  # zs: [the z-loss terms] with train.z_loss
-            record_live(results, live, step, losses, accs, lrs, norms, stop_on_nonfinite, vals, *zs)
+            stopped = record_live(results, live, step, losses, accs, lrs, norms, stop_on_nonfinite, vals, *zs)
+            if val_step is not None and stopped and not scheduled:  # the whole batch scored, kept for these
+                scores = held_out(val_step, batch, rows, kept)
+                for r in stopped:
+                    results[r].score_stop(scores[r])
             if not any(live):
                 break
             if on_step is not None:

@@ -1,0 +1,135 @@
+"""The step at which a run stops early carries its held-out score (issue 47's follow-up).
+
+The held-out split is scored at train.eval_every's steps and the last (`common.evaluates`); a run that
+train.stop_when stops between two of them used to end with no val_loss at its last recorded step, so its
+final val_loss (what a summary, a figure or the study's verdict reads) was missing or an older step's. The
+stopping step is scored too, on every engine: the reference and the batched engine (which hands
+Transformer runs to the reference) with the bits the same step has when eval_every schedules it, the fast
+engine (uncompiled, and with its compiled Adam step, which updates the weights in place) within its
+contract, and only for the runs that stop there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from normexp.analysis.finals import final_values
+from normexp.analysis.realtext import final_val_losses
+from normexp.cli import app
+from normexp.config import validate_run
+from normexp.engines.fast import aot, train_fast
+from normexp.engines.fast import compiled as compiling
+from normexp.engines.reference import train_run
+from normexp.results import load_metrics
+
+# stop_when trained under 4.3 nats (the loss starts at 4.66), patience 1: with these learning rates the runs
+# stop at steps 1, 2, 2 and 7 (none a multiple of eval_every 5); at 1e-4 the run never stops
+LRS = (0.1, 0.03, 0.01, 0.001, 0.0001)
+STOPS = {0.1: 1, 0.03: 2, 0.01: 2, 0.001: 7, 0.0001: None}
+STOP = {"stop_when": "trained", "stop_below": 4.3, "stop_patience": 1}
+
+
+def text_run(lr: float = 0.01, seed: int = 0, steps: int = 12, eval_every: int = 5, **train) -> object:
+    return validate_run({"model": {"arch": "transformer", "depth": 1, "width": 16, "n_heads": 2},
+                         "data": {"task": "shakespeare_char", "seq_len": 12, "n_val": 7, "batch_size": 3},
+                         "optim": {"name": "adam", "lr": lr},
+                         "train": {"steps": steps, "threads": 1, "eval_every": eval_every, **train}, "seed": seed})
+
+
+def scored_steps(metrics: dict[str, list[float]]) -> list[int]:
+    return [int(s) for s, v in zip(metrics["step"], metrics["val_loss"]) if not math.isnan(v)]
+
+
+def test_the_reference_scores_the_step_it_stops_at_with_that_steps_scheduled_bits():
+    for lr in LRS[:4]:
+        stopped = train_run(text_run(lr, **STOP))
+        assert stopped.stopped_at == STOPS[lr], lr
+        assert scored_steps(stopped.metrics) == sorted({0, 5, STOPS[lr]} & set(range(STOPS[lr] + 1))), lr
+        # scored at every step, the stopping step's score is taken before its forward, as any scheduled one
+        every = train_run(text_run(lr, eval_every=1, **STOP))
+        for column in ("val_loss", "val_acc"):
+            assert repr(stopped.metrics[column][-1]) == repr(every.metrics[column][-1]), (lr, column)
+        assert all(repr(stopped.metrics[c]) == repr(every.metrics[c]) for c in ("loss", "acc", "grad_norm"))
+
+
+def test_a_run_that_does_not_stop_is_scored_where_it_was():
+    never = train_run(text_run(LRS[-1], **STOP))
+    assert never.stopped_at is None and scored_steps(never.metrics) == [0, 5, 10, 12]
+    plain = train_run(text_run(LRS[-1]))
+    assert repr(never.metrics) == repr(plain.metrics)
+
+
+def test_scoring_after_the_stop_leaves_the_steps_blocks_as_they_were():
+    """The stopping step is scored after its forward, whose activations train.log_blocks reads: its blocks
+    rows are those of the same run scored at every step (the score then comes before the forward)."""
+    lr = 0.03
+    late = train_run(text_run(lr, log_blocks=True, **STOP))
+    early = train_run(text_run(lr, eval_every=1, log_blocks=True, **STOP))
+    assert late.stopped_at == early.stopped_at == STOPS[lr]
+    assert repr(late.blocks) == repr(early.blocks)
+    assert repr(late.metrics["val_loss"][-1]) == repr(early.metrics["val_loss"][-1])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fast_scores_each_run_at_its_own_stop_within_its_contract(compiled, monkeypatch):
+    """Runs of one batch stop at different steps: each is scored at its own stop, the run that goes on
+    only at eval_every's steps, as the reference records them. Compiled (the compiler stood in for by the
+    traced graph, as tests/test_fast.py does), the Adam step updates every run's weights in place: the
+    stopping runs are scored on their weights before it."""
+    if compiled:
+        monkeypatch.setattr(aot, "load_or_compile", lambda key, trace, inputs, fresh=False: (trace(), True))
+        compiling.reset_cache()
+    configs = [text_run(lr, **STOP) for lr in LRS]
+    fast = train_fast(configs, compile=compiled)
+    for cfg, got in zip(configs, fast):
+        want = train_run(cfg)
+        assert got.stopped_at == want.stopped_at == STOPS[cfg.optim.lr], cfg.optim.lr
+        assert scored_steps(got.metrics) == scored_steps(want.metrics), cfg.optim.lr
+        for column in ("val_loss", "val_acc"):
+            assert got.metrics[column] == pytest.approx(want.metrics[column], abs=1e-4, nan_ok=True), column
+        assert not math.isnan(got.metrics["val_loss"][-1])
+
+
+SWEEP = """\
+name: stopped
+base:
+  model: {arch: transformer, depth: 1, width: 16, n_heads: 2}
+  data: {task: shakespeare_char, seq_len: 12, n_val: 7, batch_size: 3}
+  optim: {name: adam}
+  train: {steps: 12, threads: 1, eval_every: 5, stop_when: trained, stop_below: 4.3, stop_patience: 1}
+grid:
+  optim.lr: [0.1, 0.03, 0.001, 0.0001]
+seeds: [0]
+"""
+
+
+@pytest.mark.equivalence
+def test_every_engines_final_val_loss_is_the_stopping_steps(tmp_path):
+    """Through `normexp sweep`: the batched engine's metrics.csv is the reference's byte for byte, the fast
+    engine's scored at the same steps; what the figures and the study's verdict read as a run's final
+    val_loss is its last recorded step's, that step the one it stopped at."""
+    config = tmp_path / "stopped.yaml"
+    config.write_text(SWEEP)
+    outs = {}
+    for engine in ("reference", "batched", "fast"):
+        outs[engine] = tmp_path / engine
+        args = ["sweep", str(config), "--out", str(outs[engine]), "--engine", engine]
+        result = CliRunner().invoke(app, [*args, "--no-compile"] if engine == "fast" else args)
+        assert result.exit_code == 0, result.output
+    runs = sorted(p.name for p in outs["reference"].iterdir() if (p / "done.json").is_file())
+    assert len(runs) == 4
+    for run in runs:
+        written = (outs["batched"] / run / "metrics.csv").read_bytes()
+        assert written == (outs["reference"] / run / "metrics.csv").read_bytes(), run
+    for engine, out in outs.items():
+        metrics = load_metrics(out, all_config=True)
+        last = metrics.sort_values("step").groupby("run_id").tail(1).set_index("run_id")
+        assert sorted(last["step"].tolist()) == [1, 2, 7, 12], engine
+        assert last["val_loss"].notna().all(), engine
+        finals = final_values(metrics, "val_loss").set_index("run_id")["final"]
+        assert finals.tolist() == last["val_loss"].reindex(finals.index).tolist(), engine
+        verdicts = final_val_losses(metrics).set_index("run_id")["val_loss"]
+        assert verdicts.tolist() == last["val_loss"].reindex(verdicts.index).tolist(), engine
