@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 from pathlib import Path
 
 TOP = "normexp"  # the package whose modules are walked; imports of anything else are not followed
@@ -39,11 +38,6 @@ STEP_ROOTS = ("normexp.engines.fast.compiled", "normexp.engines.fast.step", "nor
 # Modules the step's code can run that no import statement names (an import by a string), walked like a
 # root: none today (the module docstring says why).
 EXTRA_MODULES: tuple[str, ...] = ()
-
-# A line that starts an import statement: `import ...` or `from <module or dots> import ...`
-_STATEMENT = re.compile(rb"[ \t]*(?:import[ \t]|from[ \t]+[\w.]+[ \t]+import\b)")
-_WORD = re.compile(rb"\bimport\b")
-
 
 def step_sources(root: Path) -> dict[str, tuple[Path, bytes]]:
     """The modules of the package in folder `root` (normexp's) that the step's code can run, by name, each
@@ -83,57 +77,14 @@ def imported(source: bytes, package: str) -> list[str]:
 
 
 def import_statements(source: bytes) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of `source`, wherever it sits. Only the lines that start one are parsed
-    (`import ...`, `from ... import ...`, with the lines its brackets continue), each alone: a fraction of
-    the time of parsing the whole module (docs/performance.md). The module is parsed whole instead wherever
-    that could miss an import: a line that holds the word `import` but starts no import (an import after
-    a `:` or `;`, as in `try: import x`, or a word in a docstring); a line that ends in a backslash (an
-    import broken before its `import`); lines parsed alone that do not parse (a docstring's line), or that
-    hold the word `import` more times than they hold imports (one in a comment or a string there). Every
-    import statement holds the word on one of its lines, so none is missed; a docstring's line that parses
-    as an import can only add a module. A module that does not parse at all imports nothing (it cannot
-    run either)."""
-    lines = source.splitlines()
-    found: list[ast.Import | ast.ImportFrom] = []
-    i = 0
-    while i < len(lines):
-        if _STATEMENT.match(lines[i]):
-            end, depth = i, lines[i].count(b"(") - lines[i].count(b")")
-            while depth > 0 and end + 1 < len(lines):  # a bracketed list of names, over the lines it takes
-                end += 1
-                depth += lines[end].count(b"(") - lines[end].count(b")")
-            text = b"\n".join(lines[i:end + 1]).lstrip()
-            try:
-                statements = [node for node in ast.parse(text).body if isinstance(node, (ast.Import, ast.ImportFrom))]
-            except (SyntaxError, ValueError):
-                return _parsed_whole(source)
-            if len(statements) != len(_WORD.findall(text)):
-                return _parsed_whole(source)
-            found += statements
-            i = end + 1
-        elif lines[i].endswith(b"\\") or _WORD.search(lines[i]):
-            return _parsed_whole(source)
-        else:
-            i += 1
-    return found
-
-
-def _parsed_whole(source: bytes) -> list[ast.Import | ast.ImportFrom]:
-    """`import_statements` of the whole module parsed: its statements walked through every block
-    (functions, classes, ifs, loops, trys, withs, matches; an import is never inside an expression)."""
+    """Every import statement of `source`, wherever it sits (a function, a class, an `if`, a `try`: an import
+    is never inside an expression), from the module's whole syntax tree. A module that does not parse imports
+    nothing (it cannot run either)."""
     try:
-        todo: list[ast.AST] = list(ast.parse(source).body)
+        tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    found: list[ast.Import | ast.ImportFrom] = []
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        else:
-            for block in ("body", "orelse", "finalbody", "handlers", "cases"):
-                todo += getattr(node, block, None) or ()
-    return found
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def _module_file(root: Path, parts: list[str]) -> Path | None:
