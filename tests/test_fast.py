@@ -394,48 +394,6 @@ def test_a_package_is_named_by_everything_that_makes_its_step(monkeypatch):
     assert aot.step_key(what, "cpu") != key
 
 
-
-def test_a_package_is_named_by_the_whole_of_normexps_source_not_the_fast_engines_folder(monkeypatch, tmp_path):
-    """`aot.source_digest` hashes every .py file of the package that `normexp` is, wherever the module that
-    computes it sits (two folders down, in engines/fast/): a change to a model or the config, outside
-    engines/, names another package. Copies of the package stand in for it (`normexp.__file__` pointed at
-    each): an unchanged copy has the installed package's digest, an edited one another."""
-    import shutil
-
-    import normexp
-
-    installed = aot.source_digest()
-    edits = {"none": None, "models": "models/norms.py", "config": "config/schema.py", "engine": "engines/fast/step.py"}
-    digests = {}
-    for name, edited in edits.items():
-        root = tmp_path / name / "normexp"
-        shutil.copytree(Path(normexp.__file__).resolve().parent, root, ignore=shutil.ignore_patterns("__pycache__"))
-        if edited is not None:
-            with open(root / edited, "a") as f:
-                f.write("# edited\n")
-        monkeypatch.setattr(normexp, "__file__", str(root / "__init__.py"))
-        digests[name] = aot.source_digest()
-    assert digests["none"] == installed
-    assert len(set(digests.values())) == len(edits)
-
-def test_the_source_digest_is_computed_once_per_process_until_reset(monkeypatch, tmp_path):
-    """A process hashes normexp's source once; `aot.reset` forgets it, as a fresh process starts, and the
-    next digest reads the files as they are then (normexp.__file__ pointed at a copy that is edited)."""
-    import shutil
-
-    import normexp
-
-    root = tmp_path / "normexp"
-    shutil.copytree(Path(normexp.__file__).resolve().parent, root, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(normexp, "__file__", str(root / "__init__.py"))
-    before = aot.source_digest()
-    with open(root / "models" / "norms.py", "a") as f:
-        f.write("# edited\n")
-    assert aot.source_digest() == before
-    aot.reset()
-    assert aot.source_digest() != before
-
-
 def test_the_gradient_check_tolerates_rounding_noise_in_a_gradient_that_is_zero_in_exact_arithmetic():
     """Attention's key bias has a zero gradient in exact arithmetic (softmax ignores a shift): eager and
     compiled give different ~1e-9 noise there, and a per-tensor relative check refused every compiled

@@ -3,7 +3,8 @@ then loaded by every later batch, worker process and sweep in a fraction of a se
 
     key      sha256 of what the step computes (the structure's config sections, runs per batch), where
              it runs (device, CPU model and kernel-changing features, torch, threads) and the code that
-             defines it (normexp's own source, and the module of a plugin the structure names)
+             defines it (the normexp modules the step's code can run, below, and the module of a plugin
+             the structure names)
     package  <cache>/steps/<key>.pt2: the step traced into one graph of aten operations (make_fx) and
              compiled by AOTInductor, as traced, into a shared library
     lock     <cache>/steps/<key>.lock: the first process compiles; others wanting the same step wait
@@ -17,6 +18,16 @@ that passed the check once is vouched for (<key>.checked: the sha256 of its byte
 loads those same bytes later uses it unchecked (the check's eager step costs a worker ~1.3 s), unless its
 structure names a plugin (`vouchable`). Packages are
 written atomically (a temporary file renamed into place), so a killed compile leaves none half-written.
+
+The code in the key (`source_digest`) is not the whole package but the modules the step's code can run:
+those that build and run it (`sources.STEP_ROOTS`: engines/fast/compiled, step, optim, starts, aot, train
+and plan) and every normexp module they import, in turn, read statically from the files, lazy imports
+included, with every package's `__init__` above them: the fast engine, engines/common and cost, the
+models, the config, data, corpus, optim, registry and environment (`sources` lists them, and what is left
+out). An upgrade that changes only what calls the engine or reads its results (the CLI, the sweep, the
+run folder, report, figures, exporters) keeps every package. Since a vouched package skips the check
+against the eager step, a module that the walk missed could let a stale step through: the walk errs
+towards more modules.
 
 Why on disk: the in-process compile (torch.compile of the same graph) costs 20-40 s per process even
 with inductor's caches warm (its tracer walks the 2,400-node graph again), once per worker process and
@@ -42,6 +53,7 @@ import torch
 
 import normexp
 from normexp.engines.common import user_cache_dir
+from normexp.engines.fast.sources import step_sources
 from normexp.environment import cpu_info
 from normexp.registry import is_plugin
 
@@ -74,18 +86,21 @@ def step_key(what: dict, device: str) -> str:
 
 
 def source_digest() -> str:
-    """sha256 of every .py file of the installed normexp package (its path and bytes), the whole package
-    wherever this module sits in it: any change to the code that builds a step, or to anything it calls,
-    names another package."""
+    """sha256 of the normexp modules the step's code can run (`sources.step_sources`: their paths and
+    bytes), in the installed package wherever this module sits in it: a change to the code that builds a
+    step, or to anything it calls, names another package; a change elsewhere (a report, an exporter)
+    keeps it."""
     return _tree_digest(Path(normexp.__file__).resolve().parent)
 
 
 @functools.cache
 def _tree_digest(root: Path) -> str:
-    """sha256 of every .py file under `root`, by path relative to it and bytes; once per process."""
+    """sha256 of the step's modules in the package in `root`, by path relative to it and bytes; once per
+    process."""
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    modules = sorted((str(path.relative_to(root)), source) for path, source in step_sources(root).values())
+    for name, source in modules:
+        digest.update(name.encode() + b"\0" + source + b"\0")
     return digest.hexdigest()
 
 
