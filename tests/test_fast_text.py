@@ -98,11 +98,18 @@ def test_a_batch_with_nanogpts_keys_follows_the_reference_over_a_few_steps(model
 
 
 @pytest.mark.equivalence
-def test_a_small_sweep_is_within_the_fast_engines_contract_of_the_reference():
+@pytest.mark.parametrize("windows", [(3, 12), (8, 64)], ids=["vmapped", "run-by-run"])
+def test_a_small_sweep_is_within_the_fast_engines_contract_of_the_reference(windows):
     """Post-LN and Pre-LN x lr x warmup x 2 seeds, 12 steps: F (fast vs reference) against S (the reference
-    with each step's windows in another order), and the held-out losses within rounding of the reference's."""
-    configs = [text_run(placement, seed, steps=12, lr=lr, warmup=warmup, eval_every=4, **NANOGPT)
-               for placement in ("post", "pre") for lr in (0.003, 0.03) for warmup in (0, 6) for seed in (0, 1)]
+    with each step's windows in another order), and the held-out losses within rounding of the reference's;
+    3 windows of 12 characters a step (vmapped), or 8 of 64 (LOOPED_TOKENS: run by run)."""
+    batch_size, seq_len = windows
+    configs = [validate_run({**cfg.model_dump(), "data": {**cfg.data.model_dump(), "batch_size": batch_size,
+                                                           "seq_len": seq_len}})
+               for cfg in (text_run(placement, seed, steps=12, lr=lr, warmup=warmup, eval_every=4, **NANOGPT)
+                           for placement in ("post", "pre") for lr in (0.003, 0.03) for warmup in (0, 6)
+                           for seed in (0, 1))]
+    assert {loops_runs(cfg) for cfg in configs} == {batch_size * seq_len >= LOOPED_TOKENS}
     reference = [train_run(cfg) for cfg in configs]
     fast = run_fast(configs)
     f = compare(configs, fast, reference)
