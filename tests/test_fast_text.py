@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from normexp.config import validate_run
-from normexp.engines.common import minibatches, seeded_init
+from normexp.config import sequence_shape, validate_run
+from normexp.engines.common import loss_and_acc, minibatches, seeded_init, z_loss
 from normexp.engines.fast import plan_fast, train_fast
-from normexp.engines.fast.plan import MAX_CHUNK, chunk_runs
+from normexp.engines.fast.plan import LOOPED_TOKENS, MAX_CHUNK, chunk_runs, loops_runs
 from normexp.engines.fast.starts import on_meta, seeded_start
-from normexp.engines.fast.step import stack_runs
+from normexp.engines.fast.step import batch_model, make_grad_step, stack_runs
 from normexp.engines.reference import train_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -98,11 +98,18 @@ def test_a_batch_with_nanogpts_keys_follows_the_reference_over_a_few_steps(model
 
 
 @pytest.mark.equivalence
-def test_a_small_sweep_is_within_the_fast_engines_contract_of_the_reference():
+@pytest.mark.parametrize("windows", [(3, 12), (8, 64)], ids=["vmapped", "run-by-run"])
+def test_a_small_sweep_is_within_the_fast_engines_contract_of_the_reference(windows):
     """Post-LN and Pre-LN x lr x warmup x 2 seeds, 12 steps: F (fast vs reference) against S (the reference
-    with each step's windows in another order), and the held-out losses within rounding of the reference's."""
-    configs = [text_run(placement, seed, steps=12, lr=lr, warmup=warmup, eval_every=4, **NANOGPT)
-               for placement in ("post", "pre") for lr in (0.003, 0.03) for warmup in (0, 6) for seed in (0, 1)]
+    with each step's windows in another order), and the held-out losses within rounding of the reference's;
+    3 windows of 12 characters a step (vmapped), or 8 of 64 (LOOPED_TOKENS: run by run)."""
+    batch_size, seq_len = windows
+    configs = [validate_run({**cfg.model_dump(), "data": {**cfg.data.model_dump(), "batch_size": batch_size,
+                                                           "seq_len": seq_len}})
+               for cfg in (text_run(placement, seed, steps=12, lr=lr, warmup=warmup, eval_every=4, **NANOGPT)
+                           for placement in ("post", "pre") for lr in (0.003, 0.03) for warmup in (0, 6)
+                           for seed in (0, 1))]
+    assert {loops_runs(cfg) for cfg in configs} == {batch_size * seq_len >= LOOPED_TOKENS}
     reference = [train_run(cfg) for cfg in configs]
     fast = run_fast(configs)
     f = compare(configs, fast, reference)
@@ -122,6 +129,54 @@ def test_an_uncompiled_text_batch_holds_as_many_runs_as_its_activations_allow():
     assert 1 < size < 16 and chunk_runs(deep, compiled=True) == 8
     runs = [deep.model_copy(update={"seed": seed}) for seed in range(20)]
     assert [len(batch) for batch in plan_fast(runs)] == [size] * (20 // size) + ([20 % size] if 20 % size else [])
+
+
+def big_text_run(seed=0, steps=3, z=0.0, **model):
+    """A text run of LOOPED_TOKENS tokens a step (8 windows of 64 characters), small otherwise."""
+    cfg = text_run(seed=seed, steps=steps, eval_every=2, depth=2, **model)
+    return validate_run({**cfg.model_dump(), "data": {**cfg.data.model_dump(), "seq_len": 64, "batch_size": 8},
+                         "train": {**cfg.train.model_dump(), "z_loss": z}})
+
+
+def test_a_text_step_of_many_tokens_goes_run_by_run_and_only_that():
+    big = big_text_run()
+    assert big.data.batch_size * len(sequence_shape(big.data).positions) == LOOPED_TOKENS and loops_runs(big)
+    smaller = validate_run({**big.model_dump(), "data": {**big.data.model_dump(), "batch_size": 7}})
+    assert not loops_runs(smaller) and not loops_runs(text_run())
+    assert not loops_runs(validate_run({"model": {"arch": "transformer"}, "data": {"task": "copy"}}))
+
+
+@pytest.mark.parametrize("z", [0.0, 1e-2], ids=["plain", "z-loss"])
+@pytest.mark.parametrize("model", [NANOGPT, {}], ids=["nanogpt", "default"])
+def test_a_run_by_run_step_gives_each_run_the_references_gradient_bit_for_bit_whatever_its_batch_mates(model, z):
+    configs = [big_text_run(seed=seed, z=z, **model) for seed in (0, 1, 2)]
+    batch = stack_runs(configs, "cpu")
+    step = make_grad_step(batch_model(configs[0]), batch.positions, z, looped=True)
+    grads, metrics = step(batch.params, *batch.step_data(0))
+    alone, _ = step({name: p[1:] for name, p in batch.params.items()}, *(t[1:] for t in batch.step_data(0)))
+    for r, cfg in enumerate(configs):
+        net, task = seeded_init(cfg)
+        x, y = next(minibatches(cfg, task))
+        logits = net(x)
+        loss, acc = loss_and_acc(logits, y, task.positions)
+        (loss + z_loss(logits, task.positions, z) if z else loss).backward()
+        assert metrics[0, r].item() == loss.item() and metrics[1, r].item() == acc.item()
+        for name, param in net.named_parameters():
+            assert torch.equal(grads[name][r], param.grad), (cfg.seed, name)
+            if r:  # the same run batched with fewer others: the same bits
+                assert torch.equal(alone[name][r - 1], grads[name][r]), (cfg.seed, name)
+    assert metrics.shape == (4 if z else 3, 3)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("z", [0.0, 1e-2], ids=["plain", "z-loss"])
+def test_a_run_by_run_batch_follows_the_reference_over_a_few_steps(z):
+    configs = [big_text_run(seed=seed, z=z, **NANOGPT) for seed in (0, 1)]
+    for cfg, fast in zip(configs, train_fast(configs, compile=False)):
+        reference = train_run(cfg)
+        assert fast.metrics["step"] == reference.metrics["step"]
+        for column in ("loss", "val_loss", *(["z_loss"] if z else [])):
+            assert fast.metrics[column] == pytest.approx(reference.metrics[column], abs=1e-4, nan_ok=True), column
 
 
 def test_the_benchmark_times_the_real_text_studys_shape_and_prints_its_own_ratio():

@@ -15,7 +15,11 @@
   task's windows are each run's own, drawn as the reference draws them. A tied embedding
   (`model.tie_embeddings`) is one parameter, which `functional_call` puts in both places. qk-norm is part
   of the model; with `train.z_loss` the gradient is that of the cross-entropy plus the reference's z
-  term (`common.z_loss`), recorded apart as the reference records it.
+  term (`common.z_loss`), recorded apart as the reference records it. A text run of many tokens a step
+  (`plan.loops_runs`: 512 or more) goes run by run inside its batch, uncompiled: the model's forward on
+  each run's slice of the stacked parameters, its gradient by plain autograd, as the reference computes
+  it (vmap and torch.func's grad transform cost more than batching saves on ops that big); the update
+  stays one vectorised step of the batch.
 - Adam, AdamW, RAdam and SGD (momentum) are written as a few element-wise tensor ops with per-run
   learning rate, betas, eps, weight decay and momentum; schedules vary per run. RAdam's rectification
   is decided per run per step.

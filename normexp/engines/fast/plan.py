@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from normexp.config import TEXT_TASKS, OptimConfig, RunConfig
+from normexp.config import TEXT_TASKS, OptimConfig, RunConfig, sequence_shape
 from normexp.engines.cost import activation_bytes, model_step_flops
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
@@ -20,6 +20,10 @@ COMPILED_CHUNK = 8  # runs per compiled batch: 8 runs' parameters, moments and a
 
 TEXT_CHUNK_BYTES = 2**30  # an uncompiled text batch's activations: a step reads thousands of tokens a run (a
 # 12-layer, 64-wide run's 32 windows of 64 characters: ~180 MB), so its runs are chunked by memory, not MAX_CHUNK
+
+LOOPED_TOKENS = 512  # a text run's tokens a step (data.batch_size x data.seq_len) from which the uncompiled step
+# goes run by run (`loops_runs`): at depth 12, width 64 (ms a run-step, vmapped / run by run / the reference), 256
+# tokens 28 / 31 / 28, 512 tokens 54 / 47 / 43, 2,048 tokens 225 / 171 / 168 (docs/performance.md)
 
 COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam step (Intel Xeon, 2 cores: 104 s)
 COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
@@ -95,6 +99,14 @@ def plan_fast(runs: Sequence[RunConfig], compiled: Callable[[RunConfig], bool] =
         groups.setdefault(fast_key(cfg), []).append(cfg)
     return [group[i:i + size] for group in groups.values()
             for size in [chunk_runs(group[0], compiled(group[0]))] for i in range(0, len(group), size)]
+
+
+def loops_runs(cfg: RunConfig) -> bool:
+    """Whether the uncompiled step of `cfg`'s structure computes its runs one after another, each by plain
+    autograd through the model's own forward (`step.run_by_run`), rather than vmapped: a text task with
+    LOOPED_TOKENS tokens a step or more, where each op is big enough that batching runs saves nothing and
+    torch.func's transforms cost a quarter of the step."""
+    return cfg.data.task in TEXT_TASKS and cfg.data.batch_size * (sequence_shape(cfg.data).seq_len - 1) >= LOOPED_TOKENS
 
 
 def chunk_runs(cfg: RunConfig, compiled: bool) -> int:

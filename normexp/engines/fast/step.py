@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
+from torch.utils._pytree import tree_map
 
 import normexp.engines.fast.starts as starts
 from normexp.config import TEXT_TASKS, RunConfig
@@ -150,18 +151,20 @@ def make_z_loss_fn(base: torch.nn.Module, positions: torch.Tensor | None, coef: 
     return loss_fn
 
 
-def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None, z_coef: float = 0.0) -> GradStep:
+def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None, z_coef: float = 0.0,
+                   looped: bool = False) -> GradStep:
     """The batch's gradient step: (params, x, y) -> (grads by name, metrics (3, R): loss, acc, grad
     norm per run; with `z_coef` a fourth row, the z-loss term). The model is `base`'s own forward(),
-    vmapped over the run axis."""
+    vmapped over the run axis, or with `looped` (`plan.loops_runs`) run by run (`run_by_run`), each run's
+    gradient by plain autograd (`autograd_grad_and_value`)."""
+    loss_fn = make_z_loss_fn(base, positions, z_coef) if z_coef else make_loss_fn(base, positions)
+    batched = run_by_run(autograd_grad_and_value(loss_fn)) if looped else vmap(grad_and_value(loss_fn, has_aux=True))
     if z_coef:
-        z_fn = vmap(grad_and_value(make_z_loss_fn(base, positions, z_coef), has_aux=True))
-
         def grad_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, tuple]:
-            grads, (_, (loss, acc, z)) = z_fn(params, x, y)
+            grads, (_, (loss, acc, z)) = batched(params, x, y)
             return grads, (loss, acc, z)
     else:
-        grad_fn = vmap(grad_and_value(make_loss_fn(base, positions), has_aux=True))
+        grad_fn = batched
 
     def grad_step(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, torch.Tensor]:
         grads, (loss, acc, *z) = grad_fn(params, x, y)
@@ -171,3 +174,33 @@ def make_grad_step(base: torch.nn.Module, positions: torch.Tensor | None = None,
         return grads, torch.stack([loss, acc, run_norms(list(grads.values())), *z])  # clip_grad_norm_'s norm
 
     return grad_step
+
+
+def autograd_grad_and_value(loss_fn: Callable) -> Callable:
+    """`torch.func.grad_and_value(loss_fn, has_aux=True)` for one run, by plain autograd (as the reference
+    differentiates): (params, x, y) -> (grads by name, (loss, aux)), nothing of it requiring grad. torch.func's
+    grad transform wraps every op of the forward and backward; at the real-text study's shape (2,048 tokens a
+    run-step) that cost ~45 of ~220 ms a run-step (docs/performance.md, "Real text on the fast engine")."""
+
+    def grad_and_value_fn(params: Tensors, x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, tuple]:
+        own = {name: p.detach().requires_grad_() for name, p in params.items()}
+        with torch.enable_grad():
+            value, aux = loss_fn(own, x, y)
+        grads = torch.autograd.grad(value, list(own.values()))
+        return dict(zip(own, grads)), tree_map(torch.Tensor.detach, (value, aux))
+
+    return grad_and_value_fn
+
+
+def run_by_run(fn: Callable) -> Callable:
+    """`vmap(fn)` computed one run after another: `fn` on each run's slice of every argument (tensors, or dicts
+    of tensors, with the run axis first), its outputs stacked on a new first axis. Each run's ops are `fn`'s
+    own on one run's tensors (the model's forward: the reference's ops), so its numbers do not depend on its
+    batch-mates."""
+
+    def batched(*args: object) -> object:
+        runs = len(next(iter(args[0].values())) if isinstance(args[0], dict) else args[0])
+        outs = [fn(*tree_map(lambda t, r=r: t[r], args)) for r in range(runs)]
+        return tree_map(lambda *parts: torch.stack(parts), *outs)
+
+    return batched

@@ -31,8 +31,8 @@ from normexp.engines.fast.compiled import (
     refuse,
 )
 from normexp.engines.fast.optim import FastOptimizer, MadeAhead
-from normexp.engines.fast.plan import COMPILED_CHUNK, compile_choice, fast_key
-from normexp.engines.fast.step import batch_model, held_out, make_grad_step, make_loss_fn, stack_runs
+from normexp.engines.fast.plan import COMPILED_CHUNK, compile_choice, fast_key, loops_runs
+from normexp.engines.fast.step import batch_model, held_out, make_grad_step, make_loss_fn, run_by_run, stack_runs
 from normexp.optim import agc_units, step_lr
 
 
@@ -87,8 +87,10 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
         steps = first.train.steps
         schedule = MadeAhead(lambda step: [step_lr(cfg, step) for cfg in runs], steps + 1)  # each step's lrs
         step_fn = compiler_call(compiled_step, first, base, batch, optimizer, schedule) if compiled else None
-        grad_step = make_grad_step(base(), batch.positions, first.train.z_loss) if step_fn is None else None
-        val_step = vmap(make_loss_fn(base(), batch.positions)) if batch.val_x is not None else None
+        looped = step_fn is None and loops_runs(first)  # a text run's big step: run by run, not vmapped
+        grad_step = make_grad_step(base(), batch.positions, first.train.z_loss, looped) if step_fn is None else None
+        per_run = run_by_run if looped else vmap
+        val_step = per_run(make_loss_fn(base(), batch.positions)) if batch.val_x is not None else None
         rows = validation_rows(first)
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
