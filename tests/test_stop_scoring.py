@@ -133,3 +133,56 @@ def test_every_engines_final_val_loss_is_the_stopping_steps(tmp_path):
         assert finals.tolist() == last["val_loss"].reindex(finals.index).tolist(), engine
         verdicts = final_val_losses(metrics).set_index("run_id")["val_loss"]
         assert verdicts.tolist() == last["val_loss"].reindex(verdicts.index).tolist(), engine
+
+
+SEEDS = """\
+name: seeds
+base:
+  model: {arch: transformer, depth: 1, width: 16, n_heads: 2}
+  data: {task: shakespeare_char, seq_len: 12, n_val: 7, batch_size: 3}
+  optim: {name: adam, lr: 0.001}
+  train: {steps: 12, threads: 1, eval_every: 5, stop_when: trained, stop_below: 4.3, stop_patience: 1}
+seeds: [0, 1, 2, 3]
+"""
+
+
+def test_a_held_stopped_run_has_no_held_out_score_where_its_schedule_scores_none(tmp_path):
+    """A per-step mean holds a stopped run at its last row for the later steps (`finals.hold_stopped`). That
+    row now carries the stopping step's held-out score, and held at every later step it made the only
+    val_loss at steps that eval_every does not score: the table's cells and the figure's "mean over seeds"
+    there were the stopped seeds' alone (here 8 and 11: two and three of four seeds, between the full
+    means at 5, 10 and 12). A held row has no score where a run still running was not scored; it keeps it
+    where every run was scored (10, 12), and where none is still running (every seed stopped, at 1 or 2:
+    the table's last row covers the four)."""
+    from normexp.figures import sweep_figures
+    from normexp.report import build_report
+    from normexp.results import load_folder, load_summary
+
+    config = tmp_path / "seeds.yaml"
+    config.write_text(SEEDS)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
+    assert result.exit_code == 0, result.output
+    stops = {int(s) for s in load_summary(out)["stopped_at"].dropna()}
+    assert stops and not stops & {0, 5, 10, 12} and 4 > len(stops)  # some seeds stop between evaluations
+    between = [s for s in range(13) if s % 5 and s != 12 and s > min(stops) and s not in stops]
+    assert between  # steps after a stop that no run scored
+    report = build_report(out, steps=list(range(13)), metric="val_loss")
+    (column,) = report.columns
+    for step in between:
+        assert step not in column.cells or column.cells[step][2] == 0, (step, column.cells[step])
+    for step in (10, 12):  # every seed: the stopped ones at their stopping step's score
+        assert column.cells[step][2:] == (4, 4), step
+    ((_, fig, _),) = [f for f in sweep_figures(load_folder(out), "val_loss") if f[0] == ""]
+    (line,) = [ln for ln in fig.axes[0].get_lines() if len(ln.get_xdata()) > 2]  # the mean (not a floor)
+    assert not set(line.get_xdata()) & set(between), list(line.get_xdata())
+
+    config.write_text(SEEDS.replace("lr: 0.001", "lr: 0.03"))
+    out = tmp_path / "early"
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
+    assert result.exit_code == 0, result.output
+    stops = load_summary(out)["stopped_at"]
+    assert stops.notna().all() and stops.nunique() > 1 and stops.max() < 5
+    report = build_report(out, metric="val_loss")
+    (column,) = report.columns
+    assert column.cells[max(report.steps)][2:] == (4, 4)
