@@ -177,6 +177,34 @@ def test_a_held_stopped_run_has_no_held_out_score_where_its_schedule_scores_none
     (line,) = [ln for ln in fig.axes[0].get_lines() if len(ln.get_xdata()) > 2]  # the mean (not a floor)
     assert not set(line.get_xdata()) & set(between), list(line.get_xdata())
 
+
+def test_a_stopping_steps_score_counts_in_no_per_step_mean_where_running_runs_were_not_scored(tmp_path):
+    """The step at which a run stops between two of eval_every's steps carries its score, which no run still
+    running has there: the figure's "mean over seeds" at 6, 7 and 9 was one stopped seed's score (its band a
+    point), a curve between the full means at 5 and 10 drawn from single seeds. Per step that score counts
+    from the next step that scored the runs still running (held there); the run's own final value keeps it."""
+    from normexp.analysis.finals import final_values
+    from normexp.figures import sweep_figures
+    from normexp.report import build_report
+    from normexp.results import load_folder, load_summary
+
+    config = tmp_path / "seeds.yaml"
+    config.write_text(SEEDS)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
+    assert result.exit_code == 0, result.output
+    stops = {int(s) for s in load_summary(out)["stopped_at"].dropna()}
+    assert stops and not stops & {0, 5, 10, 12} and 4 > len(stops)
+    report = build_report(out, steps=list(range(13)), metric="val_loss")
+    (column,) = report.columns
+    for step in stops:
+        assert step not in column.cells or column.cells[step][2] == 0, (step, column.cells[step])
+    ((_, fig, _),) = [f for f in sweep_figures(load_folder(out), "val_loss") if f[0] == ""]
+    (line,) = [ln for ln in fig.axes[0].get_lines() if len(ln.get_xdata()) > 2]  # the mean (not a floor)
+    assert sorted(line.get_xdata()) == [0, 5, 10, 12]
+    finals = final_values(load_metrics(out, all_config=True), "val_loss")
+    assert finals["final"].notna().all() and set(finals["step"]) >= stops
+
     config.write_text(SEEDS.replace("lr: 0.001", "lr: 0.03"))
     out = tmp_path / "early"
     result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])

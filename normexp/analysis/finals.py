@@ -55,10 +55,11 @@ def hold_stopped(tidy: pd.DataFrame) -> pd.DataFrame:
     diverge (`stopped_early` and status completed: it trained or stalled) held at its last recorded row for
     every later step that the frame records, up to its own train.steps. A per-step mean over seeds then
     covers every seed: stopped runs at the value they stopped at, rather than only the seeds still running
-    (which made a mean rise while every run's loss fell). A held row has no held-out score (val_loss,
-    val_acc: its stopping step's) at a step where a run still running was not scored (between two of
-    train.eval_every's steps): it would be a mean of the stopped seeds alone there. A diverged run is not
-    held: it counts as diverged.
+    (which made a mean rise while every run's loss fell). A stopped run's held-out score (val_loss, val_acc:
+    its stopping step's) is left out of the rows of a step where a run still running was not scored (between
+    two of train.eval_every's steps), its stopping step's own row too: it would be a mean of the stopped
+    seeds alone there; it counts from the next step that scored them. A diverged run is not held: it counts
+    as diverged.
     `tidy` needs train.steps and train.stop_when (all_config); without them it is returned as it is."""
     if tidy.empty or "train.steps" not in tidy or "train.stop_when" not in tidy:
         return tidy
@@ -75,9 +76,15 @@ def hold_stopped(tidy: pd.DataFrame) -> pd.DataFrame:
             rows = pd.DataFrame([row] * len(later), index=[index] * len(later)).assign(step=later)
             rows.loc[rows["step"].isin(unscored), scored] = np.nan
             added.append(rows)
-    if not added:
+    stops = held.set_index("run_id")["step"].astype(int)
+    own = tidy["run_id"].map(stops[stops.isin(unscored)]).eq(tidy["step"].astype(int))  # its stopping row
+    if not added and not own.any():
         return tidy
-    out = pd.concat([tidy, *added]).astype(tidy.dtypes.to_dict())
+    kept = tidy
+    if own.any():
+        kept = tidy.copy()
+        kept.loc[own.to_numpy(), scored] = np.nan
+    out = pd.concat([kept, *added]).astype(tidy.dtypes.to_dict())
     order = {rid: i for i, rid in enumerate(dict.fromkeys(tidy["run_id"]))}  # the runs keep their order
     out = out.iloc[np.lexsort((out["step"].astype(int).to_numpy(), out["run_id"].map(order).to_numpy()))]
     out.attrs = dict(tidy.attrs)
