@@ -133,3 +133,124 @@ def test_every_engines_final_val_loss_is_the_stopping_steps(tmp_path):
         assert finals.tolist() == last["val_loss"].reindex(finals.index).tolist(), engine
         verdicts = final_val_losses(metrics).set_index("run_id")["val_loss"]
         assert verdicts.tolist() == last["val_loss"].reindex(verdicts.index).tolist(), engine
+
+
+SEEDS = """\
+name: seeds
+base:
+  model: {arch: transformer, depth: 1, width: 16, n_heads: 2}
+  data: {task: shakespeare_char, seq_len: 12, n_val: 7, batch_size: 3}
+  optim: {name: adam, lr: 0.001}
+  train: {steps: 12, threads: 1, eval_every: 5, stop_when: trained, stop_below: 4.3, stop_patience: 1}
+seeds: [0, 1, 2, 3]
+"""
+
+
+def test_a_held_stopped_run_has_no_held_out_score_where_its_schedule_scores_none(tmp_path):
+    """A per-step mean holds a stopped run at its last row for the later steps (`finals.hold_stopped`). That
+    row now carries the stopping step's held-out score, and held at every later step it made the only
+    val_loss at steps that eval_every does not score: the table's cells and the figure's "mean over seeds"
+    there were the stopped seeds' alone (here 8 and 11: two and three of four seeds, between the full
+    means at 5, 10 and 12). A held row has no score where a run still running was not scored; it keeps it
+    where every run was scored (10, 12), and where none is still running (every seed stopped, at 1 or 2:
+    the table's last row covers the four)."""
+    from normexp.figures import sweep_figures
+    from normexp.report import build_report
+    from normexp.results import load_folder, load_summary
+
+    config = tmp_path / "seeds.yaml"
+    config.write_text(SEEDS)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
+    assert result.exit_code == 0, result.output
+    stops = {int(s) for s in load_summary(out)["stopped_at"].dropna()}
+    assert stops and not stops & {0, 5, 10, 12} and 4 > len(stops)  # some seeds stop between evaluations
+    between = [s for s in range(13) if s % 5 and s != 12 and s > min(stops) and s not in stops]
+    assert between  # steps after a stop that no run scored
+    report = build_report(out, steps=list(range(13)), metric="val_loss")
+    (column,) = report.columns
+    for step in between:
+        assert step not in column.cells or column.cells[step][2] == 0, (step, column.cells[step])
+    for step in (10, 12):  # every seed: the stopped ones at their stopping step's score
+        assert column.cells[step][2:] == (4, 4), step
+    ((_, fig, _),) = [f for f in sweep_figures(load_folder(out), "val_loss") if f[0] == ""]
+    (line,) = [ln for ln in fig.axes[0].get_lines() if len(ln.get_xdata()) > 2]  # the mean (not a floor)
+    assert not set(line.get_xdata()) & set(between), list(line.get_xdata())
+
+
+def test_a_stopping_steps_score_counts_in_no_per_step_mean_where_running_runs_were_not_scored(tmp_path):
+    """The step at which a run stops between two of eval_every's steps carries its score, which no run still
+    running has there: the figure's "mean over seeds" at 6, 7 and 9 was one stopped seed's score (its band a
+    point), a curve between the full means at 5 and 10 drawn from single seeds. Per step that score counts
+    from the next step that scored the runs still running (held there); the run's own final value keeps it."""
+    from normexp.analysis.finals import final_values
+    from normexp.figures import sweep_figures
+    from normexp.report import build_report
+    from normexp.results import load_folder, load_summary
+
+    config = tmp_path / "seeds.yaml"
+    config.write_text(SEEDS)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
+    assert result.exit_code == 0, result.output
+    stops = {int(s) for s in load_summary(out)["stopped_at"].dropna()}
+    assert stops and not stops & {0, 5, 10, 12} and 4 > len(stops)
+    report = build_report(out, steps=list(range(13)), metric="val_loss")
+    (column,) = report.columns
+    for step in stops:
+        assert step not in column.cells or column.cells[step][2] == 0, (step, column.cells[step])
+    ((_, fig, _),) = [f for f in sweep_figures(load_folder(out), "val_loss") if f[0] == ""]
+    (line,) = [ln for ln in fig.axes[0].get_lines() if len(ln.get_xdata()) > 2]  # the mean (not a floor)
+    assert sorted(line.get_xdata()) == [0, 5, 10, 12]
+    finals = final_values(load_metrics(out, all_config=True), "val_loss")
+    assert finals["final"].notna().all() and set(finals["step"]) >= stops
+
+    config.write_text(SEEDS.replace("lr: 0.001", "lr: 0.03"))
+    out = tmp_path / "early"
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
+    assert result.exit_code == 0, result.output
+    stops = load_summary(out)["stopped_at"]
+    assert stops.notna().all() and stops.nunique() > 1 and stops.max() < 5
+    report = build_report(out, metric="val_loss")
+    (column,) = report.columns
+    assert column.cells[max(report.steps)][2:] == (4, 4)
+
+
+@pytest.mark.parametrize(("train", "copies"), [({"eval_every": 1, **STOP}, False),
+                                               ({"eval_every": 5, "stop_on_nonfinite": False}, False),
+                                               ({"eval_every": 5, **STOP}, True)])
+def test_a_compiled_adam_batch_keeps_its_weights_only_where_a_run_can_stop_unscored(train, copies, monkeypatch):
+    """The compiled Adam step updates the weights in place, so the fast engine scores a run's stopping step
+    on a copy of the batch's weights taken before each step the schedule does not score. With eval_every 1
+    (the default) every step is scored before its update, and without train.stop_when or stop_on_nonfinite
+    no run stops: the copy, one more set of the batch's parameters (10 ms a step for 8 runs of 3.2M on one
+    core), was allocated for nothing in the first, and made at every step in the second."""
+    import sys
+
+    import torch
+
+    from normexp.engines.fast import train as fast_train
+
+    monkeypatch.setattr(aot, "load_or_compile", lambda key, trace, inputs, fresh=False: (trace(), True))
+    compiling.reset_cache()
+    made = []
+    empty_like, foreach_copy = torch.empty_like, torch._foreach_copy_
+
+    def counted_empty_like(tensor, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename == fast_train.__file__:  # the loop's own, not the optimizer's
+            made.append(tuple(tensor.shape))
+        return empty_like(tensor, *args, **kwargs)
+
+    def counted_copy(dst, src, *args, **kwargs):
+        made.append(len(dst))
+        return foreach_copy(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_like", counted_empty_like)
+    monkeypatch.setattr(torch, "_foreach_copy_", counted_copy)
+    configs = [text_run(lr, **train) for lr in LRS]
+    fast = train_fast(configs, compile=True)
+    assert bool(made) == copies, made
+    for cfg, got in zip(configs, fast):  # and each run recorded as the reference records it
+        want = train_run(cfg)
+        assert scored_steps(got.metrics) == scored_steps(want.metrics), cfg.optim.lr
+        assert got.metrics["val_loss"] == pytest.approx(want.metrics["val_loss"], abs=1e-4, nan_ok=True)

@@ -18,6 +18,7 @@ import pandas as pd
 
 from normexp.analysis.sensitivity import LR_KEY
 from normexp.analysis.variants import is_null, is_trained, n_choices, thresholds, variant_groups
+from normexp.config import VAL_COLUMNS
 from normexp.results import finished_runs, varying_keys
 
 
@@ -54,7 +55,11 @@ def hold_stopped(tidy: pd.DataFrame) -> pd.DataFrame:
     diverge (`stopped_early` and status completed: it trained or stalled) held at its last recorded row for
     every later step that the frame records, up to its own train.steps. A per-step mean over seeds then
     covers every seed: stopped runs at the value they stopped at, rather than only the seeds still running
-    (which made a mean rise while every run's loss fell). A diverged run is not held: it counts as diverged.
+    (which made a mean rise while every run's loss fell). A stopped run's held-out score (val_loss, val_acc:
+    its stopping step's) is left out of the rows of a step where a run still running was not scored (between
+    two of train.eval_every's steps), its stopping step's own row too: it would be a mean of the stopped
+    seeds alone there; it counts from the next step that scored them. A diverged run is not held: it counts
+    as diverged.
     `tidy` needs train.steps and train.stop_when (all_config); without them it is returned as it is."""
     if tidy.empty or "train.steps" not in tidy or "train.stop_when" not in tidy:
         return tidy
@@ -63,18 +68,39 @@ def hold_stopped(tidy: pd.DataFrame) -> pd.DataFrame:
     if held.empty:
         return tidy
     steps = np.sort(tidy["step"].astype(int).unique())
+    scored, unscored = _unscored_steps(tidy)
     added = []
     for index, row in held.iterrows():
         later = steps[(steps > int(row["step"])) & (steps <= int(row["train.steps"]))]
         if len(later):
-            added.append(pd.DataFrame([row] * len(later), index=[index] * len(later)).assign(step=later))
-    if not added:
+            rows = pd.DataFrame([row] * len(later), index=[index] * len(later)).assign(step=later)
+            rows.loc[rows["step"].isin(unscored), scored] = np.nan
+            added.append(rows)
+    stops = held.set_index("run_id")["step"].astype(int)
+    own = tidy["run_id"].map(stops[stops.isin(unscored)]).eq(tidy["step"].astype(int))  # its stopping row
+    if not added and not own.any():
         return tidy
-    out = pd.concat([tidy, *added]).astype(tidy.dtypes.to_dict())
+    kept = tidy
+    if own.any():
+        kept = tidy.copy()
+        kept.loc[own.to_numpy(), scored] = np.nan
+    out = pd.concat([kept, *added]).astype(tidy.dtypes.to_dict())
     order = {rid: i for i, rid in enumerate(dict.fromkeys(tidy["run_id"]))}  # the runs keep their order
     out = out.iloc[np.lexsort((out["step"].astype(int).to_numpy(), out["run_id"].map(order).to_numpy()))]
     out.attrs = dict(tidy.attrs)
     return out.reset_index(drop=True)
+
+
+def _unscored_steps(tidy: pd.DataFrame) -> tuple[list[str], set[int]]:
+    """The frame's held-out columns, and the steps at which a run still running (a finite loss) of a task
+    with a held-out split was not scored (between two of train.eval_every's steps)."""
+    scored = [c for c in VAL_COLUMNS if c in tidy]
+    if not scored:
+        return scored, set()
+    val = tidy[scored[0]].astype(float)
+    splits = val.notna().groupby(tidy["run_id"]).transform("any")  # runs scored at some step: a held-out split
+    running = np.isfinite(tidy["loss"].astype(float))
+    return scored, set(tidy.loc[splits & running & val.isna(), "step"].astype(int))
 
 
 def stopped_early(table: pd.DataFrame) -> pd.Series:

@@ -95,17 +95,19 @@ def _train(runs: Sequence[RunConfig], device: str, compiled: bool,
         results = [RunResult(threads=threads, engine="fast", early_stop=EarlyStop.of(cfg)) for cfg in runs]
         live = [True] * len(runs)  # runs still recording (and updating)
         # a step at which runs stop is scored for them once their losses say so (`evaluates`), on the weights
-        # of that step: a compiled Adam step has moved the batch's on by then, so they are kept before it
-        fused = step_fn is not None and step_fn.fused
-        kept = ({name: torch.empty_like(p) for name, p in batch.params.items()}
-                if val_step is not None and fused else None)
+        # of that step: a compiled Adam step has moved the batch's on by then, so they are kept before it,
+        # where a run can stop (made at the first step the schedule does not score: none with eval_every 1)
+        keeps = (val_step is not None and step_fn is not None and step_fn.fused
+                 and (first.train.stop_when is not None or stop_on_nonfinite))
+        kept = None
         for step in range(steps + 1):
             lrs = schedule[step]
             vals = [None] * len(runs)
             scheduled = evaluates(first, step)
             if val_step is not None:  # before the step: a compiled Adam step updates the parameters in place
                 vals = held_out(val_step, batch, rows) if scheduled else [NOT_EVALUATED] * len(runs)
-                if kept is not None and not scheduled:
+                if keeps and not scheduled:
+                    kept = kept or {name: torch.empty_like(p) for name, p in batch.params.items()}
                     torch._foreach_copy_(list(kept.values()), list(batch.params.values()))
             if step_fn is not None:
                 metrics = compiler_call(step_fn.step, batch.params, *batch.step_data(step), lrs, live)
