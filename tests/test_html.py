@@ -126,6 +126,18 @@ def test_the_early_stop_line_the_table_shows_is_on_the_page(tmp_path_factory):
     assert 'class="e' in text or 'class="t e' in text  # the run table marks the stopped runs for its filter
 
 
+def test_the_pages_curves_hold_a_stopped_run_as_the_figure_and_table_do(tmp_path_factory):
+    """A run train.stop_when stopped stays in every later step's mean at its last value (`hold_stopped`), as in
+    the report's table and the curves figure: the page's line counts every run at every step it draws."""
+    out = trained_sweep(tmp_path_factory, "stops-held", STOPS, "--quiet")
+    folder = load_folder(out)
+    assert build_report(out).stopped.startswith("Stopped early (train.stop_when)")  # some run did stop
+    text = report_page(build_report(out), folder)
+    data = json.loads(re.search(r'<script type="application/json" id="page-data">(.*?)</script>', text).group(1))
+    for line in data["curves"]["lines"]:
+        assert set(line["n"]) == {line["runs"] - line["diverged"]}, (line["name"], line["n"])  # every step: all
+
+
 def test_provenance_names_folders_never_their_absolute_path(page, folder, tmp_path):
     text = page.read_text(encoding="utf-8")
     assert str(folder) not in text and str(folder.parent) not in text

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from normexp.analysis.anova import what_mattered
-from normexp.analysis.finals import final_values, numeric_axes
+from normexp.analysis.finals import final_values, hold_stopped, numeric_axes
 from normexp.analysis.variants import distinct_keys
 from normexp.folder import read_history
 from normexp.page.data import curves_data, parallel_data, phase_data
@@ -64,7 +64,7 @@ def report_page(report: Report, folder: Folder, only_last: bool = False) -> str:
     if report.partial:
         parts.append(f'<p class="aside">{html.escape(PARTIAL_NOTE)}</p>')
 
-    curves = curves_data(tidy, lines, metric, rule)
+    curves = curves_data(hold_stopped(tidy), lines, metric, rule)  # stopped: held, as the figure and table hold it
     data["curves"] = {**curves, "label": label}
     parts += ['<h2 id="curves">Curves</h2>',
               f'<p class="lede">Each line: a variant\'s mean {html.escape(label)} per step over its runs whose loss is '
