@@ -4,7 +4,11 @@ stand in for it (`normexp.__file__` pointed at each), edited in one module each.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +118,50 @@ def test_the_source_digest_is_computed_once_per_process_until_reset(monkeypatch,
     assert aot.source_digest() == before
     aot.reset()
     assert aot.source_digest() != before
+
+
+# Runs that reach every path of the step's code: the text task run by run (z-loss, qk-norm, a tied
+# embedding, GPT-2 init), a synthetic sequence task with Admin's profiling at init, the FFN toy with
+# the optimizer controls that keep the update out of the compiled step, and a fused Adam step.
+LOADING_RUNS = [
+    {"model": {"arch": "transformer", "depth": 1, "width": 8, "n_heads": 2, "qk_norm": True, "init": "gpt2",
+               "tie_embeddings": True},
+     "data": {"task": "shakespeare_char", "seq_len": 64, "batch_size": 8, "n_val": 3},
+     "train": {"steps": 2, "z_loss": 1e-3, "stop_when": "diverged"}},
+    {"model": {"arch": "transformer", "depth": 1, "width": 8, "n_heads": 2}, "norm": {"placement": "admin"},
+     "data": {"task": "copy"}, "train": {"steps": 2}},
+    {"model": {"depth": 2, "width": 8}, "norm": {"placement": "deepnorm", "kind": "dyt"},
+     "optim": {"name": "radam", "agc": 0.01}, "train": {"steps": 2}},
+    {"model": {"depth": 2, "width": 8}, "optim": {"name": "sgd", "clip_norm": 1.0}, "train": {"steps": 2}},
+    {"model": {"depth": 2, "width": 8}, "optim": {"name": "adamw"}, "train": {"steps": 2}},
+]
+LOADED = """
+import json, sys
+from pathlib import Path
+import normexp
+from normexp.config import validate_run
+from normexp.engines.fast import aot, train_fast
+from normexp.engines.fast.sources import step_sources
+aot.load_or_compile = lambda key, trace, inputs, fresh=False: (trace(), True)  # traced and checked, not compiled
+for run in json.loads(sys.argv[1]):
+    cfg = validate_run(run)
+    train_fast([cfg], compile=True)
+    train_fast([cfg], compile=False)
+loaded = {m for m in sys.modules if m == "normexp" or m.startswith("normexp.")}
+print(json.dumps(sorted(loaded - set(step_sources(Path(normexp.__file__).resolve().parent)))))
+"""
+
+
+@pytest.mark.process
+def test_every_normexp_module_that_building_tracing_and_running_the_step_loads_is_in_the_closure(tmp_path):
+    """The static walk against what a fresh process really loads while it builds, traces, checks and runs the
+    step, compiled and not: a module reached any other way (an import by a string, a name looked up at run
+    time) is missing from the key and must go in `sources.EXTRA_MODULES`, or a vouched package could go on
+    running the old step after it changed."""
+    env = {**os.environ, "NORMEXP_CACHE_DIR": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": os.pathsep.join([str(INSTALLED.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", LOADED, json.dumps(LOADING_RUNS)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

@@ -168,6 +168,20 @@ def test_a_run_by_run_step_gives_each_run_the_references_gradient_bit_for_bit_wh
     assert metrics.shape == (4 if z else 3, 3)
 
 
+@pytest.mark.parametrize("z", [0.0, 1e-2], ids=["plain", "z-loss"])
+def test_a_run_by_run_step_keeps_no_runs_graph_past_its_gradient(z):
+    """What a run-by-run step hands back holds no autograd graph (nothing requires grad): a loss or a z term
+    that kept its run's graph would keep every run's activations alive through the batch's metrics until the
+    next step, the memory that going run by run saves; the batch's parameters stay plain tensors."""
+    configs = [big_text_run(seed=seed, z=z) for seed in (0, 1)]
+    batch = stack_runs(configs, "cpu")
+    grads, metrics = make_grad_step(batch_model(configs[0]), batch.positions, z, looped=True)(
+        batch.params, *batch.step_data(0))
+    assert metrics.grad_fn is None and not metrics.requires_grad
+    assert not any(g.requires_grad or g.grad_fn is not None for g in grads.values())
+    assert not any(p.requires_grad for p in batch.params.values())
+
+
 @pytest.mark.equivalence
 @pytest.mark.parametrize("z", [0.0, 1e-2], ids=["plain", "z-loss"])
 def test_a_run_by_run_batch_follows_the_reference_over_a_few_steps(z):
