@@ -33,6 +33,7 @@ import torch
 
 from normexp.config import RunConfig, load_sweep
 from normexp.engines.fast import train_fast
+from normexp.engines.fast.aot import steps_dir
 from normexp.engines.reference import train_run
 from normexp.folder import (
     SWEEP_FILE,
@@ -131,14 +132,16 @@ def auto_vs_reference(rounds: int) -> float:
     return ref / statistics.median(times["auto"])
 
 
-def sweep_per_run(fast_seeds: int) -> tuple[float, float, float]:
+def sweep_per_run(fast_seeds: int) -> tuple[float, float, float, bool]:
     """The issue's hidden check, as a user runs it: `normexp sweep` of the phase grid end to end with the fast
     engine (its defaults: compiled, worker pool), against the reference on a 32-run slice of it (2 learning
     rates x 8 warmups x 2 seeds); seconds per run of each, and their ratio. The fast sweep's time includes
-    loading (or, with a cold cache, compiling) its step: see the engine line it prints."""
+    loading (or, with a cold cache, compiling) its step: see the engine line it prints. The last item says
+    whether the fast sweep compiled its step (a package appeared in the step cache during it)."""
     with tempfile.TemporaryDirectory() as tmp:
         grids = {"reference": phase_grid_yaml(2, lrs=[0.001, 0.01]), "fast": phase_grid_yaml(fast_seeds)}
         per_run, first = {}, ""
+        packages = set(steps_dir().glob("*.pt2"))
         for engine, text in grids.items():
             (Path(tmp) / f"{engine}.yaml").write_text(text)
             runs = len(load_sweep(Path(tmp) / f"{engine}.yaml", max_runs=100_000).runs)
@@ -146,14 +149,15 @@ def sweep_per_run(fast_seeds: int) -> tuple[float, float, float]:
                                            "100000", "--out", str(Path(tmp) / engine)])
             per_run[engine] = (seconds / runs, runs, seconds)
             first = line if engine == "fast" else first
+        cold = bool(set(steps_dir().glob("*.pt2")) - packages)
     ref, fast = per_run["reference"][0], per_run["fast"][0]
     print(f"\nthe phase grid end to end (normexp sweep, fresh processes), {load()}:")
     for engine, (each, runs, seconds) in per_run.items():
         print(f"  --engine {engine:<10} {runs:6d} runs in {seconds:7.1f} s: {each * 1e3:7.1f} ms per run")
     print(f"  fast per run: {ref / fast:.2f}x the reference (target >= 10x); a 10,000-run grid at this rate: "
           f"~{10_000 * fast / 60:.1f} min (target 10)")
-    print(f"  fast's engine line: {first}")
-    return ref / fast, fast, ref
+    print(f"  fast's engine line: {first}; {'its step compiled cold in this sweep' if cold else 'its step on disk'}")
+    return ref / fast, fast, ref, cold
 
 
 def synthetic_folder(out: Path, seeds: int) -> int:
@@ -203,10 +207,11 @@ def folder_commands(runs: int) -> tuple[int, float]:
     return n, report_s
 
 
-def summary(per_run: tuple[float, float, float] | None, auto: float, folder: tuple[int, float]) -> str:
+def summary(per_run: tuple[float, float, float, bool] | None, auto: float, folder: tuple[int, float]) -> str:
     """The one line `make bench` ends with: the issue's four figures, each measured in this run, and the CPU."""
     fast = (f"fast/reference per run {per_run[0]:.2f}x ({per_run[1] * 1e3:.1f} vs {per_run[2] * 1e3:.1f} ms a run), "
-            f"10,240 runs ~{10_240 * per_run[1] / 60:.1f} min at that rate (step on disk)"
+            f"10,240 runs ~{10_240 * per_run[1] / 60:.1f} min at that rate "
+            f"({'step compiled cold in the sweep' if per_run[3] else 'step on disk'})"
             if per_run else "fast/reference not measured (--quick)")
     return (f"SUMMARY: {fast}; auto {auto:.2f}x the reference (article's 64-run grid); report of a {folder[0]}-run "
             f"folder {folder[1]:.1f} s; {load()}")

@@ -36,9 +36,11 @@ def test_bench_scale_ends_with_one_line_of_the_issue_s_figures_and_the_cpu():
 
     from normexp.environment import cpu_info
 
-    line = bench_scale.summary((9.5, 0.05, 0.475), 1.74, (2048, 3.1))
+    line = bench_scale.summary((9.5, 0.05, 0.475, False), 1.74, (2048, 3.1))
     assert line.startswith("SUMMARY: ") and "\n" not in line
     for part in ("fast/reference per run 9.50x", "50.0 vs 475.0 ms a run", "10,240 runs ~8.5 min",
-                 "auto 1.74x the reference", "report of a 2048-run folder 3.1 s", cpu_info().model, "load "):
+                 "auto 1.74x the reference", "report of a 2048-run folder 3.1 s", cpu_info().model, "load ",
+                 "(step on disk)"):
         assert part in line, (part, line)
+    assert "compiled cold" in bench_scale.summary((4.3, 0.1, 0.43, True), 1.74, (2048, 3.1))  # says which it was
     assert "not measured" in bench_scale.summary(None, 1.0, (128, 1.0))
