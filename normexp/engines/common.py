@@ -272,25 +272,23 @@ def text_starts(cfg: RunConfig, task: Task) -> Iterator[torch.Tensor]:
 NOT_EVALUATED = (math.nan, math.nan)  # val_loss, val_acc of a step between two of train.eval_every's
 
 
-def held_out(model: torch.nn.Module, task: Task, cfg: RunConfig, step: int,
-             stops: bool = False) -> tuple[float, float] | None:
-    """(val_loss, val_acc) at the steps `evaluates` names (`stops`: the run stops at this step),
-    NOT_EVALUATED at the others; None for a task without a held-out split. A text task's windows go
-    through the model data.batch_size at a time."""
+def held_out(model: torch.nn.Module, task: Task, cfg: RunConfig, step: int) -> tuple[float, float] | None:
+    """(val_loss, val_acc) at the steps `evaluates` names, NOT_EVALUATED at the others; None for a task
+    without a held-out split. A text task's windows go through the model data.batch_size at a time."""
     if task.val_x is None:
         return None
-    if not evaluates(cfg, step, stops):
+    if not evaluates(cfg, step):
         return NOT_EVALUATED
     return validate(model, task, validation_rows(cfg))
 
 
-def evaluates(cfg: RunConfig, step: int, stops: bool = False) -> bool:
-    """Whether the held-out split is scored at `step`: 0, k, 2k, ... (k = train.eval_every), the last, and
-    the step at which the run stops before its last (`stops`: train.stop_when fired there, or its loss is
-    non-finite under train.stop_on_nonfinite), so a run's last recorded step always carries its score.
-    An engine learns of a stop from the step's loss: it scores that step then (`RunResult.score_stop`), on
-    the weights the step's loss was taken on, before any update."""
-    return stops or step % cfg.train.eval_every == 0 or step == cfg.train.steps
+def evaluates(cfg: RunConfig, step: int) -> bool:
+    """Whether the held-out split is scored at `step` by the schedule: 0, k, 2k, ... (k = train.eval_every)
+    and the last. The step at which a run stops before its last (train.stop_when fired there, or its loss is
+    non-finite under train.stop_on_nonfinite) is scored too, where the schedule did not, so that a run's last
+    recorded step always carries its score: an engine learns of a stop from the step's loss, and scores that
+    step then (`RunResult.score_stop`), on the weights the step's loss was taken on, before any update."""
+    return step % cfg.train.eval_every == 0 or step == cfg.train.steps
 
 
 def validation_rows(cfg: RunConfig) -> int | None:

@@ -43,6 +43,8 @@ from normexp.engines.common import (
     seeded_init,
     share_wall_time,
     torch_threads,
+    validate,
+    validation_rows,
     z_loss,
 )
 from normexp.optim import (
@@ -194,7 +196,7 @@ def score_stop(result: RunResult, model: torch.nn.Module, task: Task, cfg: RunCo
     scored it (`evaluates`): after the step's forwards, whose activations blocks have read, and before any
     update, so on the weights the step's loss was taken on (the same bits as a score before its forward)."""
     if task.val_x is not None and not evaluates(cfg, step):
-        result.score_stop(held_out(model, task, cfg, step, stops=True))
+        result.score_stop(validate(model, task, validation_rows(cfg)))
 
 
 def objective(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None,

@@ -39,6 +39,7 @@ STEP_ROOTS = ("normexp.engines.fast.compiled", "normexp.engines.fast.step", "nor
 # root: none today (the module docstring says why).
 EXTRA_MODULES: tuple[str, ...] = ()
 
+
 def step_sources(root: Path) -> dict[str, tuple[Path, bytes]]:
     """The modules of the package in folder `root` (normexp's) that the step's code can run, by name, each
     with its file and bytes: `STEP_ROOTS` and `EXTRA_MODULES`, each package above a module, and every
@@ -77,9 +78,8 @@ def imported(source: bytes, package: str) -> list[str]:
 
 
 def import_statements(source: bytes) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of `source`, wherever it sits (a function, a class, an `if`, a `try`: an import
-    is never inside an expression), from the module's whole syntax tree. A module that does not parse imports
-    nothing (it cannot run either)."""
+    """Every import statement of `source`, wherever it sits (a function, a class, an `if`, a `try`), from the
+    module's whole syntax tree. A module that does not parse imports nothing (it cannot run either)."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
