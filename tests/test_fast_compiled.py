@@ -25,7 +25,7 @@ from normexp.engines.fast import compiled as compiling
 def traced_eagerly(calls: list[int], used: list[int] | None = None):
     """`aot.load_or_compile` without the compiler: the traced graph run eagerly, each compile counted (and
     each call of a compiled step, in `used`)."""
-    def load_or_compile(key, trace, inputs, fresh=False):
+    def load_or_compile(key, trace, inputs, fresh=False, wait=True):
         calls.append(len(inputs))
         graph = trace()
 

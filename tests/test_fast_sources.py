@@ -142,7 +142,7 @@ import normexp
 from normexp.config import validate_run
 from normexp.engines.fast import aot, train_fast
 from normexp.engines.fast.sources import step_sources
-aot.load_or_compile = lambda key, trace, inputs, fresh=False: (trace(), True)  # traced and checked, not compiled
+aot.load_or_compile = lambda key, trace, inputs, **_: (trace(), True)  # traced and checked, not compiled
 for run in json.loads(sys.argv[1]):
     cfg = validate_run(run)
     train_fast([cfg], compile=True)

@@ -259,7 +259,11 @@ class Net(nn.Module):
         self.admin_profile = norm.admin_profile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        stream = residual_stack(self.blocks, self.input_norm(x), self.dual_norm, self.dual_start)
+        return self.readout(residual_stack(self.blocks, self.input_norm(x), self.dual_norm, self.dual_start))
+
+    def readout(self, stream: torch.Tensor) -> torch.Tensor:
+        """The model after its blocks: the final norm, then the head (the fast engine compiles it apart from
+        the blocks: engines/fast/regional.py)."""
         return self.head(self.final_norm(stream))
 
     @torch.no_grad()

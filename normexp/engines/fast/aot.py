@@ -136,18 +136,22 @@ def _strings(value: object) -> Iterator[str]:
             yield from _strings(item)
 
 
-def load_or_compile(key: str, trace: Callable[[], torch.fx.GraphModule], inputs: Sequence[torch.Tensor],
-                    fresh: bool = False) -> tuple[Step, bool]:
+def load_or_compile(key: str, trace: Callable[[], torch.fx.GraphModule],
+                    inputs: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]],
+                    fresh: bool = False, wait: bool = True) -> tuple[Step, bool] | None:
     """The compiled step named `key`: loaded from its package, or (missing, unreadable, or `fresh`)
-    traced by `trace()`, compiled for `inputs`' shapes and written. Returns (step, compiled now)."""
+    traced by `trace()`, compiled for `inputs`' shapes (or those of what `inputs()` returns) and written.
+    Returns (step, compiled now); None, without `wait`, where another process holds its lock (compiling it)."""
     folder = steps_dir()
     folder.mkdir(parents=True, exist_ok=True)
     package = folder / f"{key}.pt2"
-    with _locked(folder / f"{key}.lock"):
+    with _locked(folder / f"{key}.lock", wait) as held:
+        if not held:
+            return None
         if not fresh and package.is_file():
             with contextlib.suppress(Exception):  # noqa: BLE001 - any unreadable package is compiled again
                 return load_package(package), False
-        compile_package(trace(), inputs, package)
+        compile_package(trace(), inputs() if callable(inputs) else inputs, package)
         return load_package(package), True
 
 
@@ -280,18 +284,23 @@ def _digest(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path, wait: bool = True) -> Iterator[bool]:
     """An exclusive lock on `path` across processes (released when the process dies), where the
     platform has one (fcntl); elsewhere none: two processes may then both compile, and the last
-    rename wins (both packages are the same step)."""
+    rename wins (both packages are the same step). Yields whether it is held: without `wait`, False
+    where another process holds it."""
     try:
         import fcntl
     except ImportError:  # Windows
-        yield
+        yield True
         return
     with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -13,6 +13,7 @@ from typing import TypeVar
 import torch
 
 import normexp.engines.fast.aot as aot
+import normexp.engines.fast.regional as regional
 from normexp.config import RunConfig
 from normexp.engines.common import user_cache_dir
 from normexp.engines.fast.optim import FastOptimizer, MadeAhead, adam_hypers, adam_move, adam_update
@@ -158,13 +159,17 @@ def compiled_step(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Ba
         what = {"step": "train-adam" if fused else "grad", "model": cfg.model.model_dump(mode="json"),
                 "norm": cfg.norm.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
                 "z_loss": cfg.train.z_loss, "runs": batch.runs}
-        step = make_grad_step(base(), batch.positions, cfg.train.z_loss)
+        model = base()
+        step = make_grad_step(model, batch.positions, cfg.train.z_loss)
         name, vouching = aot.step_key(what, str(batch.x.device)), aot.vouchable(what)
         x, y = batch.step_data(0)
         if fused:  # the check's update: each run's base learning rate (a warmup may start at 0), live
             hyper = adam_hypers(optimizer.optims, optimizer.name, 1, [o.lr for o in optimizer.optims],
                                 [True] * batch.runs).to(batch.x.device)
-            _COMPILED[key] = compile_train_step(step, batch.params, x, y, hyper, name, vouching)
+            chain = regional.chain_of(model, cfg.train.z_loss)
+            if chain is not None:  # its blocks compiled once each, not unrolled: another package
+                name = aot.step_key({**what, "regional": True}, str(batch.x.device))
+            _COMPILED[key] = compile_train_step(step, batch.params, x, y, hyper, name, vouching, chain, batch.positions)
         else:
             _COMPILED[key] = compile_grad_step(step, batch.params, x, y, key=name, vouching=vouching)
     return CompiledStep(_COMPILED[key], optimizer, fused, schedule)
@@ -191,13 +196,16 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
 
 
 def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, hyper: torch.Tensor,
-                       key: str, vouching: bool = False) -> Callable:
+                       key: str, vouching: bool = False, chain: regional.Chain | None = None,
+                       positions: torch.Tensor | None = None) -> Callable:
     """`step` and the Adam update (`adam_update`) of every parameter traced into one graph and compiled
     as `compile_grad_step`'s: (params, exp_avg, exp_avg_sq, x, y, hyper) -> (metrics,), positional, the
     parameters and moments updated in place. The gradients never leave the compiled code, and each
     tensor's update is one pass over its parameters, gradient and moments, written where they are.
     Checked against the same function run eagerly, from zero moments at `hyper`: the metrics, each
-    run's update of its parameters, and the new moments."""
+    run's update of its parameters, and the new moments. With `chain` (the model as `regional.chain_of` finds
+    it; `positions`: the batch's answer positions), the same function compiled block by block
+    (`regional.regional_step`), checked the same way."""
     names, n = list(params), len(params)
 
     def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -228,20 +236,27 @@ def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torc
             return "its update"
         return None
 
-    return _compile_checked(flat, inputs, key, disagreement, mutated=3 * n, vouching=vouching)
+    build = None
+    if chain is not None:
+        def build(example: Sequence[torch.Tensor], fresh: bool) -> tuple[Callable, bool]:
+            return regional.regional_step(chain, names, example, positions, lambda piece: f"{key}.{piece}", fresh)
+
+    return _compile_checked(flat, inputs, key, disagreement, mutated=3 * n, vouching=vouching, build=build)
 
 
 def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor], key: str,
                      disagreement: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], str | None],
-                     mutated: int = 0, vouching: bool = False) -> Callable:
+                     mutated: int = 0, vouching: bool = False,
+                     build: Callable[[Sequence[torch.Tensor], bool], tuple[Callable, bool]] | None = None) -> Callable:
     """`flat` traced by make_fx into one graph of aten operations (vmap and grad applied), compiled ahead
     of time (AOTInductor) and kept on disk under `key` (`aot.load_or_compile`): later batches, worker
     processes and sweeps load it instead of compiling. `flat` may update its first `mutated` inputs in
     place. The compiled function is checked against `flat` run eagerly on copies of `inputs` before it
     is used (`disagreement` of the updated inputs, then the outputs), unless the package's bytes passed
     that check before (`aot.vouched`, only with `vouching`: where `key` names all the code of the step,
-    `aot.vouchable`): a loaded package that fails the
-    check, or raises when called (another structure's inputs), is compiled again, and a step that the
+    `aot.vouchable`). `build(example inputs, fresh)`, where given, makes the compiled function instead (loaded
+    or compiled, and whether compiled now), as `regional.regional_step` does from its pieces. A loaded package
+    that fails the check, or raises when called (another structure's inputs), is compiled again, and a step that the
     compiler got wrong is refused (ValueError), as any compile failure is. (The check runs on the values
     the graph was traced on, so it cannot see a forward that branches on its values in Python; vmap
     refuses such a forward in the eager step already.)"""
@@ -261,7 +276,8 @@ def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequ
     with torch.no_grad():
         eager: tuple[torch.Tensor, ...] | None = None
         for fresh in (False, True):
-            compiled, now = aot.load_or_compile(key, trace, copies(), fresh=fresh)
+            compiled, now = (aot.load_or_compile(key, trace, copies(), fresh=fresh) if build is None
+                             else build(copies(), fresh))
             if vouching and not now and aot.vouched(key, compiled):  # loaded from bytes that passed the check before
                 break
             eager = results(flat) if eager is None else eager

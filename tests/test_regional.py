@@ -1,0 +1,184 @@
+"""The fast engine's Adam step compiled block by block (normexp/engines/fast/regional.py): it computes what the
+whole step computes, for every FFN placement, norm and init it serves; it serves only models that are a chain;
+and two processes that start cold compile two of its pieces at once."""
+
+from __future__ import annotations
+
+import fcntl
+import warnings
+
+import pytest
+import torch
+from test_fast import runs
+from test_starts import TRANSFORMER
+
+from normexp.config import RunConfig
+from normexp.engines.fast import aot, regional, starts, train_fast
+from normexp.engines.fast import compiled as compiling
+
+
+def traced_eagerly(keys: list[str]):
+    """`aot.load_or_compile` without the compiler: the traced graph, run eagerly; each piece's name kept."""
+    def load_or_compile(key, trace, inputs, fresh=False, wait=True):
+        keys.append(key)
+        return trace(), True
+    return load_or_compile
+
+
+STRUCTURES = [
+    {"placement": "post", "kind": "layernorm"},
+    {"placement": "pre", "kind": "rmsnorm"},
+    {"placement": "sandwich", "kind": "rmsnorm_gemma"},
+    {"placement": "peri", "kind": "layernorm", "peri_input_norm": False},
+    {"placement": "deepnorm", "kind": "layernorm"},
+    {"placement": "mixln", "kind": "layernorm"},
+    {"placement": "none", "kind": "layernorm"},
+    {"placement": "rezero", "kind": "layernorm"},
+    {"placement": "respost", "kind": "dyt"},
+    {"placement": "admin", "kind": "layernorm"},
+]
+
+
+def deep(norm: dict, depth: int = 5, init: str | None = None, n: int = 4, steps: int = 6) -> list[RunConfig]:
+    base = runs(n=n, steps=steps, depth=depth)
+    out = []
+    for cfg in base:
+        data = cfg.model_dump(mode="json")
+        data["norm"].update(norm)
+        if init:
+            data["model"]["init"] = init
+        out.append(RunConfig.model_validate(data))
+    return out
+
+
+def final_losses(results) -> list[float]:
+    """Each run's losses and gradient norms, step by step."""
+    return [x for r in results for x in r.metrics["loss"] + r.metrics["grad_norm"]]
+
+
+@pytest.mark.parametrize("norm", STRUCTURES, ids=lambda n: f"{n['placement']}-{n['kind']}")
+def test_the_step_compiled_block_by_block_computes_the_whole_steps_function(monkeypatch, norm):
+    """Each placement's chain, its pieces traced and run as the compiled ones are called: the engine's check
+    against the eager whole step passes (no fallback), and the runs train as the uncompiled engine trains
+    them, within rounding. Mix-LN's blocks are two structures: two forwards, two backwards."""
+    keys: list[str] = []
+    monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(keys))
+    compiling.reset_cache()
+    cfgs = deep(norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a refused step warns and trains uncompiled
+        got = train_fast(cfgs, compile=True)
+    pieces = sorted(key.rsplit(".", 1)[1] for key in keys)
+    groups = 2 if norm["placement"] == "mixln" else 1
+    assert pieces == sorted([f"block{g}-{p}" for g in range(groups) for p in ("forward", "backward", "update")]
+                            + ["readout"])
+    eager = train_fast(cfgs, compile=False)
+    for a, b in zip(final_losses(got), final_losses(eager)):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("init", ["fixup", "tfixup"])
+def test_inits_that_add_parameters_or_rescale_are_served_too(monkeypatch, init):
+    """Fixup's blocks carry scalar shifts and a multiplier (and its head a shift): each is a parameter of its
+    block or of the readout, updated by the piece that holds it."""
+    keys: list[str] = []
+    monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(keys))
+    compiling.reset_cache()
+    cfgs = deep({"placement": "none" if init == "fixup" else "post", "kind": "layernorm"}, init=init)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = train_fast(cfgs, compile=True)
+    assert any(key.endswith(".readout") for key in keys)
+    for a, b in zip(final_losses(got), final_losses(train_fast(cfgs, compile=False))):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+
+
+def test_a_wrong_piece_is_caught_by_the_check_and_the_structure_trains_uncompiled(monkeypatch):
+    """A backward piece that hands back the wrong gradient (doubled) fails the check against the eager whole
+    step, compiled again and still wrong: the structure is refused and trains uncompiled, as the whole step's
+    failure does."""
+    def load_or_compile(key, trace, inputs, fresh=False, wait=True):
+        graph = trace()
+        if key.endswith("-backward"):
+            return (lambda *a: [g * 2 for g in graph(*a)[:-1]] + [graph(*a)[-1]]), True
+        return graph, True
+
+    monkeypatch.setattr(aot, "load_or_compile", load_or_compile)
+    compiling.reset_cache()
+    cfgs = deep({"placement": "pre", "kind": "layernorm"})
+    with pytest.warns(RuntimeWarning, match="compiling the step failed"):
+        got = train_fast(cfgs, compile=True)
+    assert final_losses(got) == final_losses(train_fast(cfgs, compile=False))
+
+
+@pytest.mark.parametrize("what", ["resdual", "peri input norm", "z-loss", "shallow", "transformer"])
+def test_only_a_chain_is_compiled_block_by_block(what):
+    """ResiDual carries two streams, Peri-LN's input norm has parameters, z-loss reads the logits the readout
+    makes, a model under MIN_DEPTH compiles whole in seconds, and the Transformer is not the FFN toy: each is
+    traced whole, as before."""
+    norm = {"resdual": {"placement": "resdual"}, "peri input norm": {"placement": "peri"}}.get(what,
+                                                                                            {"placement": "pre"})
+    cfg = deep(norm, depth=regional.MIN_DEPTH - 1 if what == "shallow" else 5)[0]
+    if what == "transformer":
+        cfg = RunConfig.model_validate(TRANSFORMER)
+    z = 1e-4 if what == "z-loss" else 0.0
+    assert regional.chain_of(starts.meta_model(cfg), z) is None
+    assert regional.chain_of(starts.meta_model(deep({"placement": "pre"})[0]), 0.0) is not None
+
+
+def test_a_piece_another_process_is_compiling_is_left_for_last(tmp_path, monkeypatch):
+    """Without waiting, a piece whose lock another holder has is not compiled (None); once the lock is free it
+    is. (flock conflicts between two open files of one process as between two processes.)"""
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    folder = aot.steps_dir()
+    folder.mkdir(parents=True)
+    traced = []
+
+    def trace():
+        traced.append(1)
+        raise RuntimeError("compiling")
+
+    with open(folder / "k.lock", "a+b") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        assert aot.load_or_compile("k", trace, [torch.zeros(1)], wait=False) is None
+        assert not traced
+        fcntl.flock(other, fcntl.LOCK_UN)
+    with pytest.raises(RuntimeError, match="compiling"):
+        aot.load_or_compile("k", trace, [torch.zeros(1)], wait=False)
+    assert traced == [1]
+
+
+def test_the_readout_is_the_models_own_end():
+    """`Net.forward` is its blocks, then `Net.readout`: the chain's readout module computes the same logits."""
+    cfg = deep({"placement": "post"})[0]
+    model = starts.seeded_start(cfg)[0]
+    net = starts.meta_model(cfg)
+    chain = regional.chain_of(net, 0.0)
+    x = torch.randn(3, cfg.model.width)
+    params = {name: p for name, p in model.items()}
+    h = x
+    for block, names in chain.blocks:
+        h = torch.func.functional_call(block, {n.split(".", 2)[2]: params[n] for n in names}, (h,))
+    logits = torch.func.functional_call(chain.readout, {f"net.{n}": params[n] for n in chain.readout_names}, (h,))
+    assert torch.equal(logits, torch.func.functional_call(net, params, (x,)))
+
+
+@pytest.mark.slow
+def test_the_pieces_compile_pass_the_check_and_load_in_a_later_process(tmp_path, monkeypatch):
+    """Compiled for real (AOTInductor, four packages): the check against the eager whole step passes, the
+    runs train within rounding of the uncompiled engine, and a later process loads the pieces, vouched for,
+    and gives the same bits."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    compiling.reset_cache()
+    cfgs = deep({"placement": "post", "kind": "layernorm"}, depth=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        compiled = train_fast(cfgs, compile=True)
+    assert sorted(p.name.split(".")[1] for p in (tmp_path / "steps").glob("*.pt2")) == [
+        "block0-backward", "block0-forward", "block0-update", "readout"]
+    assert len(list((tmp_path / "steps").glob("*.checked"))) == 1
+    for a, b in zip(final_losses(compiled), final_losses(train_fast(cfgs, compile=False))):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+    compiling.reset_cache()
+    assert [repr(r.metrics) for r in train_fast(cfgs, compile=True)] == [repr(r.metrics) for r in compiled]
