@@ -42,7 +42,7 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -174,8 +174,8 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
         pool = fast_pool(sweep, options)
     if pool:
         workers, threads = pool, 1
-        emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled, {pool} worker processes "
-                        "x 1 thread each (faster than one process x all threads: docs/performance.md)"
+        emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled{blockwise_note(runs)}, {pool} "
+                        "worker processes x 1 thread each (faster than one process x all threads: docs/performance.md)"
                         + mkl_path_note()))
     else:
         threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
@@ -212,6 +212,16 @@ def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
     from normexp.engines.fast import compile_choice
 
     return cores if any(compile_choice(sweep.runs).values()) else 0
+
+
+def blockwise_note(runs: Sequence[RunConfig]) -> str:
+    """What the engine line adds where a structure's step is compiled block by block (`plan.by_blocks`): how, and
+    its batches' size."""
+    from normexp.engines.fast.plan import BLOCKWISE_CHUNK, by_blocks
+
+    if not any(by_blocks(cfg) for cfg in runs):
+        return ""
+    return f" block by block ({BLOCKWISE_CHUNK} runs a batch: its compile does not grow with the depth)"
 
 
 def mkl_path_note() -> str:

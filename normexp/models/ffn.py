@@ -263,7 +263,7 @@ class Net(nn.Module):
 
     def readout(self, stream: torch.Tensor) -> torch.Tensor:
         """The model after its blocks: the final norm, then the head (the fast engine compiles it apart from
-        the blocks: engines/fast/regional.py)."""
+        the blocks: engines/fast/blockwise.py)."""
         return self.head(self.final_norm(stream))
 
     @torch.no_grad()

@@ -13,13 +13,13 @@ from typing import TypeVar
 import torch
 
 import normexp.engines.fast.aot as aot
-import normexp.engines.fast.regional as regional
+import normexp.engines.fast.blockwise as blockwise
 from normexp.config import RunConfig
 from normexp.engines.common import user_cache_dir
 from normexp.engines.fast.optim import FastOptimizer, MadeAhead, adam_hypers, adam_move, adam_update
+from normexp.engines.fast.plan import by_blocks, fuses
 from normexp.engines.fast.step import Batch, GradStep, Tensors, make_grad_step
 
-FUSED_OPTIMIZERS = ("adam", "adamw")  # compiled steps carry their update: `adam_update`, one pass over the state
 _T = TypeVar("_T")
 
 
@@ -111,16 +111,6 @@ def compiled_structure(cfg: RunConfig) -> tuple:
     return (cfg.model, cfg.norm, cfg.data, cfg.train.z_loss, fuses(cfg))
 
 
-def fuses(cfg: RunConfig) -> bool:
-    """Whether the compiled step of `cfg`'s runs carries their update (`adam_update`): Adam and AdamW
-    (optim.independent_weight_decay is a number of `adam_hypers`), not with a control that acts between the
-    gradient and the update or changes the update's form (optim.clip_norm, optim.agc, optim.v_only_steps,
-    optim.v0: the compiled gradient step, then `FastOptimizer`)."""
-    optim = cfg.optim
-    return (optim.name in FUSED_OPTIMIZERS and optim.clip_norm is None and optim.agc is None
-            and optim.v_only_steps == 0 and optim.v0 == "zero")
-
-
 def _step_key(cfg: RunConfig, batch: Batch) -> tuple:
     """The key of `_COMPILED` that the step of `cfg`'s runs on the batch's device is kept under."""
     return (*compiled_structure(cfg), str(batch.x.device))
@@ -147,7 +137,7 @@ def refuse(cfg: RunConfig, device: str) -> None:
 
 def compiled_step(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Batch,
                   optimizer: FastOptimizer, schedule: Sequence[Sequence[float]] = ()) -> CompiledStep:
-    """The compiled step of runs shaped like `cfg` on the batch's device, for batches of COMPILED_CHUNK runs
+    """The compiled step of runs shaped like `cfg` on the batch's device, for batches of `plan.chunk_runs` runs
     (vmap specialises the run axis, so `train_fast` pads smaller batches); with Adam or AdamW the update
     is part of it, its numbers for each update made from `schedule` (each step's learning rates, `train._train`'s),
     a stretch of updates ahead; `base` makes the batch's model, which a step not compiled yet traces. Compile errors,
@@ -166,9 +156,9 @@ def compiled_step(cfg: RunConfig, base: Callable[[], torch.nn.Module], batch: Ba
         if fused:  # the check's update: each run's base learning rate (a warmup may start at 0), live
             hyper = adam_hypers(optimizer.optims, optimizer.name, 1, [o.lr for o in optimizer.optims],
                                 [True] * batch.runs).to(batch.x.device)
-            chain = regional.chain_of(model, cfg.train.z_loss)
+            chain = blockwise.chain_of(model) if by_blocks(cfg) else None
             if chain is not None:  # its blocks compiled once each, not unrolled: another package
-                name = aot.step_key({**what, "regional": True}, str(batch.x.device))
+                name = aot.step_key({**what, "blockwise": True}, str(batch.x.device))
             _COMPILED[key] = compile_train_step(step, batch.params, x, y, hyper, name, vouching, chain, batch.positions)
         else:
             _COMPILED[key] = compile_grad_step(step, batch.params, x, y, key=name, vouching=vouching)
@@ -196,16 +186,16 @@ def compile_grad_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch
 
 
 def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torch.Tensor, hyper: torch.Tensor,
-                       key: str, vouching: bool = False, chain: regional.Chain | None = None,
+                       key: str, vouching: bool = False, chain: blockwise.Chain | None = None,
                        positions: torch.Tensor | None = None) -> Callable:
     """`step` and the Adam update (`adam_update`) of every parameter traced into one graph and compiled
     as `compile_grad_step`'s: (params, exp_avg, exp_avg_sq, x, y, hyper) -> (metrics,), positional, the
     parameters and moments updated in place. The gradients never leave the compiled code, and each
     tensor's update is one pass over its parameters, gradient and moments, written where they are.
     Checked against the same function run eagerly, from zero moments at `hyper`: the metrics, each
-    run's update of its parameters, and the new moments. With `chain` (the model as `regional.chain_of` finds
+    run's update of its parameters, and the new moments. With `chain` (the model as `blockwise.chain_of` finds
     it; `positions`: the batch's answer positions), the same function compiled block by block
-    (`regional.regional_step`), checked the same way."""
+    (`blockwise.blockwise_step`), checked the same way."""
     names, n = list(params), len(params)
 
     def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -239,7 +229,7 @@ def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torc
     build = None
     if chain is not None:
         def build(example: Sequence[torch.Tensor], fresh: bool) -> tuple[Callable, bool]:
-            return regional.regional_step(chain, names, example, positions, lambda piece: f"{key}.{piece}", fresh)
+            return blockwise.blockwise_step(chain, names, example, positions, lambda piece: f"{key}.{piece}", fresh)
 
     return _compile_checked(flat, inputs, key, disagreement, mutated=3 * n, vouching=vouching, build=build)
 
@@ -255,7 +245,7 @@ def _compile_checked(flat: Callable[..., tuple[torch.Tensor, ...]], inputs: Sequ
     is used (`disagreement` of the updated inputs, then the outputs), unless the package's bytes passed
     that check before (`aot.vouched`, only with `vouching`: where `key` names all the code of the step,
     `aot.vouchable`). `build(example inputs, fresh)`, where given, makes the compiled function instead (loaded
-    or compiled, and whether compiled now), as `regional.regional_step` does from its pieces. A loaded package
+    or compiled, and whether compiled now), as `blockwise.blockwise_step` does from its pieces. A loaded package
     that fails the check, or raises when called (another structure's inputs), is compiled again, and a step that the
     compiler got wrong is refused (ValueError), as any compile failure is. (The check runs on the values
     the graph was traced on, so it cannot see a forward that branches on its values in Python; vmap

@@ -12,9 +12,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 from normexp.config import TEXT_TASKS, OptimConfig, RunConfig, sequence_shape
 from normexp.engines.cost import activation_bytes, model_step_flops
+from normexp.registry import is_plugin
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
 COMPILED_CHUNK = 8  # runs per compiled batch: 8 runs' parameters, moments and activations stay nearer the cache
+# runs per batch of a step compiled block by block (`by_blocks`): its ~70 calls a step over twice the runs (on an
+# AMD Zen 4, 8 runs trained 11% slower a run than the whole graph's 8, 16 as fast: docs/performance.md)
+BLOCKWISE_CHUNK = 16
+BLOCKWISE_DEPTH = 4  # a shallower chain compiles whole in seconds, and its step makes fewer calls
+FUSED_OPTIMIZERS = ("adam", "adamw")  # compiled steps carry their update: `adam_update`, one pass over the state
 # than 16's, with two workers sharing it (a 2,048-run phase sweep 90.3 vs 99.0 s, metrics identical; 4 runs no faster
 # than 8, 32 slower than 16: docs/performance.md)
 
@@ -109,11 +115,34 @@ def loops_runs(cfg: RunConfig) -> bool:
     return cfg.data.task in TEXT_TASKS and cfg.data.batch_size * (sequence_shape(cfg.data).seq_len - 1) >= LOOPED_TOKENS
 
 
+def fuses(cfg: RunConfig) -> bool:
+    """Whether the compiled step of `cfg`'s runs carries their update (`adam_update`): Adam and AdamW
+    (optim.independent_weight_decay is a number of `adam_hypers`), not with a control that acts between the
+    gradient and the update or changes the update's form (optim.clip_norm, optim.agc, optim.v_only_steps,
+    optim.v0: the compiled gradient step, then `FastOptimizer`)."""
+    optim = cfg.optim
+    return (optim.name in FUSED_OPTIMIZERS and optim.clip_norm is None and optim.agc is None
+            and optim.v_only_steps == 0 and optim.v0 == "zero")
+
+
+def by_blocks(cfg: RunConfig) -> bool:
+    """Whether the compiled step of `cfg`'s structure is compiled block by block (engines/fast/blockwise.py):
+    the FFN toy as a chain (its input to the first block as it is: no Peri-LN input norm; one stream: not
+    ResiDual's two; a placement of normexp's own, not a user's), BLOCKWISE_DEPTH blocks or more, trained by a
+    fused Adam step (`fuses`; its loss is the reference's: train.z_loss is the Transformer's alone). Anything
+    else is compiled whole."""
+    norm = cfg.norm
+    return (cfg.model.arch == "ffn" and cfg.model.depth >= BLOCKWISE_DEPTH and fuses(cfg)
+            and norm.placement != "resdual" and not (norm.placement == "peri" and norm.peri_input_norm)
+            and not is_plugin(norm.placement))
+
+
 def chunk_runs(cfg: RunConfig, compiled: bool) -> int:
-    """Runs per batch of `cfg`'s structure: COMPILED_CHUNK where its step compiles, else MAX_CHUNK, or for
-    the text task as many as TEXT_CHUNK_BYTES of activations hold (`activation_bytes`), at least one."""
+    """Runs per batch of `cfg`'s structure where its step compiles: BLOCKWISE_CHUNK compiled block by block,
+    else COMPILED_CHUNK; uncompiled MAX_CHUNK, or for the text task as many as TEXT_CHUNK_BYTES of activations
+    hold (`activation_bytes`), at least one."""
     if compiled:
-        return COMPILED_CHUNK
+        return BLOCKWISE_CHUNK if by_blocks(cfg) else COMPILED_CHUNK
     if cfg.data.task in TEXT_TASKS:
         return max(1, min(MAX_CHUNK, TEXT_CHUNK_BYTES // activation_bytes(cfg)))
     return MAX_CHUNK

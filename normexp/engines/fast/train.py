@@ -31,7 +31,7 @@ from normexp.engines.fast.compiled import (
     refuse,
 )
 from normexp.engines.fast.optim import FastOptimizer, MadeAhead
-from normexp.engines.fast.plan import COMPILED_CHUNK, compile_choice, fast_key, loops_runs
+from normexp.engines.fast.plan import chunk_runs, compile_choice, fast_key, loops_runs
 from normexp.engines.fast.step import batch_model, held_out, make_grad_step, make_loss_fn, run_by_run, stack_runs
 from normexp.optim import agc_units, step_lr
 
@@ -55,13 +55,14 @@ def train_fast(runs: Sequence[RunConfig], device: str = "cpu", compile: bool | N
 
 
 def _train_padded(runs: Sequence[RunConfig], device: str, on_step: Callable[[int], None] | None) -> list[RunResult]:
-    """The compiled loop on batches of COMPILED_CHUNK runs (one compiled shape for every batch): a larger
+    """The compiled loop on batches of `chunk_runs` runs (one compiled shape for every batch): a larger
     batch in chunks, one after another, and the last padded with copies of its first run, whose results
     are dropped."""
-    if len(runs) > COMPILED_CHUNK:
-        return [result for i in range(0, len(runs), COMPILED_CHUNK)
-                for result in _train_padded(runs[i:i + COMPILED_CHUNK], device, on_step)]
-    padded = list(runs) + [runs[0]] * (COMPILED_CHUNK - len(runs))
+    size = chunk_runs(runs[0], True)
+    if len(runs) > size:
+        return [result for i in range(0, len(runs), size)
+                for result in _train_padded(runs[i:i + size], device, on_step)]
+    padded = list(runs) + [runs[0]] * (size - len(runs))
     results = _train(padded, device, True, on_step)[:len(runs)]
     for result in results:
         result.wall_s *= len(padded) / len(runs)

@@ -1,4 +1,4 @@
-"""The fast engine's Adam step compiled block by block (normexp/engines/fast/regional.py): it computes what the
+"""The fast engine's Adam step compiled block by block (normexp/engines/fast/blockwise.py): it computes what the
 whole step computes, for every FFN placement, norm and init it serves; it serves only models that are a chain;
 and two processes that start cold compile two of its pieces at once."""
 
@@ -13,7 +13,7 @@ from test_fast import runs
 from test_starts import TRANSFORMER
 
 from normexp.config import RunConfig
-from normexp.engines.fast import aot, regional, starts, train_fast
+from normexp.engines.fast import aot, blockwise, plan, starts, train_fast
 from normexp.engines.fast import compiled as compiling
 
 
@@ -111,19 +111,36 @@ def test_a_wrong_piece_is_caught_by_the_check_and_the_structure_trains_uncompile
     assert final_losses(got) == final_losses(train_fast(cfgs, compile=False))
 
 
-@pytest.mark.parametrize("what", ["resdual", "peri input norm", "z-loss", "shallow", "transformer"])
-def test_only_a_chain_is_compiled_block_by_block(what):
-    """ResiDual carries two streams, Peri-LN's input norm has parameters, z-loss reads the logits the readout
-    makes, a model under MIN_DEPTH compiles whole in seconds, and the Transformer is not the FFN toy: each is
-    traced whole, as before."""
-    norm = {"resdual": {"placement": "resdual"}, "peri input norm": {"placement": "peri"}}.get(what,
-                                                                                            {"placement": "pre"})
-    cfg = deep(norm, depth=regional.MIN_DEPTH - 1 if what == "shallow" else 5)[0]
+@pytest.mark.parametrize("what", ["resdual", "peri input norm", "shallow", "transformer", "sgd",
+                                  "clip_norm", "a user's placement"])
+def test_only_a_chain_trained_by_a_fused_adam_step_is_compiled_block_by_block(what):
+    """ResiDual carries two streams, Peri-LN's input norm has parameters, a model under BLOCKWISE_DEPTH compiles
+    whole in seconds, the Transformer is not the FFN toy, SGD and a clipped Adam have no update inside the compiled
+    step, and a user's placement is traced whole: each is compiled whole, in batches of COMPILED_CHUNK runs; the
+    chain in batches of BLOCKWISE_CHUNK."""
+    chain = deep({"placement": "pre"})[0]
+    assert plan.by_blocks(chain) and plan.chunk_runs(chain, True) == plan.BLOCKWISE_CHUNK
+    assert blockwise.chain_of(starts.meta_model(chain)).blocks
+    data = chain.model_dump(mode="json")
     if what == "transformer":
-        cfg = RunConfig.model_validate(TRANSFORMER)
-    z = 1e-4 if what == "z-loss" else 0.0
-    assert regional.chain_of(starts.meta_model(cfg), z) is None
-    assert regional.chain_of(starts.meta_model(deep({"placement": "pre"})[0]), 0.0) is not None
+        data = TRANSFORMER
+    elif what == "shallow":
+        data["model"]["depth"] = plan.BLOCKWISE_DEPTH - 1
+    elif what in ("sgd", "clip_norm"):
+        data["optim"].update({"name": "sgd"} if what == "sgd" else {"clip_norm": 1.0})
+    else:
+        data["norm"]["placement"] = {"resdual": "resdual", "peri input norm": "peri",
+                                     "a user's placement": "test_blockwise:Doubled"}[what]
+    cfg = RunConfig.model_validate(data)
+    assert not plan.by_blocks(cfg) and plan.chunk_runs(cfg, True) == plan.COMPILED_CHUNK
+
+
+class Doubled:
+    """A user's placement: x + 2 F(norm(x))."""
+
+    @staticmethod
+    def forward(block, x):
+        return x + 2 * block.branch(block.norm(x))
 
 
 def test_a_piece_another_process_is_compiling_is_left_for_last(tmp_path, monkeypatch):
@@ -153,7 +170,7 @@ def test_the_readout_is_the_models_own_end():
     cfg = deep({"placement": "post"})[0]
     model = starts.seeded_start(cfg)[0]
     net = starts.meta_model(cfg)
-    chain = regional.chain_of(net, 0.0)
+    chain = blockwise.chain_of(net)
     x = torch.randn(3, cfg.model.width)
     params = {name: p for name, p in model.items()}
     h = x
@@ -182,3 +199,11 @@ def test_the_pieces_compile_pass_the_check_and_load_in_a_later_process(tmp_path,
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
     compiling.reset_cache()
     assert [repr(r.metrics) for r in train_fast(cfgs, compile=True)] == [repr(r.metrics) for r in compiled]
+
+
+def test_the_sweeps_engine_line_says_the_step_is_compiled_block_by_block():
+    from normexp.sweep import blockwise_note
+
+    assert blockwise_note(deep({"placement": "post"})) == (
+        f" block by block ({plan.BLOCKWISE_CHUNK} runs a batch: its compile does not grow with the depth)")
+    assert blockwise_note(deep({"placement": "post"}, depth=2)) == ""
