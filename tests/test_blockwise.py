@@ -207,3 +207,14 @@ def test_the_sweeps_engine_line_says_the_step_is_compiled_block_by_block():
     assert blockwise_note(deep({"placement": "post"})) == (
         f" block by block ({plan.BLOCKWISE_CHUNK} runs a batch: its compile does not grow with the depth)")
     assert blockwise_note(deep({"placement": "post"}, depth=2)) == ""
+
+
+def test_a_step_compiled_block_by_block_pays_for_its_compile_sooner():
+    """The automatic compile choice weighs a block-by-block compile at BLOCKWISE_COMPILE_ESTIMATE_S, not the whole
+    graph's COMPILE_ESTIMATE_S: the article's model (depth 32) compiles from fewer planned model-steps with Adam
+    than with SGD, whose step is compiled whole."""
+    adam = RunConfig()
+    sgd = RunConfig.model_validate({"optim": {"name": "sgd"}})
+    assert plan.by_blocks(adam) and not plan.by_blocks(sgd)
+    assert plan.should_compile(adam, 50_000) and not plan.should_compile(sgd, 50_000)
+    assert not plan.should_compile(adam, 64 * 31)

@@ -33,8 +33,11 @@
   applied, forward and backward in it; with Adam and AdamW the update too, made in place, so the
   gradients never leave the compiled code), and that graph is compiled ahead of time by AOTInductor
   into a package on disk (`aot`: once per machine, shape and code; later batches, workers and
-  sweeps load it in a fraction of a second). vmap specialises the run axis, so compiled batches are
-  COMPILED_CHUNK runs, the last one padded: one compiled step per structure serves every batch. A
+  sweeps load it in a fraction of a second). The FFN toy as a chain, 4 blocks deep or more, with a fused
+  Adam step (`plan.by_blocks`) is compiled block by block instead (`blockwise`: one forward, backward and
+  update per block structure and one readout, each its own package, called in turn), a compile that does
+  not grow with the depth. vmap specialises the run axis, so compiled batches are COMPILED_CHUNK runs
+  (BLOCKWISE_CHUNK block by block), the last one padded: one compiled step per structure serves every batch. A
   run that stops (diverged, train.stop_when) gets the update of the step it stopped at, as every run
   gets one after the last step: nothing records it. A compile that fails
   falls back to the eager step (the batch restarts from its initial state) with one warning, and

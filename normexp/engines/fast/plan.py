@@ -32,6 +32,7 @@ LOOPED_TOKENS = 512  # a text run's tokens a step (data.batch_size x data.seq_le
 # tokens 28 / 31 / 28, 512 tokens 54 / 47 / 43, 2,048 tokens 225 / 171 / 168 (docs/performance.md)
 
 COMPILE_ESTIMATE_S = 100.0  # a cold compile of the phase grid's depth-24 Adam step (Intel Xeon, 2 cores: 104 s)
+BLOCKWISE_COMPILE_ESTIMATE_S = 35.0  # the same step compiled block by block (`by_blocks`; AMD Zen 4: 32-36 s)
 COMPILE_SPEEDUP = 1.8  # compiled vs eager, per run end to end (1024 phase-grid runs: 55.6 vs 98.1 ms)
 EAGER_FLOP_RATE = 40e9  # FLOP/s the fast engine's eager step reaches on the article's model (CPU), for the estimate
 
@@ -81,8 +82,10 @@ def compile_pays(model_steps: int, eager_s_per_model_step: float, compile_s: flo
 
 def should_compile(cfg: RunConfig, model_steps: int) -> bool:
     """The fast engine's automatic choice for `model_steps` planned model-steps of runs shaped like `cfg`: an
-    estimate from the model's FLOPs, not a measurement, so the same sweep always chooses the same."""
-    return compile_pays(model_steps, model_step_flops(cfg) / EAGER_FLOP_RATE)
+    estimate from the model's FLOPs, not a measurement, so the same sweep always chooses the same; a step
+    compiled block by block costs less to compile (BLOCKWISE_COMPILE_ESTIMATE_S)."""
+    compile_s = BLOCKWISE_COMPILE_ESTIMATE_S if by_blocks(cfg) else COMPILE_ESTIMATE_S
+    return compile_pays(model_steps, model_step_flops(cfg) / EAGER_FLOP_RATE, compile_s)
 
 
 def compile_choice(planned: Iterable[RunConfig], compile: bool | None = None) -> dict[tuple, bool]:
