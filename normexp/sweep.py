@@ -217,7 +217,7 @@ def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
 def blockwise_note(runs: Sequence[RunConfig]) -> str:
     """What the engine line adds where a structure's step is compiled block by block (`plan.by_blocks`): how, and
     its batches' size."""
-    from normexp.engines.fast.plan import BLOCKWISE_CHUNK, by_blocks
+    from normexp.engines.fast import BLOCKWISE_CHUNK, by_blocks
 
     if not any(by_blocks(cfg) for cfg in runs):
         return ""

@@ -24,7 +24,7 @@ FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves"
 # The fast engine, behind one door (its package): what no module outside it imports but the door
 FAST_DOOR = "normexp.engines.fast"
 FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}"
-                   for m in ("plan", "starts", "step", "optim", "sources", "aot", "compiled", "train"))]
+                   for m in ("plan", "starts", "step", "optim", "sources", "aot", "blockwise", "compiled", "train"))]
 
 EXPORT = ["normexp.export", "normexp.export.runs", "normexp.export.tensorboard", "normexp.export.mlflow",
           "normexp.export.names", "normexp.export.wandb", "normexp.export.parquet"]

@@ -64,8 +64,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from normexp.engines.fast.plan import (
+    BLOCKWISE_CHUNK,
     COMPILED_CHUNK,
     MAX_CHUNK,
+    by_blocks,
     compile_choice,
     fast_key,
     fast_serves,
@@ -76,8 +78,8 @@ from normexp.engines.fast.plan import (
 if TYPE_CHECKING:
     from normexp.engines.fast.train import train_fast
 
-__all__ = ["COMPILED_CHUNK", "MAX_CHUNK", "compile_choice", "fast_key", "fast_serves", "fast_unserved", "plan_fast",
-           "train_fast"]
+__all__ = ["BLOCKWISE_CHUNK", "COMPILED_CHUNK", "MAX_CHUNK", "by_blocks", "compile_choice", "fast_key", "fast_serves",
+           "fast_unserved", "plan_fast", "train_fast"]
 
 
 def __getattr__(name: str) -> Any:
