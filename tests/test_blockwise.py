@@ -218,3 +218,28 @@ def test_a_step_compiled_block_by_block_pays_for_its_compile_sooner():
     assert plan.by_blocks(adam) and not plan.by_blocks(sgd)
     assert plan.should_compile(adam, 50_000) and not plan.should_compile(sgd, 50_000)
     assert not plan.should_compile(adam, 64 * 31)
+
+
+def test_a_stale_loaded_piece_beside_pieces_compiled_now_is_compiled_again(monkeypatch):
+    """A forward piece loaded from its package that computes something else (stale), while the other pieces are
+    compiled now: the check fails, and the stale piece is compiled again (fresh), as a loaded whole step that
+    fails the check is; the structure is not refused for what the compiler never got wrong."""
+    fresh_calls: list[str] = []
+
+    def load_or_compile(key, trace, inputs, fresh=False, wait=True):
+        if fresh:
+            fresh_calls.append(key)
+        graph = trace()
+        if key.endswith("-forward") and not fresh:  # loaded: another step's bytes, its output doubled
+            return (lambda *a: [2 * t for t in graph(*a)]), False
+        return graph, True
+
+    monkeypatch.setattr(aot, "load_or_compile", load_or_compile)
+    compiling.reset_cache()
+    cfgs = deep({"placement": "pre", "kind": "layernorm"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a refused step warns and trains uncompiled
+        got = train_fast(cfgs, compile=True)
+    assert any(key.endswith("-forward") for key in fresh_calls)
+    for a, b in zip(final_losses(got), final_losses(train_fast(cfgs, compile=False))):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6)

@@ -89,7 +89,8 @@ def blockwise_step(chain: Chain, names: Sequence[str], inputs: Sequence[torch.Te
     (`aot.load_or_compile`, named `key(piece)`) on example inputs made by the eager pieces before it (inductor
     keeps a graph's output strides, so the compiled pieces hand each other what the examples hold). A piece
     another process is compiling is left for last, so that two processes that start cold compile two pieces
-    at once. Returns (step, whether any piece was compiled now); the step carries the sha256 of its pieces'
+    at once. Returns (step, whether every piece was compiled now: a step with a piece loaded is checked, and
+    compiled again where it fails, as a loaded whole step is); the step carries the sha256 of its pieces'
     packages (`aot.vouch`)."""
     n = len(names)
     at = {name: i for i, name in enumerate(names)}
@@ -109,14 +110,14 @@ def blockwise_step(chain: Chain, names: Sequence[str], inputs: Sequence[torch.Te
     ro_example = functools.cache(lambda: _copies([*ro_params, *(torch.zeros_like(p) for p in ro_params * 2),
                                                   x, y, hyper]))
     specs.append(("readout", lambda: _traced_readout(chain, positions, ro_example()), ro_example))
-    pieces, compiled_now = {}, False
+    pieces, compiled_now = {}, True
     for wait in (False, True):  # first whatever no other process is compiling; then wait for the rest
         for piece, trace, example in specs:
             if piece not in pieces:
                 got = aot.load_or_compile(key(piece), trace, example, fresh=fresh, wait=wait)
                 if got is not None:
                     pieces[piece], now = got
-                    compiled_now |= now
+                    compiled_now &= now
     digest = hashlib.sha256("".join(getattr(pieces[p], "digest", "") for p, _, _ in specs).encode()).hexdigest()
     calls = [(pieces[f"{g}-forward"], pieces[f"{g}-backward"], pieces[f"{g}-update"], index) for g, index in plan]
     readout = pieces["readout"]
