@@ -174,8 +174,9 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
         pool = fast_pool(sweep, options)
     if pool:
         workers, threads = pool, 1
-        emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled{blockwise_note(runs)}, {pool} "
-                        "worker processes x 1 thread each (faster than one process x all threads: docs/performance.md)"
+        note = blockwise_note(runs, options.compile, sweep.runs)
+        emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled{note}, {pool} worker processes "
+                        "x 1 thread each (faster than one process x all threads: docs/performance.md)"
                         + mkl_path_note()))
     else:
         threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
@@ -214,12 +215,16 @@ def fast_pool(sweep: Sweep, options: SweepOptions) -> int:
     return cores if any(compile_choice(sweep.runs).values()) else 0
 
 
-def blockwise_note(runs: Sequence[RunConfig]) -> str:
+def blockwise_note(runs: Sequence[RunConfig], compile: bool | None = None,
+                   planned: Sequence[RunConfig] | None = None) -> str:
     """What the engine line adds where a structure's step is compiled block by block (`plan.by_blocks`): how, and
-    its batches' size."""
-    from normexp.engines.fast import BLOCKWISE_CHUNK, by_blocks
+    its batches' size. Only where one of `runs` that the fast engine trains is of such a structure and that
+    structure compiles (`compile_choice` over the `planned` runs, default `runs`, as the sweep's plan decides)."""
+    from normexp.engines.fast import BLOCKWISE_CHUNK, by_blocks, compile_choice, fast_key, fast_serves
 
-    if not any(by_blocks(cfg) for cfg in runs):
+    chains = [cfg for cfg in runs if by_blocks(cfg) and fast_serves(cfg)]
+    choice = compile_choice([cfg for cfg in (runs if planned is None else planned) if fast_serves(cfg)], compile)
+    if not any(choice.get(fast_key(cfg), compile is True) for cfg in chains):
         return ""
     return f" block by block ({BLOCKWISE_CHUNK} runs a batch: its compile does not grow with the depth)"
 

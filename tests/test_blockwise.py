@@ -204,9 +204,9 @@ def test_the_pieces_compile_pass_the_check_and_load_in_a_later_process(tmp_path,
 def test_the_sweeps_engine_line_says_the_step_is_compiled_block_by_block():
     from normexp.sweep import blockwise_note
 
-    assert blockwise_note(deep({"placement": "post"})) == (
+    assert blockwise_note(deep({"placement": "post"}), compile=True) == (
         f" block by block ({plan.BLOCKWISE_CHUNK} runs a batch: its compile does not grow with the depth)")
-    assert blockwise_note(deep({"placement": "post"}, depth=2)) == ""
+    assert blockwise_note(deep({"placement": "post"}, depth=2), compile=True) == ""
 
 
 def test_a_step_compiled_block_by_block_pays_for_its_compile_sooner():
@@ -243,3 +243,19 @@ def test_a_stale_loaded_piece_beside_pieces_compiled_now_is_compiled_again(monke
     assert any(key.endswith("-forward") for key in fresh_calls)
     for a, b in zip(final_losses(got), final_losses(train_fast(cfgs, compile=False))):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+
+
+def test_the_engine_line_names_block_by_block_only_where_such_a_structure_compiles():
+    """A sweep whose chain trains uncompiled (its planned model-steps do not pay for a compile, or --no-compile
+    for it is not asked but the exact engines train it: train.log_blocks) while another structure compiles
+    whole: the engine line does not claim a block-by-block compile; with --compile it does."""
+    from normexp.sweep import blockwise_note
+
+    chain = deep({"placement": "post"})  # a few tiny steps: never pays for a compile
+    whole = [RunConfig.model_validate({"optim": {"name": "sgd"}, "train": {"steps": 100_000}})]  # pays
+    assert plan.by_blocks(chain[0]) and not plan.by_blocks(whole[0])
+    assert blockwise_note([*chain, *whole]) == ""
+    assert blockwise_note([*chain, *whole], compile=True) != ""
+    logged = [RunConfig.model_validate({**c.model_dump(mode="json"), "train": {**c.train.model_dump(mode="json"),
+                                                                               "log_blocks": True}}) for c in chain]
+    assert blockwise_note([*logged, *whole], compile=True) == ""
