@@ -39,7 +39,7 @@ STRUCTURES = [
 ]
 
 
-def deep(norm: dict, depth: int = 5, init: str | None = None, n: int = 4, steps: int = 6) -> list[RunConfig]:
+def deep(norm: dict, depth: int = 4, init: str | None = None, n: int = 4, steps: int = 4) -> list[RunConfig]:
     base = runs(n=n, steps=steps, depth=depth)
     out = []
     for cfg in base:

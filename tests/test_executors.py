@@ -162,8 +162,9 @@ def test_local_dask_cluster_equals_single_process(single_process, tmp_path):
 
 
 @pytest.mark.process
-def test_unreachable_scheduler_is_a_clear_error(write_yaml, tmp_path):
+def test_unreachable_scheduler_is_a_clear_error(write_yaml, tmp_path, monkeypatch):
     pytest.importorskip("distributed")
+    monkeypatch.setattr(executors, "CONNECT_TIMEOUT_S", 1.0)  # a refused connection is retried that long (10 s)
     result = runner.invoke(app, ["sweep", str(write_yaml(GRID.replace("THREADS", "1"))), "--out", str(tmp_path / "o"),
                                  "--cluster", "tcp://127.0.0.1:9"])
     assert result.exit_code == 2 and "cannot reach the scheduler" in result.output
