@@ -16,13 +16,13 @@ from normexp.registry import is_plugin
 
 MAX_CHUNK = 64  # runs per uncompiled batch; larger batches gain little on a CPU and hold more activations
 COMPILED_CHUNK = 8  # runs per compiled batch: 8 runs' parameters, moments and activations stay nearer the cache
+# than 16's, with two workers sharing it (a 2,048-run phase sweep 90.3 vs 99.0 s, metrics identical; 4 runs no faster
+# than 8, 32 slower than 16: docs/performance.md)
 # runs per batch of a step compiled block by block (`by_blocks`): its ~70 calls a step over twice the runs (on an
 # AMD Zen 4, 8 runs trained 11% slower a run than the whole graph's 8, 16 as fast: docs/performance.md)
 BLOCKWISE_CHUNK = 16
 BLOCKWISE_DEPTH = 4  # a shallower chain compiles whole in seconds, and its step makes fewer calls
 FUSED_OPTIMIZERS = ("adam", "adamw")  # compiled steps carry their update: `adam_update`, one pass over the state
-# than 16's, with two workers sharing it (a 2,048-run phase sweep 90.3 vs 99.0 s, metrics identical; 4 runs no faster
-# than 8, 32 slower than 16: docs/performance.md)
 
 TEXT_CHUNK_BYTES = 2**30  # an uncompiled text batch's activations: a step reads thousands of tokens a run (a
 # 12-layer, 64-wide run's 32 windows of 64 characters: ~180 MB), so its runs are chunked by memory, not MAX_CHUNK
