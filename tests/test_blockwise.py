@@ -10,20 +10,12 @@ import warnings
 import pytest
 import torch
 from test_fast import runs
+from test_fast_compiled import traced_eagerly
 from test_starts import TRANSFORMER
 
 from normexp.config import RunConfig
 from normexp.engines.fast import aot, blockwise, plan, starts, train_fast
 from normexp.engines.fast import compiled as compiling
-
-
-def traced_eagerly(keys: list[str]):
-    """`aot.load_or_compile` without the compiler: the traced graph, run eagerly; each piece's name kept."""
-    def load_or_compile(key, trace, inputs, fresh=False, wait=True):
-        keys.append(key)
-        return trace(), True
-    return load_or_compile
-
 
 STRUCTURES = [
     {"placement": "post", "kind": "layernorm"},

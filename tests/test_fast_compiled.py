@@ -22,11 +22,11 @@ from normexp.engines.fast import compiled as compiling
 # ----------------------------------------------------------------------------- the fused Adam step refused
 
 
-def traced_eagerly(calls: list[int], used: list[int] | None = None):
-    """`aot.load_or_compile` without the compiler: the traced graph run eagerly, each compile counted (and
-    each call of a compiled step, in `used`)."""
+def traced_eagerly(calls: list[str], used: list[int] | None = None):
+    """`aot.load_or_compile` without the compiler: the traced graph run eagerly, each compile's key kept in
+    `calls` (and each call of a compiled step counted, in `used`)."""
     def load_or_compile(key, trace, inputs, fresh=False, wait=True):
-        calls.append(len(inputs))
+        calls.append(key)
         graph = trace()
 
         def step(*args):
@@ -47,7 +47,7 @@ def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(mo
     SGD and RAdam runs of the same model compile: those were compiled once and stay compiled, so their
     bits do not depend on whether an Adam batch of the structure trained earlier in the process (a resumed
     sweep, or another worker, would otherwise give them other bits)."""
-    calls: list[int] = []
+    calls: list[str] = []
     used: list[int] = []
     monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(calls, used))
     monkeypatch.setattr(compiling, "compile_train_step", no_fused_compile)
@@ -64,7 +64,7 @@ def test_a_refused_adam_step_leaves_the_structures_other_compiled_steps_alone(mo
     assert len(used) > before, "the structure's gradient step was refused with the Adam step"
     assert len(calls) == 1, "the gradient step was thrown away and compiled again"
     assert [repr(r.metrics) for r in after] == [repr(r.metrics) for r in alone]
-    fresh_calls: list[int] = []
+    fresh_calls: list[str] = []
     monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(fresh_calls))
     compiling.reset_cache()
     train_fast(runs(optim="adam", n=2, steps=3), compile=True)  # the Adam step fails first this time
@@ -77,7 +77,7 @@ def test_a_run_that_raises_in_a_compiled_batch_is_not_blamed_on_the_compiler(mon
     (`run_unit` retries the batch run by run): no 'compiling the step failed' warning, and the structure's
     later batches in the process still train compiled (before, one bad run refused the compiled step for
     the rest of the process: 1.8x slower, and other bits than a resumed sweep gives those batches)."""
-    calls: list[int] = []
+    calls: list[str] = []
     used: list[int] = []
     monkeypatch.setattr(aot, "load_or_compile", traced_eagerly(calls, used))
     compiling.reset_cache()
