@@ -146,7 +146,27 @@ seeds: [0, 1, 2, 3]
 """
 
 
-def test_a_held_stopped_run_has_no_held_out_score_where_its_schedule_scores_none(tmp_path):
+def reference_sweep(text: str, out) -> object:
+    """`normexp sweep` of the YAML `text` on the reference engine into `out`; its summary's stopping steps."""
+    from normexp.results import load_summary
+
+    config = out.with_suffix(".yaml")
+    config.write_text(text)
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
+    assert result.exit_code == 0, result.output
+    return load_summary(out)["stopped_at"]
+
+
+@pytest.fixture(scope="module")
+def seeds_folder(tmp_path_factory):
+    """SEEDS swept once: its folder, and the steps its runs stopped at, between two of eval_every's steps."""
+    out = tmp_path_factory.mktemp("seeds") / "out"
+    stops = {int(s) for s in reference_sweep(SEEDS, out).dropna()}
+    assert stops and not stops & {0, 5, 10, 12} and 4 > len(stops)  # some seeds stop between evaluations
+    return out, stops
+
+
+def test_a_held_stopped_run_has_no_held_out_score_where_its_schedule_scores_none(seeds_folder):
     """A per-step mean holds a stopped run at its last row for the later steps (`finals.hold_stopped`). That
     row now carries the stopping step's held-out score, and held at every later step it made the only
     val_loss at steps that eval_every does not score: the table's cells and the figure's "mean over seeds"
@@ -156,15 +176,9 @@ def test_a_held_stopped_run_has_no_held_out_score_where_its_schedule_scores_none
     the table's last row covers the four)."""
     from normexp.figures import sweep_figures
     from normexp.report import build_report
-    from normexp.results import load_folder, load_summary
+    from normexp.results import load_folder
 
-    config = tmp_path / "seeds.yaml"
-    config.write_text(SEEDS)
-    out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
-    assert result.exit_code == 0, result.output
-    stops = {int(s) for s in load_summary(out)["stopped_at"].dropna()}
-    assert stops and not stops & {0, 5, 10, 12} and 4 > len(stops)  # some seeds stop between evaluations
+    out, stops = seeds_folder
     between = [s for s in range(13) if s % 5 and s != 12 and s > min(stops) and s not in stops]
     assert between  # steps after a stop that no run scored
     report = build_report(out, steps=list(range(13)), metric="val_loss")
@@ -178,23 +192,17 @@ def test_a_held_stopped_run_has_no_held_out_score_where_its_schedule_scores_none
     assert not set(line.get_xdata()) & set(between), list(line.get_xdata())
 
 
-def test_a_stopping_steps_score_counts_in_no_per_step_mean_where_running_runs_were_not_scored(tmp_path):
+def test_a_stopping_steps_score_counts_in_no_per_step_mean_where_running_runs_were_not_scored(seeds_folder,
+                                                                                              tmp_path):
     """The step at which a run stops between two of eval_every's steps carries its score, which no run still
     running has there: the figure's "mean over seeds" at 6, 7 and 9 was one stopped seed's score (its band a
     point), a curve between the full means at 5 and 10 drawn from single seeds. Per step that score counts
     from the next step that scored the runs still running (held there); the run's own final value keeps it."""
-    from normexp.analysis.finals import final_values
     from normexp.figures import sweep_figures
     from normexp.report import build_report
-    from normexp.results import load_folder, load_summary
+    from normexp.results import load_folder
 
-    config = tmp_path / "seeds.yaml"
-    config.write_text(SEEDS)
-    out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
-    assert result.exit_code == 0, result.output
-    stops = {int(s) for s in load_summary(out)["stopped_at"].dropna()}
-    assert stops and not stops & {0, 5, 10, 12} and 4 > len(stops)
+    out, stops = seeds_folder
     report = build_report(out, steps=list(range(13)), metric="val_loss")
     (column,) = report.columns
     for step in stops:
@@ -205,11 +213,8 @@ def test_a_stopping_steps_score_counts_in_no_per_step_mean_where_running_runs_we
     finals = final_values(load_metrics(out, all_config=True), "val_loss")
     assert finals["final"].notna().all() and set(finals["step"]) >= stops
 
-    config.write_text(SEEDS.replace("lr: 0.001", "lr: 0.03"))
     out = tmp_path / "early"
-    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "reference"])
-    assert result.exit_code == 0, result.output
-    stops = load_summary(out)["stopped_at"]
+    stops = reference_sweep(SEEDS.replace("lr: 0.001", "lr: 0.03"), out)
     assert stops.notna().all() and stops.nunique() > 1 and stops.max() < 5
     report = build_report(out, metric="val_loss")
     (column,) = report.columns
