@@ -35,7 +35,7 @@ from torch.func import functional_call, grad_and_value, vjp, vmap
 
 import normexp.engines.fast.aot as aot
 from normexp.engines.common import loss_and_acc
-from normexp.engines.fast.optim import adam_update
+from normexp.engines.fast.optim import adam_update_
 from normexp.models.ffn import Net
 
 
@@ -253,13 +253,12 @@ def _traced_readout(chain: Chain, positions: torch.Tensor | None,
 
 def _apply(ps: Sequence[torch.Tensor], gs: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
            vs: Sequence[torch.Tensor], hyper: torch.Tensor) -> torch.Tensor:
-    """Each tensor's `adam_update`, written in place; returns each run's sum of the gradients' squares."""
+    """Each tensor's `adam_update_`; returns each run's sum of the gradients' squares."""
     squares = None
     for p, g, m, v in zip(ps, gs, ms, vs):
         own = g.reshape(len(g), -1).pow(2).sum(1)
         squares = own if squares is None else squares + own
-        for tensor, new in zip((p, m, v), adam_update(p, g, m, v, hyper)):
-            tensor.copy_(new)
+        adam_update_(p, g, m, v, hyper)
     return squares
 
 

@@ -16,7 +16,7 @@ import normexp.engines.fast.aot as aot
 import normexp.engines.fast.blockwise as blockwise
 from normexp.config import RunConfig
 from normexp.engines.common import user_cache_dir
-from normexp.engines.fast.optim import FastOptimizer, MadeAhead, adam_hypers, adam_move, adam_update
+from normexp.engines.fast.optim import FastOptimizer, MadeAhead, adam_hypers, adam_move, adam_update_
 from normexp.engines.fast.plan import by_blocks, fuses
 from normexp.engines.fast.step import Batch, GradStep, Tensors, make_grad_step
 
@@ -202,8 +202,7 @@ def compile_train_step(step: GradStep, params: Tensors, x: torch.Tensor, y: torc
         ps, ms, vs, (x, y, hyper) = tensors[:n], tensors[n:2 * n], tensors[2 * n:3 * n], tensors[3 * n:]
         grads, metrics = step(dict(zip(names, ps)), x, y)
         for name, p, m, v in zip(names, ps, ms, vs):  # after every gradient is taken: the weights are read there
-            for tensor, new in zip((p, m, v), adam_update(p, grads[name], m, v, hyper)):
-                tensor.copy_(new)
+            adam_update_(p, grads[name], m, v, hyper)
         return (metrics,)
 
     start = list(params.values())

@@ -246,6 +246,13 @@ def adam_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
     return adam_move(p, m_new, v_new, hyper), torch.where(keep, m_new, m), torch.where(keep, v_new, v)
 
 
+def adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: torch.Tensor) -> None:
+    """`adam_update` written into p, m and v in place (what a compiled step traces: each tensor's update one
+    pass over it, its gradient and moments)."""
+    for tensor, new in zip((p, m, v), adam_update(p, g, m, v, hyper)):
+        tensor.copy_(new)
+
+
 def adam_move(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
     """p after the step that the updated moments m, v make (AdamW's decay first); a run not live keeps p."""
     step_size, decay, _, _, _, _, eps, bc2_sqrt, live = _per_run(hyper, p)
