@@ -78,3 +78,42 @@ def test_a_package_compiled_as_traced_updates_its_inputs_in_place_and_is_called_
     assert torch.equal(mine, p - 0.5 * x) and torch.equal(total, (p * x).sum()) and torch.equal(tripled, x * 3)
     with pytest.raises(TypeError, match="takes 2 tensors, got 1"):
         loaded(mine)
+
+
+def test_a_loaded_package_leaves_no_extracted_library_behind(tmp_path, monkeypatch):
+    """torch's loader extracts a package's library into /tmp/aotinductor_XXXXXX and removes it only when freed,
+    which a sweep's killed worker never is: load_package removes the folder once the library is mapped, and only
+    that one (a folder of that pattern loaded before stays)."""
+    import ctypes
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux's /proc/self/maps and a C compiler")
+    source = tmp_path / "lib.c"
+    source.write_text("int normexp_test_answer(void) { return 42; }\n")
+
+    def extracted_library(name: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        library = folder / "model.so"
+        subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+        return library
+
+    older = extracted_library("aotinductor_Older1")
+    ctypes.CDLL(str(older))  # mapped before: another runner's, alive
+
+    class Loader:
+        def __init__(self, *args):
+            self.library = ctypes.CDLL(str(extracted_library("aotinductor_AbC123")))
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
+    monkeypatch.setattr(aot, "_digest", lambda package: "digest")
+    monkeypatch.setattr(aot, "_flat_call", lambda runner, digest: runner)
+    runner = aot.load_package(tmp_path / "step.pt2")
+    assert runner.library.normexp_test_answer() == 42  # still callable: the mapping outlives the file
+    assert not (tmp_path / "aotinductor_AbC123").exists() and older.exists()

@@ -179,6 +179,8 @@ def test_the_pieces_compile_pass_the_check_and_load_in_a_later_process(tmp_path,
     and gives the same bits."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where torch's loader extracts each package's library
     compiling.reset_cache()
     cfgs = deep({"placement": "post", "kind": "layernorm"}, depth=4)
     with warnings.catch_warnings():
@@ -191,6 +193,7 @@ def test_the_pieces_compile_pass_the_check_and_load_in_a_later_process(tmp_path,
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
     compiling.reset_cache()
     assert [repr(r.metrics) for r in train_fast(cfgs, compile=True)] == [repr(r.metrics) for r in compiled]
+    assert not list((tmp_path / "tmp").glob("aotinductor_*"))  # each load removed the library it extracted
 
 
 def test_the_sweeps_engine_line_says_the_step_is_compiled_block_by_block():
