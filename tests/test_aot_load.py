@@ -40,7 +40,7 @@ def test_compiling_a_package_shows_no_treespec_deprecation(monkeypatch, tmp_path
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def compile_graph(graph, inputs, options=None):
-        assert options == {**aot.INDUCTOR_CONFIGS, "aot_inductor.package": True}  # the wrapper at -O0
+        assert options == {**aot.inductor_options(), "aot_inductor.package": True}  # the wrapper at -O0
         warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, stacklevel=1)
         return ["files"]
 
@@ -78,6 +78,21 @@ def test_a_package_compiled_as_traced_updates_its_inputs_in_place_and_is_called_
     assert torch.equal(mine, p - 0.5 * x) and torch.equal(total, (p * x).sum()) and torch.equal(tripled, x * 3)
     with pytest.raises(TypeError, match="takes 2 tensors, got 1"):
         loaded(mine)
+
+
+def test_the_vector_isa_is_taken_from_the_cpu_s_flags_only_with_a_gcc_that_builds_them_all(monkeypatch):
+    """inductor's test builds of each candidate ISA (~7.5 s of gcc in a cold process) are skipped where its
+    compiler is GCC 12 or later; with an older GCC, or clang, inductor probes as it does."""
+    from torch._inductor import cpp_builder
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "g++")
+    monkeypatch.setattr(cpp_builder, "_is_gcc_version_less_than", lambda compiler, major: major > 12)
+    assert aot.inductor_options() == {**aot.INDUCTOR_CONFIGS, "cpp.vec_isa_ok": True}
+    assert aot.inductor_options()["aot_inductor.compile_wrapper_opt_level"] == "O0"
+    monkeypatch.setattr(cpp_builder, "_is_gcc_version_less_than", lambda compiler, major: major > 11)
+    assert aot.inductor_options() == aot.INDUCTOR_CONFIGS
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "clang++")
+    assert aot.inductor_options() == aot.INDUCTOR_CONFIGS
 
 
 def test_a_loaded_package_leaves_no_extracted_library_behind(tmp_path, monkeypatch):

@@ -64,6 +64,23 @@ PACKAGE_VERSION = 1  # bump when what a package holds changes meaning
 # The wrapper (the ~700 KB of C++ that calls the step's kernels in order) compiled at -O0, not -O1: 10 s less
 # of a cold compile of the depth-24 step (36 -> 26 s of gcc); the kernels themselves stay at -O3.
 INDUCTOR_CONFIGS = {"aot_inductor.compile_wrapper_opt_level": "O0"}
+TRUSTED_GCC = 12  # from this GCC on, every vector ISA inductor takes from the CPU's flags builds (AMX, AVX-512 FP16)
+
+
+def inductor_options() -> dict:
+    """INDUCTOR_CONFIGS, and, where inductor's compiler is GCC TRUSTED_GCC or later, the CPU's vector ISA taken
+    from its flags without inductor's test builds (`cpp.vec_isa_ok`): it otherwise compiles a probe per candidate
+    ISA (six here) into each new cache folder, ~7.5 s of gcc in a cold process, and both workers of a cold sweep
+    pay it at once (docs/performance.md). The ISA taken is the one the probes pick where the compiler builds them
+    all, so the package is the same; an older or other compiler keeps the probes."""
+    try:
+        from torch._inductor import cpp_builder
+
+        compiler = cpp_builder.get_cpp_compiler()
+        trusted = cpp_builder._is_gcc(compiler) and not cpp_builder._is_gcc_version_less_than(compiler, TRUSTED_GCC)
+    except Exception:  # noqa: BLE001 - torch's private helpers moved, or no compiler: inductor probes as it does
+        trusted = False
+    return {**INDUCTOR_CONFIGS, **({"cpp.vec_isa_ok": True} if trusted else {})}
 
 Step = Callable[..., Sequence[torch.Tensor]]
 
@@ -178,7 +195,7 @@ def compile_package(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
         try:
-            files = aot_compile(graph, tuple(inputs), options={**INDUCTOR_CONFIGS, "aot_inductor.package": True})
+            files = aot_compile(graph, tuple(inputs), options={**inductor_options(), "aot_inductor.package": True})
             package_aoti(str(tmp), files)
             os.replace(tmp, package)
         finally:
