@@ -45,7 +45,8 @@ LAYERS = {
                  "normexp.analysis.anova", "normexp.analysis.realtext"],  # pure numbers: pandas and statistics
     "models": ["normexp.models", "normexp.models.norms", "normexp.models.inits", "normexp.models.ffn",
                "normexp.models.transformer", "normexp.data", "normexp.optim"],
-    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.common", "normexp.sharpness"],
+    "engine base": ["normexp.engines", "normexp.engines.cost", "normexp.engines.cache", "normexp.engines.common",
+                    "normexp.sharpness"],
     "engines": ["normexp.engines.reference", "normexp.engines.batched", *FAST, "normexp.engines.auto",
                 "normexp.diagnostics"],
     "running": ["normexp.units", "normexp.executors", "normexp.shard", "normexp.sweep", "normexp.launch"],
@@ -64,7 +65,8 @@ UPWARD_ALLOWED = {("normexp.studies.__main__", "normexp.__main__")}
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 FOLDER = [m for m in LAYERS["records"] if m.startswith("normexp.folder.")]  # each imports only those before it
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", *FAST)
-NO_TORCH = ("normexp.config", "normexp.engines.cost", FAST_DOOR, f"{FAST_DOOR}.plan", "normexp.analysis",
+NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.engines.cache", FAST_DOOR, f"{FAST_DOOR}.plan",
+            "normexp.analysis",
             "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
             "normexp.analysis.finals", "normexp.analysis.anova", "normexp.analysis.realtext", *FIGURES,
             "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", *PAGE,

@@ -39,8 +39,6 @@ import json
 import math
 import os
 import platform
-import secrets
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +46,7 @@ from pathlib import Path
 import torch
 
 from normexp.config import RunConfig
-from normexp.engines.common import user_cache_dir
+from normexp.engines.cache import cache_folder, read_entries, write_entries
 from normexp.environment import cpu_info
 
 CACHE_VERSION = 3  # 3: keyed by the OpenMP wait policy too (2: measured on a sweep's own runs; 1: a probe)
@@ -80,10 +78,7 @@ class Choice:
 
 
 def choice_cache_file() -> Path:
-    folder = os.environ.get("NORMEXP_CACHE_DIR") or user_cache_dir()
-    if folder is None:  # no home folder: a per-user temporary one (the cache can only save a measurement)
-        folder = Path(tempfile.gettempdir()) / f"normexp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-    return Path(folder) / "engine-choice.json"
+    return cache_folder() / "engine-choice.json"
 
 
 def machine_key() -> str:
@@ -125,13 +120,7 @@ def decide(batch: Sequence[RunConfig], paired: bool, reference_s: float, batched
 
 
 def _read_cache() -> dict:
-    try:
-        data = json.loads(choice_cache_file().read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # RecursionError: a file of nested brackets
-        return {}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
-        return {}
-    return data["entries"]
+    return read_entries(choice_cache_file(), CACHE_VERSION)
 
 
 def _valid(entry: object) -> Choice | None:
@@ -151,20 +140,7 @@ def _valid(entry: object) -> Choice | None:
 
 
 def _write_cache(entries: dict) -> None:
-    """Write the cache aside and rename it into place. The file is made with the user's umask, as any file
-    they write (0644 under the usual 022; readable by a group sharing the cache folder under 002), not
-    NamedTemporaryFile's 0600."""
-    path = choice_cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8") as f:
-            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a folder where the file goes, Ctrl-C: no stray .tmp left behind
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_entries(choice_cache_file(), CACHE_VERSION, entries)
 
 
 def auto_summary() -> str:

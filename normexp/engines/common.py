@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -83,20 +81,6 @@ class EarlyStop:
     def observe(self, loss: float) -> bool:
         self.streak = self.streak + 1 if self.holds(loss) else 0
         return self.streak >= self.patience
-
-
-def user_cache_dir() -> Path | None:
-    """normexp's per-user cache folder (auto's measurements, the compiled steps): $XDG_CACHE_HOME/normexp
-    where XDG_CACHE_HOME is an absolute path (the XDG rule: a relative one is ignored), else
-    ~/.cache/normexp; None where the user has no home folder (no HOME, no passwd entry: a container
-    run under a bare uid). Never the working directory: a run folder holds only what a sweep writes."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    if os.path.isabs(xdg):
-        return Path(xdg) / "normexp"
-    try:
-        return Path.home() / ".cache" / "normexp"
-    except RuntimeError:  # "Could not determine home directory."
-        return None
 
 
 @dataclass

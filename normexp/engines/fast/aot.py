@@ -45,7 +45,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -55,7 +54,7 @@ from typing import Any
 import torch
 
 import normexp
-from normexp.engines.common import user_cache_dir
+from normexp.engines.cache import cache_folder, locked
 from normexp.engines.fast.sources import step_sources
 from normexp.environment import cpu_info
 from normexp.registry import is_plugin
@@ -86,12 +85,9 @@ Step = Callable[..., Sequence[torch.Tensor]]
 
 
 def steps_dir() -> Path:
-    """Where packages live: $NORMEXP_CACHE_DIR/steps, else the user's cache folder's, else a per-user
-    temporary folder (a user without a home folder still compiles once per machine boot)."""
-    folder = os.environ.get("NORMEXP_CACHE_DIR") or user_cache_dir()
-    if folder is None:
-        folder = Path(tempfile.gettempdir()) / f"normexp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-    return Path(folder) / "steps"
+    """Where packages live: the cache folder's `steps` (`cache.cache_folder`: $NORMEXP_CACHE_DIR, else the user's
+    cache folder, else a per-user temporary one: a user without a home folder still compiles once per boot)."""
+    return cache_folder() / "steps"
 
 
 def step_key(what: dict, device: str) -> str:
@@ -165,7 +161,7 @@ def load_or_compile(key: str, trace: Callable[[], torch.fx.GraphModule],
     folder = steps_dir()
     folder.mkdir(parents=True, exist_ok=True)
     package = folder / f"{key}.pt2"
-    with _locked(folder / f"{key}.lock", wait) as held:
+    with locked(folder / f"{key}.lock", wait) as held:
         if not held:
             return None
         if not fresh and package.is_file():
@@ -325,26 +321,3 @@ def _digest(path: Path) -> str:
         for piece in iter(lambda: f.read(1 << 16), b""):
             digest.update(piece)
     return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def _locked(path: Path, wait: bool = True) -> Iterator[bool]:
-    """An exclusive lock on `path` across processes (released when the process dies), where the
-    platform has one (fcntl); elsewhere none: two processes may then both compile, and the last
-    rename wins (both packages are the same step). Yields whether it is held: without `wait`, False
-    where another process holds it."""
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        yield True
-        return
-    with open(path, "a+b") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

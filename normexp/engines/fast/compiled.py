@@ -15,7 +15,7 @@ import torch
 import normexp.engines.fast.aot as aot
 import normexp.engines.fast.blockwise as blockwise
 from normexp.config import RunConfig
-from normexp.engines.common import user_cache_dir
+from normexp.engines.cache import user_cache_dir
 from normexp.engines.fast.optim import FastOptimizer, MadeAhead, adam_hypers, adam_move, adam_update_
 from normexp.engines.fast.plan import by_blocks, fuses
 from normexp.engines.fast.step import Batch, GradStep, Tensors, make_grad_step
