@@ -40,7 +40,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from normexp.engines.cost import model_step_flops
-from normexp.environment import set_thread_defaults
+from normexp.environment import set_thread_defaults, take_mkl_intel_path
 from normexp.stopping import STOP_SIGNALS, stop_signals_deferred
 from normexp.units import UnitResult, WorkUnit, crashed, run_unit
 
@@ -143,8 +143,10 @@ class PoolExecutor:
     workers finished, but that were not yielded when the consumer stopped (Ctrl-C), are `unreported`.
     """
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, mkl_intel: bool = False) -> None:
         self.workers = workers
+        self.mkl_intel = mkl_intel  # each worker takes MKL's Intel code path before torch loads (a compiled fast
+        # sweep's, where measured faster: engines/fast/mkl_path.py)
         self._workers: list[_Worker] = []
         self._idle: list[_Worker] = []  # started, alive, holding no unit
         self.unreported: list[UnitResult] = []  # units that finished but were not yielded: the consumer
@@ -201,7 +203,7 @@ class PoolExecutor:
 
         context = multiprocessing.get_context("spawn")
         mine, theirs = context.Pipe()
-        process = context.Process(target=_worker_main, args=(theirs, os.getpid()), daemon=True)
+        process = context.Process(target=_worker_main, args=(theirs, os.getpid(), self.mkl_intel), daemon=True)
         worker = _Worker(process, mine)
         # Here a stop signal waits until the worker is started and known to close(): one that cut the
         # start short would leave the worker to print an EOFError reading what it was never sent.
@@ -249,14 +251,17 @@ def _receive(worker: _Worker) -> UnitResult | None:
         return None
 
 
-def _worker_main(conn: Connection, coordinator: int) -> None:
-    """A pool worker's life: die with the coordinator, leave Ctrl-C to it, train each unit it is sent."""
+def _worker_main(conn: Connection, coordinator: int, mkl_intel: bool = False) -> None:
+    """A pool worker's life: die with the coordinator, leave Ctrl-C to it, take MKL's Intel code path where
+    `mkl_intel`, train each unit it is sent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole process group
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # SIGTERM, SIGHUP: end the worker, as by default
     die_with_parent(coordinator)
     # Before torch loads: idle OpenMP threads sleep after a short spin instead of spinning long, so workers
     # that together hold more threads than cores do not steal each other's time.
     set_thread_defaults()
+    if mkl_intel:
+        take_mkl_intel_path()  # where it cannot be taken, MKL's own path (the measurement saw no gain there either)
     while True:
         try:
             message = conn.recv()
@@ -486,9 +491,10 @@ class ExecutorError(RuntimeError):
 Executor = InProcessExecutor | PoolExecutor | DaskExecutor
 
 
-def make_executor(workers: int | None, cluster: str | None, notify: Notify | None = None) -> Executor:
+def make_executor(workers: int | None, cluster: str | None, notify: Notify | None = None,
+                  mkl_intel: bool = False) -> Executor:
     if cluster:
         return DaskExecutor(cluster, notify)
     if workers and workers > 1:
-        return PoolExecutor(workers)
+        return PoolExecutor(workers, mkl_intel)
     return InProcessExecutor()

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -172,17 +171,21 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     workers = options.workers
     if pool is None:  # decided without torch: a pool's workers start before this process needs it
         pool = fast_pool(sweep, options)
+    notify = lambda why: emit(SweepEvent("waiting", "", len(outcome.statuses), outcome.total, error=why))  # noqa: E731
+    mkl_intel = False
     if pool:
+        from normexp.engines.fast import workers_path
+
         workers, threads = pool, 1
         note = blockwise_note(runs, options.compile, sweep.runs)
+        mkl = workers_path(sweep.runs, options.compile, notify)  # the whole plan's: every shard takes the same path
+        mkl_intel = mkl.intel
         emit(SweepEvent("engine", "", 0, outcome.total, error=f"engine fast: compiled{note}, {pool} worker processes "
                         "x 1 thread each (faster than one process x all threads: docs/performance.md)"
-                        + mkl_path_note()))
+                        + mkl.note()))
     else:
         threads = default_threads()  # read before a Dask LocalCluster sets OMP_NUM_THREADS=1 in this process
-    executor = make_executor(workers, options.cluster,  # fails before anything is written
-                             lambda why: emit(SweepEvent("waiting", "", len(outcome.statuses), outcome.total,
-                                                         error=why)))
+    executor = make_executor(workers, options.cluster, notify, mkl_intel)  # fails before anything is written
     try:
         if pool and isinstance(executor, PoolExecutor):
             executor.start()  # its workers import torch while this process does, and checks the folder and plans
@@ -229,16 +232,6 @@ def blockwise_note(runs: Sequence[RunConfig], compile: bool | None = None,
     return f" block by block ({BLOCKWISE_CHUNK} runs a batch: its compile does not grow with the depth)"
 
 
-def mkl_path_note() -> str:
-    """What the engine line adds where the user asked for MKL's Intel code path (`NORMEXP_MKL_PATH=intel`,
-    inherited by the workers): the step's matrix products take other kernels than MKL's own choice."""
-    from normexp.environment import MKL_PATH_VARIABLE
-
-    if os.environ.get(MKL_PATH_VARIABLE, "").strip().lower() != "intel":
-        return ""
-    return f"; MKL's Intel code path on any CPU ({MKL_PATH_VARIABLE}=intel)"
-
-
 def _import_engine() -> None:
     """Load torch and the fast engine for a sweep whose pool started before this process imported them, with
     stop signals held until they are loaded (then raised here, before the folder is touched). A Ctrl-C or
@@ -268,7 +261,7 @@ def _run_locked(sweep: Sweep, out_dir: Path, options: SweepOptions, executor: Ex
         pending = [cfg for cfg in pending if not _blocked(cfg, out_dir, outcome, emit)]
         with folder_writes(out_dir, shared):
             _write_or_explain(append_history, out_dir, _history_record(sweep, invocation, options, len(pending),
-                                                                       len(runs)))
+                                                                       len(runs), executor))
         if not (options.fail_fast and outcome.failed):
             _execute(pending, out_dir, options, executor, outcome, emit, threads, sweep.runs)
     except KeyboardInterrupt:
@@ -293,9 +286,11 @@ def _write_summary(out_dir: Path, sweep: Sweep, outcome: SweepOutcome, shared: b
 
 
 def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions, new: int,
-                    planned: int | None = None) -> dict:
-    """history.jsonl's line for this invocation."""
+                    planned: int | None = None, executor: object = None) -> dict:
+    """history.jsonl's line for this invocation; with a pool of worker processes, the MKL code path they took
+    (`engines/fast/mkl_path.py`: it moves the fast runs' last bits)."""
     from normexp.environment import provenance
+    from normexp.executors import PoolExecutor
 
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -309,6 +304,8 @@ def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions,
         "runs_planned": len(sweep.runs) if planned is None else planned,
         "runs_to_train": new,
         **({"shard": f"{options.shard[0]}/{options.shard[1]}"} if options.shard is not None else {}),
+        **({"workers_mkl_path": "intel" if executor.mkl_intel else "own"} if isinstance(executor, PoolExecutor)
+           else {}),
         "notes": sweep.notes,
         "tags": list(sweep.tags),
         "sweep_file": invocation.source,

@@ -32,6 +32,9 @@ if "NORMEXP_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["NORMEXP_CACHE_DIR"] = tempfile.mkdtemp(prefix="normexp-test-cache-")
+# A compiled fast sweep's workers measure MKL's two code paths once per CPU and shape (~5 s: two processes).
+# The tests' many tiny shapes keep MKL's own path unmeasured; tests/test_mkl_path.py measures, without this.
+os.environ.setdefault("NORMEXP_MKL_PATH", "own")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,8 @@ FIGURES = ["normexp.figures", "normexp.figures.facets", "normexp.figures.curves"
 # The fast engine, behind one door (its package): what no module outside it imports but the door
 FAST_DOOR = "normexp.engines.fast"
 FAST = [FAST_DOOR, *(f"{FAST_DOOR}.{m}"
-                   for m in ("plan", "starts", "step", "optim", "sources", "aot", "blockwise", "compiled", "train"))]
+                   for m in ("plan", "mkl_path", "starts", "step", "optim", "sources", "aot", "blockwise", "compiled",
+                             "train"))]
 
 EXPORT = ["normexp.export", "normexp.export.runs", "normexp.export.tensorboard", "normexp.export.mlflow",
           "normexp.export.names", "normexp.export.wandb", "normexp.export.parquet"]
@@ -66,7 +67,7 @@ LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for mod
 FOLDER = [m for m in LAYERS["records"] if m.startswith("normexp.folder.")]  # each imports only those before it
 ENGINES = ("normexp.engines.reference", "normexp.engines.batched", *FAST)
 NO_TORCH = ("normexp.config", "normexp.engines.cost", "normexp.engines.cache", FAST_DOOR, f"{FAST_DOOR}.plan",
-            "normexp.analysis",
+            f"{FAST_DOOR}.mkl_path", "normexp.analysis",
             "normexp.analysis.variants", "normexp.analysis.sensitivity", "normexp.analysis.gradnorm",
             "normexp.analysis.finals", "normexp.analysis.anova", "normexp.analysis.realtext", *FIGURES,
             "normexp.report", "normexp.tables", "normexp.results", "normexp.compare", *PAGE,

@@ -171,20 +171,11 @@ def test_a_compiled_fast_sweep_says_so_first_and_its_runs_record_one_thread(writ
     result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "fast", "--compile"])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[0].startswith("engine fast: compiled, ")
+    assert "MKL's path in the workers: its own choice (NORMEXP_MKL_PATH=own)" in result.output.splitlines()[0]
     assert {json.loads(p.read_text())["threads"] for p in out.glob("*/done.json")} == {1}
+    assert json.loads((out / "history.jsonl").read_text().splitlines()[0])["workers_mkl_path"] == "own"
     again = CliRunner().invoke(app, ["sweep", str(config), "--out", str(out), "--engine", "fast", "--compile"])
     assert "0 ran, 3 already done" in again.output  # resumed alike: nothing redone for its thread count
-
-
-def test_the_engine_line_says_when_mkl_s_intel_path_was_asked_for(monkeypatch):
-    """The compiled fast sweep's first line names MKL's Intel code path where NORMEXP_MKL_PATH=intel (its workers
-    inherit it), and says nothing of MKL otherwise."""
-    from normexp.sweep import mkl_path_note
-
-    monkeypatch.delenv("NORMEXP_MKL_PATH", raising=False)
-    assert mkl_path_note() == ""
-    monkeypatch.setenv("NORMEXP_MKL_PATH", "Intel")
-    assert "MKL's Intel code path" in mkl_path_note() and "NORMEXP_MKL_PATH=intel" in mkl_path_note()
 
 
 def test_config_yaml_written_a_section_at_a_time_is_safe_dump_byte_for_byte():

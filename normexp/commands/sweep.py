@@ -276,10 +276,15 @@ def _run(spec: Sweep, target: Path, options: SweepOptions, quiet: bool,
          invocation: Invocation | None = None) -> SweepOutcome:
     stopping.received = None
     previous = stopping.on_stop_signals(_exit_at_once)  # nothing is written yet: a signal simply ends the process
+    from normexp.engines.fast import MklPathError, requested
     from normexp.executors import ExecutorError
     from normexp.folder import StoreError
     from normexp.sweep import SweepInterrupted, run_sweep
 
+    try:
+        requested()  # NORMEXP_MKL_PATH: a value it cannot mean ends the sweep before anything starts
+    except MklPathError as exc:
+        raise fail(str(exc)) from None
     pool = fast_pool(spec, options)
     _import_engines(options, pool)
     stopping.on_stop_signals(stopping.stop_cleanly)

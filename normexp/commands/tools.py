@@ -139,5 +139,12 @@ def doctor() -> None:
         from normexp.engines.auto import auto_summary
 
         sys.stdout.write(f"engine auto: {auto_summary()}\n")
+        from normexp.engines.fast import MklPathError, workers_summary
+
+        try:
+            workers = workers_summary()
+        except MklPathError as exc:
+            workers = str(exc)
+        sys.stdout.write(f"fast workers' MKL path: {workers}\n")
 
 

@@ -52,6 +52,7 @@ The package, one file per job (this door hands on the public entry points; `plan
 neither does importing this door):
 
     plan      which runs batch together, and whether their structure compiles
+    mkl_path  the MKL code path a compiled sweep's worker processes take: measured once per CPU and shape
     starts    each run's start, replayed from its structure's recorded construction
     step      a batch's runs stacked, and their vmapped gradient step
     optim     the per-run optimizer, Adam's numbers
@@ -63,6 +64,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from normexp.engines.fast.mkl_path import MklPathError, requested, workers_path, workers_summary
 from normexp.engines.fast.plan import (
     BLOCKWISE_CHUNK,
     COMPILED_CHUNK,
@@ -78,8 +80,8 @@ from normexp.engines.fast.plan import (
 if TYPE_CHECKING:
     from normexp.engines.fast.train import train_fast
 
-__all__ = ["BLOCKWISE_CHUNK", "COMPILED_CHUNK", "MAX_CHUNK", "by_blocks", "compile_choice", "fast_key", "fast_serves",
-           "fast_unserved", "plan_fast", "train_fast"]
+__all__ = ["BLOCKWISE_CHUNK", "COMPILED_CHUNK", "MAX_CHUNK", "MklPathError", "by_blocks", "compile_choice", "fast_key",
+           "fast_serves", "fast_unserved", "plan_fast", "requested", "train_fast", "workers_path", "workers_summary"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,164 @@
+"""The MKL code path of a compiled fast sweep's workers (engines/fast/mkl_path.py): measured once per CPU, torch
+build and shape, cached, overridden by NORMEXP_MKL_PATH, taken by the workers, said on the engine line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from normexp.config import RunConfig
+from normexp.engines.fast import mkl_path
+from normexp.environment import CpuInfo, torch_blas
+
+PHASE = {"model": {"depth": 4, "width": 16}, "norm": {"placement": "post"}, "train": {"steps": 60}}
+
+
+def phase(**changes) -> RunConfig:
+    return RunConfig.model_validate({**PHASE, **changes})
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """No NORMEXP_MKL_PATH, an empty cache, an AMD CPU, and `measure` recorded: returns its calls."""
+    monkeypatch.delenv("NORMEXP_MKL_PATH", raising=False)
+    monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mkl_path, "MEASURE_CPU_S", 0.0)  # these toy sweeps repay any measurement
+    monkeypatch.setattr(mkl_path, "cpu_info", lambda: CpuInfo("AMD EPYC", ("avx2", "avx512f"), "/proc/cpuinfo",
+                                                              "AuthenticAMD family 25 model 17"))
+    class Calls(list):
+        times = {"value": (10.0, 8.0)}
+
+    calls = Calls()
+    times = calls.times
+
+    def measure(cfg, size):
+        calls.append((cfg, size))
+        return times["value"]
+
+    monkeypatch.setattr(mkl_path, "measure", measure)
+    return calls
+
+
+def test_the_user_s_choice_is_taken_without_measuring(measuring, monkeypatch):
+    for value, intel in (("intel", True), (" Own ", False)):
+        monkeypatch.setenv("NORMEXP_MKL_PATH", value)
+        choice = mkl_path.workers_path([phase()] * 64, compile=True)
+        assert choice.intel is intel and "NORMEXP_MKL_PATH=" in choice.note()
+    assert measuring == []
+
+
+def test_a_value_it_cannot_mean_names_the_variable(monkeypatch):
+    monkeypatch.setenv("NORMEXP_MKL_PATH", "fastest")
+    with pytest.raises(mkl_path.MklPathError, match="NORMEXP_MKL_PATH='fastest'.*intel, own"):
+        mkl_path.requested()
+
+
+def test_the_sweep_command_refuses_it_before_anything_is_written(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from normexp.cli import app
+
+    monkeypatch.setenv("NORMEXP_MKL_PATH", "fastest")
+    config = tmp_path / "s.yaml"
+    config.write_text("name: s\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\n")
+    result = CliRunner().invoke(app, ["sweep", str(config), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "NORMEXP_MKL_PATH" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_intel_cpu_keeps_mkl_s_own_path_unmeasured(measuring, monkeypatch):
+    monkeypatch.setattr(mkl_path, "cpu_info", lambda: CpuInfo("Xeon", ("avx512f",), "/proc/cpuinfo",
+                                                              "GenuineIntel family 6 model 143"))
+    choice = mkl_path.workers_path([phase()] * 64, compile=True)
+    assert not choice.intel and "Intel CPU" in choice.note() and measuring == []
+
+
+def test_measured_once_then_read_from_the_cache(measuring):
+    runs = [phase(seed=s) for s in range(40)]
+    first = mkl_path.workers_path(runs, compile=True)
+    assert first.intel and first.source == "measured now, cached" and "1.25x" in first.note()
+    assert [size for _, size in measuring] == [16]  # the structure's compiled batch: block by block, 16 runs
+    again = mkl_path.workers_path(runs, compile=True)
+    assert again.intel and again.source == "a cached measurement" and len(measuring) == 1
+    assert "Intel's for 1 of 1 measured shapes" in mkl_path.workers_summary()
+
+
+def test_a_gain_within_the_margin_keeps_mkl_s_own_path(measuring):
+    measuring.times["value"] = (10.0, 9.8)  # 2% faster: noise
+    assert not mkl_path.workers_path([phase()] * 8, compile=True).intel
+    measuring.times["value"] = (10.0, 9.4)
+    assert mkl_path.workers_path([phase(model={"depth": 5, "width": 16})] * 8, compile=True).intel
+
+
+def test_a_sweep_too_short_to_repay_the_measurement_is_not_measured(measuring, monkeypatch):
+    """The phase grid's 2,048 runs (depth 24, width 32, 60 steps: ~131 s of compiled training estimated) repay
+    ~4 s of measuring with a 5% gain; 16 of its runs do not, and keep MKL's own path, unmeasured and uncached."""
+    monkeypatch.setattr(mkl_path, "MEASURE_CPU_S", 4.0)
+    grid = [phase(model={"depth": 24, "width": 32}, seed=s) for s in range(2048)]
+    assert mkl_path.compiled_seconds(grid, compile=True) == pytest.approx(131, abs=1)
+    short = mkl_path.workers_path(grid[:16], compile=True)
+    assert not short.intel and "not measured" in short.note() and measuring == []
+    assert mkl_path.workers_path(grid, compile=True).intel and len(measuring) == 1
+    assert mkl_path.workers_path(grid[:16], compile=True).source == "a cached measurement"  # the same shape
+
+
+def test_a_failed_measurement_keeps_mkl_s_own_path_uncached(measuring, monkeypatch):
+    def broken(cfg, size):
+        raise RuntimeError("measuring MKL's intel path failed: boom")
+
+    monkeypatch.setattr(mkl_path, "measure", broken)
+    choice = mkl_path.workers_path([phase()] * 8, compile=True)
+    assert not choice.intel and "measuring failed (RuntimeError" in choice.note()
+    assert not mkl_path.cache_file().exists()
+
+
+def test_an_unsound_cache_entry_is_measured_again(measuring):
+    runs = [phase()] * 8
+    mkl_path.cache_file().write_text(json.dumps({"version": mkl_path.CACHE_VERSION, "entries": {
+        mkl_path.cache_key(runs[0], 16): {"own_ms": "x", "intel_ms": -1}}}))
+    assert mkl_path.workers_path(runs, compile=True).source == "measured now, cached" and len(measuring) == 1
+
+
+def test_the_structure_measured_is_the_one_with_most_model_steps():
+    small = [phase(seed=s) for s in range(3)]
+    big = [phase(model={"depth": 8, "width": 16}, seed=s) for s in range(5)]
+    assert mkl_path.dominant_structure(small + big, compile=True) is big[0]
+    assert mkl_path.dominant_structure(small + big, compile=False) is None
+
+
+@pytest.mark.process
+def test_the_measurement_times_the_step_s_products_on_each_path(monkeypatch):
+    """Two real processes: each records one eager step's matrix products and times them replayed."""
+    if not torch_blas(torch).startswith("MKL") or not sys.platform.startswith("linux"):
+        pytest.skip("torch's BLAS here is not MKL on Linux")
+    if not any(shutil.which(cc) for cc in ("cc", "gcc")):
+        pytest.skip("no C compiler")
+    own, intel = mkl_path.measure(phase(model={"depth": 2, "width": 8}, train={"steps": 3}), 4)
+    assert own > 0 and intel > 0
+
+
+@pytest.mark.process
+def test_a_pool_worker_takes_the_path_it_is_given():
+    """A worker started with mkl_intel has loaded the library that answers MKL's vendor question before torch;
+    one started without it has not (asked from inside each worker)."""
+    from normexp.executors import PoolExecutor, _receive, _send
+
+    if not sys.platform.startswith("linux") or not any(shutil.which(cc) for cc in ("cc", "gcc")):
+        pytest.skip("the path is taken on Linux with a C compiler")
+    probe = "__import__('normexp.environment').environment._MKL_SHIM_LOADED"
+    seen = {}
+    for intel in (True, False):
+        pool = PoolExecutor(1, mkl_intel=intel)
+        try:
+            pool.start()
+            worker = pool._idle[0]
+            _send(worker, (eval, probe))
+            worker.conn.poll(60)
+            seen[intel] = _receive(worker)
+        finally:
+            pool.close()
+    assert seen[True] and seen[False] == []
