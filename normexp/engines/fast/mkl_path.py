@@ -313,12 +313,13 @@ def workers_summary() -> str:
     pairs = [(float(e["own_ms"]), float(e["intel_ms"])) for key, e in _read_cache().items()
              if key.startswith(mine) and isinstance(e, dict) and _sound(e)]
     if not pairs:
-        return (f"not measured on this machine yet (a compiled fast sweep measures its shape first, ~5 s once; "
+        return (f"not measured on this machine yet (a compiled fast sweep measures its shape first, ~3 s once; "
                 f"cached in {cache_file()})")
     intel = sum(i <= MARGIN * o for o, i in pairs)
-    ratios = [o / i for o, i in pairs]
+    low, high = (f"{r:.2f}" for r in (min(o / i for o, i in pairs), max(o / i for o, i in pairs)))
     return (f"Intel's for {intel} of {len(pairs)} measured shapes, MKL's own for the rest (Intel's "
-            f"{min(ratios):.2f}-{max(ratios):.2f}x on the step's products, needs >= {1 / MARGIN:.2f}x; {cache_file()})")
+            f"{low if low == high else f'{low}-{high}'}x on the step's products, needs >= {1 / MARGIN:.2f}x; "
+            f"{cache_file()})")
 
 
 def _sound(entry: dict) -> bool:
