@@ -162,3 +162,11 @@ def test_a_pool_worker_takes_the_path_it_is_given():
         finally:
             pool.close()
     assert seen[True] and seen[False] == []
+
+
+def test_a_cache_folder_that_cannot_hold_the_lock_still_decides(measuring):
+    """A lock that cannot be made (a folder in its place, a read-only cache folder): the paths are measured
+    unlocked, as where the platform has no lock, and the sweep goes on instead of ending in a traceback."""
+    mkl_path.cache_file().with_suffix(".lock").mkdir(parents=True)
+    choice = mkl_path.workers_path([phase()] * 8, compile=True)
+    assert choice.intel and len(measuring) == 1

@@ -123,7 +123,9 @@ def workers_path(runs: Sequence[RunConfig], compile: bool | None = None,
     if work * (1 - MARGIN) < MEASURE_CPU_S:
         return PathChoice(False, source=f"MKL's own: not measured, ~{work:.0f} s of compiled training (estimated) "
                                         f"would not repay measuring (~{MEASURE_CPU_S:.0f} s of CPU)")
-    with locked(cache_file().with_suffix(".lock")):  # a sweep starting beside this one waits, then reads the cache
+    with contextlib.ExitStack() as lock:
+        with contextlib.suppress(OSError):  # a cache folder that cannot hold the lock: measured unlocked
+            lock.enter_context(locked(cache_file().with_suffix(".lock")))  # a sweep beside this one waits, reads
         entry = _read_cache().get(key)
         if isinstance(entry, dict) and _sound(entry):
             own, intel = float(entry["own_ms"]), float(entry["intel_ms"])
