@@ -170,3 +170,15 @@ def test_a_cache_folder_that_cannot_hold_the_lock_still_decides(measuring):
     mkl_path.cache_file().with_suffix(".lock").mkdir(parents=True)
     choice = mkl_path.workers_path([phase()] * 8, compile=True)
     assert choice.intel and len(measuring) == 1
+
+
+@pytest.mark.parametrize("own, intel", [("Infinity", 1.0), (1e400, 1e400), ("NaN", 1.0), (True, True)])
+def test_a_hand_edited_entry_that_is_no_time_is_measured_again(measuring, own, intel):
+    """Infinity, an overflowing number, NaN or a boolean is no measured time: the entry counts as missing, not
+    as a ratio of inf or nan on the engine line (and Intel's path taken on it)."""
+    runs = [phase()] * 8
+    mkl_path.cache_file().write_text(json.dumps({"version": mkl_path.CACHE_VERSION, "entries": {
+        mkl_path.cache_key(runs[0], 16): {"own_ms": own, "intel_ms": intel}}}))
+    choice = mkl_path.workers_path(runs, compile=True)
+    assert choice.source == "measured now, cached" and len(measuring) == 1
+    assert "inf" not in choice.note() and "nan" not in choice.note()

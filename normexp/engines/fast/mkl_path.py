@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -324,10 +325,9 @@ def workers_summary() -> str:
 
 
 def _sound(entry: dict) -> bool:
-    try:
-        return float(entry["own_ms"]) > 0 and float(entry["intel_ms"]) > 0
-    except (KeyError, TypeError, ValueError):
-        return False
+    """Two measured times: finite positive numbers (a hand-edited file may hold strings, booleans, Infinity)."""
+    times = (entry.get("own_ms"), entry.get("intel_ms"))
+    return all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in times)
 
 
 def _read_cache() -> dict:
