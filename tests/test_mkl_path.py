@@ -182,3 +182,11 @@ def test_a_hand_edited_entry_that_is_no_time_is_measured_again(measuring, own, i
     choice = mkl_path.workers_path(runs, compile=True)
     assert choice.source == "measured now, cached" and len(measuring) == 1
     assert "inf" not in choice.note() and "nan" not in choice.note()
+
+
+def test_a_measurement_the_cache_cannot_keep_is_not_said_cached(measuring):
+    """A folder where mkl-path.json goes: the choice stands, and the engine line says it was not cached (the
+    next sweep measures again), not "cached"."""
+    mkl_path.cache_file().mkdir(parents=True)
+    choice = mkl_path.workers_path([phase()] * 8, compile=True)
+    assert choice.intel and "measured now, not cached (IsADirectoryError" in choice.note()

@@ -140,9 +140,12 @@ def workers_path(runs: Sequence[RunConfig], compile: bool | None = None,
             return PathChoice(False, source=f"MKL's own: measuring failed ({type(exc).__name__}: {str(exc)[:200]})")
         entries = _read_cache()
         entries[key] = {"own_ms": own, "intel_ms": intel}
-        with contextlib.suppress(OSError):  # a cache that cannot be written: the next sweep measures again
+        try:
             write_entries(cache_file(), CACHE_VERSION, entries)
-    return PathChoice(intel <= MARGIN * own, own, intel, "measured now, cached")
+            source = "measured now, cached"
+        except OSError as exc:  # a cache that cannot be written: the next sweep measures again
+            source = f"measured now, not cached ({type(exc).__name__}: {str(exc)[:200]})"
+    return PathChoice(intel <= MARGIN * own, own, intel, source)
 
 
 def compiled_seconds(runs: Sequence[RunConfig], compile: bool | None = None) -> float:
