@@ -33,6 +33,7 @@ def measuring(monkeypatch, tmp_path):
         times = {"value": (10.0, 8.0)}
 
     calls = Calls()
+    calls.real = mkl_path.measure
     times = calls.times
 
     def measure(cfg, size):
@@ -190,3 +191,16 @@ def test_a_measurement_the_cache_cannot_keep_is_not_said_cached(measuring):
     mkl_path.cache_file().mkdir(parents=True)
     choice = mkl_path.workers_path([phase()] * 8, compile=True)
     assert choice.intel and "measured now, not cached (IsADirectoryError" in choice.note()
+
+
+@pytest.mark.parametrize("answer", ["5", '["a"]', "{}", "[]", "not json"])
+def test_a_measuring_process_that_answers_garbage_keeps_mkl_s_own_path(measuring, monkeypatch, tmp_path, answer):
+    """A measuring process whose pass times are not a list of seconds (a library printing to stdout, a broken
+    build): MKL's own path, said as a failed measurement, never a traceback ending the sweep."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nread spec\necho ready\nwhile read line; do echo '{answer}'; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setattr(mkl_path, "measure", measuring.real)
+    choice = mkl_path.workers_path([phase()] * 8, compile=True)
+    assert not choice.intel and "measuring failed" in choice.note() and not mkl_path.cache_file().exists()

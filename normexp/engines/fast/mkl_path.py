@@ -220,7 +220,10 @@ def measure(cfg: RunConfig, size: int) -> tuple[float, float]:
             for path, child in children.items():
                 child.stdin.write("go\n")  # type: ignore[union-attr]
                 child.stdin.flush()  # type: ignore[union-attr]
-                passes[path] += json.loads(_answer(path, child))
+                times = json.loads(_answer(path, child))
+                if not (isinstance(times, list) and times and all(type(t) in (int, float) for t in times)):
+                    raise ValueError(f"measuring MKL's {path} path: {times!r:.200} is no list of seconds")
+                passes[path] += times
         for child in children.values():
             child.stdin.close()  # type: ignore[union-attr]
             child.wait()
