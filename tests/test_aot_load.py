@@ -132,3 +132,22 @@ def test_a_loaded_package_leaves_no_extracted_library_behind(tmp_path, monkeypat
     runner = aot.load_package(tmp_path / "step.pt2")
     assert runner.library.normexp_test_answer() == 42  # still callable: the mapping outlives the file
     assert not (tmp_path / "aotinductor_AbC123").exists() and older.exists()
+
+
+@pytest.mark.parametrize("script", ["exit 1", "echo unknown", "echo 11.4.0"])
+def test_a_gcc_whose_version_is_unread_or_old_keeps_inductor_s_probes(monkeypatch, tmp_path, script):
+    """torch's `_is_gcc_version_less_than` answers "not less" where it cannot run the compiler or read its
+    version: such a GCC must not count as one that builds every ISA (nor, of course, a GCC 11)."""
+    from torch._inductor import cpp_builder
+
+    compiler = tmp_path / "bin" / "g++"
+    compiler.parent.mkdir()
+    compiler.write_text(f"#!/bin/sh\n{script}\n")
+    compiler.chmod(0o755)
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(compiler))
+    assert aot.inductor_options() == aot.INDUCTOR_CONFIGS
+    compiler.write_text("#!/bin/sh\necho 12.2.0\n")  # a GCC 12, under another path (torch caches by path)
+    trusted = tmp_path / "bin" / "x86_64-linux-gnu-g++"
+    compiler.rename(trusted)
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(trusted))
+    assert aot.inductor_options()["cpp.vec_isa_ok"] is True

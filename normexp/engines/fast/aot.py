@@ -76,7 +76,10 @@ def inductor_options() -> dict:
         from torch._inductor import cpp_builder
 
         compiler = cpp_builder.get_cpp_compiler()
-        trusted = cpp_builder._is_gcc(compiler) and not cpp_builder._is_gcc_version_less_than(compiler, TRUSTED_GCC)
+        older = functools.partial(cpp_builder._is_gcc_version_less_than, compiler)
+        # older() answers False where it cannot run the compiler or read its version; a version it reads is
+        # older than any GCC to come: a GCC whose version is unknown keeps the probes
+        trusted = cpp_builder._is_gcc(compiler) and older(10**6) and not older(TRUSTED_GCC)
     except Exception:  # noqa: BLE001 - torch's private helpers moved, or no compiler: inductor probes as it does
         trusted = False
     return {**INDUCTOR_CONFIGS, **({"cpp.vec_isa_ok": True} if trusted else {})}
