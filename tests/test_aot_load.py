@@ -151,3 +151,36 @@ def test_a_gcc_whose_version_is_unread_or_old_keeps_inductor_s_probes(monkeypatc
     compiler.rename(trusted)
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(trusted))
     assert aot.inductor_options()["cpp.vec_isa_ok"] is True
+
+
+def test_a_library_extracted_under_a_folder_with_spaces_is_removed_too(tmp_path, monkeypatch):
+    """TMPDIR="/tmp/my runs": /proc/self/maps writes the path with its spaces; the folder torch's loader made
+    there is removed like any other, and a folder of that pattern outside the path's last space is not taken
+    for it."""
+    import ctypes
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux's /proc/self/maps and a C compiler")
+    source = tmp_path / "lib.c"
+    source.write_text("int normexp_test_answer(void) { return 42; }\n")
+    folder = tmp_path / "my runs" / "aotinductor_Sp4ce1"
+    folder.mkdir(parents=True)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / "model.so"), str(source)], check=True)
+
+    class Loader:
+        def __init__(self, *args):
+            self.library = ctypes.CDLL(str(folder / "model.so"))
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
+    monkeypatch.setattr(aot, "_digest", lambda package: "digest")
+    monkeypatch.setattr(aot, "_flat_call", lambda runner, digest: runner)
+    runner = aot.load_package(tmp_path / "step.pt2")
+    assert runner.library.normexp_test_answer() == 42 and not folder.exists()
+    maps = "7f00-7f01 r-xp 00000000 08:01 42 /tmp/x /tmp/aotinductor_Other1/model.so\n"
+    assert aot._extracted(maps) == {"/tmp/x /tmp/aotinductor_Other1"}

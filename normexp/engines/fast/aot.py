@@ -227,15 +227,18 @@ def load_package(package: Path) -> Step:
 _LOADING = threading.Lock()  # one load at a time in a process: each removes only the folder its own load made
 
 
-def _extracted() -> set[str]:
+def _extracted(maps: str | None = None) -> set[str]:
     """The folders this process has mapped libraries from that torch's package loader extracted
-    (`aotinductor_` and six characters: its mkdtemp pattern), read from /proc/self/maps; none where there is no
-    such file (not Linux: there the folders stay until their runner is freed)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return set()
-    return set(re.findall(r"(/\S*/aotinductor_[A-Za-z0-9]{6})/", maps))
+    (`aotinductor_` and six characters: its mkdtemp pattern), read from /proc/self/maps (or `maps`); none where
+    there is no such file (not Linux: there the folders stay until their runner is freed). A line's path is all
+    that follows its fifth field, spaces included."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return set()
+    paths = (fields[5] for fields in (line.split(maxsplit=5) for line in maps.splitlines()) if len(fields) == 6)
+    return {found.group(1) for path in paths if (found := re.match(r"(/.*/aotinductor_[A-Za-z0-9]{6})/", path))}
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
