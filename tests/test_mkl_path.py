@@ -204,3 +204,13 @@ def test_a_measuring_process_that_answers_garbage_keeps_mkl_s_own_path(measuring
     monkeypatch.setattr(mkl_path, "measure", measuring.real)
     choice = mkl_path.workers_path([phase()] * 8, compile=True)
     assert not choice.intel and "measuring failed" in choice.note() and not mkl_path.cache_file().exists()
+
+
+def test_a_sweep_whose_workers_also_train_exact_runs_keeps_mkl_s_own_path(measuring):
+    """A run the fast engine declines (train.log_blocks: blocks.csv is the reference's bits) trains on the exact
+    engines in the same worker processes: Intel's path would move its bits, which only the user may choose
+    (NORMEXP_MKL_PATH=intel). MKL's own path, unmeasured, and the line says why."""
+    runs = [phase(seed=s) for s in range(40)] + [phase(train={"steps": 60, "log_blocks": True})]
+    choice = mkl_path.workers_path(runs, compile=True)
+    assert not choice.intel and "train.log_blocks" in choice.note() and measuring == []
+    assert mkl_path.workers_path(runs[:40], compile=True).intel  # the fast runs alone: measured, Intel's

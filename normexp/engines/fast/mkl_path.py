@@ -19,7 +19,8 @@ faster is the CPU's, so it is measured, not assumed:
 
 On an Intel CPU MKL's own path is Intel's: nothing is measured. The path changes only the last bits of the
 fast runs trained in the workers (another kernel, another order of summation: within the fast engine's
-contract, as the batch size or compiling do, docs/fast-contract.md); the exact engines never train there, and
+contract, as the batch size or compiling do, docs/fast-contract.md); a sweep with a run the fast engine leaves
+to the exact engines (`plan.fast_unserved`), which trains in the same workers, keeps MKL's own path there, and
 the sweep's own process never takes it. `NORMEXP_MKL_PATH` overrides the measurement: `intel` (every normexp
 process takes Intel's path, the exact engines' included: `environment.set_thread_defaults`) or `own` (the
 workers too keep MKL's own choice).
@@ -51,6 +52,7 @@ from normexp.engines.fast.plan import (
     compile_choice,
     fast_key,
     fast_serves,
+    fast_unserved,
 )
 from normexp.environment import MKL_PATH_VARIABLE, cpu_info
 
@@ -111,6 +113,10 @@ def workers_path(runs: Sequence[RunConfig], compile: bool | None = None,
         return PathChoice(asked == "intel", source=f"{MKL_PATH_VARIABLE}={asked}")
     if cpu_info().ident.startswith("GenuineIntel"):
         return PathChoice(False, source="an Intel CPU: MKL's own path is Intel's")
+    declined = sorted({key for cfg in runs for key in fast_unserved(cfg)})
+    if declined:  # the exact engines train these in the same workers: their bits must not move
+        return PathChoice(False, source=f"MKL's own: runs with {', '.join(declined)} train on the exact engines "
+                                        "in the workers")
     cfg = dominant_structure(runs, compile)
     if cfg is None:
         return PathChoice(False, source="no compiled structure to measure")
