@@ -214,3 +214,19 @@ def test_a_sweep_whose_workers_also_train_exact_runs_keeps_mkl_s_own_path(measur
     choice = mkl_path.workers_path(runs, compile=True)
     assert not choice.intel and "train.log_blocks" in choice.note() and measuring == []
     assert mkl_path.workers_path(runs[:40], compile=True).intel  # the fast runs alone: measured, Intel's
+
+
+@pytest.mark.process
+def test_a_measuring_process_that_cannot_take_intel_s_path_fails_the_measurement(monkeypatch, tmp_path):
+    """Without a C compiler (and no library built before) the "intel" process would time MKL's own path: two
+    equal paths, whose noise may pass the margin and cache Intel's path for workers that cannot take it. It
+    fails instead: MKL's own path, uncached."""
+    if not torch_blas(torch).startswith("MKL") or not sys.platform.startswith("linux"):
+        pytest.skip("torch's BLAS here is not MKL on Linux")
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # no library built before
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        mkl_path.measure(phase(model={"depth": 2, "width": 8}, train={"steps": 3}), 4)

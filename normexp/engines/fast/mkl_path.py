@@ -254,9 +254,11 @@ def _answer(path: str, child: subprocess.Popen) -> str:
 def _child() -> None:
     """A measuring process: records the matrix products of one eager step of the batch it is sent (one line of
     JSON), says "ready", then at each "go" times PASSES passes of them replayed and prints their seconds."""
-    from normexp.environment import set_thread_defaults
+    from normexp.environment import set_thread_defaults, take_mkl_intel_path
 
     set_thread_defaults()  # NORMEXP_MKL_PATH=intel: Intel's path, before torch loads
+    if requested() == "intel" and (why := take_mkl_intel_path()):  # else it would time MKL's own path as Intel's
+        sys.exit(f"MKL's Intel path cannot be taken here: {why}")
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
