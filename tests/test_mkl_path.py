@@ -230,3 +230,21 @@ def test_a_measuring_process_that_cannot_take_intel_s_path_fails_the_measurement
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(RuntimeError, match="no C compiler"):
         mkl_path.measure(phase(model={"depth": 2, "width": 8}, train={"steps": 3}), 4)
+
+
+def test_history_records_intel_s_path_for_workers_the_user_sent_there(monkeypatch, tmp_path):
+    """NORMEXP_MKL_PATH=intel reaches every worker (`set_thread_defaults`), a `--workers` pool's too, whose
+    executor was not asked for Intel's path: history.jsonl must say the path they took, not "own"."""
+    from normexp.config.grid import load_sweep
+    from normexp.executors import PoolExecutor
+    from normexp.sweep import Invocation, SweepOptions, _history_record
+
+    config = tmp_path / "s.yaml"
+    config.write_text("name: s\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\n")
+    sweep = load_sweep(config)
+    monkeypatch.setenv("NORMEXP_MKL_PATH", "intel")
+    record = _history_record(sweep, Invocation(), SweepOptions(workers=2), 1, 1, PoolExecutor(2))
+    assert record["workers_mkl_path"] == "intel"
+    monkeypatch.setenv("NORMEXP_MKL_PATH", "own")
+    for executor, path in ((PoolExecutor(2), "own"), (PoolExecutor(2, True), "intel")):
+        assert _history_record(sweep, Invocation(), SweepOptions(), 1, 1, executor)["workers_mkl_path"] == path
