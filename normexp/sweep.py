@@ -289,6 +289,7 @@ def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions,
                     planned: int | None = None, executor: object = None) -> dict:
     """history.jsonl's line for this invocation; with a pool of worker processes, the MKL code path they took
     (`engines/fast/mkl_path.py`: it moves the fast runs' last bits)."""
+    from normexp.engines.fast import requested
     from normexp.environment import provenance
     from normexp.executors import PoolExecutor
 
@@ -304,8 +305,8 @@ def _history_record(sweep: Sweep, invocation: Invocation, options: SweepOptions,
         "runs_planned": len(sweep.runs) if planned is None else planned,
         "runs_to_train": new,
         **({"shard": f"{options.shard[0]}/{options.shard[1]}"} if options.shard is not None else {}),
-        **({"workers_mkl_path": "intel" if executor.mkl_intel else "own"} if isinstance(executor, PoolExecutor)
-           else {}),
+        **({"workers_mkl_path": "intel" if executor.mkl_intel or requested() == "intel" else "own"}
+           if isinstance(executor, PoolExecutor) else {}),  # NORMEXP_MKL_PATH=intel: every worker takes it
         "notes": sweep.notes,
         "tags": list(sweep.tags),
         "sweep_file": invocation.source,

@@ -132,3 +132,55 @@ def test_a_loaded_package_leaves_no_extracted_library_behind(tmp_path, monkeypat
     runner = aot.load_package(tmp_path / "step.pt2")
     assert runner.library.normexp_test_answer() == 42  # still callable: the mapping outlives the file
     assert not (tmp_path / "aotinductor_AbC123").exists() and older.exists()
+
+
+@pytest.mark.parametrize("script", ["exit 1", "echo unknown", "echo 11.4.0"])
+def test_a_gcc_whose_version_is_unread_or_old_keeps_inductor_s_probes(monkeypatch, tmp_path, script):
+    """torch's `_is_gcc_version_less_than` answers "not less" where it cannot run the compiler or read its
+    version: such a GCC must not count as one that builds every ISA (nor, of course, a GCC 11)."""
+    from torch._inductor import cpp_builder
+
+    compiler = tmp_path / "bin" / "g++"
+    compiler.parent.mkdir()
+    compiler.write_text(f"#!/bin/sh\n{script}\n")
+    compiler.chmod(0o755)
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(compiler))
+    assert aot.inductor_options() == aot.INDUCTOR_CONFIGS
+    compiler.write_text("#!/bin/sh\necho 12.2.0\n")  # a GCC 12, under another path (torch caches by path)
+    trusted = tmp_path / "bin" / "x86_64-linux-gnu-g++"
+    compiler.rename(trusted)
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(trusted))
+    assert aot.inductor_options()["cpp.vec_isa_ok"] is True
+
+
+def test_a_library_extracted_under_a_folder_with_spaces_is_removed_too(tmp_path, monkeypatch):
+    """TMPDIR="/tmp/my runs": /proc/self/maps writes the path with its spaces; the folder torch's loader made
+    there is removed like any other, and a folder of that pattern outside the path's last space is not taken
+    for it."""
+    import ctypes
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux's /proc/self/maps and a C compiler")
+    source = tmp_path / "lib.c"
+    source.write_text("int normexp_test_answer(void) { return 42; }\n")
+    folder = tmp_path / "my runs" / "aotinductor_Sp4ce1"
+    folder.mkdir(parents=True)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / "model.so"), str(source)], check=True)
+
+    class Loader:
+        def __init__(self, *args):
+            self.library = ctypes.CDLL(str(folder / "model.so"))
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
+    monkeypatch.setattr(aot, "_digest", lambda package: "digest")
+    monkeypatch.setattr(aot, "_flat_call", lambda runner, digest: runner)
+    runner = aot.load_package(tmp_path / "step.pt2")
+    assert runner.library.normexp_test_answer() == 42 and not folder.exists()
+    maps = "7f00-7f01 r-xp 00000000 08:01 42 /tmp/x /tmp/aotinductor_Other1/model.so\n"
+    assert aot._extracted(maps) == {"/tmp/x /tmp/aotinductor_Other1"}

@@ -33,6 +33,7 @@ def measuring(monkeypatch, tmp_path):
         times = {"value": (10.0, 8.0)}
 
     calls = Calls()
+    calls.real = mkl_path.measure
     times = calls.times
 
     def measure(cfg, size):
@@ -162,3 +163,88 @@ def test_a_pool_worker_takes_the_path_it_is_given():
         finally:
             pool.close()
     assert seen[True] and seen[False] == []
+
+
+def test_a_cache_folder_that_cannot_hold_the_lock_still_decides(measuring):
+    """A lock that cannot be made (a folder in its place, a read-only cache folder): the paths are measured
+    unlocked, as where the platform has no lock, and the sweep goes on instead of ending in a traceback."""
+    mkl_path.cache_file().with_suffix(".lock").mkdir(parents=True)
+    choice = mkl_path.workers_path([phase()] * 8, compile=True)
+    assert choice.intel and len(measuring) == 1
+
+
+@pytest.mark.parametrize("own, intel", [("Infinity", 1.0), (1e400, 1e400), ("NaN", 1.0), (True, True)])
+def test_a_hand_edited_entry_that_is_no_time_is_measured_again(measuring, own, intel):
+    """Infinity, an overflowing number, NaN or a boolean is no measured time: the entry counts as missing, not
+    as a ratio of inf or nan on the engine line (and Intel's path taken on it)."""
+    runs = [phase()] * 8
+    mkl_path.cache_file().write_text(json.dumps({"version": mkl_path.CACHE_VERSION, "entries": {
+        mkl_path.cache_key(runs[0], 16): {"own_ms": own, "intel_ms": intel}}}))
+    choice = mkl_path.workers_path(runs, compile=True)
+    assert choice.source == "measured now, cached" and len(measuring) == 1
+    assert "inf" not in choice.note() and "nan" not in choice.note()
+
+
+def test_a_measurement_the_cache_cannot_keep_is_not_said_cached(measuring):
+    """A folder where mkl-path.json goes: the choice stands, and the engine line says it was not cached (the
+    next sweep measures again), not "cached"."""
+    mkl_path.cache_file().mkdir(parents=True)
+    choice = mkl_path.workers_path([phase()] * 8, compile=True)
+    assert choice.intel and "measured now, not cached (IsADirectoryError" in choice.note()
+
+
+@pytest.mark.parametrize("answer", ["5", '["a"]', "{}", "[]", "not json"])
+def test_a_measuring_process_that_answers_garbage_keeps_mkl_s_own_path(measuring, monkeypatch, tmp_path, answer):
+    """A measuring process whose pass times are not a list of seconds (a library printing to stdout, a broken
+    build): MKL's own path, said as a failed measurement, never a traceback ending the sweep."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nread spec\necho ready\nwhile read line; do echo '{answer}'; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setattr(mkl_path, "measure", measuring.real)
+    choice = mkl_path.workers_path([phase()] * 8, compile=True)
+    assert not choice.intel and "measuring failed" in choice.note() and not mkl_path.cache_file().exists()
+
+
+def test_a_sweep_whose_workers_also_train_exact_runs_keeps_mkl_s_own_path(measuring):
+    """A run the fast engine declines (train.log_blocks: blocks.csv is the reference's bits) trains on the exact
+    engines in the same worker processes: Intel's path would move its bits, which only the user may choose
+    (NORMEXP_MKL_PATH=intel). MKL's own path, unmeasured, and the line says why."""
+    runs = [phase(seed=s) for s in range(40)] + [phase(train={"steps": 60, "log_blocks": True})]
+    choice = mkl_path.workers_path(runs, compile=True)
+    assert not choice.intel and "train.log_blocks" in choice.note() and measuring == []
+    assert mkl_path.workers_path(runs[:40], compile=True).intel  # the fast runs alone: measured, Intel's
+
+
+@pytest.mark.process
+def test_a_measuring_process_that_cannot_take_intel_s_path_fails_the_measurement(monkeypatch, tmp_path):
+    """Without a C compiler (and no library built before) the "intel" process would time MKL's own path: two
+    equal paths, whose noise may pass the margin and cache Intel's path for workers that cannot take it. It
+    fails instead: MKL's own path, uncached."""
+    if not torch_blas(torch).startswith("MKL") or not sys.platform.startswith("linux"):
+        pytest.skip("torch's BLAS here is not MKL on Linux")
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # no library built before
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        mkl_path.measure(phase(model={"depth": 2, "width": 8}, train={"steps": 3}), 4)
+
+
+def test_history_records_intel_s_path_for_workers_the_user_sent_there(monkeypatch, tmp_path):
+    """NORMEXP_MKL_PATH=intel reaches every worker (`set_thread_defaults`), a `--workers` pool's too, whose
+    executor was not asked for Intel's path: history.jsonl must say the path they took, not "own"."""
+    from normexp.config.grid import load_sweep
+    from normexp.executors import PoolExecutor
+    from normexp.sweep import Invocation, SweepOptions, _history_record
+
+    config = tmp_path / "s.yaml"
+    config.write_text("name: s\nbase: {model: {depth: 2, width: 8}, train: {steps: 2}}\n")
+    sweep = load_sweep(config)
+    monkeypatch.setenv("NORMEXP_MKL_PATH", "intel")
+    record = _history_record(sweep, Invocation(), SweepOptions(workers=2), 1, 1, PoolExecutor(2))
+    assert record["workers_mkl_path"] == "intel"
+    monkeypatch.setenv("NORMEXP_MKL_PATH", "own")
+    for executor, path in ((PoolExecutor(2), "own"), (PoolExecutor(2, True), "intel")):
+        assert _history_record(sweep, Invocation(), SweepOptions(), 1, 1, executor)["workers_mkl_path"] == path

@@ -76,7 +76,10 @@ def inductor_options() -> dict:
         from torch._inductor import cpp_builder
 
         compiler = cpp_builder.get_cpp_compiler()
-        trusted = cpp_builder._is_gcc(compiler) and not cpp_builder._is_gcc_version_less_than(compiler, TRUSTED_GCC)
+        older = functools.partial(cpp_builder._is_gcc_version_less_than, compiler)
+        # older() answers False where it cannot run the compiler or read its version; a version it reads is
+        # older than any GCC to come: a GCC whose version is unknown keeps the probes
+        trusted = cpp_builder._is_gcc(compiler) and older(10**6) and not older(TRUSTED_GCC)
     except Exception:  # noqa: BLE001 - torch's private helpers moved, or no compiler: inductor probes as it does
         trusted = False
     return {**INDUCTOR_CONFIGS, **({"cpp.vec_isa_ok": True} if trusted else {})}
@@ -224,15 +227,18 @@ def load_package(package: Path) -> Step:
 _LOADING = threading.Lock()  # one load at a time in a process: each removes only the folder its own load made
 
 
-def _extracted() -> set[str]:
+def _extracted(maps: str | None = None) -> set[str]:
     """The folders this process has mapped libraries from that torch's package loader extracted
-    (`aotinductor_` and six characters: its mkdtemp pattern), read from /proc/self/maps; none where there is no
-    such file (not Linux: there the folders stay until their runner is freed)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return set()
-    return set(re.findall(r"(/\S*/aotinductor_[A-Za-z0-9]{6})/", maps))
+    (`aotinductor_` and six characters: its mkdtemp pattern), read from /proc/self/maps (or `maps`); none where
+    there is no such file (not Linux: there the folders stay until their runner is freed). A line's path is all
+    that follows its fifth field, spaces included."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return set()
+    paths = (fields[5] for fields in (line.split(maxsplit=5) for line in maps.splitlines()) if len(fields) == 6)
+    return {found.group(1) for path in paths if (found := re.match(r"(/.*/aotinductor_[A-Za-z0-9]{6})/", path))}
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

@@ -19,7 +19,8 @@ faster is the CPU's, so it is measured, not assumed:
 
 On an Intel CPU MKL's own path is Intel's: nothing is measured. The path changes only the last bits of the
 fast runs trained in the workers (another kernel, another order of summation: within the fast engine's
-contract, as the batch size or compiling do, docs/fast-contract.md); the exact engines never train there, and
+contract, as the batch size or compiling do, docs/fast-contract.md); a sweep with a run the fast engine leaves
+to the exact engines (`plan.fast_unserved`), which trains in the same workers, keeps MKL's own path there, and
 the sweep's own process never takes it. `NORMEXP_MKL_PATH` overrides the measurement: `intel` (every normexp
 process takes Intel's path, the exact engines' included: `environment.set_thread_defaults`) or `own` (the
 workers too keep MKL's own choice).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -50,6 +52,7 @@ from normexp.engines.fast.plan import (
     compile_choice,
     fast_key,
     fast_serves,
+    fast_unserved,
 )
 from normexp.environment import MKL_PATH_VARIABLE, cpu_info
 
@@ -110,6 +113,10 @@ def workers_path(runs: Sequence[RunConfig], compile: bool | None = None,
         return PathChoice(asked == "intel", source=f"{MKL_PATH_VARIABLE}={asked}")
     if cpu_info().ident.startswith("GenuineIntel"):
         return PathChoice(False, source="an Intel CPU: MKL's own path is Intel's")
+    declined = sorted({key for cfg in runs for key in fast_unserved(cfg)})
+    if declined:  # the exact engines train these in the same workers: their bits must not move
+        return PathChoice(False, source=f"MKL's own: runs with {', '.join(declined)} train on the exact engines "
+                                        "in the workers")
     cfg = dominant_structure(runs, compile)
     if cfg is None:
         return PathChoice(False, source="no compiled structure to measure")
@@ -123,7 +130,9 @@ def workers_path(runs: Sequence[RunConfig], compile: bool | None = None,
     if work * (1 - MARGIN) < MEASURE_CPU_S:
         return PathChoice(False, source=f"MKL's own: not measured, ~{work:.0f} s of compiled training (estimated) "
                                         f"would not repay measuring (~{MEASURE_CPU_S:.0f} s of CPU)")
-    with locked(cache_file().with_suffix(".lock")):  # a sweep starting beside this one waits, then reads the cache
+    with contextlib.ExitStack() as lock:
+        with contextlib.suppress(OSError):  # a cache folder that cannot hold the lock: measured unlocked
+            lock.enter_context(locked(cache_file().with_suffix(".lock")))  # a sweep beside this one waits, reads
         entry = _read_cache().get(key)
         if isinstance(entry, dict) and _sound(entry):
             own, intel = float(entry["own_ms"]), float(entry["intel_ms"])
@@ -137,9 +146,12 @@ def workers_path(runs: Sequence[RunConfig], compile: bool | None = None,
             return PathChoice(False, source=f"MKL's own: measuring failed ({type(exc).__name__}: {str(exc)[:200]})")
         entries = _read_cache()
         entries[key] = {"own_ms": own, "intel_ms": intel}
-        with contextlib.suppress(OSError):  # a cache that cannot be written: the next sweep measures again
+        try:
             write_entries(cache_file(), CACHE_VERSION, entries)
-    return PathChoice(intel <= MARGIN * own, own, intel, "measured now, cached")
+            source = "measured now, cached"
+        except OSError as exc:  # a cache that cannot be written: the next sweep measures again
+            source = f"measured now, not cached ({type(exc).__name__}: {str(exc)[:200]})"
+    return PathChoice(intel <= MARGIN * own, own, intel, source)
 
 
 def compiled_seconds(runs: Sequence[RunConfig], compile: bool | None = None) -> float:
@@ -214,7 +226,10 @@ def measure(cfg: RunConfig, size: int) -> tuple[float, float]:
             for path, child in children.items():
                 child.stdin.write("go\n")  # type: ignore[union-attr]
                 child.stdin.flush()  # type: ignore[union-attr]
-                passes[path] += json.loads(_answer(path, child))
+                times = json.loads(_answer(path, child))
+                if not (isinstance(times, list) and times and all(type(t) in (int, float) for t in times)):
+                    raise ValueError(f"measuring MKL's {path} path: {times!r:.200} is no list of seconds")
+                passes[path] += times
         for child in children.values():
             child.stdin.close()  # type: ignore[union-attr]
             child.wait()
@@ -239,9 +254,11 @@ def _answer(path: str, child: subprocess.Popen) -> str:
 def _child() -> None:
     """A measuring process: records the matrix products of one eager step of the batch it is sent (one line of
     JSON), says "ready", then at each "go" times PASSES passes of them replayed and prints their seconds."""
-    from normexp.environment import set_thread_defaults
+    from normexp.environment import set_thread_defaults, take_mkl_intel_path
 
     set_thread_defaults()  # NORMEXP_MKL_PATH=intel: Intel's path, before torch loads
+    if requested() == "intel" and (why := take_mkl_intel_path()):  # else it would time MKL's own path as Intel's
+        sys.exit(f"MKL's Intel path cannot be taken here: {why}")
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -323,10 +340,9 @@ def workers_summary() -> str:
 
 
 def _sound(entry: dict) -> bool:
-    try:
-        return float(entry["own_ms"]) > 0 and float(entry["intel_ms"]) > 0
-    except (KeyError, TypeError, ValueError):
-        return False
+    """Two measured times: finite positive numbers (a hand-edited file may hold strings, booleans, Infinity)."""
+    times = (entry.get("own_ms"), entry.get("intel_ms"))
+    return all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in times)
 
 
 def _read_cache() -> dict:
