@@ -248,3 +248,13 @@ def test_history_records_intel_s_path_for_workers_the_user_sent_there(monkeypatc
     monkeypatch.setenv("NORMEXP_MKL_PATH", "own")
     for executor, path in ((PoolExecutor(2), "own"), (PoolExecutor(2, True), "intel")):
         assert _history_record(sweep, Invocation(), SweepOptions(), 1, 1, executor)["workers_mkl_path"] == path
+
+
+def test_a_cache_file_whose_version_is_true_is_not_read(tmp_path):
+    from normexp.engines.cache import read_entries
+
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps({"version": True, "entries": {"k": {}}}))
+    assert read_entries(path, 1) == {}
+    path.write_text(json.dumps({"version": 1, "entries": {"k": {}}}))
+    assert read_entries(path, 1) == {"k": {}}

@@ -52,7 +52,8 @@ def read_entries(path: Path, version: int) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):  # RecursionError: a file of nested brackets
         return {}
-    if not isinstance(data, dict) or data.get("version") != version or not isinstance(data.get("entries"), dict):
+    if (not isinstance(data, dict) or type(data.get("version")) is not int or data["version"] != version
+            or not isinstance(data.get("entries"), dict)):  # `is not int`: true == 1 in JSON read by Python
         return {}
     return data["entries"]
 
