@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from types import ModuleType
 
 from normexp import __version__
@@ -66,23 +67,38 @@ _MKL_SHIM_LOADED: list[str] = []  # the library's path, once this process loaded
 
 def take_mkl_intel_path() -> str | None:
     """Have MKL take its Intel code path on this CPU whatever its vendor: a one-function library (built once
-    with the C compiler into a per-user temporary folder) loaded into the process's global scope before torch,
-    so that MKL's own vendor check, which torch's MKL calls through its symbol table, finds its answer there.
-    MKL then picks its kernels by the CPU's ISA (AVX-512 on a Zen 4), as it does on an Intel CPU. Every result
-    that goes through MKL may change in its last bits (another order of summation in another kernel), the
-    exact engines' included, so it is the user's choice (`NORMEXP_MKL_PATH=intel`), never a default. Returns
-    why it was not taken (torch loaded already, not Linux, no C compiler, the build failed), or None."""
+    with the C compiler into a per-user temporary folder: `mkl_intel_library`) loaded into the process's global
+    scope before torch, so that MKL's own vendor check, which torch's MKL calls through its symbol table, finds
+    its answer there. MKL then picks its kernels by the CPU's ISA (AVX-512 on a Zen 4), as it does on an Intel
+    CPU. Every result that goes through MKL may change in its last bits (another order of summation in another
+    kernel), the exact engines' included, so it is the user's choice (`NORMEXP_MKL_PATH=intel`), never a default
+    but in a compiled fast sweep's workers where measured faster (engines/fast/mkl_path.py). Returns why it was
+    not taken (torch loaded already, not Linux, no C compiler, the build failed), or None."""
     if _MKL_SHIM_LOADED:
         return None
     if "torch" in sys.modules:
         return "torch is loaded already (MKL chose its path at its first call)"
+    library = mkl_intel_library()
+    if isinstance(library, str):
+        return library
+    import ctypes
+
+    try:
+        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+    except OSError as exc:
+        return f"loading its library failed ({exc})"
+    _MKL_SHIM_LOADED.append(str(library))
+    return None
+
+
+def mkl_intel_library() -> Path | str:
+    """The library that answers MKL's vendor question, built once with the C compiler into a per-user temporary
+    folder (not loaded); or why there is none (not Linux, no C compiler, the build failed)."""
     if not sys.platform.startswith("linux"):
         return f"not on {sys.platform} (Linux only)"
-    import ctypes
     import hashlib
     import shutil
     import tempfile
-    from pathlib import Path
 
     compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if compiler is None:
@@ -106,12 +122,7 @@ def take_mkl_intel_path() -> str | None:
         finally:
             for stray in (c_file, built):
                 stray.unlink(missing_ok=True)
-    try:
-        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
-    except OSError as exc:
-        return f"loading its library failed ({exc})"
-    _MKL_SHIM_LOADED.append(str(library))
-    return None
+    return library
 
 
 def mkl_path(torch: ModuleType) -> str:

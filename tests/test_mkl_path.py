@@ -27,6 +27,7 @@ def measuring(monkeypatch, tmp_path):
     monkeypatch.delenv("NORMEXP_MKL_PATH", raising=False)
     monkeypatch.setenv("NORMEXP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(mkl_path, "MEASURE_CPU_S", 0.0)  # these toy sweeps repay any measurement
+    monkeypatch.setattr(mkl_path, "mkl_intel_library", lambda: tmp_path / "library.so")  # Intel's path can be taken
     monkeypatch.setattr(mkl_path, "cpu_info", lambda: CpuInfo("AMD EPYC", ("avx2", "avx512f"), "/proc/cpuinfo",
                                                               "AuthenticAMD family 25 model 17"))
     class Calls(list):
@@ -248,6 +249,17 @@ def test_history_records_intel_s_path_for_workers_the_user_sent_there(monkeypatc
     monkeypatch.setenv("NORMEXP_MKL_PATH", "own")
     for executor, path in ((PoolExecutor(2), "own"), (PoolExecutor(2, True), "intel")):
         assert _history_record(sweep, Invocation(), SweepOptions(), 1, 1, executor)["workers_mkl_path"] == path
+
+
+def test_a_cached_intel_choice_that_can_no_longer_be_taken_keeps_mkl_s_own_path(measuring, monkeypatch):
+    """Measured on a machine with a C compiler, read back where there is none: the workers could not load the
+    library that answers MKL, so the sweep says MKL's own path and why, instead of Intel's."""
+    runs = [phase()] * 8
+    assert mkl_path.workers_path(runs, compile=True).intel
+    monkeypatch.setattr(mkl_path, "mkl_intel_library", lambda: "no C compiler (cc, gcc) to build its library")
+    choice = mkl_path.workers_path(runs, compile=True)
+    assert not choice.intel and "Intel's cannot be taken here (no C compiler" in choice.note()
+    assert len(measuring) == 1  # read from the cache, not measured again
 
 
 def test_a_cache_file_whose_version_is_true_is_not_read(tmp_path):

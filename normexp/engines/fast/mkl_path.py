@@ -54,7 +54,7 @@ from normexp.engines.fast.plan import (
     fast_serves,
     fast_unserved,
 )
-from normexp.environment import MKL_PATH_VARIABLE, cpu_info
+from normexp.environment import MKL_PATH_VARIABLE, cpu_info, mkl_intel_library
 
 CACHE_VERSION = 1
 MARGIN = 0.95  # Intel's path must save at least 5% of the products' time: a tie (within noise) keeps MKL's own
@@ -113,6 +113,14 @@ def workers_path(runs: Sequence[RunConfig], compile: bool | None = None,
         return PathChoice(asked == "intel", source=f"{MKL_PATH_VARIABLE}={asked}")
     if cpu_info().ident.startswith("GenuineIntel"):
         return PathChoice(False, source="an Intel CPU: MKL's own path is Intel's")
+    choice = _decide(runs, compile, notify)
+    if choice.intel and isinstance(why := mkl_intel_library(), str):  # a cached choice, the compiler gone since
+        return PathChoice(False, choice.own_ms, choice.intel_ms, f"MKL's own: Intel's cannot be taken here ({why})")
+    return choice
+
+
+def _decide(runs: Sequence[RunConfig], compile: bool | None, notify: Callable[[str], None] | None) -> PathChoice:
+    """`workers_path` past the user's choice and an Intel CPU: the runs' exact engines, the cache, the measurement."""
     declined = sorted({key for cfg in runs for key in fast_unserved(cfg)})
     if declined:  # the exact engines train these in the same workers: their bits must not move
         return PathChoice(False, source=f"MKL's own: runs with {', '.join(declined)} train on the exact engines "
