@@ -86,7 +86,7 @@ def test_measured_once_then_read_from_the_cache(measuring):
     assert [size for _, size in measuring] == [16]  # the structure's compiled batch: block by block, 16 runs
     again = mkl_path.workers_path(runs, compile=True)
     assert again.intel and again.source == "a cached measurement" and len(measuring) == 1
-    assert "Intel's for 1 of 1 measured shapes, MKL's own for the rest (Intel's 1.25x on" in mkl_path.workers_summary()
+    assert "Intel's for 1 of 1 measured shapes (Intel's 1.25x on" in mkl_path.workers_summary()
 
 
 def test_a_gain_within_the_margin_keeps_mkl_s_own_path(measuring):
@@ -260,6 +260,15 @@ def test_a_cached_intel_choice_that_can_no_longer_be_taken_keeps_mkl_s_own_path(
     choice = mkl_path.workers_path(runs, compile=True)
     assert not choice.intel and "Intel's cannot be taken here (no C compiler" in choice.note()
     assert len(measuring) == 1  # read from the cache, not measured again
+
+
+def test_doctor_names_the_rest_only_where_some_shape_kept_mkl_s_own_path(measuring):
+    mkl_path.workers_path([phase()] * 8, compile=True)
+    assert "for the rest" not in mkl_path.workers_summary()
+    measuring.times["value"] = (10.0, 9.9)
+    mkl_path.workers_path([phase(model={"depth": 5, "width": 16})] * 8, compile=True)
+    summary = mkl_path.workers_summary()
+    assert "Intel's for 1 of 2 measured shapes, MKL's own for the rest (Intel's 1.01-1.25x" in summary
 
 
 def test_a_cache_file_whose_version_is_true_is_not_read(tmp_path):

@@ -342,7 +342,8 @@ def workers_summary() -> str:
                 f"cached in {cache_file()})")
     intel = sum(i <= MARGIN * o for o, i in pairs)
     low, high = (f"{r:.2f}" for r in (min(o / i for o, i in pairs), max(o / i for o, i in pairs)))
-    return (f"Intel's for {intel} of {len(pairs)} measured shapes, MKL's own for the rest (Intel's "
+    rest = ", MKL's own for the rest" if intel < len(pairs) else ""
+    return (f"Intel's for {intel} of {len(pairs)} measured shapes{rest} (Intel's "
             f"{low if low == high else f'{low}-{high}'}x on the step's products, needs >= {1 / MARGIN:.2f}x; "
             f"{cache_file()})")
 
