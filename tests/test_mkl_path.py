@@ -101,7 +101,7 @@ def test_a_sweep_too_short_to_repay_the_measurement_is_not_measured(measuring, m
     ~4 s of measuring with a 5% gain; 16 of its runs do not, and keep MKL's own path, unmeasured and uncached."""
     monkeypatch.setattr(mkl_path, "MEASURE_CPU_S", 4.0)
     grid = [phase(model={"depth": 24, "width": 32}, seed=s) for s in range(2048)]
-    assert mkl_path.compiled_seconds(grid, compile=True) == pytest.approx(131, abs=1)
+    assert mkl_path.compiled_seconds(mkl_path.compiled_runs(grid, compile=True)) == pytest.approx(131, abs=1)
     short = mkl_path.workers_path(grid[:16], compile=True)
     assert not short.intel and "not measured" in short.note() and measuring == []
     assert mkl_path.workers_path(grid, compile=True).intel and len(measuring) == 1
@@ -128,8 +128,8 @@ def test_an_unsound_cache_entry_is_measured_again(measuring):
 def test_the_structure_measured_is_the_one_with_most_model_steps():
     small = [phase(seed=s) for s in range(3)]
     big = [phase(model={"depth": 8, "width": 16}, seed=s) for s in range(5)]
-    assert mkl_path.dominant_structure(small + big, compile=True) is big[0]
-    assert mkl_path.dominant_structure(small + big, compile=False) is None
+    assert mkl_path.dominant_structure(mkl_path.compiled_runs(small + big, compile=True)) is big[0]
+    assert mkl_path.dominant_structure(mkl_path.compiled_runs(small + big, compile=False)) is None
 
 
 @pytest.mark.process

@@ -125,26 +125,23 @@ def _decide(runs: Sequence[RunConfig], compile: bool | None, notify: Callable[[s
     if declined:  # the exact engines train these in the same workers: their bits must not move
         return PathChoice(False, source=f"MKL's own: runs with {', '.join(declined)} train on the exact engines "
                                         "in the workers")
-    cfg = dominant_structure(runs, compile)
+    compiled = compiled_runs(runs, compile)
+    cfg = dominant_structure(compiled)
     if cfg is None:
         return PathChoice(False, source="no compiled structure to measure")
     size = chunk_runs(cfg, True)
     key = cache_key(cfg, size)
-    entry = _read_cache().get(key)
-    if isinstance(entry, dict) and _sound(entry):
-        own, intel = float(entry["own_ms"]), float(entry["intel_ms"])
-        return PathChoice(intel <= MARGIN * own, own, intel, "a cached measurement")
-    work = compiled_seconds(runs, compile)
+    if (cached := _cached(key)) is not None:
+        return cached
+    work = compiled_seconds(compiled)
     if work * (1 - MARGIN) < MEASURE_CPU_S:
         return PathChoice(False, source=f"MKL's own: not measured, ~{work:.0f} s of compiled training (estimated) "
                                         f"would not repay measuring (~{MEASURE_CPU_S:.0f} s of CPU)")
     with contextlib.ExitStack() as lock:
         with contextlib.suppress(OSError):  # a cache folder that cannot hold the lock: measured unlocked
             lock.enter_context(locked(cache_file().with_suffix(".lock")))  # a sweep beside this one waits, reads
-        entry = _read_cache().get(key)
-        if isinstance(entry, dict) and _sound(entry):
-            own, intel = float(entry["own_ms"]), float(entry["intel_ms"])
-            return PathChoice(intel <= MARGIN * own, own, intel, "a cached measurement")
+        if (cached := _cached(key)) is not None:
+            return cached
         if notify is not None:
             notify("measuring MKL's two code paths on the step's matrix products, for the workers (once per CPU, "
                    "torch build and shape)")
@@ -162,27 +159,39 @@ def _decide(runs: Sequence[RunConfig], compile: bool | None, notify: Callable[[s
     return PathChoice(intel <= MARGIN * own, own, intel, source)
 
 
-def compiled_seconds(runs: Sequence[RunConfig], compile: bool | None = None) -> float:
-    """CPU seconds the compiled structures of `runs` train for, estimated from their FLOPs as the plan estimates
-    (`plan.should_compile`; on the Zen 4 of docs/performance.md the phase grid's ~131 s estimated took ~200)."""
-    served = [cfg for cfg in runs if fast_serves(cfg)]
-    choice = compile_choice(served, compile)
-    return sum((cfg.train.steps + 1) * model_step_flops(cfg) / EAGER_FLOP_RATE / COMPILE_SPEEDUP
-               for cfg in served if choice.get(fast_key(cfg)))
+def _cached(key: str) -> PathChoice | None:
+    """The choice the cache's sound entry `key` makes, or None."""
+    entry = _read_cache().get(key)
+    if not (isinstance(entry, dict) and _sound(entry)):
+        return None
+    own, intel = float(entry["own_ms"]), float(entry["intel_ms"])
+    return PathChoice(intel <= MARGIN * own, own, intel, "a cached measurement")
 
 
-def dominant_structure(runs: Sequence[RunConfig], compile: bool | None = None) -> RunConfig | None:
-    """The first run of the compiled structure (`fast_key`) with the most planned model-steps; None where none
-    compiles."""
+def compiled_runs(runs: Sequence[RunConfig], compile: bool | None = None) -> list[RunConfig]:
+    """The runs of `runs` the fast engine trains with a compiled step (`compile_choice`, as the sweep's plan
+    decides)."""
     served = [cfg for cfg in runs if fast_serves(cfg)]
     choice = compile_choice(served, compile)
+    return [cfg for cfg in served if choice[fast_key(cfg)]]
+
+
+def compiled_seconds(compiled: Sequence[RunConfig]) -> float:
+    """CPU seconds the `compiled` runs (`compiled_runs`) train for, estimated from their FLOPs as the plan
+    estimates (`plan.should_compile`; on the Zen 4 of docs/performance.md the phase grid's ~131 s estimated took
+    ~200)."""
+    return sum((cfg.train.steps + 1) * model_step_flops(cfg) / EAGER_FLOP_RATE / COMPILE_SPEEDUP for cfg in compiled)
+
+
+def dominant_structure(compiled: Sequence[RunConfig]) -> RunConfig | None:
+    """The first of the `compiled` runs (`compiled_runs`) of the structure (`fast_key`) with the most planned
+    model-steps; None where there is none."""
     steps: dict[tuple, int] = {}
     first: dict[tuple, RunConfig] = {}
-    for cfg in served:
+    for cfg in compiled:
         key = fast_key(cfg)
-        if choice.get(key):
-            first.setdefault(key, cfg)
-            steps[key] = steps.get(key, 0) + cfg.train.steps + 1
+        first.setdefault(key, cfg)
+        steps[key] = steps.get(key, 0) + cfg.train.steps + 1
     return first[max(steps, key=steps.__getitem__)] if steps else None
 
 
