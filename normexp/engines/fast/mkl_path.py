@@ -53,6 +53,7 @@ from normexp.engines.fast.plan import (
     fast_key,
     fast_serves,
     fast_unserved,
+    structures,
 )
 from normexp.environment import MKL_PATH_VARIABLE, cpu_info, mkl_intel_library
 
@@ -186,13 +187,8 @@ def compiled_seconds(compiled: Sequence[RunConfig]) -> float:
 def dominant_structure(compiled: Sequence[RunConfig]) -> RunConfig | None:
     """The first of the `compiled` runs (`compiled_runs`) of the structure (`fast_key`) with the most planned
     model-steps; None where there is none."""
-    steps: dict[tuple, int] = {}
-    first: dict[tuple, RunConfig] = {}
-    for cfg in compiled:
-        key = fast_key(cfg)
-        first.setdefault(key, cfg)
-        steps[key] = steps.get(key, 0) + cfg.train.steps + 1
-    return first[max(steps, key=steps.__getitem__)] if steps else None
+    found = structures(compiled).values()
+    return max(found, key=lambda structure: structure[1])[0] if found else None
 
 
 def machine_key() -> str:

@@ -88,16 +88,21 @@ def should_compile(cfg: RunConfig, model_steps: int) -> bool:
     return compile_pays(model_steps, model_step_flops(cfg) / EAGER_FLOP_RATE, compile_s)
 
 
+def structures(planned: Iterable[RunConfig]) -> dict[tuple, tuple[RunConfig, int]]:
+    """Each structure (`fast_key`) of the `planned` runs: its first run and the model-steps planned for it."""
+    found: dict[tuple, tuple[RunConfig, int]] = {}
+    for cfg in planned:
+        key = fast_key(cfg)
+        first, model_steps = found.get(key, (cfg, 0))
+        found[key] = (first, model_steps + cfg.train.steps + 1)
+    return found
+
+
 def compile_choice(planned: Iterable[RunConfig], compile: bool | None = None) -> dict[tuple, bool]:
     """Whether each structure (`fast_key`) of the `planned` runs compiles: `compile` where it is given (--compile,
     --no-compile), else whether the model-steps planned for it pay for the compile (`should_compile`)."""
-    first: dict[tuple, RunConfig] = {}
-    model_steps: dict[tuple, int] = {}
-    for cfg in planned:
-        key = fast_key(cfg)
-        first.setdefault(key, cfg)
-        model_steps[key] = model_steps.get(key, 0) + cfg.train.steps + 1
-    return {key: should_compile(cfg, model_steps[key]) if compile is None else compile for key, cfg in first.items()}
+    return {key: should_compile(cfg, model_steps) if compile is None else compile
+            for key, (cfg, model_steps) in structures(planned).items()}
 
 
 def plan_fast(runs: Sequence[RunConfig], compiled: Callable[[RunConfig], bool] = lambda cfg: False
