@@ -184,3 +184,70 @@ def test_a_library_extracted_under_a_folder_with_spaces_is_removed_too(tmp_path,
     assert runner.library.normexp_test_answer() == 42 and not folder.exists()
     maps = "7f00-7f01 r-xp 00000000 08:01 42 /tmp/x /tmp/aotinductor_Other1/model.so\n"
     assert aot._extracted(maps) == {"/tmp/x /tmp/aotinductor_Other1"}
+
+
+class _Builder:
+    """A stand-in for inductor's CppBuilder: builds (records, writes) its target."""
+
+    def __init__(self, target: Path, built: list, header: bool = True) -> None:
+        self.target, self.built = target, built
+        self._precompiling = header
+
+    def get_target_file_path(self) -> str:
+        return str(self.target)
+
+    def build(self) -> None:
+        self.built.append(self.target.name)
+        self.target.write_text("built")
+
+
+@pytest.fixture
+def header_locks(tmp_path, monkeypatch):
+    """Inductor's header lock folder in tmp_path; CppBuilder.build recording non-header builds."""
+    from torch._inductor import codecache
+    from torch._inductor.cpp_builder import CppBuilder
+
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(locks))
+    monkeypatch.setattr(CppBuilder, "build", lambda self: self.built.append(self.target.name))
+    return codecache, CppBuilder, locks
+
+
+def test_a_header_another_process_builds_is_left_until_a_build_reads_it(header_locks, tmp_path):
+    """Two processes building inductor's two precompiled headers: the one whose lock is held elsewhere is not
+    waited for (the other header is built meanwhile); the first non-header build waits for it, and builds it
+    where the holder left it unbuilt. Without `_headers_in_parallel` the second header waits for the first's
+    lock (it was built after the holder let go)."""
+    import threading
+
+    from torch.utils._filelock import FileLock
+
+    codecache, builder_type, locks = header_locks
+    built: list[str] = []
+    holder = FileLock(str(locks / "wrapper.lock"), thread_local=False)  # released by the timer's thread
+    holder.acquire()
+    released = threading.Timer(1.0, lambda: (built.append("released"), holder.release()))
+    released.start()
+    try:
+        with aot._headers_in_parallel():
+            codecache._worker_compile_cpp(str(locks / "wrapper.lock"), [_Builder(tmp_path / "wrapper.gch", built)])
+            codecache._worker_compile_cpp(str(locks / "kernel.lock"), [_Builder(tmp_path / "kernel.gch", built)])
+            assert built == ["kernel.gch"]  # built while the other process held the wrapper header's lock
+            builder_type.build(_Builder(tmp_path / "wrapper.o", built, header=False))
+    finally:
+        released.join()
+    # the holder let go without building its header: this process built it, before the build that reads it
+    assert built == ["kernel.gch", "released", "wrapper.gch", "wrapper.o"]
+
+
+def test_headers_and_other_locks_pass_through_where_nobody_else_holds_them(header_locks, tmp_path):
+    codecache, _, locks = header_locks
+    built: list[str] = []
+    (tmp_path / "done.gch").write_text("built earlier")
+    with aot._headers_in_parallel():
+        codecache._worker_compile_cpp(str(locks / "a.lock"), [_Builder(tmp_path / "a.gch", built)])
+        codecache._worker_compile_cpp(str(locks / "done.lock"), [_Builder(tmp_path / "done.gch", built)])
+        codecache._worker_compile_cpp(str(tmp_path / "other.lock"), [_Builder(tmp_path / "k.so", built, False)])
+    assert built == ["a.gch", "k.so"]
+    assert codecache._worker_compile_cpp.__name__ == "_worker_compile_cpp"  # unpatched after the compile

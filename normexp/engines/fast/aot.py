@@ -50,6 +50,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -194,12 +195,62 @@ def compile_package(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
         try:
-            files = aot_compile(graph, tuple(inputs), options={**inductor_options(), "aot_inductor.package": True})
+            with _headers_in_parallel():
+                files = aot_compile(graph, tuple(inputs), options={**inductor_options(), "aot_inductor.package": True})
             package_aoti(str(tmp), files)
             os.replace(tmp, package)
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+@contextlib.contextmanager
+def _headers_in_parallel() -> Iterator[None]:
+    """Inductor's precompiled headers built by two processes at once. A compile builds two (the wrapper's and
+    the kernels', ~6 s of gcc each) into one folder for the machine, in turn, each under its own lock; a second
+    process compiling meanwhile waited on the first's lock with its core idle (two workers of a cold sweep on
+    a fresh machine: ~12 s, one core idle). Here a header whose lock another process holds is not waited for
+    but left for later, so this process builds the other header meanwhile; before it compiles anything that
+    reads a header (a non-header build), it waits for the headers it left, and builds any the other process
+    left unbuilt (it died). gcc reads the same headers either way: what the package holds is unchanged. Where
+    torch's private helpers are not as expected, the compile runs as it does (nothing patched)."""
+    try:
+        from filelock import Timeout
+        from torch._inductor import codecache
+        from torch._inductor.cpp_builder import CppBuilder
+        from torch.utils._filelock import FileLock
+
+        header_locks = Path(codecache._HEADER_LOCK_DIR)
+        compile_under_lock, build = codecache._worker_compile_cpp, CppBuilder.build
+    except (ImportError, AttributeError):
+        yield
+        return
+    left: list[tuple[str, Any]] = []
+
+    def headers_first(lock_path: str, builders: Any) -> None:
+        if Path(lock_path).parent != header_locks:
+            return compile_under_lock(lock_path, builders)
+        try:
+            with FileLock(lock_path, timeout=0):
+                for builder in builders:
+                    if not os.path.exists(builder.get_target_file_path()):
+                        builder.build()
+        except Timeout:  # another process builds it: build the next one meanwhile
+            left.append((lock_path, builders))
+        return None
+
+    def build_after_headers(self: Any) -> None:
+        if not (getattr(self, "_precompiling", False) or getattr(self, "_preprocessing", False)):
+            while left:
+                compile_under_lock(*left.pop(0))  # waits for its lock; builds it if it is still missing
+        return build(self)
+
+    with _PATCHING, mock.patch.object(codecache, "_worker_compile_cpp", headers_first), \
+            mock.patch.object(CppBuilder, "build", build_after_headers):
+        yield
+
+
+_PATCHING = threading.Lock()  # one compile at a time patches inductor's helpers in a process
 
 
 def load_package(package: Path) -> Step:
