@@ -251,3 +251,46 @@ def test_headers_and_other_locks_pass_through_where_nobody_else_holds_them(heade
         codecache._worker_compile_cpp(str(tmp_path / "other.lock"), [_Builder(tmp_path / "k.so", built, False)])
     assert built == ["a.gch", "k.so"]
     assert codecache._worker_compile_cpp.__name__ == "_worker_compile_cpp"  # unpatched after the compile
+
+
+@pytest.mark.parametrize("fails", ["before_any_build", "building_the_left_header"])
+def test_a_header_left_for_later_is_not_trusted_after_the_compile_raises(header_locks, tmp_path, monkeypatch,
+                                                                          fails):
+    """Inductor keeps each precompiled header's path for the process (`_precompile_header` is functools.cache'd),
+    so a later compile includes it without taking its lock. A header left for later that no build waited for
+    (the compile raised first, or building it raised) must not stay so: the next compile in the process (after a
+    failed compile a batch trains uncompiled, the next batch compiles again) would read a .gch the other process
+    may still be writing (gcc 12: "while reading precompiled header", a failed compile)."""
+    import functools
+
+    from torch.utils._filelock import FileLock
+
+    codecache, builder_type, locks = header_locks
+    built: list[str] = []
+    runs: list[str] = []
+    header = tmp_path / "wrapper.gch"
+
+    class _Failing(_Builder):
+        def build(self) -> None:
+            raise RuntimeError("gcc failed")
+
+    @functools.cache
+    def precompile_header(name: str) -> str:  # inductor's, without the preprocessing and the hashes
+        kind = _Failing if fails == "building_the_left_header" and not runs else _Builder
+        runs.append(name)
+        codecache._worker_compile_cpp(str(locks / f"{name}.lock"), [kind(header, built)])
+        return str(header)
+
+    monkeypatch.setattr(codecache, "_precompile_header", precompile_header)
+    holder = FileLock(str(locks / "wrapper.lock"), thread_local=False)
+    with pytest.raises(RuntimeError):
+        with aot._headers_in_parallel():
+            holder.acquire()  # another process compiles the wrapper's header
+            codecache._precompile_header("wrapper")
+            holder.release()  # it died without building it
+            if fails == "before_any_build":
+                raise RuntimeError("the kernels' header failed")
+            builder_type.build(_Builder(tmp_path / "wrapper.o", built, header=False))
+    assert runs == ["wrapper"] and not header.exists()
+    codecache._precompile_header("wrapper")  # the next compile: the header is looked for again, under its lock
+    assert runs == ["wrapper", "wrapper"] and header.exists()

@@ -212,8 +212,12 @@ def _headers_in_parallel() -> Iterator[None]:
     a fresh machine: ~12 s, one core idle). Here a header whose lock another process holds is not waited for
     but left for later, so this process builds the other header meanwhile; before it compiles anything that
     reads a header (a non-header build), it waits for the headers it left, and builds any the other process
-    left unbuilt (it died). gcc reads the same headers either way: what the package holds is unchanged. Where
-    torch's private helpers are not as expected, the compile runs as it does (nothing patched)."""
+    left unbuilt (it died). gcc reads the same headers either way: what the package holds is unchanged. Inductor
+    keeps a header's path for the process once looked for (`_precompile_header` is functools.cache'd) and later
+    compiles include it without its lock: a header left for later that no build waited for (the compile raised
+    first, or building it did) is forgotten with the others, so the next compile takes its lock again instead of
+    reading a .gch the other process may be writing (gcc: "while reading precompiled header"). Where torch's
+    private helpers are not as expected, the compile runs as it does (nothing patched)."""
     try:
         from filelock import Timeout
         from torch._inductor import codecache
@@ -222,6 +226,7 @@ def _headers_in_parallel() -> Iterator[None]:
 
         header_locks = Path(codecache._HEADER_LOCK_DIR)
         compile_under_lock, build = codecache._worker_compile_cpp, CppBuilder.build
+        forget_headers = codecache._precompile_header.cache_clear
     except (ImportError, AttributeError):
         yield
         return
@@ -242,12 +247,18 @@ def _headers_in_parallel() -> Iterator[None]:
     def build_after_headers(self: Any) -> None:
         if not (getattr(self, "_precompiling", False) or getattr(self, "_preprocessing", False)):
             while left:
-                compile_under_lock(*left.pop(0))  # waits for its lock; builds it if it is still missing
+                compile_under_lock(*left[0])  # waits for its lock; builds it if it is still missing
+                left.pop(0)
         return build(self)
 
-    with _PATCHING, mock.patch.object(codecache, "_worker_compile_cpp", headers_first), \
-            mock.patch.object(CppBuilder, "build", build_after_headers):
-        yield
+    try:
+        with _PATCHING, mock.patch.object(codecache, "_worker_compile_cpp", headers_first), \
+                mock.patch.object(CppBuilder, "build", build_after_headers):
+            yield
+    finally:
+        if left:  # no build waited for it: inductor must look for it again, under its lock
+            left.clear()
+            forget_headers()
 
 
 _PATCHING = threading.Lock()  # one compile at a time patches inductor's helpers in a process
