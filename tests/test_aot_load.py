@@ -294,3 +294,57 @@ def test_a_header_left_for_later_is_not_trusted_after_the_compile_raises(header_
     assert runs == ["wrapper"] and not header.exists()
     codecache._precompile_header("wrapper")  # the next compile: the header is looked for again, under its lock
     assert runs == ["wrapper", "wrapper"] and header.exists()
+
+
+def test_another_threads_compile_waits_for_a_header_as_inductor_does(header_locks, tmp_path):
+    """The helpers are patched for the whole process while one thread compiles a package: a compile in another
+    thread (a torch.compile, or a second package) meanwhile is inductor's own, unchanged. Left for later in the
+    first thread's list, its header could be read unbuilt once the first compile's patch was undone (or waited
+    for by a build of the first thread's); and a second package waited for the whole first compile."""
+    import threading
+
+    from torch.utils._filelock import FileLock
+
+    codecache, builder_type, locks = header_locks
+    built: list[str] = []
+    holder = FileLock(str(locks / "wrapper.lock"), thread_local=False)
+    holder.acquire()
+    released = threading.Timer(0.5, lambda: (built.append("released"), holder.release()))
+    seen: list[list[str]] = []
+
+    def other_thread() -> None:
+        codecache._worker_compile_cpp(str(locks / "wrapper.lock"), [_Builder(tmp_path / "wrapper.gch", built)])
+        seen.append(list(built))  # inductor's: returns once the header is there
+        with aot._headers_in_parallel():  # a second package's compile does not wait for the first one's
+            seen.append(list(built))
+
+    with aot._headers_in_parallel():
+        released.start()
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(timeout=10)
+        builder_type.build(_Builder(tmp_path / "main.o", built, header=False))
+    released.join()
+    assert seen == [["released", "wrapper.gch"], ["released", "wrapper.gch"]]
+    assert built == ["released", "wrapper.gch", "main.o"]
+
+
+def test_a_build_in_another_thread_waits_for_a_header_the_compiling_thread_left(header_locks, tmp_path):
+    """Inductor looks for a kernel's headers in the compiling thread and may build the kernel in its pool's."""
+    import threading
+
+    from torch.utils._filelock import FileLock
+
+    codecache, builder_type, locks = header_locks
+    built: list[str] = []
+    holder = FileLock(str(locks / "kernel.lock"), thread_local=False)
+    holder.acquire()
+    released = threading.Timer(0.5, lambda: (built.append("released"), holder.release()))
+    with aot._headers_in_parallel():
+        codecache._worker_compile_cpp(str(locks / "kernel.lock"), [_Builder(tmp_path / "kernel.gch", built)])
+        released.start()
+        pool = threading.Thread(target=builder_type.build, args=(_Builder(tmp_path / "kernel.so", built, False),))
+        pool.start()
+        pool.join(timeout=10)
+    released.join()
+    assert built == ["released", "kernel.gch", "kernel.so"]

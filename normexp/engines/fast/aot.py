@@ -216,8 +216,11 @@ def _headers_in_parallel() -> Iterator[None]:
     keeps a header's path for the process once looked for (`_precompile_header` is functools.cache'd) and later
     compiles include it without its lock: a header left for later that no build waited for (the compile raised
     first, or building it did) is forgotten with the others, so the next compile takes its lock again instead of
-    reading a .gch the other process may be writing (gcc: "while reading precompiled header"). Where torch's
-    private helpers are not as expected, the compile runs as it does (nothing patched)."""
+    reading a .gch the other process may be writing (gcc: "while reading precompiled header"). The helpers are
+    patched for the whole process, but only the compiling thread leaves headers for later: another thread's
+    compile meanwhile (a torch.compile, a second package, whose patch is then left out) waits for its headers as
+    inductor does, and any thread's build waits for those left (inductor's pool builds a kernel). Where
+    torch's private helpers are not as expected, the compile runs as it does (nothing patched)."""
     try:
         from filelock import Timeout
         from torch._inductor import codecache
@@ -230,10 +233,14 @@ def _headers_in_parallel() -> Iterator[None]:
     except (ImportError, AttributeError):
         yield
         return
+    if not _PATCHING.acquire(blocking=False):  # another thread's compile patches them: its own passes this one's
+        yield
+        return
     left: list[tuple[str, Any]] = []
+    compiling, draining = threading.get_ident(), threading.Lock()
 
     def headers_first(lock_path: str, builders: Any) -> None:
-        if Path(lock_path).parent != header_locks:
+        if Path(lock_path).parent != header_locks or threading.get_ident() != compiling:
             return compile_under_lock(lock_path, builders)
         try:
             with FileLock(lock_path, timeout=0):
@@ -246,22 +253,24 @@ def _headers_in_parallel() -> Iterator[None]:
 
     def build_after_headers(self: Any) -> None:
         if not (getattr(self, "_precompiling", False) or getattr(self, "_preprocessing", False)):
-            while left:
-                compile_under_lock(*left[0])  # waits for its lock; builds it if it is still missing
-                left.pop(0)
+            with draining:  # in any thread: inductor's compile pool builds what the compiling thread looked for
+                while left:
+                    compile_under_lock(*left[0])  # waits for its lock; builds it if it is still missing
+                    left.pop(0)
         return build(self)
 
     try:
-        with _PATCHING, mock.patch.object(codecache, "_worker_compile_cpp", headers_first), \
+        with mock.patch.object(codecache, "_worker_compile_cpp", headers_first), \
                 mock.patch.object(CppBuilder, "build", build_after_headers):
             yield
     finally:
         if left:  # no build waited for it: inductor must look for it again, under its lock
             left.clear()
             forget_headers()
+        _PATCHING.release()
 
 
-_PATCHING = threading.Lock()  # one compile at a time patches inductor's helpers in a process
+_PATCHING = threading.Lock()  # one compile at a time patches inductor's helpers in a process; others run unpatched
 
 
 def load_package(package: Path) -> Step:
