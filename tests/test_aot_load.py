@@ -348,3 +348,12 @@ def test_a_build_in_another_thread_waits_for_a_header_the_compiling_thread_left(
         pool.join(timeout=10)
     released.join()
     assert built == ["released", "kernel.gch", "kernel.so"]
+
+
+def test_a_header_builder_passed_alone_as_older_torch_passes_it_is_built(header_locks, tmp_path):
+    """torch releases whose `_worker_compile_cpp` takes one builder, not a sequence of them, still compile."""
+    codecache, _, locks = header_locks
+    built: list[str] = []
+    with aot._headers_in_parallel():
+        codecache._worker_compile_cpp(str(locks / "one.lock"), _Builder(tmp_path / "one.gch", built))
+    assert built == ["one.gch"]

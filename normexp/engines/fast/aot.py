@@ -244,7 +244,7 @@ def _headers_in_parallel() -> Iterator[None]:
             return compile_under_lock(lock_path, builders)
         try:
             with FileLock(lock_path, timeout=0):
-                for builder in builders:
+                for builder in builders if isinstance(builders, (list, tuple)) else (builders,):  # one: older torch
                     if not os.path.exists(builder.get_target_file_path()):
                         builder.build()
         except Timeout:  # another process builds it: build the next one meanwhile
