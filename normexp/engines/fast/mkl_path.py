@@ -38,9 +38,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 from normexp.config import RunConfig
 from normexp.engines.cache import cache_folder, locked, read_entries, write_entries
@@ -300,7 +301,7 @@ def _child() -> None:
     from normexp.engines.fast import starts
 
     drawn = starts.seeded_start(one)  # the batch is one run's copies: drawn once (each draw: ~0.1 s at depth 24)
-    with Record(), _patched(starts, "seeded_start", lambda cfg: drawn):
+    with Record(), mock.patch.object(starts, "seeded_start", lambda cfg: drawn):
         train_fast([one] * spec["runs"], "cpu", compile=False)
     for func, args, kwargs in calls:  # warm: MKL's first call picks its path and kernels
         func(*args, **kwargs)
@@ -315,16 +316,6 @@ def _child() -> None:
                 func(*args, **kwargs)
             passes.append(time.perf_counter() - start)
         print(json.dumps(passes), flush=True)
-
-
-@contextlib.contextmanager
-def _patched(module: object, name: str, value: object) -> Iterator[None]:
-    before = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, before)
 
 
 def cache_file() -> Path:
