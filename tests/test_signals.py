@@ -63,9 +63,12 @@ def config(tmp_path: Path) -> Path:
     return path
 
 
-def wait_for(condition, what: str, timeout: float = 300) -> None:
+def wait_for(condition, what: str, timeout: float = 300, proc: subprocess.Popen | None = None) -> None:
+    """Wait for `condition`; with `proc`, fail at once (with its stderr) if that sweep ends first."""
     deadline = time.monotonic() + timeout
     while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the sweep ended (exit {proc.returncode}) before {what}: {proc.stderr.read()}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
 
@@ -172,19 +175,66 @@ def test_workers_die_with_a_killed_coordinator(config, tmp_path):
     assert_no_process_left(proc.pid)  # workers and the resource tracker: none under PID 1
 
 
+GATED_RESULTS = """\
+import os, sys, time
+
+gate = os.environ.get("SIG_TEST_GATE")
+if gate and "--multiprocessing-fork" in sys.argv:  # a pool worker: its results wait for the test's tickets
+    from multiprocessing import connection
+
+    send = connection.Connection.send
+
+    def send_with_a_ticket(self, obj):
+        waiting = os.path.join(gate, f"waiting-{os.getpid()}")
+        open(waiting, "w").close()
+        while True:
+            for name in sorted(os.listdir(gate)):
+                if name.startswith("ticket-"):
+                    try:
+                        os.rename(os.path.join(gate, name), os.path.join(gate, "used-" + name))
+                    except OSError:
+                        continue  # another worker took it
+                    os.remove(waiting)
+                    return send(self, obj)
+            time.sleep(0.01)
+
+    connection.Connection.send = send_with_a_ticket
+"""
+
+
 @pytest.mark.process
 def test_a_dying_worker_costs_only_its_own_unit(config, tmp_path):
-    out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2")
+    """Each pool worker's result waits for a ticket from this test (GATED_RESULTS), so each victim dies
+    holding a unit it trained but never delivered, whatever this machine's pace: the unit is retried on a
+    replacement, and the other worker's units go on."""
+    site, gate, out = tmp_path / "site", tmp_path / "gate", tmp_path / "out"
+    site.mkdir()
+    gate.mkdir()
+    (site / "sitecustomize.py").write_text(GATED_RESULTS)
+    proc = start(config, out, "-q", "--workers", "2", env={"PYTHONPATH": str(site), "SIG_TEST_GATE": str(gate)})
+    tickets = iter(range(10 * RUNS))
+
+    def let_through(n: int) -> None:
+        for _ in range(n):
+            (gate / f"ticket-{next(tickets):03d}").touch()
+
+    def both_holding_a_result() -> bool:
+        workers = pool_workers(proc.pid)
+        return len(workers) == 2 and all((gate / f"waiting-{pid}").exists() for pid in workers)
+
     for finished, victim in ((2, -1), (4, 0)):  # the newest worker, then the oldest (another unit)
-        wait_for(lambda n=finished: done_count(out) >= n, f"{finished} finished runs")
-        wait_for(lambda: len(pool_workers(proc.pid)) == 2, "two workers (a replacement starts in seconds)")
+        let_through(2)
+        wait_for(lambda n=finished: done_count(out) >= n, f"{finished} finished runs", proc=proc)
+        wait_for(both_holding_a_result, "two workers, each holding a result (a replacement starts in seconds)",
+                 timeout=120, proc=proc)
         workers = pool_workers(proc.pid)
         os.kill(workers[victim], signal.SIGKILL)
         wait_for(lambda pid=workers[victim]: pid not in pool_workers(proc.pid), "the worker to go")
+    let_through(2 * RUNS)  # every unit's result: the rest, and the two lost ones trained again
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert list(load_summary(out)["status"]) == ["completed"] * RUNS
+    assert len(list(gate.glob("used-*"))) == RUNS  # a result delivered per run: the victims' never were
 
 
 SWALLOWING_IMPORT = """\
