@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -127,54 +128,6 @@ def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, signum: int, stder
         pass
 
 
-@pytest.mark.process
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
-    out = tmp_path / "out"
-    proc = start(config, out, "-q")
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
-    proc.send_signal(signum)
-    _, stderr = proc.communicate(timeout=300)
-    assert_stopped_cleanly(proc, out, signum, stderr)
-    assert f"{done_count(out)} of {RUNS} runs finished" in stderr
-
-
-@pytest.mark.process
-def test_sigterm_stops_the_workers_too(config, tmp_path):
-    out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2")
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
-    assert_stopped_cleanly(proc, out, signal.SIGTERM, stderr)
-    assert_no_process_left(proc.pid)
-
-
-@pytest.mark.process
-def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path):
-    out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2")
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
-    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
-    time.sleep(0.05)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
-    assert_no_process_left(proc.pid)
-
-
-@pytest.mark.process
-def test_workers_die_with_a_killed_coordinator(config, tmp_path):
-    out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2")
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
-    assert len(pool_workers(proc.pid)) == 2
-    proc.kill()
-    proc.communicate()
-    assert_no_process_left(proc.pid)  # workers and the resource tracker: none under PID 1
-
-
 GATED_RESULTS = """\
 import os, sys, time
 
@@ -202,39 +155,106 @@ if gate and "--multiprocessing-fork" in sys.argv:  # a pool worker: its results 
 """
 
 
+class Gate:
+    """Pool workers whose results each wait for a ticket from the test (GATED_RESULTS, their sitecustomize): a
+    sweep on them goes only as far as the test lets it, whatever this machine's pace, so that a test that
+    stops it, or kills a worker, after its first runs never finds it finished already."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        site, self.folder = tmp_path / "site", tmp_path / "gate"
+        site.mkdir()
+        self.folder.mkdir()
+        (site / "sitecustomize.py").write_text(GATED_RESULTS)
+        self.env = {"PYTHONPATH": str(site), "SIG_TEST_GATE": str(self.folder)}
+        self._tickets = itertools.count()
+
+    def let_through(self, results: int) -> None:
+        for _ in range(results):
+            (self.folder / f"ticket-{next(self._tickets):03d}").touch()
+
+    def holding(self, workers: list[int]) -> bool:
+        """Whether each of `workers` holds a result it has not delivered (it waits for a ticket)."""
+        return all((self.folder / f"waiting-{pid}").exists() for pid in workers)
+
+    def delivered(self) -> int:
+        return len(list(self.folder.glob("used-*")))
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Gate:
+    return Gate(tmp_path)
+
+
 @pytest.mark.process
-def test_a_dying_worker_costs_only_its_own_unit(config, tmp_path):
-    """Each pool worker's result waits for a ticket from this test (GATED_RESULTS), so each victim dies
-    holding a unit it trained but never delivered, whatever this machine's pace: the unit is retried on a
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q")
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert_stopped_cleanly(proc, out, signum, stderr)
+    assert f"{done_count(out)} of {RUNS} runs finished" in stderr
+
+
+@pytest.mark.process
+def test_sigterm_stops_the_workers_too(config, tmp_path, gate):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
+    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert_stopped_cleanly(proc, out, signal.SIGTERM, stderr)
+    assert_no_process_left(proc.pid)
+
+
+@pytest.mark.process
+def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path, gate):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
+    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+    time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert_no_process_left(proc.pid)
+
+
+@pytest.mark.process
+def test_workers_die_with_a_killed_coordinator(config, tmp_path, gate):
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
+    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    assert len(pool_workers(proc.pid)) == 2
+    proc.kill()
+    proc.communicate()
+    assert_no_process_left(proc.pid)  # workers and the resource tracker: none under PID 1
+
+
+@pytest.mark.process
+def test_a_dying_worker_costs_only_its_own_unit(config, tmp_path, gate):
+    """Each victim dies holding a result it never delivered (`Gate`), so its unit must be retried on a
     replacement, and the other worker's units go on."""
-    site, gate, out = tmp_path / "site", tmp_path / "gate", tmp_path / "out"
-    site.mkdir()
-    gate.mkdir()
-    (site / "sitecustomize.py").write_text(GATED_RESULTS)
-    proc = start(config, out, "-q", "--workers", "2", env={"PYTHONPATH": str(site), "SIG_TEST_GATE": str(gate)})
-    tickets = iter(range(10 * RUNS))
-
-    def let_through(n: int) -> None:
-        for _ in range(n):
-            (gate / f"ticket-{next(tickets):03d}").touch()
-
-    def both_holding_a_result() -> bool:
-        workers = pool_workers(proc.pid)
-        return len(workers) == 2 and all((gate / f"waiting-{pid}").exists() for pid in workers)
-
+    out = tmp_path / "out"
+    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
     for finished, victim in ((2, -1), (4, 0)):  # the newest worker, then the oldest (another unit)
-        let_through(2)
+        gate.let_through(2)
         wait_for(lambda n=finished: done_count(out) >= n, f"{finished} finished runs", proc=proc)
-        wait_for(both_holding_a_result, "two workers, each holding a result (a replacement starts in seconds)",
-                 timeout=120, proc=proc)
+        wait_for(lambda: len(workers := pool_workers(proc.pid)) == 2 and gate.holding(workers),
+                 "two workers, each holding a result (a replacement starts in seconds)", timeout=120, proc=proc)
         workers = pool_workers(proc.pid)
         os.kill(workers[victim], signal.SIGKILL)
         wait_for(lambda pid=workers[victim]: pid not in pool_workers(proc.pid), "the worker to go")
-    let_through(2 * RUNS)  # every unit's result: the rest, and the two lost ones trained again
+    gate.let_through(2 * RUNS)  # every unit's result: the rest, and the two lost ones trained again
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert list(load_summary(out)["status"]) == ["completed"] * RUNS
-    assert len(list(gate.glob("used-*"))) == RUNS  # a result delivered per run: the victims' never were
+    assert gate.delivered() == RUNS  # a result delivered per run: the victims' never were
 
 
 SWALLOWING_IMPORT = """\
@@ -285,10 +305,11 @@ def test_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
 
 
 @pytest.mark.process
-def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path):
+def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path, gate):
     out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2")
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
+    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the coordinator and every worker
     _, stderr = proc.communicate(timeout=300)
     assert_stopped_cleanly(proc, out, signal.SIGINT, stderr)
