@@ -129,52 +129,97 @@ def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, signum: int, stder
 
 
 GATED_RESULTS = """\
-import os, sys, time
+import os, sys, threading, time
 
-gate = os.environ.get("SIG_TEST_GATE")
-if gate and "--multiprocessing-fork" in sys.argv:  # a pool worker: its results wait for the test's tickets
+gate, owner, at = (os.environ.get(name) for name in ("SIG_TEST_GATE", "SIG_TEST_OWNER", "SIG_TEST_GATE_AT"))
+worker = "--multiprocessing-fork" in sys.argv  # a pool worker (not the resource tracker, nor the coordinator)
+
+
+def wait_for_a_ticket(stop=None):
+    waiting = os.path.join(gate, f"waiting-{os.getpid()}-{threading.get_ident()}")
+    open(waiting, "w").close()
+    deadline = time.monotonic() + 600
+    while stop is None or not stop.is_set():
+        try:
+            names = sorted(os.listdir(gate))
+            os.kill(int(owner), 0)
+        except OSError:  # the test or its folder is gone: nothing else would end a sweep held here
+            os._exit(1)
+        if time.monotonic() > deadline:
+            os._exit(1)
+        for name in names:
+            if name.startswith("ticket-"):
+                try:
+                    os.rename(os.path.join(gate, name), os.path.join(gate, "used-" + name))
+                except OSError:
+                    continue  # another process or thread took it
+                os.remove(waiting)
+                return
+        time.sleep(0.01)
+    os.remove(waiting)
+
+
+if gate and at == "workers" and worker:  # each result a pool worker sends
     from multiprocessing import connection
 
     send = connection.Connection.send
 
     def send_with_a_ticket(self, obj):
-        waiting = os.path.join(gate, f"waiting-{os.getpid()}")
-        open(waiting, "w").close()
-        while True:
-            for name in sorted(os.listdir(gate)):
-                if name.startswith("ticket-"):
-                    try:
-                        os.rename(os.path.join(gate, name), os.path.join(gate, "used-" + name))
-                    except OSError:
-                        continue  # another worker took it
-                    os.remove(waiting)
-                    return send(self, obj)
-            time.sleep(0.01)
+        wait_for_a_ticket()
+        return send(self, obj)
 
     connection.Connection.send = send_with_a_ticket
+
+if gate and at == "in-process" and not worker:  # each unit the sweep's own process trains, before it starts
+    class GateTheTraining:
+        def find_spec(self, name, path=None, target=None):
+            if name != "normexp.executors":
+                return None
+            import importlib.util
+
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run_module = spec.loader.exec_module
+
+            def exec_module(module):
+                run_module(module)
+                run_unit = module.run_unit
+
+                def run_unit_with_a_ticket(unit, stop=None):
+                    wait_for_a_ticket(stop)  # or, once the sweep stops its runs, at once: it stops at its first step
+                    return run_unit(unit, stop)
+
+                module.run_unit = run_unit_with_a_ticket
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, GateTheTraining())
 """
 
 
 class Gate:
-    """Pool workers whose results each wait for a ticket from the test (GATED_RESULTS, their sitecustomize): a
-    sweep on them goes only as far as the test lets it, whatever this machine's pace, so that a test that
-    stops it, or kills a worker, after its first runs never finds it finished already."""
+    """A sweep that goes only as far as the test lets it, whatever this machine's pace, so that a test that stops
+    it, or kills a worker, after its first runs never finds it finished already: each result a pool worker sends
+    (`at` "workers"), or each unit an in-process sweep trains (`at` "in-process"), waits for a ticket from the test
+    (GATED_RESULTS, the sweep's sitecustomize). A held process ends itself if the test is gone."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, at: str) -> None:
         site, self.folder = tmp_path / "site", tmp_path / "gate"
         site.mkdir()
         self.folder.mkdir()
         (site / "sitecustomize.py").write_text(GATED_RESULTS)
-        self.env = {"PYTHONPATH": str(site), "SIG_TEST_GATE": str(self.folder)}
+        self.env = {"PYTHONPATH": str(site), "SIG_TEST_GATE": str(self.folder), "SIG_TEST_GATE_AT": at,
+                    "SIG_TEST_OWNER": str(os.getpid())}
         self._tickets = itertools.count()
 
     def let_through(self, results: int) -> None:
         for _ in range(results):
             (self.folder / f"ticket-{next(self._tickets):03d}").touch()
 
-    def holding(self, workers: list[int]) -> bool:
-        """Whether each of `workers` holds a result it has not delivered (it waits for a ticket)."""
-        return all((self.folder / f"waiting-{pid}").exists() for pid in workers)
+    def holding(self, pids: list[int]) -> bool:
+        """Whether each of `pids` waits for a ticket (a worker: with a result it has not delivered)."""
+        return all(any(self.folder.glob(f"waiting-{pid}-*")) for pid in pids)
 
     def delivered(self) -> int:
         return len(list(self.folder.glob("used-*")))
@@ -182,15 +227,18 @@ class Gate:
 
 @pytest.fixture
 def gate(tmp_path: Path) -> Gate:
-    return Gate(tmp_path)
+    """Pool workers' results gated."""
+    return Gate(tmp_path, "workers")
 
 
 @pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
-    out = tmp_path / "out"
-    proc = start(config, out, "-q")
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs")
+    out, gate = tmp_path / "out", Gate(tmp_path, "in-process")
+    proc = start(config, out, "-q", env=gate.env)
+    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    wait_for(lambda: gate.holding([proc.pid]), "the sweep to wait to train its next unit", proc=proc)
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=300)
     assert_stopped_cleanly(proc, out, signum, stderr)
@@ -232,7 +280,7 @@ def test_workers_die_with_a_killed_coordinator(config, tmp_path, gate):
     wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
     assert len(pool_workers(proc.pid)) == 2
     proc.kill()
-    proc.communicate()
+    proc.communicate(timeout=60)  # the workers hold its pipes open: a worker that outlived it fails here
     assert_no_process_left(proc.pid)  # workers and the resource tracker: none under PID 1
 
 
@@ -246,7 +294,7 @@ def test_a_dying_worker_costs_only_its_own_unit(config, tmp_path, gate):
         gate.let_through(2)
         wait_for(lambda n=finished: done_count(out) >= n, f"{finished} finished runs", proc=proc)
         wait_for(lambda: len(workers := pool_workers(proc.pid)) == 2 and gate.holding(workers),
-                 "two workers, each holding a result (a replacement starts in seconds)", timeout=120, proc=proc)
+                 "two workers, each holding a result (a replacement starts in seconds)", proc=proc)
         workers = pool_workers(proc.pid)
         os.kill(workers[victim], signal.SIGKILL)
         wait_for(lambda pid=workers[victim]: pid not in pool_workers(proc.pid), "the worker to go")
