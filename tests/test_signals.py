@@ -41,10 +41,7 @@ STARTED: list[subprocess.Popen] = []
 def _end_what_a_failed_test_left():
     yield
     while STARTED:
-        proc = STARTED.pop()
-        for pid in session_processes(proc.pid):
-            os.kill(pid, signal.SIGKILL)
-        proc.wait()
+        kill_session(STARTED.pop())
 
 
 def start(config: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
@@ -96,6 +93,13 @@ def session_processes(session: int) -> list[int]:
             if fields and int(fields[3]) == session and fields[0] != "Z":
                 pids.append(int(entry.name))
     return pids
+
+
+def kill_session(proc: subprocess.Popen) -> str:
+    """Kill every process of `proc`'s session; its stderr (read to the end)."""
+    for pid in session_processes(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    return proc.communicate()[1] or ""
 
 
 def cmdline(pid: int) -> str:
@@ -231,21 +235,26 @@ def gate(tmp_path: Path) -> Gate:
     return Gate(tmp_path, "workers")
 
 
+def start_held(config: Path, out: Path, gate: Gate, *extra: str) -> subprocess.Popen:
+    """A quiet sweep (`start`) on `gate`, its first 2 runs let through and finished, and no more: it cannot have
+    finished when the test acts."""
+    proc = start(config, out, "-q", *extra, env=gate.env)
+    gate.let_through(2)
+    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    return proc
+
+
 @pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
     out, gate = tmp_path / "out", Gate(tmp_path, "in-process")
-    proc = start(config, out, "-q", env=gate.env)
-    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    proc = start_held(config, out, gate)
     wait_for(lambda: gate.holding([proc.pid]), "the sweep to wait to train its next unit", proc=proc)
     proc.send_signal(signum)
     try:
         _, stderr = proc.communicate(timeout=60)  # a stop takes well under a second; held, the sweep never ends
     except subprocess.TimeoutExpired:
-        for pid in session_processes(proc.pid):
-            os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"the sweep did not stop on signal {signum}: {proc.communicate()[1]}")
+        pytest.fail(f"the sweep did not stop on signal {signum}: {kill_session(proc)}")
     assert_stopped_cleanly(proc, out, signum, stderr)
     assert f"2 of {RUNS} runs finished" in stderr and done_count(out) == 2
     assert list(load_summary(out)["status"]).count("completed") == 2
@@ -254,9 +263,7 @@ def test_sigterm_and_sighup_stop_like_ctrl_c(config, tmp_path, signum):
 @pytest.mark.process
 def test_sigterm_stops_the_workers_too(config, tmp_path, gate):
     out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
-    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    proc = start_held(config, out, gate, "--workers", "2")
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert_stopped_cleanly(proc, out, signal.SIGTERM, stderr)
@@ -266,9 +273,7 @@ def test_sigterm_stops_the_workers_too(config, tmp_path, gate):
 @pytest.mark.process
 def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path, gate):
     out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
-    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    proc = start_held(config, out, gate, "--workers", "2")
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
     time.sleep(0.05)
     if proc.poll() is None:
@@ -281,9 +286,7 @@ def test_two_ctrl_c_with_workers_exit_at_once(config, tmp_path, gate):
 @pytest.mark.process
 def test_workers_die_with_a_killed_coordinator(config, tmp_path, gate):
     out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
-    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    proc = start_held(config, out, gate, "--workers", "2")
     assert len(pool_workers(proc.pid)) == 2
     proc.kill()
     proc.communicate(timeout=60)  # the workers hold its pipes open: a worker that outlived it fails here
@@ -361,9 +364,7 @@ def test_ctrl_c_with_a_local_dask_cluster_is_quiet(config, tmp_path):
 @pytest.mark.process
 def test_a_terminals_ctrl_c_stops_workers_cleanly(config, tmp_path, gate):
     out = tmp_path / "out"
-    proc = start(config, out, "-q", "--workers", "2", env=gate.env)
-    gate.let_through(2)  # and no more: the sweep cannot finish before the test acts
-    wait_for(lambda: done_count(out) >= 2, "2 finished runs", proc=proc)
+    proc = start_held(config, out, gate, "--workers", "2")
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the coordinator and every worker
     _, stderr = proc.communicate(timeout=300)
     assert_stopped_cleanly(proc, out, signal.SIGINT, stderr)
