@@ -214,20 +214,26 @@ def header_locks(tmp_path, monkeypatch):
     return codecache, CppBuilder, locks
 
 
+def _held_elsewhere(lock: Path, built: list, after_s: float):
+    """A header's lock another process holds: taken now, let go `after_s` after the returned timer starts
+    (recording "released" in `built`), unbuilt."""
+    import threading
+
+    from torch.utils._filelock import FileLock
+
+    holder = FileLock(str(lock), thread_local=False)  # released by the timer's thread
+    holder.acquire()
+    return threading.Timer(after_s, lambda: (built.append("released"), holder.release()))
+
+
 def test_a_header_another_process_builds_is_left_until_a_build_reads_it(header_locks, tmp_path):
     """Two processes building inductor's two precompiled headers: the one whose lock is held elsewhere is not
     waited for (the other header is built meanwhile); the first non-header build waits for it, and builds it
     where the holder left it unbuilt. Without `_headers_in_parallel` the second header waits for the first's
     lock (it was built after the holder let go)."""
-    import threading
-
-    from torch.utils._filelock import FileLock
-
     codecache, builder_type, locks = header_locks
     built: list[str] = []
-    holder = FileLock(str(locks / "wrapper.lock"), thread_local=False)  # released by the timer's thread
-    holder.acquire()
-    released = threading.Timer(1.0, lambda: (built.append("released"), holder.release()))
+    released = _held_elsewhere(locks / "wrapper.lock", built, 1.0)
     released.start()
     try:
         with aot._headers_in_parallel():
@@ -303,13 +309,9 @@ def test_another_threads_compile_waits_for_a_header_as_inductor_does(header_lock
     for by a build of the first thread's); and a second package waited for the whole first compile."""
     import threading
 
-    from torch.utils._filelock import FileLock
-
     codecache, builder_type, locks = header_locks
     built: list[str] = []
-    holder = FileLock(str(locks / "wrapper.lock"), thread_local=False)
-    holder.acquire()
-    released = threading.Timer(0.5, lambda: (built.append("released"), holder.release()))
+    released = _held_elsewhere(locks / "wrapper.lock", built, 0.5)
     seen: list[list[str]] = []
 
     def other_thread() -> None:
@@ -333,13 +335,9 @@ def test_a_build_in_another_thread_waits_for_a_header_the_compiling_thread_left(
     """Inductor looks for a kernel's headers in the compiling thread and may build the kernel in its pool's."""
     import threading
 
-    from torch.utils._filelock import FileLock
-
     codecache, builder_type, locks = header_locks
     built: list[str] = []
-    holder = FileLock(str(locks / "kernel.lock"), thread_local=False)
-    holder.acquire()
-    released = threading.Timer(0.5, lambda: (built.append("released"), holder.release()))
+    released = _held_elsewhere(locks / "kernel.lock", built, 0.5)
     with aot._headers_in_parallel():
         codecache._worker_compile_cpp(str(locks / "kernel.lock"), [_Builder(tmp_path / "kernel.gch", built)])
         released.start()
