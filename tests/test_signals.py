@@ -132,6 +132,15 @@ def assert_stopped_cleanly(proc: subprocess.Popen, out: Path, signum: int, stder
         pass
 
 
+def with_sitecustomize(tmp_path: Path, source: str) -> dict[str, str]:
+    """The environment of a sweep whose Python runs `source` at start-up (its sitecustomize, in a folder of its
+    own under `tmp_path`)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(source)
+    return {"PYTHONPATH": str(site)}
+
+
 GATED_RESULTS = """\
 import os, sys, threading, time
 
@@ -209,12 +218,10 @@ class Gate:
     (GATED_RESULTS, the sweep's sitecustomize). A held process ends itself if the test is gone."""
 
     def __init__(self, tmp_path: Path, at: str) -> None:
-        site, self.folder = tmp_path / "site", tmp_path / "gate"
-        site.mkdir()
+        self.folder = tmp_path / "gate"
         self.folder.mkdir()
-        (site / "sitecustomize.py").write_text(GATED_RESULTS)
-        self.env = {"PYTHONPATH": str(site), "SIG_TEST_GATE": str(self.folder), "SIG_TEST_GATE_AT": at,
-                    "SIG_TEST_OWNER": str(os.getpid())}
+        self.env = {**with_sitecustomize(tmp_path, GATED_RESULTS), "SIG_TEST_GATE": str(self.folder),
+                    "SIG_TEST_GATE_AT": at, "SIG_TEST_OWNER": str(os.getpid())}
         self._tickets = itertools.count()
 
     def let_through(self, results: int) -> None:
@@ -337,11 +344,8 @@ sys.meta_path.insert(0, Swallow())
 
 @pytest.mark.process
 def test_ctrl_c_while_torch_loads_is_never_swallowed(config, tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SWALLOWING_IMPORT)
     out = tmp_path / "out"
-    proc = start(config, out, env={"PYTHONPATH": str(site)})
+    proc = start(config, out, env=with_sitecustomize(tmp_path, SWALLOWING_IMPORT))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "nothing was written" in stderr
