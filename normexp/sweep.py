@@ -188,7 +188,7 @@ def run_sweep(sweep: Sweep, out_dir: Path, options: SweepOptions = SweepOptions(
     executor = make_executor(workers, options.cluster, notify, mkl_intel)  # fails before anything is written
     try:
         if pool and isinstance(executor, PoolExecutor):
-            executor.start()  # its workers import torch while this process does, and checks the folder and plans
+            executor.start()  # its workers start while this process imports torch, checks the folder and plans
             _import_engine()
         with SweepLock(out_dir, shared=options.shard is not None):
             _run_locked(sweep, out_dir, options, executor, outcome, emit, threads, invocation, runs)
