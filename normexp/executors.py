@@ -156,7 +156,7 @@ class PoolExecutor:
     def start(self) -> None:
         """Start every worker now, before the first run(): its process starts while the coordinator still
         prepares the sweep. A worker imports torch at its first unit, not here: importing it here brought a
-        compiled fast sweep's first results ~1 s sooner but made a re-run with no run left ~1.4 s slower, the
+        compiled fast sweep's first results ~0.8 s sooner but made a re-run with no run left ~1.6 s slower, the
         workers' imports then competing with the coordinator's (docs/performance.md, issue 48, 2026-12-08)."""
         self._idle += [self._start_worker() for _ in range(self.workers - len(self._workers))]
 
